@@ -1,0 +1,12 @@
+"""loko-lightning: online fine-tuning of LoRA adapters with LoKO, the Low-Rank Kalman Optimizer.
+
+The top level re-exports the torch-only API; it imports no ``lightning``. The LightningModule, DataModule and
+CLI live in :mod:`loko_lightning.module`, :mod:`loko_lightning.data` and :mod:`loko_lightning.cli`.
+"""
+
+from loko_lightning.functional import OuterJacobian, loko_update
+from loko_lightning.jacobian import jacobian
+from loko_lightning.optim import LoKO
+
+__all__ = ["LoKO", "OuterJacobian", "jacobian", "loko_update"]
+__version__ = "0.1.0"

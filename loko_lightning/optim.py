@@ -1,0 +1,252 @@
+"""``LoKO``: the Low-Rank Kalman Optimizer as a :class:`torch.optim.Optimizer`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from loko_lightning.functional import R_ESTIMATORS, JacobianBlock, OuterJacobian, REstimator, loko_update
+
+P0Init = Literal["uniform", "constant"]
+P0_INITS: tuple[str, ...] = ("uniform", "constant")
+Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
+
+# Filter state shared by all parameters lives in the state of the first parameter, so that
+# ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
+_SHARED_KEYS = ("noise", "step", "skipped")
+
+
+class LoKO(torch.optim.Optimizer):
+    r"""Low-Rank Kalman Optimizer (LoKO): an extended Kalman filter with a diagonal covariance.
+
+    The trainable parameters are the filter state. Each :meth:`step` observes one sample: the closure
+    returns the prediction :math:`\hat y_k` (``m`` values), the target :math:`y_k` and the Jacobians
+    :math:`H_k = \partial \hat y / \partial \tilde\theta` of every parameter, and the filter performs
+    (paper, Proposition 1 and Algorithm 1; :math:`\bullet` is the transposed Khatri–Rao product,
+    i.e. row ``i`` of :math:`H^\top` scaled by :math:`\hat p_i`):
+
+    .. math::
+
+        \hat p_{k|k-1} &= \hat p_{k-1} + q \\
+        \hat R_k &= e_k e_k^\top + H_k(\hat p_{k|k-1} \bullet H_k^\top), \quad e_k = y_k - \hat y_k \\
+        R_k &= \beta R_{k-1} + (1-\beta)\hat R_k, \quad R_0 = 0 \\
+        K_k &= \hat p_{k|k-1} \bullet H_k^\top \big(H_k(\hat p_{k|k-1} \bullet H_k^\top) + R_k\big)^{+} \\
+        \tilde\theta_k &= \tilde\theta_{k|k-1} + K_k e_k \\
+        (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij}(H_k)_{ji}(\hat p_{k|k-1})_i
+
+    Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size.
+    With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
+    sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
+
+    Args:
+        params: parameters or param groups; groups may set their own ``p0``, ``p0_init`` and
+            ``process_noise``.
+        p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
+            constant. The paper's default is ``0.2``; too large diverges, too small does not learn.
+        p0_init: ``"uniform"`` (paper method 2, default) or ``"constant"`` (method 1).
+        beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95; good range 0.9-0.98).
+        r_estimator: ``"taylor"`` (method 2, default), ``"residual"`` (method 1, :math:`\hat R = e e^\top`),
+            or the literature baselines ``"identity"`` (:math:`R = I`), ``"decay"``
+            (:math:`R = I e^{-k/50}`, ``k`` = 1-based index of the update) and ``"softmax"``
+            (:math:`R = \mathrm{diag}(\hat y) - \hat y \hat y^\top`).
+        process_noise: ``q`` added to every :math:`\hat p` in the predict step; 0 is the paper, a small
+            positive value keeps learning alive on non-stationary streams.
+        rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
+        dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
+            ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
+        seed: seed of the generator drawing :math:`\hat p_0`; ``None`` uses the global RNG.
+
+    Example:
+        >>> import torch
+        >>> from loko_lightning import LoKO, jacobian
+        >>> model = torch.nn.Linear(4, 3)
+        >>> opt = LoKO(model.parameters(), p0=0.1, seed=0)
+        >>> x, y = torch.randn(1, 4), torch.nn.functional.one_hot(torch.tensor(2), 3).float()
+        >>> def closure():
+        ...     prediction, jacobians = jacobian(model, x)
+        ...     return prediction, y, jacobians
+        >>> prediction, target, _ = opt.step(closure)
+        >>> prediction.shape
+        torch.Size([3])
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        *,
+        p0: float = 0.2,
+        p0_init: P0Init = "uniform",
+        beta: float = 0.95,
+        r_estimator: REstimator = "taylor",
+        process_noise: float = 0.0,
+        rcond: float | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"Invalid beta: {beta} (must lie in (0, 1); the paper uses 0.95)")
+        if r_estimator not in R_ESTIMATORS:
+            raise ValueError(f"Invalid r_estimator: {r_estimator!r} (expected one of {R_ESTIMATORS})")
+        if rcond is not None and not 0.0 <= rcond < 1.0:
+            raise ValueError(f"Invalid rcond: {rcond} (must lie in [0, 1))")
+        if dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)")
+        self._generator_seed = seed
+        self._generator: torch.Generator | None = None
+        defaults = dict(
+            p0=p0, p0_init=p0_init, beta=beta, r_estimator=r_estimator, process_noise=process_noise, rcond=rcond
+        )
+        self._dtype = dtype
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["beta"] != beta or group["r_estimator"] != r_estimator or group["rcond"] != rcond:
+                raise ValueError(
+                    "Invalid param group: beta, r_estimator and rcond describe the single shared R and S and "
+                    "must be set on the optimizer, not per group"
+                )
+
+    # ------------------------------------------------------------------ state
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        r"""Add a param group and draw :math:`\\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_group(group)
+        for param in group["params"]:
+            if param.is_complex() or not param.is_floating_point():
+                raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
+            self.state[param]["cov"] = self._initial_cov(param, group)
+
+    def _arith_dtype(self, param: Tensor) -> torch.dtype:
+        if self._dtype is not None:
+            return self._dtype
+        return param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32
+
+    def _initial_cov(self, param: Tensor, group: dict[str, Any]) -> Tensor:
+        dtype = self._arith_dtype(param)
+        if group["p0_init"] == "constant":
+            return torch.full(param.shape, float(group["p0"]), dtype=dtype, device=param.device)
+        if self._generator_seed is not None:
+            if self._generator is None:
+                self._generator = torch.Generator().manual_seed(self._generator_seed)
+            draw = torch.rand(param.shape, generator=self._generator, dtype=torch.float64)
+        else:
+            draw = torch.rand(param.shape, dtype=torch.float64)
+        # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
+        draw = (1.0 - draw) * float(group["p0"])
+        return draw.to(dtype=dtype, device=param.device)
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _shared_state(self, m: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        state = self.state[self._params()[0]]
+        if "noise" not in state or state["noise"].shape != (m, m):
+            if "noise" in state:
+                raise ValueError(f"Invalid prediction: expected {state['noise'].shape[0]} outputs, got {m}")
+            state["noise"] = torch.zeros(m, m, dtype=dtype, device=device)
+            state["step"] = torch.zeros((), dtype=torch.int64, device=device)
+            state["skipped"] = torch.zeros((), dtype=torch.int64, device=device)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype)."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        for index, param in enumerate(self._params()):
+            for key, value in saved.get(index, {}).items():
+                if isinstance(value, Tensor):
+                    self.state[param][key] = value.to(device=param.device, copy=True)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Closure | None = None) -> tuple[Tensor, Tensor, Sequence[JacobianBlock]]:  # type: ignore[override]
+        """Observe one sample and update the parameters.
+
+        Args:
+            closure: callable evaluated with gradients enabled that returns
+                ``(prediction, target, jacobians)``: ``prediction`` and ``target`` of shape ``(m,)``,
+                ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)`` or an
+                :class:`~loko_lightning.functional.OuterJacobian` (see :func:`loko_lightning.jacobian`).
+
+        Returns:
+            What the closure returned. If any of it is non-finite the update is skipped (parameters and
+            filter state untouched) and counted in ``state["skipped"]``; see :attr:`diagnostics`.
+        """
+        if closure is None:
+            raise ValueError("LoKO.step needs a closure returning (prediction, target, jacobians)")
+        with torch.enable_grad():
+            result = closure()
+        if not isinstance(result, (tuple, list)) or len(result) != 3:
+            raise ValueError(
+                f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {type(result)}"
+            )
+        prediction, target, jacobians = result
+        params = self._params()
+        m = self._check_shapes(prediction, target, jacobians, params)
+        covs = [self.state[p]["cov"] for p in params]
+        shared = self._shared_state(m, prediction.device, covs[0].dtype)
+        diagnostics = loko_update(
+            params,
+            [j if isinstance(j, OuterJacobian) else j.detach() for j in jacobians],
+            covs,
+            prediction.detach(),
+            target.detach(),
+            shared["noise"],
+            shared["step"],
+            beta=self.defaults["beta"],
+            r_estimator=self.defaults["r_estimator"],
+            process_noise=[g["process_noise"] for g in self.param_groups for _ in g["params"]],
+            rcond=self.defaults["rcond"],
+        )
+        shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
+        diagnostics["skipped"] = shared["skipped"]
+        diagnostics["step"] = shared["step"]
+        self._diagnostics = diagnostics
+        return result
+
+    @property
+    def diagnostics(self) -> dict[str, Tensor]:
+        """Diagnostics of the last :meth:`step` as 0-d tensors (no host sync until you read them).
+
+        ``applied`` (bool), ``innovation_norm`` (``‖y - ŷ‖``), ``p_mean``/``p_min``/``p_max`` (of ``p̂`` after
+        the step), ``cond`` (condition number of the kept spectrum of ``S``), ``gain_norm`` (``‖K e‖``),
+        ``step`` (updates applied) and ``skipped`` (updates skipped for non-finite input).
+        """
+        return dict(getattr(self, "_diagnostics", {}))
+
+    def _check_shapes(
+        self, prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock], params: list[Tensor]
+    ) -> int:
+        if not isinstance(prediction, Tensor) or prediction.dim() != 1:
+            got = tuple(prediction.shape) if isinstance(prediction, Tensor) else type(prediction).__name__
+            raise ValueError(f"Invalid prediction: expected shape (m,), got {got}")
+        m = prediction.shape[0]
+        if not isinstance(target, Tensor) or tuple(target.shape) != (m,):
+            got = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
+            raise ValueError(f"Invalid target: expected shape ({m},) like the prediction, got {got}")
+        if len(jacobians) != len(params):
+            raise ValueError(f"Invalid jacobians: expected {len(params)} (one per parameter), got {len(jacobians)}")
+        for index, (jac, param) in enumerate(zip(jacobians, params, strict=True)):
+            expected = (m, *param.shape)
+            if isinstance(jac, OuterJacobian):
+                ok = jac.left.dim() == 2 and jac.right.dim() == 1 and tuple(jac.shape) == expected
+            else:
+                ok = isinstance(jac, Tensor) and tuple(jac.shape) == expected
+            if not ok:
+                got = tuple(jac.shape) if hasattr(jac, "shape") else type(jac).__name__
+                raise ValueError(f"Invalid jacobians[{index}]: expected shape {expected}, got {got}")
+        return m
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    p0 = group["p0"]
+    if not (isinstance(p0, (int, float)) and p0 > 0 and p0 < float("inf")):
+        raise ValueError(f"Invalid p0: {p0} (must be a finite number > 0; the paper's default is 0.2)")
+    if group["p0_init"] not in P0_INITS:
+        raise ValueError(f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})")
+    q = group["process_noise"]
+    if not (isinstance(q, (int, float)) and 0 <= q < float("inf")):
+        raise ValueError(f"Invalid process_noise: {q} (must be a finite number >= 0)")
