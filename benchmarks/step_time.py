@@ -1,0 +1,158 @@
+"""LoKO step time against a LoRA/AdamW step, measured alternately in one process (CPU, batch size 1).
+
+Usage:
+    python benchmarks/step_time.py                      # resnet18/m=10 and resnet50/m=100
+    python benchmarks/step_time.py --cases resnet18:10 --steps 30
+
+For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
+``groups == 1`` plus a new ``m``-class head, 32x32 input. A LoKO step is ``jacobian()`` + ``LoKO.step``; an
+AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by step after a
+warm-up, and the script prints medians as ratios to the AdamW step (absolute times on a shared machine are
+noise; ratios measured side by side are not), the Kalman arithmetic's share of the LoKO step, and the peak
+extra resident memory of each step kind, measured in a fresh subprocess each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from loko_lightning import LoKO, jacobian
+
+
+def build(backbone: str, num_classes: int) -> nn.Module:
+    try:
+        from loko_lightning.adapters import build_model
+    except ImportError:  # pragma: no cover - fallback while adapters.py is unavailable
+        build_model = None
+    if build_model is not None:
+        model = build_model(backbone, num_classes, pretrained=False, target="convs", r=4)
+    else:
+        import timm
+        from peft import LoraConfig, get_peft_model
+
+        base = timm.create_model(backbone, pretrained=False, num_classes=num_classes)
+        convs = [n for n, m in base.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1]
+        head = base.default_cfg["classifier"]
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=4, target_modules=convs, modules_to_save=[head]))
+    return model.eval()
+
+
+def loko_step(model, opt, x, y_onehot, timings):
+    start = time.perf_counter()
+    prediction, jacobians = jacobian(model, x, opt.param_groups[0]["params"], factorize_head=True)
+    mid = time.perf_counter()
+    opt.step(lambda: (prediction, y_onehot, jacobians))
+    end = time.perf_counter()
+    timings["loko"].append(end - start)
+    timings["jacobian"].append(mid - start)
+    timings["kalman"].append(end - mid)
+
+
+def adamw_step(model, opt, x, label, timings):
+    start = time.perf_counter()
+    loss = F.cross_entropy(model(x), label)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    timings["adamw"].append(time.perf_counter() - start)
+
+
+def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    model_loko = build(backbone, m)
+    model_adamw = build(backbone, m)
+    params_loko = [p for p in model_loko.parameters() if p.requires_grad]
+    params_adamw = [p for p in model_adamw.parameters() if p.requires_grad]
+    opt_loko = LoKO(params_loko, p0=0.2, seed=0)
+    opt_adamw = torch.optim.AdamW(params_adamw, lr=1e-4, weight_decay=1e-4)
+    timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
+    for i in range(warmup + steps):
+        x = torch.randn(1, 3, 32, 32)
+        label = torch.randint(m, (1,))
+        loko_step(model_loko, opt_loko, x, F.one_hot(label[0], m).float(), timings)
+        adamw_step(model_adamw, opt_adamw, x, label, timings)
+        if i == warmup - 1:
+            timings = {k: [] for k in timings}
+    med = {k: statistics.median(v) for k, v in timings.items()}
+    return {
+        "backbone": backbone,
+        "m": m,
+        "trainable": sum(p.numel() for p in params_loko),
+        "loko_over_adamw": med["loko"] / med["adamw"],
+        "jacobian_over_adamw": med["jacobian"] / med["adamw"],
+        "kalman_share": statistics.median(k / t for k, t in zip(timings["kalman"], timings["loko"], strict=True)),
+        "steps": steps,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
+    """Peak extra RSS (MiB) of `steps` steps of one kind, in this (fresh) process."""
+    torch.manual_seed(0)
+    model = build(backbone, m)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = LoKO(params, seed=0) if kind == "loko" else torch.optim.AdamW(params, lr=1e-4)
+    x = torch.randn(1, 3, 32, 32)
+    label = torch.randint(m, (1,))
+    timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
+    # One step first so optimizer state exists; the baseline then counts model + state, not the step.
+    step = loko_step if kind == "loko" else adamw_step
+    target = F.one_hot(label[0], m).float() if kind == "loko" else label
+    step(model, opt, x, target, timings)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(steps):
+        step(model, opt, x, target, timings)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=["resnet18:10", "resnet50:100"], help="backbone:m pairs")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps of each kind per case")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print one JSON object per case")
+    parser.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args._memory:
+        backbone, m, kind, steps = args._memory
+        print(peak_memory(backbone, int(m), kind, int(steps)))
+        return
+    rows = []
+    for case in args.cases:
+        backbone, m = case.split(":")
+        row = time_case(backbone, int(m), args.steps, args.warmup)
+        for kind in ("loko", "adamw"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--_memory", backbone, m, kind, "3"],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            row[f"{kind}_peak_extra_mib"] = float(out.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row))
+    print(f"\ntorch {torch.__version__}, {rows[0]['threads']} threads, median of {args.steps} alternating steps\n")
+    print("| backbone | m | trainable | LoKO / AdamW | Jacobian / AdamW | Kalman share of LoKO step "
+          "| peak extra MiB LoKO | peak extra MiB AdamW |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['backbone']} | {r['m']} | {r['trainable']:,} | {r['loko_over_adamw']:.2f} "
+            f"| {r['jacobian_over_adamw']:.2f} | {100 * r['kalman_share']:.1f}% "
+            f"| {r['loko_peak_extra_mib']:.0f} | {r['adamw_peak_extra_mib']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
