@@ -1,0 +1,136 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from loko_lightning.adapters import SplitQKV, build_model, count_parameters, freeze_normalization, resolve_targets
+
+
+def adapted(model):
+    return sorted(n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, LoraLayer))
+
+
+def test_convs_preset_is_every_groups1_conv_and_keeps_function():
+    torch.manual_seed(0)
+    base = timm.create_model("test_efficientnet", num_classes=10).eval()
+    grouped = [n for n, m in base.named_modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
+    plain = sorted(n for n, m in base.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1)
+    assert grouped, "test_efficientnet has depthwise convs: the preset must skip them"
+    torch.manual_seed(0)
+    model = build_model("test_efficientnet", 10, target="convs", r=2)
+    assert adapted(model) == plain
+    # peft initialises B = 0, so the adapted model computes what the backbone computes.
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(model(x), base(x))
+    head = [n for n, p in model.named_parameters() if p.requires_grad and "lora" not in n]
+    assert head == ["base_model.model.classifier.modules_to_save.default.weight",
+                    "base_model.model.classifier.modules_to_save.default.bias"]
+
+
+def test_query_preset_adapts_only_the_query_rows_of_fused_qkv():
+    torch.manual_seed(0)
+    base = timm.create_model("test_vit", num_classes=5).eval()
+    x = torch.randn(1, 3, 160, 160)
+    expected = base(x)
+    fused = base.blocks[0].attn.qkv
+    split = SplitQKV(fused)
+    h = torch.randn(2, 7, fused.in_features)
+    torch.testing.assert_close(split(h), fused(h))
+
+    torch.manual_seed(0)
+    model = build_model("test_vit", 5, target="query", r=2)
+    depth = len(base.blocks)
+    assert adapted(model) == sorted(f"blocks.{i}.attn.qkv.q" for i in range(depth))
+    torch.testing.assert_close(model(x), expected)
+    # A non-zero adapter changes the query third of the fused output only.
+    qkv = model.base_model.model.blocks[0].attn.qkv
+    for name, p in qkv.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p)
+    out = qkv(h)
+    dim = fused.out_features // 3
+    torch.testing.assert_close(out[..., dim:], fused(h)[..., dim:])
+    assert not torch.allclose(out[..., :dim], fused(h)[..., :dim])
+    trainable, _ = count_parameters(model)
+    assert trainable == depth * 2 * (2 * fused.in_features) + (fused.in_features + 1) * 5
+
+
+def test_explicit_names_and_regex_targets():
+    model = build_model("test_resnet", 4, target=["layer1.0.conv1"], r=2)
+    assert adapted(model) == ["layer1.0.conv1"]  # not every module whose name ends in "conv1"
+    model = build_model("test_resnet", 4, target=r"layer1\.\d+\.conv\d", r=2)
+    assert adapted(model) and all(n.startswith("layer1.") for n in adapted(model))
+
+
+def test_dora_adds_magnitudes():
+    lora = count_parameters(build_model("test_resnet", 4, target="convs", r=2))[0]
+    dora_model = build_model("test_resnet", 4, target="convs", r=2, use_dora=True)
+    magnitudes = [p for n, p in dora_model.named_parameters() if "magnitude" in n]
+    assert magnitudes
+    assert count_parameters(dora_model)[0] == lora + sum(p.numel() for p in magnitudes)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("nothing_matches_this", r"matches no adaptable module.*candidates"),
+        (["layer9.conv"], r"Unknown module\(s\) in model.target: \['layer9.conv'\]"),
+        (["layer1.0.bn1"], r"'layer1.0.bn1' is a BatchNorm2d, which peft LoRA cannot adapt"),
+        (["fc"], r"belong to the new head"),
+        ("[unclosed", r"not a preset .* nor a valid regex"),
+    ],
+)
+def test_bad_targets(target, message):
+    with pytest.raises(ValueError, match=message):
+        build_model("test_resnet", 4, target=target, r=2)
+
+
+def test_grouped_conv_target_is_refused():
+    model = timm.create_model("test_efficientnet")
+    name = next(n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups > 1)
+    with pytest.raises(ValueError, match=rf"'{name}' is a grouped convolution .*'convs' preset"):
+        resolve_targets(model, [name], rank=3)
+
+
+def test_unknown_backbone_suggests_close_names():
+    with pytest.raises(ValueError, match=r"Unknown model.backbone='resnet_18'.*did you mean.*'resnet18'"):
+        build_model("resnet_18", 10)
+    with pytest.raises(ValueError, match=r"Unknown pretrained tag.*resnet18.a1_in1k"):
+        build_model("resnet18.nonexistent_tag", 10)
+
+
+def test_local_weights_file(tmp_path):
+    source = timm.create_model("test_resnet", num_classes=1000)
+    path = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), path)
+    model = build_model("test_resnet", 7, weights=str(path), r=2)
+    inner = model.base_model.model
+    torch.testing.assert_close(inner.layer1[0].conv1.base_layer.weight, source.layer1[0].conv1.weight)
+    assert inner.fc.modules_to_save.default.out_features == 7
+    with pytest.raises(FileNotFoundError, match=r"model.weights: no file at"):
+        build_model("test_resnet", 7, weights=str(tmp_path / "missing.pth"))
+
+
+def test_offline_hub_weights_fail_with_actionable_message():
+    code = (
+        "from loko_lightning.adapters import build_model\n"
+        "build_model('test_resnet', 3, pretrained=True)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "model.pretrained: could not load the pretrained weights of 'test_resnet'" in out.stderr
+    assert "--model.weights PATH" in out.stderr
+
+
+def test_freeze_normalization_survives_train_mode():
+    model = build_model("test_resnet", 3, r=2)
+    model.train()
+    freeze_normalization(model)
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert norms and not any(m.training for m in norms)
