@@ -1,0 +1,47 @@
+"""Online-learning metrics on top of torchmetrics."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class MovingAverage(Metric):
+    """Mean of the last ``window`` values (the paper's moving-average loss, window 1000).
+
+    torchmetrics' ``RunningMean`` keeps ``window`` copies of its base metric's state (2,000 state tensors for a
+    window of 1,000, ~7 ms per ``compute`` on a CPU) and does not checkpoint its position in the window. This
+    ring buffer costs O(1) per update, O(window) numbers in total, and round-trips through ``state_dict()``, so a
+    resumed run continues the average exactly.
+
+    Args:
+        window: number of most recent values averaged.
+
+    Example:
+        >>> metric = MovingAverage(window=2)
+        >>> for value in (1.0, 2.0, 4.0):
+        ...     metric.update(torch.tensor(value))
+        >>> metric.compute()
+        tensor(3.)
+    """
+
+    full_state_update = False
+
+    def __init__(self, window: int = 1000, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"Invalid window: {window} (must be a positive integer)")
+        self.window = window
+        self.add_state("buffer", torch.zeros(window, dtype=torch.float64), dist_reduce_fx=None, persistent=True)
+        self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx=None, persistent=True)
+
+    def update(self, value: Tensor) -> None:
+        """Add one scalar value (no host sync)."""
+        self.buffer.index_copy_(0, (self.count % self.window).reshape(1), value.detach().reshape(1).to(self.buffer))
+        self.count += 1
+
+    def compute(self) -> Tensor:
+        """Mean of the last ``min(count, window)`` values (NaN before the first update)."""
+        seen = self.count.clamp(max=self.window)
+        return (self.buffer.sum() / seen).to(torch.float32)

@@ -1,0 +1,277 @@
+"""The LightningModule: a timm backbone with peft adapters, trained online by LoKO, AdamW or AdaGrad."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.nn import functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from loko_lightning.adapters import build_model, count_parameters, freeze_normalization
+from loko_lightning.functional import REstimator
+from loko_lightning.jacobian import jacobian
+from loko_lightning.metrics import MovingAverage
+from loko_lightning.optim import LoKO
+
+# The frozen backbone's normalisation layers are in eval mode on purpose (batch size 1); Lightning warns about it.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+
+OptimizerName = Literal["loko", "adamw", "adagrad"]
+# The paper's baselines (batch size 1): AdamW lr 1e-4 decaying linearly to 0, weight decay 1e-4;
+# AdaGrad lr 1e-3, no weight decay.
+BASELINE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "adamw": {"lr": 1e-4, "weight_decay": 1e-4, "lr_decay": "linear"},
+    "adagrad": {"lr": 1e-3, "weight_decay": 0.0, "lr_decay": "constant"},
+}
+
+
+class OnlineClassifier(pl.LightningModule):
+    """Online (batch size 1) fine-tuning of LoRA/DoRA adapters and a new head on a frozen timm backbone.
+
+    Each training step sees one sample and first records the prediction made *before* updating on it
+    (prequential, "test-then-train"): the online top-1/top-5 accuracy, the moving averages of the L1 loss
+    ``‖y − ŷ‖₁`` and of the cross-entropy, then updates with the chosen optimizer:
+
+    - ``"loko"``: the Kalman update of :class:`~loko_lightning.LoKO` on the softmax output (``m`` = classes);
+    - ``"adamw"``/``"adagrad"``: the paper's baselines on the same adapters, a cross-entropy gradient step.
+
+    Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/loss_avg{window}``,
+    ``train/ce_avg{window}``, ``train/step_time`` (seconds), ``train/lr`` (baselines) and, for LoKO,
+    ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond``, ``loko/skipped``. Validation and
+    test log ordinary top-1 accuracy on the held-out split (``val/acc``, ``test/acc``).
+
+    Args:
+        backbone: timm model name (a pretrained tag allowed, e.g. ``"vit_base_patch16_224.dino"``).
+        num_classes: classes of the new head (``m``).
+        pretrained: load the backbone's hub weights (needs internet or the HF cache).
+        weights: local weights file for the backbone instead of the hub (offline use).
+        target: adapter placement: ``"convs"`` (every Conv2d with ``groups == 1``), ``"query"`` (attention
+            query projection), a list of module names, or a regex over module names.
+        r: adapter rank.
+        alpha: LoRA scaling numerator (scale ``alpha / r``); default ``r``.
+        dropout: LoRA dropout (baselines only; LoKO's Jacobian needs a deterministic model, so it must be 0).
+        use_dora: DoRA instead of LoRA.
+        optimizer: ``"loko"``, ``"adamw"`` or ``"adagrad"``.
+        p0: LoKO's initial covariance scale (upper bound of ``U(0, p0)`` or the constant).
+        p0_init: ``"uniform"`` (paper method 2) or ``"constant"`` (method 1).
+        beta: forgetting factor of the observation-noise EMA.
+        r_estimator: observation-noise estimator (see :class:`~loko_lightning.LoKO`).
+        process_noise: ``q`` added to ``p̂`` every step (0 = the paper).
+        kalman_dtype: dtype of the Kalman arithmetic and filter state.
+        lr: baseline learning rate; default the paper's (AdamW 1e-4, AdaGrad 1e-3).
+        weight_decay: baseline weight decay; default the paper's (AdamW 1e-4, AdaGrad 0).
+        betas: AdamW betas.
+        lr_decay: ``"linear"`` (to 0 over the stream) or ``"constant"``; default linear for AdamW, constant
+            for AdaGrad.
+        window: window of the moving-average losses (paper: 1000).
+    """
+
+    def __init__(
+        self,
+        backbone: str = "resnet18",
+        num_classes: int = 10,
+        pretrained: bool = True,
+        weights: str | None = None,
+        target: str | list[str] = "convs",
+        r: int = 4,
+        alpha: float | None = None,
+        dropout: float = 0.0,
+        use_dora: bool = False,
+        optimizer: OptimizerName = "loko",
+        p0: float = 0.2,
+        p0_init: Literal["uniform", "constant"] = "uniform",
+        beta: float = 0.95,
+        r_estimator: REstimator = "taylor",
+        process_noise: float = 0.0,
+        kalman_dtype: Literal["float32", "float64"] = "float32",
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        lr_decay: Literal["linear", "constant"] | None = None,
+        window: int = 1000,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        if optimizer not in ("loko", *BASELINE_DEFAULTS):
+            raise ValueError(f"Invalid model.optimizer={optimizer!r}: expected 'loko', 'adamw' or 'adagrad'")
+        if optimizer == "loko" and dropout:
+            raise ValueError(
+                f"Invalid model.dropout={dropout} with LoKO: the Kalman Jacobian needs a deterministic network; "
+                "set model.dropout to 0"
+            )
+        if kalman_dtype not in ("float32", "float64"):
+            raise ValueError(f"Invalid model.kalman_dtype={kalman_dtype!r}: expected 'float32' or 'float64'")
+        self.model = build_model(
+            backbone,
+            num_classes,
+            pretrained=pretrained,
+            weights=weights,
+            target=target,
+            r=r,
+            alpha=alpha,
+            dropout=dropout,
+            use_dora=use_dora,
+        )
+        if optimizer == "loko":
+            # Validate the filter's hyperparameters now (a bad config fails at parse time, not mid-run).
+            LoKO(
+                [torch.zeros(1)],
+                p0=p0,
+                p0_init=p0_init,
+                beta=beta,
+                r_estimator=r_estimator,
+                process_noise=process_noise,
+            )
+        self.online_acc = MeanMetric()
+        self.online_acc_top5 = MeanMetric()
+        self.loss_avg = MovingAverage(window)
+        self.ce_avg = MovingAverage(window)
+        for metric in (self.online_acc, self.online_acc_top5):
+            metric.persistent(True)  # a resumed run continues the average online accuracy exactly
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The adapter and head parameters, in a fixed order (the optimizer's and the Jacobian's)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def train(self, mode: bool = True) -> OnlineClassifier:
+        """Switch modes but keep the backbone's normalisation layers in eval mode (batch size 1)."""
+        super().train(mode)
+        freeze_normalization(self.model)
+        return self
+
+    def setup(self, stage: str) -> None:
+        """Report the parameter counts once."""
+        trainable, total = count_parameters(self.model)
+        rank_zero_info(
+            f"{self.hparams.backbone}: {trainable:,} trainable parameters of {total:,} "
+            f"({100 * trainable / total:.3f}%), optimizer {self.hparams.optimizer}"
+        )
+
+    def configure_optimizers(self) -> Any:
+        """LoKO, or the baseline with its learning-rate schedule (stepped manually every sample)."""
+        hp = self.hparams
+        params = self.trainable_parameters
+        if hp.optimizer == "loko":
+            return LoKO(
+                params,
+                p0=hp.p0,
+                p0_init=hp.p0_init,
+                beta=hp.beta,
+                r_estimator=hp.r_estimator,
+                process_noise=hp.process_noise,
+                dtype=getattr(torch, hp.kalman_dtype),
+            )
+        defaults = BASELINE_DEFAULTS[hp.optimizer]
+        lr = defaults["lr"] if hp.lr is None else hp.lr
+        weight_decay = defaults["weight_decay"] if hp.weight_decay is None else hp.weight_decay
+        decay = defaults["lr_decay"] if hp.lr_decay is None else hp.lr_decay
+        if hp.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(hp.betas))
+        else:
+            optimizer = torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay)
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else math.inf
+        if decay == "linear" and math.isfinite(total):
+            schedule = linear_decay(int(total))
+        elif decay in ("linear", "constant"):
+            schedule = constant
+        else:
+            raise ValueError(f"Invalid model.lr_decay={decay!r}: expected 'linear' or 'constant'")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ steps
+    def forward(self, image: Tensor) -> Tensor:
+        """Logits of the adapted model."""
+        return self.model(image)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Predict on one sample, record the prequential metrics, then update on it."""
+        image, label = batch["image"], batch["label"]
+        if image.shape[0] != 1:
+            raise ValueError(f"Online training takes one sample per step (batch size 1), got {image.shape[0]}")
+        optimizer = self.optimizers()
+        start = time.perf_counter()
+        if self.hparams.optimizer == "loko":
+            target = F.one_hot(label[0], self.hparams.num_classes).to(image.dtype)
+            params = self.trainable_parameters
+
+            def closure() -> tuple[Tensor, Tensor, list]:
+                prediction, jacobians = jacobian(self.model, image, params, factorize_head=True)
+                return prediction, target, jacobians
+
+            prediction, _, _ = optimizer.step(closure=closure)
+        else:
+            logits = self.model(image)
+            loss = F.cross_entropy(logits, label)
+            optimizer.zero_grad(set_to_none=True)
+            self.manual_backward(loss)
+            optimizer.step()
+            self.lr_schedulers().step()
+            prediction = logits.detach()[0].softmax(-1)
+        elapsed = time.perf_counter() - start
+        self._log_online(prediction, label[0], elapsed)
+
+    def _log_online(self, prediction: Tensor, label: Tensor, elapsed: float) -> None:
+        prediction = prediction.float()
+        k = min(5, prediction.shape[0])
+        self.online_acc.update((prediction.argmax() == label).float())
+        self.online_acc_top5.update((prediction.topk(k).indices == label).any().float())
+        one_hot = F.one_hot(label, prediction.shape[0]).to(prediction.dtype)
+        self.loss_avg.update((one_hot - prediction).abs().sum())
+        self.ce_avg.update(-prediction[label].clamp_min(torch.finfo(prediction.dtype).tiny).log())
+        window = self.hparams.window
+        values = {
+            "train/online_acc": self.online_acc.compute(),
+            "train/online_acc_top5": self.online_acc_top5.compute(),
+            f"train/loss_avg{window}": self.loss_avg.compute(),
+            f"train/ce_avg{window}": self.ce_avg.compute(),
+            "train/step_time": elapsed,
+        }
+        if self.hparams.optimizer == "loko":
+            diagnostics = self.optimizers().optimizer.diagnostics
+            for key in ("innovation_norm", "p_mean", "p_min", "cond", "skipped"):
+                values[f"loko/{key}"] = diagnostics[key].float()
+        else:
+            values["train/lr"] = self.lr_schedulers().get_last_lr()[0]
+        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)
+
+    def _eval_step(self, batch: dict[str, Tensor], metric: MulticlassAccuracy, name: str) -> None:
+        logits = self.model(batch["image"])
+        metric.update(logits, batch["label"])
+        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch["label"].shape[0])
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Top-1 accuracy on the held-out split."""
+        self._eval_step(batch, self.val_acc, "val/acc")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Top-1 accuracy on the held-out split."""
+        self._eval_step(batch, self.test_acc, "test/acc")
+
+
+def linear_decay(total: int):
+    """Learning-rate factor falling linearly from 1 to 0 over ``total`` steps."""
+
+    def factor(step: int) -> float:
+        return max(0.0, 1.0 - step / max(1, total))
+
+    return factor
+
+
+def constant(step: int) -> float:
+    """Learning-rate factor 1."""
+    return 1.0

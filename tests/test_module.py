@@ -1,0 +1,164 @@
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from loko_lightning import LoKO, jacobian
+from loko_lightning.module import OnlineClassifier
+
+
+def tiny(**kwargs):
+    defaults = dict(backbone="test_resnet", num_classes=4, pretrained=False, r=2)
+    return OnlineClassifier(**{**defaults, **kwargs})
+
+
+def stream(n, num_classes=4, size=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(num_classes, 3, size, size, generator=gen)
+    items = []
+    for i in range(n):
+        label = int(torch.randint(num_classes, (), generator=gen))
+        image = centres[label] + 0.5 * torch.randn(3, size, size, generator=gen)
+        items.append({"image": image, "label": torch.tensor(label), "position": torch.tensor(i)})
+    return items
+
+
+def loader(items):
+    return DataLoader(items, batch_size=1, shuffle=False)
+
+
+def trainer(**kwargs):
+    defaults = dict(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize("optimizer", ["loko", "adamw", "adagrad"])
+def test_every_optimizer_steps_and_counts_global_steps(optimizer):
+    torch.manual_seed(0)
+    module = tiny(optimizer=optimizer)
+    before = [p.detach().clone() for p in module.trainable_parameters]
+    t = trainer()
+    t.fit(module, loader(stream(12)))
+    assert t.global_step == 12
+    moved = [not torch.equal(a, b) for a, b in zip(before, module.trainable_parameters, strict=True)]
+    assert any(moved)
+    metrics = t.logged_metrics
+    assert 0.0 <= float(metrics["train/online_acc"]) <= 1.0
+    assert float(metrics["train/online_acc_top5"]) >= float(metrics["train/online_acc"])
+    assert math.isfinite(float(metrics["train/loss_avg1000"]))
+    if optimizer == "loko":
+        assert isinstance(t.optimizers[0], LoKO)
+        assert int(t.optimizers[0].diagnostics["step"]) == 12
+        assert float(metrics["loko/skipped"]) == 0
+    # Frozen backbone: normalisation layers stayed in eval mode through training.
+    assert not any(m.training for m in module.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+
+
+def test_baseline_schedules_are_the_papers():
+    torch.manual_seed(0)
+    module = tiny(optimizer="adamw")
+    t = trainer()
+    lrs = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    t.callbacks.append(Record())
+    t.fit(module, loader(stream(10)))
+    opt = t.optimizers[0]
+    assert isinstance(opt, torch.optim.AdamW)
+    group = opt.param_groups[0]
+    assert group["weight_decay"] == 1e-4 and group["betas"] == (0.9, 0.999)
+    # lr 1e-4 decaying linearly to 0 over the 10-sample stream: sample k uses 1e-4 (1 - k/10).
+    assert lrs == pytest.approx([1e-4 * (1 - k / 10) for k in range(10)], rel=1e-12)
+    assert group["lr"] == 0.0
+
+    module = tiny(optimizer="adagrad")
+    t = trainer()
+    t.fit(module, loader(stream(5)))
+    opt = t.optimizers[0]
+    assert isinstance(opt, torch.optim.Adagrad)
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 0
+
+
+def test_online_accuracy_is_prequential():
+    """Repeat one sample the model gets wrong: LoKO learns it on the first update, so the post-update
+    prediction is right, yet the first sample must count as a miss (test-then-train)."""
+    torch.manual_seed(0)
+    module = tiny(p0=5.0, p0_init="constant")
+    item = stream(1)[0]
+    module.eval()
+    with torch.no_grad():
+        first = module(item["image"][None]).argmax().item()
+    wrong = (first + 1) % 4
+    item["label"] = torch.tensor(wrong)
+    t = trainer(max_steps=1)
+    t.fit(module, loader([item]))
+    with torch.no_grad():
+        after = module(item["image"][None]).argmax().item()
+    assert after == wrong, "the update should have taught the model this sample"
+    assert float(t.logged_metrics["train/online_acc"]) == 0.0
+
+    # One more step on the same sample: now the pre-update prediction is right, so the average is 1/2.
+    module2 = copy.deepcopy(module)
+    t2 = trainer()
+    t2.fit(module2, loader([item]))
+    assert module2.online_acc.compute().item() == pytest.approx(0.5)
+
+
+def test_loko_updates_match_the_plain_optimizer():
+    """The module's LoKO step is exactly LoKO.step on the same Jacobian: the Lightning plumbing adds nothing."""
+    torch.manual_seed(0)
+    module = tiny(p0=0.05, p0_init="constant")  # deterministic p̂0, so both sides start from the same state
+    reference = copy.deepcopy(module.model)
+    items = stream(5)
+    trainer().fit(module, loader(items))
+
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = LoKO(params, p0=0.05, p0_init="constant")
+    for item in items:
+        x, y = item["image"][None], F.one_hot(item["label"], 4).float()
+
+        def closure(x=x, y=y):
+            prediction, jacobians = jacobian(reference, x, params, factorize_head=True)
+            return prediction, y, jacobians
+
+        opt.step(closure)
+    for p, q in zip(params, module.trainable_parameters, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"optimizer": "sgd"}, r"model.optimizer='sgd'"),
+        ({"dropout": 0.1}, r"model.dropout=0.1 with LoKO"),
+        ({"p0": -1.0}, r"Invalid p0"),
+        ({"beta": 1.5}, r"Invalid beta"),
+        ({"process_noise": -1.0}, r"Invalid process_noise"),
+        ({"kalman_dtype": "float16"}, r"model.kalman_dtype"),
+    ],
+)
+def test_bad_hyperparameters_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**kwargs)
+
+
+def test_batches_larger_than_one_are_refused():
+    module = tiny()
+    items = stream(4)
+    t = trainer(max_steps=1)
+    with pytest.raises(ValueError, match="batch size 1"):
+        t.fit(module, DataLoader(items, batch_size=2))
