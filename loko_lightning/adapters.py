@@ -172,7 +172,9 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
         try:
             pattern = re.compile(target)
         except re.error as err:
-            raise ValueError(f"Invalid model.target={target!r}: not a preset {PRESETS} nor a valid regex ({err})") from err
+            raise ValueError(
+                f"Invalid model.target={target!r}: not a preset {PRESETS} nor a valid regex ({err})"
+            ) from err
         names = [n for n, m in model.named_modules() if n and pattern.fullmatch(n) and allowed(n)]
     else:
         modules = dict(model.named_modules())
@@ -231,7 +233,7 @@ def build_model(
     dropout: float = 0.0,
     use_dora: bool = False,
 ) -> PeftModel:
-    """timm backbone + new head, LoRA (or DoRA) adapters from peft; only adapters and head trainable.
+    """Timm backbone + new head, LoRA (or DoRA) adapters from peft; only adapters and head trainable.
 
     Args:
         backbone: timm model name (see :func:`create_backbone`).
