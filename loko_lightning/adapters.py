@@ -26,6 +26,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from loko_lightning.weights import PYPI, pypi_weights
+
 PRESETS = ("convs", "query")
 # Separate query projections in the wild: timm Eva (q_proj), HF BERT/RoBERTa (query).
 _QUERY_NAMES = ("q_proj", "query")
@@ -75,8 +77,9 @@ def create_backbone(
         backbone: timm model name, optionally with a pretrained tag (``"vit_base_patch16_224.dino"``).
         num_classes: size of the new classification head.
         pretrained: load the hub weights (needs internet or the Hugging Face cache).
-        weights: a local weights file (a timm state dict for this architecture) used instead of the hub;
-            implies pretrained weights. The classifier in the file, if any, is dropped for the new head.
+        weights: a local weights file (a timm state dict for this architecture) used instead of the hub, or
+            ``"pypi"`` for weights that ship in a PyPI package (see :mod:`loko_lightning.weights`); implies
+            pretrained weights. The classifier in the file, if any, is dropped for the new head.
 
     Returns:
         The timm model.
@@ -91,7 +94,7 @@ def create_backbone(
     check_backbone(backbone)
     overlay = None
     if weights is not None:
-        path = Path(weights).expanduser()
+        path = pypi_weights(backbone) if str(weights) == PYPI else Path(weights).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"model.weights: no file at {str(path)!r}; give the path of a timm state dict")
         overlay = {"file": str(path)}

