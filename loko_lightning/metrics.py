@@ -36,10 +36,13 @@ class MovingAverage(Metric):
         self.add_state("buffer", torch.zeros(window, dtype=torch.float64), dist_reduce_fx=None, persistent=True)
         self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx=None, persistent=True)
 
-    def update(self, value: Tensor) -> None:
-        """Add one scalar value (no host sync)."""
-        self.buffer.index_copy_(0, (self.count % self.window).reshape(1), value.detach().reshape(1).to(self.buffer))
-        self.count += 1
+    def update(self, value: Tensor, keep: Tensor | bool = True) -> None:
+        """Add one scalar value, unless ``keep`` is false (a 0-d bool tensor is honoured without a host sync)."""
+        keep = torch.as_tensor(keep, device=self.buffer.device)
+        slot = (self.count % self.window).reshape(1)
+        value = torch.where(keep, value.detach().reshape(1).to(self.buffer), self.buffer[slot])
+        self.buffer.index_copy_(0, slot, value)
+        self.count += keep.to(self.count.dtype)
 
     def compute(self) -> Tensor:
         """Mean of the last ``min(count, window)`` values (NaN before the first update)."""

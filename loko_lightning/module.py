@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -27,10 +29,16 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode a
 OptimizerName = Literal["loko", "adamw", "adagrad"]
 # The paper's baselines (batch size 1): AdamW lr 1e-4 decaying linearly to 0, weight decay 1e-4;
 # AdaGrad lr 1e-3, no weight decay.
+# LoKO's p̂ only shrinks without process noise; an entry 1,000 times its initial scale means it ran away.
+P_EXPLODES = 1e3
 BASELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "adamw": {"lr": 1e-4, "weight_decay": 1e-4, "lr_decay": "linear"},
     "adagrad": {"lr": 1e-3, "weight_decay": 0.0, "lr_decay": "constant"},
 }
+
+
+class DivergenceError(RuntimeError):
+    """The online run diverged; the message names the cause, the hyperparameter to change and the saved state."""
 
 
 class OnlineClassifier(pl.LightningModule):
@@ -72,6 +80,10 @@ class OnlineClassifier(pl.LightningModule):
         lr_decay: ``"linear"`` (to 0 over the stream) or ``"constant"``; default linear for AdamW, constant
             for AdaGrad.
         window: window of the moving-average losses (paper: 1000).
+        divergence_ce: stop when the moving-average cross-entropy exceeds this multiple of ``log m`` (that of
+            uniform guessing): the run has diverged (confidently wrong). ``None`` disables the check. LoKO also
+            stops when an entry of ``p̂`` exceeds ``1e3 · p0`` (possible only with process noise).
+        guard_every: check for divergence every this many samples (one host sync each); 0 disables.
     """
 
     def __init__(
@@ -97,6 +109,8 @@ class OnlineClassifier(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         lr_decay: Literal["linear", "constant"] | None = None,
         window: int = 1000,
+        divergence_ce: float | None = 3.0,
+        guard_every: int = 100,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -137,6 +151,7 @@ class OnlineClassifier(pl.LightningModule):
         self.ce_avg = MovingAverage(window)
         for metric in (self.online_acc, self.online_acc_top5):
             metric.persistent(True)  # a resumed run continues the average online accuracy exactly
+        self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
@@ -198,7 +213,11 @@ class OnlineClassifier(pl.LightningModule):
         return self.model(image)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        """Predict on one sample, record the prequential metrics, then update on it."""
+        """Predict on one sample, record the prequential metrics, then update on it.
+
+        A sample whose prediction or loss is not finite (NaN/Inf in the input) changes nothing: no parameter or
+        filter state is updated, it is left out of the metrics, and it is counted in ``train/skipped``.
+        """
         image, label = batch["image"], batch["label"]
         if image.shape[0] != 1:
             raise ValueError(f"Online training takes one sample per step (batch size 1), got {image.shape[0]}")
@@ -213,25 +232,34 @@ class OnlineClassifier(pl.LightningModule):
                 return prediction, target, jacobians
 
             prediction, _, _ = optimizer.step(closure=closure)
+            applied = optimizer.optimizer.diagnostics["applied"]
         else:
             logits = self.model(image)
             loss = F.cross_entropy(logits, label)
             optimizer.zero_grad(set_to_none=True)
-            self.manual_backward(loss)
+            # One host sync per step, for the baselines only: a NaN loss must not reach AdamW's moments.
+            applied = torch.isfinite(loss)
+            if applied:
+                self.manual_backward(loss)
+            # With no gradients the torch optimizers leave every parameter alone; the step still counts a sample.
             optimizer.step()
             self.lr_schedulers().step()
             prediction = logits.detach()[0].softmax(-1)
+        self.skipped += (~applied).to(self.skipped.dtype)
         elapsed = time.perf_counter() - start
-        self._log_online(prediction, label[0], elapsed)
+        self._log_online(prediction, label[0], applied, elapsed)
+        if self.hparams.guard_every and (batch_idx + 1) % self.hparams.guard_every == 0:
+            self._check_divergence()
 
-    def _log_online(self, prediction: Tensor, label: Tensor, elapsed: float) -> None:
+    def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:
         prediction = prediction.float()
         k = min(5, prediction.shape[0])
-        self.online_acc.update((prediction.argmax() == label).float())
-        self.online_acc_top5.update((prediction.topk(k).indices == label).any().float())
+        weight = applied.float()
+        self.online_acc.update((prediction.argmax() == label).float(), weight)
+        self.online_acc_top5.update((prediction.topk(k).indices == label).any().float(), weight)
         one_hot = F.one_hot(label, prediction.shape[0]).to(prediction.dtype)
-        self.loss_avg.update((one_hot - prediction).abs().sum())
-        self.ce_avg.update(-prediction[label].clamp_min(torch.finfo(prediction.dtype).tiny).log())
+        self.loss_avg.update((one_hot - prediction).abs().sum(), applied)
+        self.ce_avg.update(-prediction[label].clamp_min(torch.finfo(prediction.dtype).tiny).log(), applied)
         window = self.hparams.window
         values = {
             "train/online_acc": self.online_acc.compute(),
@@ -239,15 +267,68 @@ class OnlineClassifier(pl.LightningModule):
             f"train/loss_avg{window}": self.loss_avg.compute(),
             f"train/ce_avg{window}": self.ce_avg.compute(),
             "train/step_time": elapsed,
+            "train/skipped": self.skipped.float(),
         }
         if self.hparams.optimizer == "loko":
             diagnostics = self.optimizers().optimizer.diagnostics
-            for key in ("innovation_norm", "p_mean", "p_min", "cond", "skipped"):
+            for key in ("innovation_norm", "p_mean", "p_min", "cond"):
                 values[f"loko/{key}"] = diagnostics[key].float()
         else:
             values["train/lr"] = self.lr_schedulers().get_last_lr()[0]
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
         self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)
+
+    # ------------------------------------------------------------------ divergence guard
+    def _check_divergence(self) -> None:
+        """Every ``guard_every`` samples: stop a diverging run, keeping its last good state (one host sync)."""
+        hp = self.hparams
+        ce = float(self.ce_avg.compute())
+        limit = hp.divergence_ce * math.log(hp.num_classes) if hp.divergence_ce else math.inf
+        reasons = []
+        if int(self.ce_avg.count) >= hp.guard_every and ce > limit:
+            reasons.append(
+                f"the cross-entropy averaged over the last {min(int(self.ce_avg.count), hp.window)} samples is "
+                f"{ce:.2f}, above {limit:.2f} ({hp.divergence_ce:g} x log {hp.num_classes}, uniform guessing)"
+            )
+        if hp.optimizer == "loko":
+            p_max = float(self.optimizers().optimizer.diagnostics["p_max"])
+            if not p_max <= P_EXPLODES * hp.p0:
+                reasons.append(f"the largest covariance entry p̂ is {p_max:.3g}, above {P_EXPLODES:g} x p0")
+        if not reasons:
+            self._last_good = {
+                "step": self.global_step,
+                "params": [p.detach().clone() for p in self.trainable_parameters],
+                "optimizer": copy.deepcopy(self.optimizers().optimizer.state_dict()),
+            }
+            return
+        saved = self._save_last_good()
+        hint = (
+            f"Too large a p0 diverges (the paper's p0 bounds table): restart with --model.p0 {hp.p0 / 10:g}"
+            if hp.optimizer == "loko"
+            else f"Restart with a smaller learning rate, e.g. --model.lr {self._baseline_lr() / 10:g}"
+        )
+        field = "model.p0" if hp.optimizer == "loko" else "model.lr"
+        raise DivergenceError(
+            f"{field}: {hp.optimizer} diverged by sample {self.global_step}: {'; '.join(reasons)}. {hint}. {saved}"
+        )
+
+    def _save_last_good(self) -> str:
+        snapshot = getattr(self, "_last_good", None)
+        if snapshot is None or self._trainer is None:
+            return "No good state was recorded before the divergence."
+        with torch.no_grad():
+            for param, value in zip(self.trainable_parameters, snapshot["params"], strict=True):
+                param.copy_(value)
+        self.optimizers().optimizer.load_state_dict(snapshot["optimizer"])
+        directory = Path(self.trainer.default_root_dir)
+        if self.trainer.checkpoint_callback is not None and self.trainer.checkpoint_callback.dirpath:
+            directory = Path(self.trainer.checkpoint_callback.dirpath)
+        path = directory / "last-good.ckpt"
+        self.trainer.save_checkpoint(path)
+        return f"The parameters and filter state of sample {snapshot['step']} are saved in {path}."
+
+    def _baseline_lr(self) -> float:
+        return BASELINE_DEFAULTS[self.hparams.optimizer]["lr"] if self.hparams.lr is None else self.hparams.lr
 
     def _eval_step(self, batch: dict[str, Tensor], metric: MulticlassAccuracy, name: str) -> None:
         logits = self.model(batch["image"])

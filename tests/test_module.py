@@ -8,7 +8,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO, jacobian
-from loko_lightning.module import OnlineClassifier
+from loko_lightning.module import DivergenceError, OnlineClassifier
 
 
 def tiny(**kwargs):
@@ -60,7 +60,7 @@ def test_every_optimizer_steps_and_counts_global_steps(optimizer):
     if optimizer == "loko":
         assert isinstance(t.optimizers[0], LoKO)
         assert int(t.optimizers[0].diagnostics["step"]) == 12
-        assert float(metrics["loko/skipped"]) == 0
+        assert float(metrics["train/skipped"]) == 0
     # Frozen backbone: normalisation layers stayed in eval mode through training.
     assert not any(m.training for m in module.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
 
@@ -162,3 +162,44 @@ def test_batches_larger_than_one_are_refused():
     t = trainer(max_steps=1)
     with pytest.raises(ValueError, match="batch size 1"):
         t.fit(module, DataLoader(items, batch_size=2))
+
+
+@pytest.mark.parametrize("optimizer", ["loko", "adamw", "adagrad"])
+def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
+    torch.manual_seed(0)
+    module = tiny(optimizer=optimizer)
+    items = stream(6)
+    items[3]["image"] = items[3]["image"].clone()
+    items[3]["image"][0, 0, 0] = float("nan")
+    snapshots = []
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            snapshots.append([p.detach().clone() for p in pl_module.trainable_parameters])
+
+    t = trainer(callbacks=[Snapshot()])
+    t.fit(module, loader(items))
+    assert t.global_step == 6
+    assert int(module.skipped) == 1
+    assert float(t.logged_metrics["train/skipped"]) == 1
+    for before, after in zip(snapshots[2], snapshots[3], strict=True):
+        assert torch.equal(before, after), "the NaN sample changed a parameter"
+    assert all(torch.isfinite(p).all() for p in module.trainable_parameters)
+    assert int(module.loss_avg.count) == 5
+    # The online accuracy averages the 5 finite samples only.
+    assert module.online_acc.weight.item() == 5
+
+
+def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state(tmp_path):
+    torch.manual_seed(0)
+    module = tiny(p0=1e6, p0_init="constant", guard_every=20)
+    t = trainer(default_root_dir=tmp_path)
+    with pytest.raises(DivergenceError, match=r"model.p0: loko diverged by sample \d+: the cross-entropy .* "
+                                               r"restart with --model.p0 100000\. .*last-good.ckpt"):
+        t.fit(module, loader(stream(200)))
+    checkpoint = torch.load(tmp_path / "last-good.ckpt", weights_only=False)
+    saved = checkpoint["state_dict"]
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(saved[name], param.detach())
+    assert all(torch.isfinite(v).all() for v in saved.values() if v.is_floating_point())
