@@ -1,0 +1,57 @@
+"""Every config in configs/ parses and builds, and the paper experiments have the paper's trainable counts."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loko_lightning.adapters import count_parameters
+from loko_lightning.cli import LoKOCLI
+from loko_lightning.data import StreamDataModule
+from loko_lightning.module import OnlineClassifier
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# Trainable parameters in the paper's table (Appendix, "Total and trainable parameters") per experiment.
+PAPER_COUNTS = {
+    "mnist_densenet121": 166_000,
+    "cifar10_resnet18": 150_000,
+    "cifar10_vit_b16": 155_000,
+    "cifar100_resnet50": 520_000,
+    "cifar100_vit_b16": 155_000,
+    "imagenet100_vit_l16": 400_000,
+}
+
+
+def build(config, *overrides):
+    args = ["--config", str(config), "--model.pretrained", "false", *overrides]
+    return LoKOCLI(OnlineClassifier, StreamDataModule, args=args, run=False)
+
+
+def test_every_paper_experiment_has_a_config():
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} >= set(PAPER_COUNTS) | {"debug"}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_COUNTS))
+def test_paper_config_builds_with_the_papers_trainable_count(name, tmp_path):
+    cli = build(CONFIGS / f"{name}.yaml", "--trainer.logger", "false", "--data.root", str(tmp_path))
+    trainable, _ = count_parameters(cli.model.model)
+    assert abs(trainable - PAPER_COUNTS[name]) / PAPER_COUNTS[name] <= 0.03, trainable
+    assert cli.model.hparams.optimizer == "loko"
+    assert cli.datamodule.hparams.backbone == cli.model.hparams.backbone  # preprocessing follows the backbone
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adagrad"])
+def test_baseline_override_documented_in_every_config(optimizer):
+    for path in CONFIGS.glob("*.yaml"):
+        if path.stem in PAPER_COUNTS:
+            assert f"--model.optimizer {optimizer}" in path.read_text(), path.name
+    cli = build(CONFIGS / "cifar10_resnet18.yaml", "--model.optimizer", optimizer, "--trainer.logger", "false")
+    assert cli.model.hparams.optimizer == optimizer
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_is_commented_yaml_with_the_four_sections(path):
+    text = path.read_text()
+    config = yaml.safe_load(text)
+    assert {"seed_everything", "trainer", "model", "data"} <= set(config)
+    assert text.lstrip().startswith("#"), "each config starts with a comment saying what it runs"
