@@ -755,6 +755,8 @@ class StreamDataModule(pl.LightningDataModule):
         """
         if not state_dict:
             return
+        if self.trainer is not None and self.trainer.state.fn != "fit":
+            return  # validate/test evaluate the held-out split: the training stream's position does not matter
         if self.cursor is None:
             self._pending_state = dict(state_dict)
             return

@@ -25,6 +25,8 @@ from loko_lightning.optim import LoKO
 
 # The frozen backbone's normalisation layers are in eval mode on purpose (batch size 1); Lightning warns about it.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+# Checkpoints are meant to hold the state *after* the sample's update (the next sample starts from it).
+warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
 
 OptimizerName = Literal["loko", "adamw", "adagrad"]
 # The paper's baselines (batch size 1): AdamW lr 1e-4 decaying linearly to 0, weight decay 1e-4;

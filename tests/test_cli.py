@@ -1,0 +1,153 @@
+"""The ``loko`` command end to end: the debug config on real offline data, a CIFAR-format folder through
+torchvision's real loader, evaluation from a checkpoint, and an exact resume."""
+
+import logging
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from loko_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "configs" / "debug.yaml")
+
+
+def outputs(tmp_path, name="run", every=100, keep_all=False):
+    """A second --config that sends logs and checkpoints into tmp_path (a later config replaces lists whole)."""
+    override = {
+        "trainer": {
+            "enable_progress_bar": False,
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path), "name": name},
+            },
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {
+                        "dirpath": str(tmp_path / name / "checkpoints"),
+                        "every_n_train_steps": every,
+                        "save_last": True,
+                        "save_top_k": -1 if keep_all else 1,
+                    },
+                },
+                {"class_path": "loko_lightning.callbacks.OnlineReport"},
+            ],
+        }
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(override))
+    return ["--config", str(path)]
+
+
+def test_debug_config_end_to_end(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    main(["fit", "--config", DEBUG, "--data.max_samples", "40", "--data.eval_max_samples", "40", *outputs(tmp_path)])
+    log_dir = tmp_path / "run" / "version_0"
+    metrics = (log_dir / "metrics.csv").read_text()
+    assert "train/online_acc" in metrics and "val/acc" in metrics and "loko/p_mean" in metrics
+    assert (log_dir / "online.png").stat().st_size > 1000
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert last.is_file()
+    printed = caplog.text
+    assert "Average online top-1 accuracy:" in printed and "over 40 samples" in printed
+    assert str(log_dir / "metrics.csv") in printed
+    assert "104,182 trainable parameters" in printed
+
+    test_args = ["--data.eval_max_samples", "40", "--ckpt_path", str(last), *outputs(tmp_path, "eval")]
+    main(["test", "--config", DEBUG, *test_args])
+    assert "test/acc" in (tmp_path / "eval" / "version_0" / "metrics.csv").read_text()
+
+
+def test_print_config_shows_the_resolved_configuration():
+    out = subprocess.run(
+        [sys.executable, "-m", "loko_lightning.cli", "fit", "--config", DEBUG, "--print_config"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout
+    assert "backbone: tf_efficientnet_lite0" in out
+    assert "dataset: mnist5k" in out
+    assert "p0: 0.2" in out
+
+
+def write_cifar10(root, n_train=24, n_test=16, seed=0):
+    """The on-disk format of cifar-10-batches-py: pickled dicts with str keys, (N, 3072) uint8 rows."""
+    rng = np.random.default_rng(seed)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+
+    def batch(n):
+        labels = rng.integers(0, 10, n)
+        # Learnable images: the class sets the mean colour.
+        data = np.clip(labels[:, None] * 25 + rng.normal(0, 20, (n, 3072)), 0, 255).astype(np.uint8)
+        return {"data": data, "labels": labels.tolist(), "filenames": [f"{i}.png" for i in range(n)]}
+
+    for i in range(1, 6):
+        with open(folder / f"data_batch_{i}", "wb") as handle:
+            pickle.dump(batch(n_train // 5 + (i <= n_train % 5)), handle)
+    with open(folder / "test_batch", "wb") as handle:
+        pickle.dump(batch(n_test), handle)
+    with open(folder / "batches.meta", "wb") as handle:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, handle)
+
+
+def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, monkeypatch):
+    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)
+    write_cifar10(tmp_path / "data")
+    config = str(ROOT / "configs" / "cifar10_resnet18.yaml")
+    main([
+        "fit", "--config", config, "--model.pretrained", "false", "--data.root", str(tmp_path / "data"),
+        "--data.download", "false", "--data.image_size", "32", *outputs(tmp_path),
+    ])
+    metrics = (tmp_path / "run" / "version_0" / "metrics.csv").read_text()
+    assert "val/acc" in metrics
+    # 24 training images streamed once each; the 16 test images evaluated.
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 24
+
+
+def test_missing_data_is_one_line_error(tmp_path, capsys):
+    config = str(ROOT / "configs" / "cifar10_resnet18.yaml")
+    with pytest.raises(SystemExit) as exit_info:
+        main([
+            "fit", "--config", config, "--model.pretrained", "false", "--data.root", str(tmp_path / "nothing"),
+            "--data.download", "false", *outputs(tmp_path),
+        ])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("loko: error: data.dataset='cifar10'")
+    assert str(tmp_path / "nothing") in err[-1] and "--data.download true" in err[-1]
+
+
+def trainable_state(path):
+    ckpt = torch.load(path, weights_only=False)
+    return ckpt, {k: v for k, v in ckpt["state_dict"].items() if "lora_" in k or "modules_to_save" in k}
+
+
+def test_stopped_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
+    """Stop after sample 20 of 30 (a mid-stream checkpoint at 10), resume from it: same parameters, filter state and
+    online accuracy as one uninterrupted run, bit for bit on the CPU."""
+    common = ["--config", DEBUG, "--data.max_samples", "30", "--data.eval_max_samples", "8"]
+    main(["fit", *common, *outputs(tmp_path, "full", every=30)])
+    main(["fit", *common, "--trainer.max_steps", "20", *outputs(tmp_path, "part", every=10, keep_all=True)])
+    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=10.ckpt"
+    assert part.is_file()
+    main(["fit", *common, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=30)])
+
+    full, full_params = trainable_state(tmp_path / "full" / "checkpoints" / "last.ckpt")
+    resumed, resumed_params = trainable_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    assert full["global_step"] == resumed["global_step"] == 30
+    assert full_params.keys() == resumed_params.keys() and full_params
+    for key in full_params:
+        assert torch.equal(full_params[key], resumed_params[key]), key
+    for key in ("online_acc.mean_value", "online_acc.weight", "loss_avg.buffer", "loss_avg.count"):
+        assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
+    full_opt, resumed_opt = full["optimizer_states"][0]["state"], resumed["optimizer_states"][0]["state"]
+    for index in full_opt:
+        for key, value in full_opt[index].items():
+            assert torch.equal(value, resumed_opt[index][key]), (index, key)
