@@ -5,18 +5,27 @@ Usage:
     python benchmarks/step_time.py --cases resnet18:10 --steps 30
 
 For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
-``groups == 1`` plus a new ``m``-class head, 32x32 input. A LoKO step is ``jacobian()`` + ``LoKO.step``; an
-AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by step after a
-warm-up, and the script prints medians as ratios to the AdamW step (absolute times on a shared machine are
-noise; ratios measured side by side are not), the Kalman arithmetic's share of the LoKO step, and the peak
-extra resident memory of each step kind, measured in a fresh subprocess each.
+``groups == 1`` plus a new ``m``-class head, 32x32 input. A LoKO step is ``jacobian(..., factorize=True)`` +
+``LoKO.step``; an AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by
+step after a warm-up, and the script prints medians as ratios to the AdamW step (absolute times on a shared
+machine are noise; ratios measured side by side are not), the Kalman arithmetic's share of the LoKO step, and
+the peak memory of each step kind.
+
+Peak memory is measured in a fresh subprocess per step kind: build the model and optimizer, run one step (so
+that lazily created optimizer state exists), hand freed heap memory back to the kernel (``malloc_trim``), reset
+the kernel's resident-set high-water mark (``/proc/self/clear_refs``), run a few steps, and report
+``VmHWM - VmRSS`` at the reset: the most resident memory the steps added on top of the model, its inputs and the
+optimizer state (Jacobians, activations kept for the backward pass, temporaries). Linux only; elsewhere it
+prints ``nan``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
-import resource
+import math
 import statistics
 import subprocess
 import sys
@@ -49,7 +58,7 @@ def build(backbone: str, num_classes: int) -> nn.Module:
 
 def loko_step(model, opt, x, y_onehot, timings):
     start = time.perf_counter()
-    prediction, jacobians = jacobian(model, x, opt.param_groups[0]["params"], factorize_head=True)
+    prediction, jacobians = jacobian(model, x, opt.param_groups[0]["params"], factorize=True)
     mid = time.perf_counter()
     opt.step(lambda: (prediction, y_onehot, jacobians))
     end = time.perf_counter()
@@ -88,6 +97,7 @@ def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
         "backbone": backbone,
         "m": m,
         "trainable": sum(p.numel() for p in params_loko),
+        "adamw_seconds": med["adamw"],
         "loko_over_adamw": med["loko"] / med["adamw"],
         "jacobian_over_adamw": med["jacobian"] / med["adamw"],
         "kalman_share": statistics.median(k / t for k, t in zip(timings["kalman"], timings["loko"], strict=True)),
@@ -96,8 +106,16 @@ def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
     }
 
 
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
 def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
-    """Peak extra RSS (MiB) of `steps` steps of one kind, in this (fresh) process."""
+    """Peak resident memory (MiB) that `steps` steps of one kind add, in this (fresh) process."""
     torch.manual_seed(0)
     model = build(backbone, m)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -105,14 +123,20 @@ def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
     x = torch.randn(1, 3, 32, 32)
     label = torch.randint(m, (1,))
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
-    # One step first so optimizer state exists; the baseline then counts model + state, not the step.
     step = loko_step if kind == "loko" else adamw_step
     target = F.one_hot(label[0], m).float() if kind == "loko" else label
-    step(model, opt, x, target, timings)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step(model, opt, x, target, timings)  # optimizer state (AdamW's is lazy) now exists
+    try:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # resident but free heap memory would hide the step's peak
+        baseline = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # reset VmHWM to the current resident set size
+    except OSError:
+        return math.nan
     for _ in range(steps):
         step(model, opt, x, target, timings)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+    return (_status_kib("VmHWM") - baseline) / 1024
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,14 +167,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             print(json.dumps(row))
     print(f"\ntorch {torch.__version__}, {rows[0]['threads']} threads, median of {args.steps} alternating steps\n")
-    print("| backbone | m | trainable | LoKO / AdamW | Jacobian / AdamW | Kalman share of LoKO step "
-          "| peak extra MiB LoKO | peak extra MiB AdamW |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| backbone | m | trainable | AdamW step | LoKO / AdamW | Jacobian / AdamW | Kalman share of LoKO step "
+        "| peak step memory LoKO | peak step memory AdamW |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['backbone']} | {r['m']} | {r['trainable']:,} | {r['loko_over_adamw']:.2f} "
-            f"| {r['jacobian_over_adamw']:.2f} | {100 * r['kalman_share']:.1f}% "
-            f"| {r['loko_peak_extra_mib']:.0f} | {r['adamw_peak_extra_mib']:.0f} |"
+            f"| {r['backbone']} | {r['m']} | {r['trainable']:,} | {1000 * r['adamw_seconds']:.1f} ms "
+            f"| {r['loko_over_adamw']:.2f} | {r['jacobian_over_adamw']:.2f} | {100 * r['kalman_share']:.1f}% "
+            f"| {r['loko_peak_extra_mib']:.1f} MiB | {r['adamw_peak_extra_mib']:.1f} MiB |"
         )
 
 

@@ -4,9 +4,9 @@ The top level re-exports the torch-only API; it imports no ``lightning``. The Li
 CLI live in :mod:`loko_lightning.module`, :mod:`loko_lightning.data` and :mod:`loko_lightning.cli`.
 """
 
-from loko_lightning.functional import OuterJacobian, loko_update
+from loko_lightning.functional import FactoredJacobian, OuterJacobian, loko_update
 from loko_lightning.jacobian import jacobian
 from loko_lightning.optim import LoKO
 
-__all__ = ["LoKO", "OuterJacobian", "jacobian", "loko_update"]
+__all__ = ["FactoredJacobian", "LoKO", "OuterJacobian", "jacobian", "loko_update"]
 __version__ = "0.1.0"

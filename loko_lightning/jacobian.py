@@ -1,19 +1,37 @@
 """Prediction and Jacobian of a model's outputs w.r.t. its trainable parameters, for one sample.
 
-The ``m`` rows of the Jacobian come from one forward pass and one *batched* reverse pass
-(:func:`torch.autograd.grad` with ``is_grads_batched=True``, i.e. ``vmap`` over the ``m`` cotangents),
-never from ``ñ`` forward passes or ``m`` separate backward passes.
+The ``m`` rows of the Jacobian come from one forward pass and one *batched* reverse pass (``torch.func.vmap``
+over :func:`torch.autograd.grad` with the ``m`` cotangents), never from ``ñ`` forward passes or ``m`` separate
+backward passes.
+
+Fast path for weights of ``nn.Linear`` and ``nn.Conv2d`` layers (every LoRA ``A``/``B`` factor of peft, and a
+new classification head, are such layers): a layer ``z_p = W x_p + b`` applied at ``k`` positions ``p`` (output
+pixels of a convolution with ``x_p`` its unfolded input patch, or tokens) has the per-sample-gradient structure
+``∂ŷ_a/∂W = Σ_p (∂ŷ_a/∂z_p) x_pᵀ``. So the batched reverse pass only has to deliver the ``m`` cotangents at the
+layer *output*; the layer's input is captured in the forward pass (batch 1, shared by all rows) and the weight
+Jacobian is one matrix product, or is returned in that exact factored form
+(:class:`~loko_lightning.functional.FactoredJacobian`). While the forward pass runs through such a layer its
+trainable weight is swapped for a detached alias, so the reverse pass never forms a weight gradient there; any
+other use of the same weight elsewhere in the model still reaches the real parameter and is added. Everything
+else (other parameter kinds, ``groups > 1`` convolutions, layers called with keyword arguments, ...) goes
+through the generic batched reverse pass. Both paths give the same Jacobian up to floating-point rounding.
+
+With softmax outputs the rows sum to zero (``Σ_a ŷ_a = 1``), so only ``m - 1`` rows go through the reverse pass
+and the last is minus their sum: exact, one reverse row fewer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.nn import functional as F
 
-from loko_lightning.functional import JacobianBlock, OuterJacobian
+from loko_lightning.functional import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
 
 Output = Literal["softmax", "identity"]
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
@@ -27,6 +45,7 @@ def jacobian(
     output: Output = "softmax",
     chunk_size: int | None = None,
     factorize_head: bool = False,
+    factorize: bool = False,
 ) -> tuple[Tensor, list[JacobianBlock]]:
     """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for a single sample.
 
@@ -43,13 +62,20 @@ def jacobian(
             large ``m``; default all ``m`` at once.
         factorize_head: if the model's output is produced directly by an ``nn.Linear`` whose weight is in
             ``params``, return that weight's Jacobian as an exact
-            :class:`~loko_lightning.functional.OuterJacobian` (``∂ŷ/∂z ⊗ f``) and its bias Jacobian in
-            closed form, and leave the head out of the backward pass. :class:`~loko_lightning.LoKO`
-            consumes either form; the saving grows with ``m`` and the head width.
+            :class:`~loko_lightning.functional.OuterJacobian` (``∂ŷ/∂z ⊗ f``).
+        factorize: return the weight Jacobian of every fast-path ``nn.Linear``/``nn.Conv2d`` layer in its exact
+            factored form (:class:`~loko_lightning.functional.FactoredJacobian`, or
+            :class:`~loko_lightning.functional.OuterJacobian` when the layer saw one position, as a head does)
+            wherever that makes the Kalman update cheaper
+            (:func:`~loko_lightning.functional.factored_is_cheaper`: few positions against ``m``, i.e. deep
+            layers and many classes). Implies ``factorize_head``. :class:`~loko_lightning.LoKO` consumes every
+            form exactly.
 
     Returns:
         ``(prediction, jacobians)``: ``ŷ`` of shape ``(m,)`` (detached) and one Jacobian per parameter, each
-        of shape ``(m, *param.shape)`` (or an ``OuterJacobian`` of that shape, see ``factorize_head``).
+        of shape ``(m, *param.shape)`` or a factored block of that shape (see ``factorize_head`` and
+        ``factorize``). Dense Jacobians are column blocks of one shared ``(m, n)`` buffer (``H``), which
+        :func:`~loko_lightning.functional.loko_update` uses without a copy, so they need not be contiguous.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -67,83 +93,285 @@ def jacobian(
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
     if not params:
         raise ValueError("Invalid params: no trainable parameters (none has requires_grad=True)")
-    for name, module in model.named_modules():
+    layers = _scan(model, params, fast=not torch.is_autocast_enabled(inputs.device.type))
+    result = _jacobian(model, inputs, params, layers, output, chunk_size, factorize_head or factorize, factorize)
+    if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
+        result = _jacobian(model, inputs, params, {}, output, chunk_size, False, False)
+    return result
+
+
+@dataclass
+class _Call:
+    """One call of a fast-path layer: its input (as the layer saw it) and the gradient edge of its output."""
+
+    inputs: Tensor
+    version: int
+    edge: GradientEdge
+
+
+@dataclass
+class _Layer:
+    module: nn.Module
+    swap: list[str]  # names of the parameters (weight, maybe bias) swapped for detached aliases
+    calls: list[_Call] = field(default_factory=list)
+    saved: dict[str, Any] = field(default_factory=dict)
+
+
+def _scan(model: nn.Module, params: list[Tensor], *, fast: bool) -> dict[nn.Module, _Layer]:
+    """Refuse normalisation layers in training mode; find the fast-path layers.
+
+    Fast path: ``nn.Linear`` and ``nn.Conv2d`` (``groups == 1``, the plain ``forward``) whose weight is in
+    ``params``, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw.
+    """
+    wanted = {id(p) for p in params}
+    layers: dict[nn.Module, _Layer] = {}
+    for module in model.modules():
         if isinstance(module, _BATCH_NORMS) and module.training and module.track_running_stats:
+            name = next(n for n, mod in model.named_modules() if mod is module)
             raise ValueError(
                 f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) is in training mode; at "
                 "batch size 1 put it in eval mode (model.eval() or loko_lightning.adapters.freeze_normalization)"
             )
+        if not fast:
+            continue
+        forward = type(module).forward
+        if not (forward is nn.Linear.forward or (forward is nn.Conv2d.forward and module.groups == 1)):
+            continue
+        weight = module._parameters.get("weight")
+        if not isinstance(weight, Tensor) or id(weight) not in wanted:
+            continue
+        bias = module._parameters.get("bias")
+        swap = ["weight", "bias"] if isinstance(bias, Tensor) and id(bias) in wanted else ["weight"]
+        layers[module] = _Layer(module, swap)
+    return layers
 
-    heads: list[tuple[nn.Linear, Tensor, Tensor]] = []
+
+def _jacobian(
+    model: nn.Module,
+    inputs: Tensor,
+    params: list[Tensor],
+    layers: dict[nn.Module, _Layer],
+    output: Output,
+    chunk_size: int | None,
+    factorize_head: bool,
+    factorize: bool,
+) -> tuple[Tensor, list[JacobianBlock]] | None:
     hooks = []
-    if factorize_head:
-        param_ids = {id(p) for p in params}
-
-        def record(module: nn.Module, args: tuple, out: Tensor) -> None:
-            heads.append((module, args[0], out))
-
-        hooks = [
-            m.register_forward_hook(record)
-            for m in model.modules()
-            if isinstance(m, nn.Linear) and id(m.weight) in param_ids
-        ]
+    for layer in layers.values():
+        hooks.append(layer.module.register_forward_pre_hook(_pre_hook(layer), with_kwargs=True))
+        hooks.append(layer.module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
     try:
         with torch.enable_grad():
             raw = model(inputs)
     finally:
         for hook in hooks:
             hook.remove()
+        for layer in layers.values():  # only left over if the forward pass raised inside the layer
+            layer.module._parameters.update(layer.saved)
+            layer.saved.clear()
     if not isinstance(raw, Tensor) or raw.shape[0] != 1:
         got = tuple(raw.shape) if isinstance(raw, Tensor) else type(raw).__name__
         raise ValueError(f"Invalid model output: expected a tensor of shape (1, m), got {got}")
+    if any(call.inputs._version != call.version for layer in layers.values() for call in layer.calls):
+        return None
     logits = raw.reshape(-1)
     with torch.enable_grad():
         prediction = torch.softmax(logits, dim=0) if output == "softmax" else logits
     m = prediction.shape[0]
+    dtype, device = prediction.dtype, prediction.device
 
-    head = _find_head(heads, raw) if factorize_head else None
-    closed_form: dict[int, JacobianBlock] = {}
-    if head is not None:
-        module, features = head
-        # ∂ŷ/∂z: the softmax Jacobian diag(ŷ) - ŷŷᵀ, or the identity for regression.
-        y = prediction.detach()
-        d_out = torch.diag(y) - torch.outer(y, y) if output == "softmax" else torch.eye(m, dtype=y.dtype)
-        d_out = d_out.to(device=y.device)
-        closed_form[id(module.weight)] = OuterJacobian(d_out, features.detach().reshape(-1).to(d_out.dtype))
-        if module.bias is not None:
-            closed_form[id(module.bias)] = d_out
-    autograd_params = [p for p in params if id(p) not in closed_form]
+    # One batched reverse pass: cotangents at every fast-path layer output, and gradients of all parameters
+    # (for fast-path weights these are only their uses outside the layer, usually none).
+    calls = [call for layer in layers.values() for call in layer.calls]
+    targets: list[Tensor | GradientEdge] = [call.edge for call in calls] + params
+    if prediction.requires_grad:
+        grads = _batched_grad(prediction, targets, m, chunk_size, rows_sum_to_zero=output == "softmax")
+    else:
+        grads = [None] * len(targets)
+    call_grads = dict(zip(map(id, calls), grads[: len(calls)], strict=True))
+    param_grads = grads[len(calls) :]
 
-    rows: list[tuple[Tensor, ...]] = []
-    if autograd_params:
-        eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)
-        step = m if chunk_size is None else chunk_size
-        for start in range(0, m, step):
-            cotangents = eye[start : start + step]
-            rows.append(
-                torch.autograd.grad(
-                    prediction,
-                    autograd_params,
-                    grad_outputs=cotangents,
-                    retain_graph=start + step < m,
-                    is_grads_batched=True,
-                    allow_unused=True,
-                )
-            )
-    autograd_jacs = []
-    for i, param in enumerate(autograd_params):
-        if rows[0][i] is None:  # the output does not depend on this parameter
-            autograd_jacs.append(torch.zeros(m, *param.shape, dtype=param.dtype, device=param.device))
+    # Factors per parameter: left (m, rows, k) cotangents, right (cols, k) inputs, summed over calls.
+    weight_of: dict[int, list[_Layer]] = {}
+    bias_of: dict[int, list[_Layer]] = {}
+    for layer in layers.values():
+        weight_of.setdefault(id(layer.module._parameters["weight"]), []).append(layer)
+        if "bias" in layer.swap:
+            bias_of.setdefault(id(layer.module._parameters["bias"]), []).append(layer)
+    raw_edge = get_gradient_edge(raw) if raw.grad_fn is not None else None
+    blocks: list[Any] = []
+    for param, extra in zip(params, param_grads, strict=True):
+        is_weight = id(param) in weight_of
+        owners = weight_of.get(id(param)) or bias_of.get(id(param)) or []
+        lefts, rights = [], []
+        for layer in owners:
+            for call in layer.calls:
+                grad = call_grads[id(call)]
+                if grad is None:
+                    continue
+                left = _left_factor(layer.module, grad, m)
+                lefts.append(left)
+                if is_weight:
+                    rights.append(_right_factor(layer.module, call.inputs.detach(), left.shape[2]))
+        if lefts and not is_weight:  # a bias: ∂ŷ/∂b = Σ_p ∂ŷ/∂z_p
+            total = sum(left.sum(-1) for left in lefts)
+            blocks.append(("grad", total if extra is None else total + extra))
+            continue
+        if not lefts:
+            blocks.append(("grad", extra))
+            continue
+        left = lefts[0] if len(lefts) == 1 else torch.cat(lefts, -1)
+        right = rights[0] if len(rights) == 1 else torch.cat(rights, -1)
+        rows, cols, k = left.shape[1], right.shape[0], left.shape[2]
+        is_head = (
+            len(owners) == 1
+            and len(owners[0].calls) == 1
+            and raw_edge is not None
+            and owners[0].calls[0].edge.node is raw_edge.node
+            and owners[0].calls[0].edge.output_nr == raw_edge.output_nr
+            and isinstance(owners[0].module, nn.Linear)
+        )
+        if extra is None and k == 1 and param.dim() == 2 and (factorize_head and is_head or factorize):
+            blocks.append(("block", OuterJacobian(left[:, :, 0], right[:, 0])))
+        elif extra is None and factorize and factored_is_cheaper(m, rows, cols, k):
+            blocks.append(("block", FactoredJacobian(left, right, param.shape)))
         else:
-            autograd_jacs.append(torch.cat([r[i] for r in rows]) if len(rows) > 1 else rows[0][i])
-    remaining = iter(autograd_jacs)
-    jacobians = [closed_form[id(p)] if id(p) in closed_form else next(remaining) for p in params]
+            blocks.append(("factors", (left, right, extra)))
+
+    # Dense blocks are column slices of one (m, n) buffer, i.e. H itself: the Kalman update then needs no copy.
+    sizes = [param.numel() if kind != "block" else 0 for (kind, _), param in zip(blocks, params, strict=True)]
+    buffer = torch.empty(m, sum(sizes), dtype=dtype, device=device)
+    jacobians: list[JacobianBlock] = []
+    start = 0
+    for (kind, value), param, size in zip(blocks, params, sizes, strict=True):
+        if kind == "block":
+            jacobians.append(value)
+            continue
+        block = buffer[:, start : start + size]
+        start += size
+        if kind == "factors":
+            left, right, extra = value
+            rows, k = left.shape[1], left.shape[2]
+            block3 = block.view(m, rows, right.shape[0])
+            if k == 1:
+                torch.mul(left, right.T[None], out=block3)
+            else:
+                block3.copy_(torch.matmul(left, right.T))
+            if extra is not None:
+                block.add_(extra.reshape(m, -1))
+        elif value is None:  # the output does not depend on this parameter
+            block.zero_()
+        else:
+            block.copy_(value.reshape(m, -1))
+        jacobians.append(block.view(m, *param.shape))
     return prediction.detach(), jacobians
 
 
-def _find_head(heads: list[tuple[nn.Linear, Tensor, Tensor]], raw: Tensor) -> tuple[nn.Linear, Tensor] | None:
-    """The Linear layer whose output *is* the model output, seen once, with a single input vector."""
-    for module, features, out in heads:
-        if out is raw and features.numel() == module.in_features and sum(m is module for m, _, _ in heads) == 1:
-            return module, features
-    return None
+def _pre_hook(layer: _Layer):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        # Any other call signature runs untouched: its use of the weight reaches the real parameter and is
+        # covered by the generic reverse pass.
+        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
+            return None
+        for name in layer.swap:
+            param = module._parameters[name]
+            layer.saved[name] = param
+            module._parameters[name] = param.detach()
+        x = args[0]
+        if not x.requires_grad:
+            # Without a graph input the output would have no gradient edge to collect cotangents at.
+            return (x.detach().requires_grad_(True),), kwargs
+        return None
+
+    return hook
+
+
+def _post_hook(layer: _Layer):
+    def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        if not layer.saved:  # a call the pre-hook left alone
+            return
+        module._parameters.update(layer.saved)
+        layer.saved.clear()
+        if isinstance(out, Tensor) and out.requires_grad:  # otherwise the layer ran without grad: no contribution
+            layer.calls.append(_Call(args[0], args[0]._version, get_gradient_edge(out)))
+
+    return hook
+
+
+def _batched_grad(
+    prediction: Tensor,
+    targets: list[Tensor | GradientEdge],
+    m: int,
+    chunk_size: int | None,
+    *,
+    rows_sum_to_zero: bool,
+) -> list[Tensor | None]:
+    """``∂ŷ_a/∂target`` for every row ``a``, stacked along a new leading dimension (``None`` if unused).
+
+    With ``rows_sum_to_zero`` (softmax: ``Σ_a ŷ_a = 1``, so ``Σ_a ∂ŷ_a/∂θ = 0`` exactly) only the first ``m - 1``
+    rows go through the reverse pass and the last one is minus their sum: one reverse row fewer, the same
+    Jacobian up to rounding.
+    """
+    computed = m - 1 if rows_sum_to_zero and m > 1 else m
+    eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)[:computed]
+    step = computed if chunk_size is None else chunk_size
+    used: list[int] = []  # indices of the targets the prediction depends on (the same for every row)
+
+    def vjp(cotangent: Tensor) -> tuple[Tensor, ...]:
+        grads = torch.autograd.grad(prediction, targets, cotangent, retain_graph=True, allow_unused=True)
+        used[:] = [i for i, g in enumerate(grads) if g is not None]
+        return tuple(grads[i] for i in used)
+
+    chunks: list[tuple[Tensor, ...]] = []
+    for start in range(0, computed, step):
+        rows = eye[start : start + step]
+        try:
+            chunks.append(torch.func.vmap(vjp)(rows))
+        except (RuntimeError, NotImplementedError):  # an op without a vmap rule: the older batching of autograd
+            grads = torch.autograd.grad(
+                prediction, targets, rows, retain_graph=True, is_grads_batched=True, allow_unused=True
+            )
+            used[:] = [i for i, g in enumerate(grads) if g is not None]
+            chunks.append(tuple(grads[i] for i in used))
+    if computed < m:
+        chunks.append(tuple(-sum(chunk[j].sum(0, keepdim=True) for chunk in chunks) for j in range(len(used))))
+    stacked = chunks[0] if len(chunks) == 1 else [torch.cat(parts) for parts in zip(*chunks, strict=True)]
+    result: list[Tensor | None] = [None] * len(targets)
+    for i, grad in zip(used, stacked, strict=True):
+        result[i] = grad
+    return result
+
+
+def _left_factor(module: nn.Module, grad: Tensor, m: int) -> Tensor:
+    """Cotangents at the layer output as ``(m, out, k)``."""
+    if isinstance(module, nn.Conv2d):
+        out = module.out_channels
+        if grad.dim() == 4:  # unbatched (C, H, W) input
+            return grad.reshape(m, out, -1)
+        batch = grad.shape[1]
+        left = grad.reshape(m, batch, out, -1)
+        return left[:, 0] if batch == 1 else left.transpose(1, 2).reshape(m, out, -1)
+    out = module.out_features
+    left = grad.reshape(m, -1, out)
+    return left.transpose(1, 2) if left.shape[1] == 1 else left.transpose(1, 2).contiguous()
+
+
+def _right_factor(module: nn.Module, x: Tensor, k: int) -> Tensor:
+    """The layer input at each of its ``k`` positions as ``(cols, k)``."""
+    if isinstance(module, nn.Linear):
+        return x.reshape(-1, module.in_features).T
+    if x.dim() == 3:
+        x = x[None]
+    padding = module.padding
+    if isinstance(padding, str) or module.padding_mode != "zeros":
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        padding = (0, 0)
+    if module.kernel_size == (1, 1) and module.stride == (1, 1) and tuple(padding) == (0, 0):
+        cols = x.reshape(x.shape[0], x.shape[1], -1)
+    else:
+        cols = F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)
+    right = cols[0] if cols.shape[0] == 1 else cols.transpose(0, 1).reshape(cols.shape[1], -1)
+    if right.shape[1] != k:
+        raise RuntimeError(f"Internal error: conv factor positions {right.shape[1]} != {k}")
+    return right

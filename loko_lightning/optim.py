@@ -8,7 +8,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from loko_lightning.functional import R_ESTIMATORS, JacobianBlock, OuterJacobian, REstimator, loko_update
+from loko_lightning.functional import (
+    R_ESTIMATORS,
+    FactoredJacobian,
+    JacobianBlock,
+    OuterJacobian,
+    REstimator,
+    loko_update,
+)
 
 P0Init = Literal["uniform", "constant"]
 P0_INITS: tuple[str, ...] = ("uniform", "constant")
@@ -168,8 +175,9 @@ class LoKO(torch.optim.Optimizer):
         Args:
             closure: callable evaluated with gradients enabled that returns
                 ``(prediction, target, jacobians)``: ``prediction`` and ``target`` of shape ``(m,)``,
-                ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)`` or an
-                :class:`~loko_lightning.functional.OuterJacobian` (see :func:`loko_lightning.jacobian`).
+                ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)``, an
+                :class:`~loko_lightning.functional.OuterJacobian` or a
+                :class:`~loko_lightning.functional.FactoredJacobian` (see :func:`loko_lightning.jacobian`).
 
         Returns:
             What the closure returned. If any of it is non-finite the update is skipped (parameters and
@@ -190,7 +198,7 @@ class LoKO(torch.optim.Optimizer):
         shared = self._shared_state(m, prediction.device, covs[0].dtype)
         diagnostics = loko_update(
             params,
-            [j if isinstance(j, OuterJacobian) else j.detach() for j in jacobians],
+            [j if isinstance(j, (OuterJacobian, FactoredJacobian)) else j.detach() for j in jacobians],
             covs,
             prediction.detach(),
             target.detach(),
@@ -233,6 +241,15 @@ class LoKO(torch.optim.Optimizer):
             expected = (m, *param.shape)
             if isinstance(jac, OuterJacobian):
                 ok = jac.left.dim() == 2 and jac.right.dim() == 1 and tuple(jac.shape) == expected
+            elif isinstance(jac, FactoredJacobian):
+                ok = (
+                    tuple(jac.shape) == expected
+                    and param.dim() >= 1
+                    and jac.left.dim() == 3
+                    and jac.right.dim() == 2
+                    and jac.left.shape[:2] == (m, param.shape[0])
+                    and jac.right.shape == (param[0].numel(), jac.left.shape[2])
+                )
             else:
                 ok = isinstance(jac, Tensor) and tuple(jac.shape) == expected
             if not ok:

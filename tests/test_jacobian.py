@@ -1,10 +1,16 @@
+import sys
+
 import pytest
 import timm
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+import loko_lightning.jacobian  # noqa: F401  (the module, for monkeypatching)
 from loko_lightning import OuterJacobian, jacobian
+from loko_lightning.functional import FactoredJacobian, factored_is_cheaper
+
+jacobian_module = sys.modules["loko_lightning.jacobian"]
 
 
 def row_by_row(model, x, params, output="softmax"):
@@ -19,7 +25,7 @@ def row_by_row(model, x, params, output="softmax"):
 
 
 def dense(jac):
-    return jac.to_dense() if isinstance(jac, OuterJacobian) else jac
+    return jac.to_dense() if isinstance(jac, (OuterJacobian, FactoredJacobian)) else jac
 
 
 def assert_jacobians_equal(model, x, params=None, **kwargs):
@@ -115,3 +121,216 @@ def test_bad_inputs():
         jacobian(model, torch.randn(1, 3), output="sigmoid")
     with pytest.raises(ValueError, match="no trainable parameters"):
         jacobian(model.requires_grad_(False), torch.randn(1, 3))
+
+
+# ---------------------------------------------------------------- fast path for Linear / Conv2d weights
+
+
+def force_factored(monkeypatch):
+    """Make ``factorize=True`` return every fast-path weight in factored form, whatever the cost model says."""
+    monkeypatch.setattr(jacobian_module, "factored_is_cheaper", lambda *args: True)
+
+
+class ConvZoo(nn.Module):
+    """Every Conv2d/Linear configuration the fast path handles, plus ones it must leave to autograd."""
+
+    def __init__(self, m=5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, stride=2, padding=1, bias=False)
+        self.dilated = nn.Conv2d(6, 6, 3, padding=2, dilation=2)
+        self.same = nn.Conv2d(6, 4, (2, 3), padding="same")  # asymmetric implicit padding
+        self.reflect = nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")
+        self.valid = nn.Conv2d(4, 4, 2, padding="valid", stride=(1, 2))
+        self.pointwise = nn.Conv2d(4, 8, 1)
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=2)  # generic path
+        self.tokens = nn.Linear(8, 8)
+        self.head = nn.Linear(8, m)
+
+    def forward(self, x):
+        x = torch.tanh(self.stem(x))
+        x = torch.tanh(self.dilated(x))
+        x = torch.tanh(self.same(x))
+        x = torch.tanh(self.reflect(x))
+        x = torch.tanh(self.valid(x))
+        x = torch.tanh(self.grouped(torch.tanh(self.pointwise(x))))
+        tokens = x.flatten(2).transpose(1, 2)  # (1, positions, 8)
+        tokens = torch.tanh(self.tokens(tokens))
+        return self.head(tokens.mean(1))
+
+
+@pytest.mark.parametrize("output", ["softmax", "identity"])
+@pytest.mark.parametrize("factorize", [False, True])
+def test_fast_path_matches_autograd_on_conv_configurations(output, factorize, monkeypatch):
+    if factorize:
+        force_factored(monkeypatch)
+    model = ConvZoo()
+    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 13, 11), output=output, factorize=factorize)
+    names = [n for n, p in model.named_parameters()]
+    kinds = {n: type(j).__name__ for n, j in zip(names, jacs, strict=True)}
+    if factorize:
+        assert kinds["stem.weight"] == "FactoredJacobian"
+        assert kinds["tokens.weight"] == "FactoredJacobian"
+        assert kinds["head.weight"] == "OuterJacobian"
+        assert kinds["grouped.weight"] == "Tensor"  # groups > 1: generic path
+        assert kinds["dilated.bias"] == "Tensor"
+    else:
+        assert set(kinds.values()) == {"Tensor"}
+
+
+def test_unbatched_conv_input_and_batch_folded_inside_the_model():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 3, padding=1)
+            self.head = nn.Linear(3 * 4 * 4 * 2, 4)
+
+        def forward(self, x):
+            a = self.conv(x[0])  # unbatched (C, H, W) input
+            b = self.conv(torch.cat([x, x.flip(-1)]))[1:]  # the model makes its own batch of 2
+            return self.head(torch.cat([a[None], b]).reshape(1, -1))
+
+    assert_jacobians_equal(Odd(), torch.randn(1, 2, 4, 4), factorize=True)
+
+
+def test_shared_layer_and_tied_weight_reuse():
+    """A layer called twice, and its weight also used outside it: every use is counted."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            h = torch.tanh(self.fc(h))  # the same layer again
+            h = h + torch.tanh(h @ self.fc.weight.T)  # and its weight used directly
+            return self.head(h)
+
+    model = Tied()
+    for factorize in (False, True):
+        jacs = assert_jacobians_equal(model, torch.randn(1, 6), factorize=factorize)
+        assert isinstance(jacs[0], torch.Tensor)  # reuse outside the layer: dense, exact
+    model.fc.weight.requires_grad_(False)  # only the bias: dense sum over calls
+    assert_jacobians_equal(model, torch.randn(1, 6), factorize=True)
+
+
+def test_keyword_call_and_no_grad_call_and_unused_layer():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.frozen_use = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(input=x)) + torch.tanh(self.fc(x))
+            with torch.no_grad():
+                h = h + self.frozen_use(x)
+            return self.head(h)
+
+    model = Mixed()
+    jacs = assert_jacobians_equal(model, torch.randn(1, 4), factorize=True)
+    assert all(j.abs().max() == 0 for j in jacs[2:6])  # no gradient flows through the no-grad and unused layers
+
+
+def test_input_modified_in_place_after_the_layer_is_not_silently_wrong():
+    """The fast path reads a layer's input after the forward pass; an in-place change would corrupt it.
+
+    Plain autograd refuses such a model (the input is saved for the weight gradient), and so does jacobian(): it
+    notices the change and redoes the pass generically, which raises autograd's own error.
+    """
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = x * 2
+            out = self.fc(h)
+            h.mul_(3)
+            return self.head(torch.tanh(out) + h)
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        jacobian(InPlace(), torch.randn(1, 4), factorize=True)
+
+
+def test_output_modified_in_place_after_the_layer():
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(12, 4))
+    assert_jacobians_equal(model, torch.randn(1, 2, 4, 4), factorize=True)
+
+
+@pytest.mark.parametrize("factorize", [False, True])
+def test_peft_lora_resnet18_factorized(factorize, monkeypatch):
+    """The peft/timm case with factored blocks: exact, and frozen weights still get no gradient."""
+    if factorize:
+        force_factored(monkeypatch)
+    backbone = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    convs = [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d)]
+    model = get_peft_model(backbone, LoraConfig(r=4, lora_alpha=8, target_modules=convs, modules_to_save=["fc"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.05)
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 32, 32), params, factorize=factorize, chunk_size=4)
+    factored = [j for j in jacs if isinstance(j, (FactoredJacobian, OuterJacobian))]
+    assert len(factored) == (41 if factorize else 0)  # every LoRA A/B weight and the head weight
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_dense_blocks_share_one_buffer():
+    """Dense Jacobians are column blocks of one (m, n) matrix, which the Kalman update uses without a copy."""
+    from loko_lightning.functional import _dense_stack
+
+    model = TinyConvNet()
+    model.eval()
+    _, jacs = jacobian(model, torch.randn(1, 3, 8, 8))
+    stacked = _dense_stack(jacs, 4, torch.float32)
+    assert stacked.untyped_storage().data_ptr() == jacs[0].untyped_storage().data_ptr()
+    torch.testing.assert_close(stacked, torch.cat([j.reshape(4, -1) for j in jacs], 1), rtol=0, atol=0)
+    # Blocks from elsewhere are concatenated instead.
+    copies = [j.clone() for j in jacs]
+    torch.testing.assert_close(_dense_stack(copies, 4, torch.float32), stacked, rtol=0, atol=0)
+
+
+def test_factored_jacobian_to_dense_and_cost_model():
+    left, right = torch.randn(3, 4, 5), torch.randn(6, 5)
+    jac = FactoredJacobian(left, right, torch.Size((4, 2, 3)))
+    assert jac.shape == (3, 4, 2, 3)
+    expected = torch.einsum("aip,jp->aij", left, right).reshape(3, 4, 2, 3)
+    torch.testing.assert_close(jac.to_dense(), expected)
+    assert jac.to(torch.float64).left.dtype == torch.float64
+    # Deep layers (few positions) with many outputs favour the factored form, shallow layers the dense one.
+    assert factored_is_cheaper(m=100, rows=4, cols=4608, k=1)
+    assert factored_is_cheaper(m=100, rows=4, cols=2304, k=4)
+    assert not factored_is_cheaper(m=10, rows=4, cols=576, k=64)
+    assert not factored_is_cheaper(m=100, rows=256, cols=4, k=64)
+
+
+def test_single_output_position_convolutions():
+    """Convolutions whose output is one pixel (deep layers at low resolution): taps on padding, strides, dilation."""
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down = nn.Conv2d(3, 6, 3, stride=2, padding=1)  # 2x2 -> 1x1, four taps meet data
+            self.centre = nn.Conv2d(6, 6, 3, padding=1)  # 1x1 -> 1x1, centre tap only
+            self.frozen = nn.Conv2d(6, 6, 3, padding=2, dilation=2, bias=False)  # centre tap, dilated
+            self.skip = nn.Conv2d(3, 6, 1, stride=2)  # 1x1 kernel, stride 2 on 2x2
+            self.tail = nn.Conv2d(6, 5, 3, padding=1)
+            self.frozen.requires_grad_(False)
+            self.centre.bias.requires_grad_(False)
+
+        def forward(self, x):
+            h = torch.tanh(self.down(x)) + self.skip(x)
+            h = torch.tanh(self.centre(h))
+            h = torch.tanh(self.frozen(h)) + h
+            return self.tail(h)[..., 0, 0] + self.tail(h[0])[None, :, 0, 0]  # batched and unbatched calls
+
+    model = Deep()
+    for factorize in (False, True):
+        assert_jacobians_equal(model, torch.randn(1, 3, 2, 2), factorize=factorize)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
-from loko_lightning.functional import psd_pinv
+from loko_lightning.functional import FactoredJacobian, psd_pinv
 
 ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
 
@@ -302,3 +302,111 @@ def test_torch_only_import_pulls_no_lightning():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class SmallConvNet(nn.Module):
+    """Conv layers with few and many positions, a Linear on tokens and a head: every Jacobian block kind."""
+
+    def __init__(self, m=4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.conv3 = nn.Conv2d(4, 5, 2)  # one output position
+        self.tokens = nn.Linear(4, 4)
+        self.head = nn.Linear(5 + 4, m)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv2(torch.tanh(self.conv1(x))))  # (1, 4, 2, 2)
+        pooled = torch.tanh(self.conv3(h)).flatten(1)  # (1, 5)
+        tokens = torch.tanh(self.tokens(h.flatten(2).transpose(1, 2))).mean(1)  # (1, 4)
+        return self.head(torch.cat([pooled, tokens], 1))
+
+
+def conv_stream(n, m=4, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, 2 * 4 * 4, generator=gen, dtype=torch.float64)
+    for _ in range(n):
+        x = torch.randn(1, 2, 4, 4, generator=gen, dtype=torch.float64)
+        yield x, F.one_hot((x.reshape(1, -1) @ w.T).argmax(), m).to(torch.float64)
+
+
+@pytest.mark.parametrize("r_estimator", ["taylor", "identity"])
+def test_factored_blocks_match_float64_reference(r_estimator, monkeypatch):
+    """FactoredJacobian (k > 1), k = 1 blocks and dense blocks together reproduce the dense reference."""
+    monkeypatch.setattr(sys.modules["loko_lightning.jacobian"], "factored_is_cheaper", lambda *args: True)
+    torch.manual_seed(3)
+    model = SmallConvNet().double()
+    reference = ReferenceLoKO(copy.deepcopy(model), None, beta=0.9, r_estimator=r_estimator, process_noise=1e-4)
+    groups = [
+        {"params": [*model.conv1.parameters(), *model.conv2.parameters()], "process_noise": 1e-4},
+        {"params": [*model.conv3.parameters(), *model.tokens.parameters(), *model.head.parameters()]},
+    ]
+    opt = LoKO(groups, p0=0.3, beta=0.9, r_estimator=r_estimator, process_noise=1e-4, seed=3)
+    reference.P = torch.diag(torch.cat([opt.state[p]["cov"].reshape(-1) for p in model.parameters()]))
+    kinds = set()
+    for x, y in conv_stream(40):
+        y_ref = reference.step(x, y)
+        y_fast, _, jacs = opt.step(loko_closure(model, x, y, factorize=True))
+        kinds |= {type(j).__name__ + (str(j.left.shape[2]) if isinstance(j, FactoredJacobian) else "") for j in jacs}
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    # conv1/conv2: 4 positions; conv3: 1; tokens: 4 tokens; head: OuterJacobian; biases dense.
+    assert kinds == {"FactoredJacobian4", "FactoredJacobian1", "OuterJacobian", "Tensor"}
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    cov = torch.cat([opt.state[p]["cov"].reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(cov, torch.diag(reference.P), rtol=1e-9, atol=1e-15)
+
+
+def test_factored_and_dense_steps_agree():
+    """The same filter fed factored or dense Jacobians of the same model: the same parameters and p̂."""
+    torch.manual_seed(4)
+    model = SmallConvNet().double()
+    model_b = copy.deepcopy(model)
+    opt_dense = LoKO(model.parameters(), seed=0)
+    opt_fact = LoKO(model_b.parameters(), seed=0)
+    for x, y in conv_stream(10):
+        _, _, dense_jacs = opt_dense.step(loko_closure(model, x, y))
+
+        def factored_closure(x=x, y=y):
+            prediction, jacs = jacobian(model_b, x, factorize=True)
+            blocks = [
+                _factor(j, p) if isinstance(j, torch.Tensor) and p.dim() > 1 else j
+                for j, p in zip(jacs, model_b.parameters(), strict=True)
+            ]
+            return prediction, y, blocks
+
+        _, _, blocks = opt_fact.step(factored_closure)
+        assert any(isinstance(b, FactoredJacobian) for b in blocks)
+    for p, q in zip(model.parameters(), model_b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(opt_dense.state[p]["cov"], opt_fact.state[q]["cov"], rtol=1e-10, atol=1e-15)
+
+
+def _factor(jac, param):
+    """An exact factorization of a dense block: left = the dense rows, right = identity (k = cols)."""
+    m, rows = jac.shape[0], param.shape[0]
+    cols = param[0].numel()
+    return FactoredJacobian(jac.reshape(m, rows, cols), torch.eye(cols, dtype=jac.dtype), param.shape)
+
+
+def test_factored_jacobian_shapes_are_checked_and_non_finite_skips():
+    model = SmallConvNet()
+    opt = LoKO(model.parameters(), seed=0)
+    x, y = next(conv_stream(1))
+    x, y = x.float(), y.float()
+    prediction, jacs = jacobian(model, x)
+    good = _factor(jacs[0], model.conv1.weight)
+    bad = FactoredJacobian(good.left, good.right[:-1], model.conv1.weight.shape)
+    with pytest.raises(ValueError, match=r"Invalid jacobians\[0\]"):
+        opt.step(lambda: (prediction, y, [bad, *jacs[1:]]))
+    wrong_rows = FactoredJacobian(good.left[:, :2], good.right, model.conv1.weight.shape)
+    with pytest.raises(ValueError, match=r"Invalid jacobians\[0\]"):
+        opt.step(lambda: (prediction, y, [wrong_rows, *jacs[1:]]))
+    before = [p.detach().clone() for p in model.parameters()]
+    nan_left = good.left.clone()
+    nan_left[0, 0, 0] = float("nan")
+    opt.step(lambda: (prediction, y, [FactoredJacobian(nan_left, good.right, good.param_shape), *jacs[1:]]))
+    assert not opt.diagnostics["applied"].item()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    opt.step(lambda: (prediction, y, [good, *jacs[1:]]))
+    assert opt.diagnostics["applied"].item()
