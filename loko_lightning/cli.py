@@ -2,37 +2,165 @@
 
 ``loko fit --config configs/cifar10_resnet18.yaml`` runs one online pass; ``validate``/``test`` evaluate on the
 held-out split; ``--print_config`` shows the full resolved configuration.
+
+Crash and resume: checkpoints are written atomically (a temporary file in the same folder, then a rename), so a run
+killed at any moment (even with SIGKILL during a checkpoint write) leaves the previous checkpoint intact, and
+``loko fit --config ... --ckpt_path last`` continues from the newest one with the parameters, the filter state, the
+online metrics, the RNG states and the stream position restored (no sample skipped or counted twice). Without a
+checkpoint yet, ``--ckpt_path last`` starts from scratch, so one command serves for the first start and restarts.
+
+Exit status: 0 on success; 2 for a configuration or input error (one line ``loko: error: <what to change>`` on
+stderr); 3 when the run diverged (the message names the ``p0`` to try and where the last good state is saved).
 """
 
 from __future__ import annotations
 
+import difflib
+import glob
 import os
+import re
+import secrets
 import sys
+import zipfile
+from argparse import ArgumentError
+from pathlib import Path
 from typing import Any
 
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loko_lightning.data import StreamDataModule
-from loko_lightning.module import OnlineClassifier
+from loko_lightning.module import DivergenceError, OnlineClassifier
 
 # Errors whose message already says what to change; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError)
+USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, ArgumentError)
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Torch checkpoints written to a temporary file beside the target, flushed to disk, then renamed over it.
+
+    Lightning's own write goes through a temporary file in the system temp folder and ``shutil.move``, which copies
+    (not atomically) when that folder is on another file system than the checkpoints. A rename within one folder is
+    atomic, so a reader (or a restart after a crash) sees either the old checkpoint or the new one, never part of one.
+    Remote paths (``s3://``, ...) keep Lightning's handling.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically (local paths)."""
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Same folder (a rename across file systems would copy), a dot name (never taken for a checkpoint), and the
+        # permissions of an ordinary new file.
+        prefix = f".{target.name}."
+        partial = target.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}.partial"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        for stale in target.parent.glob(f"{glob.escape(prefix)}*.partial"):  # left by a run killed mid-write
+            stale.unlink(missing_ok=True)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint; an unreadable (truncated) file is named in a one-line error."""
+        kwargs = {} if map_location is None else {"map_location": map_location}
+        try:
+            return super().load_checkpoint(path, weights_only=weights_only, **kwargs)
+        except (RuntimeError, EOFError) as err:
+            if "zip archive" not in str(err) and not isinstance(err, EOFError):
+                raise
+            raise ValueError(_unreadable_checkpoint(path, err)) from err
+
+
+def _unreadable_checkpoint(path: Any, err: BaseException) -> str:
+    return (
+        f"ckpt_path: {path} is not a readable checkpoint ({' '.join(str(err).split())[:200]}); it was probably cut "
+        "short by a crash while being written (by a version without atomic checkpoint writes). To fix it: pass an "
+        "earlier checkpoint of that folder with --ckpt_path PATH, or start without ckpt_path."
+    )
 
 
 class LoKOCLI(LightningCLI):
-    """LightningCLI with the data preprocessing and label range tied to the model."""
+    """LightningCLI with the data preprocessing and label range tied to the model, one-line errors, atomic saves."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         """The stream is preprocessed for the backbone and its labels are checked against the head size."""
         parser.link_arguments("model.backbone", "data.backbone")
         parser.link_arguments("model.num_classes", "data.num_classes")
 
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            raise ValueError(_argument_message(str(err), self._known_keys(parser))) from None
+        # LightningCLI reads the hyperparameters of a ckpt_path file next, with a bare torch error for a torn file.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file() and not zipfile.is_zipfile(ckpt_path):
+            try:  # torch.save writes zip archives; anything else loads only if it is an old-format checkpoint
+                torch.load(ckpt_path, map_location="cpu", weights_only=True)
+            except Exception as err:
+                raise ValueError(_unreadable_checkpoint(ckpt_path, err)) from None
+
+    def _known_keys(self, parser: Any) -> list[str]:
+        parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
+        return sorted({a.dest for p in parsers for a in p._actions if a.dest and a.dest != "help"})
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with checkpoints written atomically unless another checkpoint IO was configured."""
+        trainer = super().instantiate_trainer(**kwargs)
+        strategy = trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
+
+def _argument_message(message: str, keys: list[str]) -> str:
+    """The parser's error on one line, with the valid keys closest to an unknown one."""
+    text = " ".join(message.split())
+    unknown = re.findall(r"--([\w.]+)", text) if "unrecognized arguments" in text else []
+    unknown += re.findall(r"does not accept option '([\w.]+)'", text)
+    hints = []
+    for key in dict.fromkeys(unknown):
+        section, _, leaf = key.rpartition(".")
+        siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
+        close = difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
+        where = f"{section}." if section else ""
+        if close:
+            hints.append(f"did you mean {' or '.join(repr(where + c) for c in close)} instead of {key!r}?")
+        elif siblings:
+            scope = f" of {section}" if section else ""
+            hints.append(f"{key!r} is not an option; those{scope} are {', '.join(siblings)}")
+        else:
+            sections = sorted({k.rpartition(".")[0] for k in keys if "." in k})
+            close = difflib.get_close_matches(section, sections, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"did you mean {close[0] + '.' + leaf!r} instead of {key!r}?")
+    body = "; ".join([text.rstrip("."), *hints])
+    help_hint = "See `loko fit --help`" + ("" if unknown else " (or --print_config for the resolved values)")
+    return f"{body}{'' if body.endswith('?') else '.'} {help_hint}."
+
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``loko`` console script.
 
-    Configuration errors (unknown backbone, missing data, bad hyperparameters, ...) end with a one-line message
-    and exit status 2; set ``LOKO_TRACEBACK=1`` to see the full traceback.
+    Configuration errors (unknown option or backbone, missing data, bad hyperparameters, ...) end with a one-line
+    message and exit status 2, a diverged run with a one-line message and exit status 3; set ``LOKO_TRACEBACK=1`` to
+    see the full traceback.
     """
     try:
         LoKOCLI(
@@ -43,12 +171,14 @@ def main(args: list[str] | None = None) -> None:
             subclass_mode_data=False,
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"max_epochs": 1, "num_sanity_val_steps": 0},
+            # Parse errors raise (and become one line below) instead of printing the whole usage.
+            parser_kwargs={"exit_on_error": False},
         )
     except USER_ERRORS as err:
         if os.environ.get("LOKO_TRACEBACK") or not _is_user_error(err):
             raise
-        print(f"loko: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        print(f"loko: error: {' '.join(str(err).split())}", file=sys.stderr)
+        raise SystemExit(EXIT_DIVERGED if isinstance(err, DivergenceError) else EXIT_USER_ERROR) from None
 
 
 def _is_user_error(err: BaseException) -> bool:

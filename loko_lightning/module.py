@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import random
+import re
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
@@ -33,6 +37,9 @@ OptimizerName = Literal["loko", "adamw", "adagrad"]
 # AdaGrad lr 1e-3, no weight decay.
 # LoKO's p̂ only shrinks without process noise; an entry 1,000 times its initial scale means it ran away.
 P_EXPLODES = 1e3
+# Where the divergence guard saves the last good state, beside the periodic checkpoints. Its name must not start with
+# "last": Lightning's ``ckpt_path="last"`` picks the newest ``last*.ckpt`` and would resume a diverged run from it.
+GOOD_STATE_NAME = "good-before-divergence.ckpt"
 BASELINE_DEFAULTS: dict[str, dict[str, Any]] = {
     "adamw": {"lr": 1e-4, "weight_decay": 1e-4, "lr_decay": "linear"},
     "adagrad": {"lr": 1e-3, "weight_decay": 0.0, "lr_decay": "constant"},
@@ -84,8 +91,19 @@ class OnlineClassifier(pl.LightningModule):
         window: window of the moving-average losses (paper: 1000).
         divergence_ce: stop when the moving-average cross-entropy exceeds this multiple of ``log m`` (that of
             uniform guessing): the run has diverged (confidently wrong). ``None`` disables the check. LoKO also
-            stops when an entry of ``p̂`` exceeds ``1e3 · p0`` (possible only with process noise).
+            stops when an entry of ``p̂`` exceeds ``1e3 · p0`` or is not finite (possible only with process
+            noise: without it ``p̂`` only shrinks), the baselines when a parameter is not finite. On divergence
+            the state of the last check that passed (or the state training started from) is saved as
+            ``good-before-divergence.ckpt`` beside the checkpoints, and :class:`DivergenceError` names the ``p0``
+            (or ``lr``) to try: ten times smaller.
         guard_every: check for divergence every this many samples (one host sync each); 0 disables.
+
+    Checkpoints hold, besides the parameters and the optimizer state (LoKO's ``p̂``, ``R`` and step count), the
+    online metrics and the global RNG states (torch, CUDA, numpy, Python; restored before the first step of a resumed
+    run, for LoRA dropout), so a run resumed from a checkpoint ends exactly like an uninterrupted one.
+
+    Under mixed precision (``trainer.precision="bf16-mixed"``, ...) the forward pass and the Jacobian run under
+    autocast, the Kalman update does not: it stays in ``kalman_dtype``.
     """
 
     def __init__(
@@ -139,16 +157,24 @@ class OnlineClassifier(pl.LightningModule):
         )
         if optimizer == "loko":
             # Validate the filter's hyperparameters now (a bad config fails at parse time, not mid-run).
-            LoKO(
-                [torch.zeros(1)],
-                p0=p0,
-                p0_init=p0_init,
-                beta=beta,
-                r_estimator=r_estimator,
-                process_noise=process_noise,
-            )
-        self.online_acc = MeanMetric()
-        self.online_acc_top5 = MeanMetric()
+            try:
+                LoKO(
+                    [torch.zeros(1)],
+                    p0=p0,
+                    p0_init=p0_init,
+                    beta=beta,
+                    r_estimator=r_estimator,
+                    process_noise=process_noise,
+                )
+            except ValueError as err:  # "Invalid p0: ..." -> "model.p0: Invalid p0: ...", the key the user sets
+                name = re.match(r"Invalid (\w+)", str(err))
+                raise ValueError(f"model.{name.group(1)}: {err}" if name else f"model: {err}") from None
+        if guard_every < 0:
+            raise ValueError(f"Invalid model.guard_every={guard_every}: must be >= 0 (0 disables the guard)")
+        if divergence_ce is not None and not divergence_ce > 0:
+            raise ValueError(f"Invalid model.divergence_ce={divergence_ce}: must be > 0, or null to disable the check")
+        self.online_acc = _OnlineMean()
+        self.online_acc_top5 = _OnlineMean()
         self.loss_avg = MovingAverage(window)
         self.ce_avg = MovingAverage(window)
         for metric in (self.online_acc, self.online_acc_top5):
@@ -156,6 +182,7 @@ class OnlineClassifier(pl.LightningModule):
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        self._pending_rng_states: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ setup
     @property
@@ -228,12 +255,20 @@ class OnlineClassifier(pl.LightningModule):
         if self.hparams.optimizer == "loko":
             target = F.one_hot(label[0], self.hparams.num_classes).to(image.dtype)
             params = self.trainable_parameters
+            # Mixed precision: the forward pass and the Jacobian run under the trainer's autocast, the Kalman update
+            # (whose matrix products autocast would run in bf16/fp16) in the filter's own dtype.
+            device = image.device.type
+            mixed = torch.is_autocast_enabled(device)
+            autocast_dtype = torch.get_autocast_dtype(device) if mixed else None
 
             def closure() -> tuple[Tensor, Tensor, list]:
-                prediction, jacobians = jacobian(self.model, image, params, factorize_head=True)
+                forward = torch.autocast(device, dtype=autocast_dtype) if mixed else contextlib.nullcontext()
+                with forward:
+                    prediction, jacobians = jacobian(self.model, image, params, factorize=True)
                 return prediction, target, jacobians
 
-            prediction, _, _ = optimizer.step(closure=closure)
+            with torch.autocast(device, enabled=False) if mixed else contextlib.nullcontext():
+                prediction, _, _ = optimizer.step(closure=closure)
             applied = optimizer.optimizer.diagnostics["applied"]
         else:
             logits = self.model(image)
@@ -278,7 +313,28 @@ class OnlineClassifier(pl.LightningModule):
         else:
             values["train/lr"] = self.lr_schedulers().get_last_lr()[0]
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
-        self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)
+        if self._trainer is not None and self.trainer.progress_bar_callback is not None:
+            # Lightning turns progress-bar values into Python numbers after every step: one host sync, only if shown.
+            self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the global RNG states (torch, CUDA, numpy, Python) with the model: LoRA dropout draws from them."""
+        checkpoint["loko_rng_states"] = _rng_states()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the saved RNG states until training resumes (setup between here and there draws from the RNG)."""
+        self._pending_rng_states = checkpoint.get("loko_rng_states")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """On the first step of a resumed run, restore the RNG states of the checkpoint.
+
+        Nothing draws from the global RNG between a checkpoint (saved after a sample's update) and the next sample's
+        step, so this is exactly the state an uninterrupted run has at that step.
+        """
+        if self._pending_rng_states is not None:
+            _set_rng_states(self._pending_rng_states)
+            self._pending_rng_states = None
 
     # ------------------------------------------------------------------ divergence guard
     def _check_divergence(self) -> None:
@@ -296,12 +352,11 @@ class OnlineClassifier(pl.LightningModule):
             p_max = float(self.optimizers().optimizer.diagnostics["p_max"])
             if not p_max <= P_EXPLODES * hp.p0:
                 reasons.append(f"the largest covariance entry p̂ is {p_max:.3g}, above {P_EXPLODES:g} x p0")
+        elif not bool(torch.stack([p.isfinite().all() for p in self.trainable_parameters]).all()):
+            # LoKO never writes a non-finite update; a baseline can (a finite loss with an overflowing gradient).
+            reasons.append("a trainable parameter is NaN or infinite")
         if not reasons:
-            self._last_good = {
-                "step": self.global_step,
-                "params": [p.detach().clone() for p in self.trainable_parameters],
-                "optimizer": copy.deepcopy(self.optimizers().optimizer.state_dict()),
-            }
+            self._record_good_state()
             return
         saved = self._save_last_good()
         hint = (
@@ -314,6 +369,18 @@ class OnlineClassifier(pl.LightningModule):
             f"{field}: {hp.optimizer} diverged by sample {self.global_step}: {'; '.join(reasons)}. {hint}. {saved}"
         )
 
+    def on_train_start(self) -> None:
+        """The state training starts from (initial or resumed) is the first good state of the divergence guard."""
+        if self.hparams.guard_every:
+            self._record_good_state()
+
+    def _record_good_state(self) -> None:
+        self._last_good = {
+            "step": self.global_step,
+            "params": [p.detach().clone() for p in self.trainable_parameters],
+            "optimizer": copy.deepcopy(self.optimizers().optimizer.state_dict()),
+        }
+
     def _save_last_good(self) -> str:
         snapshot = getattr(self, "_last_good", None)
         if snapshot is None or self._trainer is None:
@@ -325,9 +392,9 @@ class OnlineClassifier(pl.LightningModule):
         directory = Path(self.trainer.default_root_dir)
         if self.trainer.checkpoint_callback is not None and self.trainer.checkpoint_callback.dirpath:
             directory = Path(self.trainer.checkpoint_callback.dirpath)
-        path = directory / "last-good.ckpt"
+        path = directory / GOOD_STATE_NAME
         self.trainer.save_checkpoint(path)
-        return f"The parameters and filter state of sample {snapshot['step']} are saved in {path}."
+        return f"The parameters and filter state after sample {snapshot['step']} are saved in {path}."
 
     def _baseline_lr(self) -> float:
         return BASELINE_DEFAULTS[self.hparams.optimizer]["lr"] if self.hparams.lr is None else self.hparams.lr
@@ -344,6 +411,44 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Top-1 accuracy on the held-out split."""
         self._eval_step(batch, self.test_acc, "test/acc")
+
+
+class _OnlineMean(MeanMetric):
+    """``MeanMetric`` without its NaN scan, which reads ``.any()`` on the host (a device sync) at every update.
+
+    The online accuracies average finite 0/1 values; a skipped sample comes with weight 0. (torchmetrics'
+    ``nan_strategy="disable"`` would skip the scan too, but it also drops the weights.)
+    """
+
+    def update(self, value: Tensor, weight: Tensor) -> None:
+        """Add ``value`` with ``weight``, both 0-d tensors."""
+        self.mean_value += (value * weight).to(self.mean_value.dtype)
+        self.weight += weight.to(self.weight.dtype)
+
+
+def _rng_states() -> dict[str, Any]:
+    """The global RNG states as tensors and Python numbers (loadable with ``torch.load(weights_only=True)``)."""
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    version, state, python_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        # Only if this process uses CUDA: asking an unused device for its state would create a CUDA context on it.
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(gauss)],
+        "python": [version, list(state), python_gauss],
+    }
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`_rng_states` saved (CUDA states only if this process has as many devices)."""
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    name, keys, position, has_gauss, gauss = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    version, state, python_gauss = states["python"]
+    random.setstate((version, tuple(state), python_gauss))
 
 
 def linear_decay(total: int):

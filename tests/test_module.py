@@ -195,9 +195,9 @@ def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state
     module = tiny(p0=1e6, p0_init="constant", guard_every=20)
     t = trainer(default_root_dir=tmp_path)
     with pytest.raises(DivergenceError, match=r"model.p0: loko diverged by sample \d+: the cross-entropy .* "
-                                               r"restart with --model.p0 100000\. .*last-good.ckpt"):
+                                               r"restart with --model.p0 100000\. .*good-before-divergence.ckpt"):
         t.fit(module, loader(stream(200)))
-    checkpoint = torch.load(tmp_path / "last-good.ckpt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "good-before-divergence.ckpt", weights_only=False)
     saved = checkpoint["state_dict"]
     for name, param in module.named_parameters():
         if param.requires_grad:

@@ -1,0 +1,664 @@
+"""Reliability: exact resume after SIGKILL, the catalogue of bad inputs and their one-line CLI errors, the divergence
+guard, a 20,000-step float32 soak of the Kalman update, and device hygiene (no host syncs in the hot path, float32
+Kalman arithmetic under mixed precision, CUDA = CPU)."""
+
+import collections
+import contextlib
+import copy
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+import loko_lightning.module as module_lib
+import loko_lightning.optim as optim_lib
+from loko_lightning import LoKO, jacobian
+from loko_lightning.cli import AtomicCheckpointIO, main
+from loko_lightning.data import StreamDataModule
+from loko_lightning.functional import OuterJacobian
+from loko_lightning.module import GOOD_STATE_NAME, DivergenceError, OnlineClassifier
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "configs" / "debug.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these steps are tiny, and on a shared 2-core machine two threads make them ~10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- helpers
+def outputs(tmp_path, name="run", every=10, keep_all=False):
+    """A second --config sending logs and checkpoints into tmp_path (a later config replaces lists whole)."""
+    override = {
+        "trainer": {
+            "enable_progress_bar": False,
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path), "name": name},
+            },
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {
+                        "dirpath": str(tmp_path / name / "checkpoints"),
+                        "every_n_train_steps": every,
+                        "save_last": True,
+                        "save_top_k": -1 if keep_all else 1,
+                    },
+                },
+                {"class_path": "loko_lightning.callbacks.OnlineReport", "init_args": {"plot": False}},
+            ],
+        }
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(override))
+    return ["--config", str(path)]
+
+
+def run_cli(args, capsys):
+    """``loko <args>`` in-process: (exit status, last stderr line, number of stderr lines that start with loko:)."""
+    capsys.readouterr()
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, (err[-1] if err else ""), sum(line.startswith("loko:") for line in err)
+
+
+def tiny(**kwargs):
+    defaults = dict(backbone="test_resnet", num_classes=4, pretrained=False, r=2)
+    return OnlineClassifier(**{**defaults, **kwargs})
+
+
+def stream(n, num_classes=4, size=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(num_classes, 3, size, size, generator=gen)
+    items = []
+    for i in range(n):
+        label = int(torch.randint(num_classes, (), generator=gen))
+        image = centres[label] + 0.5 * torch.randn(3, size, size, generator=gen)
+        items.append({"image": image, "label": torch.tensor(label), "position": torch.tensor(i)})
+    return items
+
+
+def trainer(**kwargs):
+    defaults = dict(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def trainable(state_dict):
+    return {k: v for k, v in state_dict.items() if "lora_" in k or "modules_to_save" in k}
+
+
+def assert_same_tensors(a, b, what):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), what
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{what}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tensors(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, what
+
+
+# ================================================================ 1. crash and resume
+def assert_checkpoints_match(full, resumed):
+    """Parameters, filter state (p̂, R, step), online metrics, stream position and RNG states, bit for bit."""
+    assert full["global_step"] == resumed["global_step"]
+    full_params, resumed_params = trainable(full["state_dict"]), trainable(resumed["state_dict"])
+    assert full_params and full_params.keys() == resumed_params.keys()
+    assert_same_tensors(full_params, resumed_params, "parameters")
+    metrics = [k for k in full["state_dict"] if k.split(".")[0] in ("online_acc", "online_acc_top5", "loss_avg",
+                                                                    "ce_avg", "skipped")]
+    assert len(metrics) == 9
+    for key in metrics:
+        assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
+    assert_same_tensors(full["optimizer_states"], resumed["optimizer_states"], "optimizer")
+    assert_same_tensors(full["loko_rng_states"], resumed["loko_rng_states"], "rng")
+    assert full["loops"]["fit_loop"]["state_dict"]["combined_loader"] == \
+        resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_exactly(tmp_path):
+    """A real `loko fit` killed with SIGKILL right after its step-20 checkpoint appears (mid-write of last.ckpt, or
+    just after), restarted with the same command plus `--ckpt_path last`, ends bit for bit like an uninterrupted run:
+    on the CPU every operation is deterministic, so exactness (torch.equal), not a tolerance, is the right check."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # all three runs: same threads, same sums
+    common = [sys.executable, "-m", "loko_lightning.cli", "fit", "--config", DEBUG,
+              "--data.max_samples", "60", "--data.eval_max_samples", "8"]
+    subprocess.run([*common, *outputs(tmp_path, "full")], cwd=ROOT, env=env, check=True, capture_output=True)
+
+    crash = [*common, *outputs(tmp_path, "crash", keep_all=True)]
+    checkpoints = tmp_path / "crash" / "checkpoints"
+    with open(tmp_path / "crash.log", "w") as log:
+        process = subprocess.Popen(crash, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while not (checkpoints / "epoch=0-step=20.ckpt").exists():
+            assert process.poll() is None, (tmp_path / "crash.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint after 10 minutes"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        assert process.wait() == -signal.SIGKILL
+    killed = torch.load(checkpoints / "last.ckpt", weights_only=True)  # intact, whatever the kill interrupted
+    assert killed["global_step"] in (10, 20, 30)
+    print(f"killed after step {killed['global_step']}; left behind: {sorted(p.name for p in checkpoints.iterdir())}")
+
+    resumed_run = subprocess.run([*crash, "--ckpt_path", "last"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
+    assert "over 60 samples" in resumed_run.stdout + resumed_run.stderr  # OnlineReport: no sample lost or repeated
+
+    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=True)
+    resumed = torch.load(checkpoints / "last.ckpt", weights_only=True)
+    assert full["global_step"] == 60 and float(full["state_dict"]["online_acc.weight"]) == 60
+    assert_checkpoints_match(full, resumed)
+    assert not list(checkpoints.glob(".*.partial")), "a partial checkpoint file was left behind"
+
+
+def test_resume_restores_the_rng_states_for_lora_dropout(tmp_path):
+    """AdamW with LoRA dropout draws from the global RNG every step: resuming from a mid-stream checkpoint (real
+    stream, stateful loader) equals an uninterrupted run only because the checkpoint carries the RNG states."""
+
+    class Crash(Exception):
+        pass
+
+    class CrashAfter12(pl.Callback):  # not max_steps: that would also shorten AdamW's linear lr decay
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 12:
+                raise Crash
+
+    def run(name, ckpt_path=None, crash=False, restore=True, monkeypatch=None):
+        pl.seed_everything(0, verbose=False)
+        model = tiny(num_classes=10, optimizer="adamw", dropout=0.25)
+        if not restore:
+            monkeypatch.setattr(model, "on_train_batch_start", lambda batch, batch_idx: None)
+        data = StreamDataModule("mnist5k", image_size=32, num_classes=10, max_samples=18, eval_max_samples=4)
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=6, save_top_k=-1, save_last=True)
+        callbacks = [checkpoint, CrashAfter12()] if crash else [checkpoint]
+        fit = trainer(enable_checkpointing=True, callbacks=callbacks, limit_val_batches=0)
+        fit.fit(model, datamodule=data, ckpt_path=ckpt_path)
+        return torch.load(tmp_path / name / "last.ckpt", weights_only=True)
+
+    full = run("full")
+    with pytest.raises(Crash):  # goes on past the checkpoint we resume from: the RNG moves on too
+        run("part", crash=True)
+    middle = tmp_path / "part" / "epoch=0-step=6.ckpt"
+    assert torch.load(middle, weights_only=True)["loko_rng_states"]["numpy"][0] == "MT19937"
+    resumed = run("resumed", ckpt_path=middle)
+    assert full["global_step"] == resumed["global_step"] == 18
+    assert_checkpoints_match(full, resumed)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:  # control: without the restore the dropout masks differ
+        unrestored = run("unrestored", ckpt_path=middle, restore=False, monkeypatch=monkeypatch)
+    assert not all(torch.equal(v, trainable(unrestored["state_dict"])[k])
+                   for k, v in trainable(full["state_dict"]).items())
+
+
+def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
+    """A write that dies half-way (here an exception; SIGKILL in the test above) leaves the old checkpoint intact."""
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": torch.tensor(1)}, path)
+    real_save = torch.save
+
+    def dies_half_way(obj, handle, *args, **kwargs):
+        handle.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"step": torch.tensor(2)}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(path, weights_only=True)["step"] == 1
+    (tmp_path / ".last.ckpt.999-dead.partial").write_bytes(b"left by a SIGKILL")
+    io.save_checkpoint({"step": torch.tensor(3)}, path)
+    assert torch.load(path, weights_only=True)["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_truncated_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    torch.save({"global_step": 3, "state_dict": {}}, tmp_path / "torn.ckpt")
+    data = (tmp_path / "torn.ckpt").read_bytes()
+    (tmp_path / "torn.ckpt").write_bytes(data[: len(data) // 2])
+    code, last, count = run_cli(["fit", "--config", DEBUG, "--ckpt_path", str(tmp_path / "torn.ckpt"),
+                                 *outputs(tmp_path)], capsys)
+    assert code == 2 and count == 1
+    assert last.startswith(f"loko: error: ckpt_path: {tmp_path / 'torn.ckpt'} is not a readable checkpoint")
+    assert "--ckpt_path PATH" in last
+
+
+# ================================================================ 2. the bad-input catalogue
+def _empty_imagefolder(tmp_path):
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    return ["--data.dataset", "imagefolder", "--data.root", str(tmp_path / "empty")]
+
+
+def _bad_key_file(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model:\n  bet: 0.9\n")
+    return ["--config", str(tmp_path / "bad.yaml")]
+
+
+CATALOGUE = {
+    "unknown backbone": (["--model.backbone", "resnet181"], ["Unknown model.backbone='resnet181'", "'resnet18'"]),
+    "unknown option": (["--model.p00", "0.1"], ["--model.p00", "did you mean 'model.p0'"]),
+    "unknown key in a config file": (_bad_key_file, ["'model.bet'", "did you mean 'model.beta'"]),
+    "ill-typed option": (["--model.p0", "big"], ['"model.p0"', "Got value: big"]),
+    "unknown adapter target": (["--model.target", "[blocks.0.0.conv_dww]"], ["model.target", "'blocks.0.0.conv_dw'"]),
+    "target regex matching nothing": (["--model.target", "head_.*"], ["model.target='head_.*' matches no"]),
+    "grouped-conv target": (["--model.target", "[blocks.1.0.conv_dw]"], ["grouped convolution", "'convs' preset"]),
+    "p0 zero": (["--model.p0", "0"], ["model.p0: Invalid p0: 0.0", "> 0"]),
+    "p0 negative": (["--model.p0", "-0.1"], ["model.p0: Invalid p0: -0.1"]),
+    "p0 infinite": (["--model.p0", ".inf"], ["model.p0: Invalid p0: inf"]),
+    "beta 0": (["--model.beta", "0"], ["model.beta: Invalid beta: 0.0", "(0, 1)"]),
+    "beta 1": (["--model.beta", "1"], ["model.beta: Invalid beta: 1.0"]),
+    "beta above 1": (["--model.beta", "1.5"], ["model.beta: Invalid beta: 1.5"]),
+    "negative process noise": (["--model.process_noise=-1e-4"], ["model.process_noise: Invalid process_noise"]),
+    "dropout with LoKO": (["--model.dropout", "0.1"], ["model.dropout=0.1 with LoKO", "set model.dropout to 0"]),
+    "label >= num_classes": (["--model.num_classes", "5"], ["has label 9 (>= 5)", "set model.num_classes to 10"]),
+    "empty dataset": (_empty_imagefolder, ["data.dataset='imagefolder'", "is empty"]),
+    "max_samples 0": (["--data.max_samples", "0"], ["data.max_samples must be a positive integer"]),
+    "data root missing, offline": (
+        lambda tmp_path: ["--data.dataset", "mnist", "--data.root", str(tmp_path / "nothing")],
+        ["no data found at", "--data.download true"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CATALOGUE))
+def test_bad_input_ends_with_one_actionable_line(case, tmp_path, capsys):
+    extra, expected = CATALOGUE[case]
+    extra = extra(tmp_path) if callable(extra) else extra
+    code, last, count = run_cli(["fit", "--config", DEBUG, *outputs(tmp_path), *extra], capsys)
+    assert code == 2, last
+    assert count == 1 and last.startswith("loko: error: "), last
+    for text in expected:
+        assert text in last, (text, last)
+
+
+def test_download_while_offline_says_how_to_get_the_files(tmp_path, capsys, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr("urllib.request.urlopen", offline)
+    args = ["--data.dataset", "mnist", "--data.root", str(tmp_path / "data"), "--data.download", "true"]
+    code, last, count = run_cli(["fit", "--config", DEBUG, *outputs(tmp_path), *args], capsys)
+    assert code == 2 and count == 1
+    assert f"data.dataset='mnist': downloading into {tmp_path / 'data'} failed" in last
+    assert "Temporary failure in name resolution" in last and "put the files at" in last
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_sample_is_skipped_counted_and_checkpointed(bad, tmp_path):
+    """NaN/Inf input: the sample is skipped and counted (the run goes on, never a NaN update); the count is part of
+    the checkpoint, so a resumed run keeps it."""
+    torch.manual_seed(0)
+    model = tiny()
+    items = stream(6)
+    items[2]["image"] = items[2]["image"].clone()
+    items[2]["image"][1, 3, 4] = bad
+    seen = []
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            optimizer = trainer.optimizers[0]
+            seen.append(([p.detach().clone() for p in pl_module.trainable_parameters],
+                         [optimizer.state[p]["cov"].clone() for p in pl_module.trainable_parameters]))
+
+    fit = trainer(callbacks=[Snapshot()], default_root_dir=tmp_path)
+    fit.fit(model, DataLoader(items, batch_size=1))
+    assert int(model.skipped) == 1 and int(fit.optimizers[0].diagnostics["step"]) == 5
+    for before, after in zip(seen[1], seen[2], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(torch.isfinite(p).all() for p in model.trainable_parameters)
+    fit.save_checkpoint(tmp_path / "after.ckpt")
+    assert int(torch.load(tmp_path / "after.ckpt", weights_only=True)["state_dict"]["skipped"]) == 1
+
+
+def _closure_cases(m=3):
+    model = nn.Linear(4, m)
+    params = list(model.parameters())
+    x, y = torch.randn(1, 4), F.one_hot(torch.tensor(1), m).float()
+    prediction, jacobians = jacobian(model, x, params)
+    return model, params, {
+        "not a tuple": (lambda: prediction, "Invalid closure result"),
+        "two values": (lambda: (prediction, y), "Invalid closure result"),
+        "batched prediction": (lambda: (prediction[None], y, jacobians), r"Invalid prediction: expected shape \(m,\)"),
+        "target of another size": (lambda: (prediction, y[:2], jacobians), r"Invalid target: expected shape \(3,\)"),
+        "a jacobian missing": (lambda: (prediction, y, jacobians[:1]), r"Invalid jacobians: expected 2"),
+        "jacobian of another shape": (
+            lambda: (prediction, y, [jacobians[0][:, :2], jacobians[1]]), r"Invalid jacobians\[0\]: expected shape"
+        ),
+        "transposed jacobian": (
+            lambda: (prediction, y, [jacobians[0].transpose(1, 2), jacobians[1]]), r"Invalid jacobians\[0\]"
+        ),
+        "outer jacobian of another shape": (
+            lambda: (prediction, y, [OuterJacobian(torch.zeros(m, 2), torch.zeros(4)), jacobians[1]]),
+            r"Invalid jacobians\[0\]",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_closure_cases()[2]))
+def test_closure_with_wrong_shapes_is_refused_and_changes_nothing(case):
+    model, params, cases = _closure_cases()
+    opt = LoKO(params, p0=0.1, seed=0)
+    closure, message = cases[case]
+    before = ([p.detach().clone() for p in params], [opt.state[p]["cov"].clone() for p in params])
+    with pytest.raises(ValueError, match=message):
+        opt.step(closure)
+    assert all(torch.equal(a, p) for a, p in zip(before[0], params, strict=True))
+    assert all(torch.equal(a, opt.state[p]["cov"]) for a, p in zip(before[1], params, strict=True))
+
+
+def test_closure_changing_the_number_of_outputs_is_refused():
+    model = nn.Linear(4, 3)
+    params = list(model.parameters())
+    opt = LoKO(params, p0=0.1, seed=0)
+    prediction, jacobians = jacobian(model, torch.randn(1, 4), params)
+    opt.step(lambda: (prediction, torch.eye(3)[0], jacobians))
+    four = [torch.zeros(4, *p.shape) for p in params]  # consistent shapes, but 4 outputs where R is 3 x 3
+    with pytest.raises(ValueError, match="expected 3 outputs, got 4"):
+        opt.step(lambda: (torch.full((4,), 0.25), torch.eye(4)[0], four))
+
+
+# ================================================================ 3. divergence guard
+def test_divergence_from_the_cli_is_one_line_with_the_p0_to_try(tmp_path, capsys):
+    args = ["fit", "--config", DEBUG, "--data.max_samples", "40", "--model.p0", "1e6", "--model.p0_init", "constant",
+            "--model.guard_every", "10", *outputs(tmp_path)]
+    code, last, count = run_cli(args, capsys)
+    assert code == 3 and count == 1
+    assert last.startswith("loko: error: model.p0: loko diverged by sample 10: the cross-entropy")
+    assert "restart with --model.p0 100000." in last
+    saved = tmp_path / "run" / "checkpoints" / GOOD_STATE_NAME
+    assert f"after sample 0 are saved in {saved}" in last  # diverged at the first check: the initial state
+    state = torch.load(saved, weights_only=True)
+    assert all(torch.isfinite(v).all() for v in trainable(state["state_dict"]).values())
+    cov = [s["cov"] for s in state["optimizer_states"][0]["state"].values()]
+    assert all(torch.all(c == 1e6) for c in cov)  # p̂ as initialised: nothing of the diverged updates
+    # `--ckpt_path last` must not pick the good state up as a periodic checkpoint of the diverged run.
+    last_files = ModelCheckpoint(dirpath=saved.parent, save_last=True)._find_last_checkpoints(None)
+    assert str(saved) not in last_files
+
+
+def test_divergence_guard_catches_nonfinite_baseline_parameters(tmp_path):
+    """A baseline parameter that became NaN makes every later loss NaN (all skipped, silently): the guard stops."""
+    torch.manual_seed(0)
+    model = tiny(optimizer="adamw", guard_every=4)
+
+    class Poison(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 5:
+                with torch.no_grad():
+                    pl_module.trainable_parameters[-1].fill_(float("nan"))
+
+    with pytest.raises(DivergenceError, match=r"model.lr: adamw diverged by sample 8: a trainable parameter is NaN .*"
+                                              r"--model.lr 1e-05\. .*after sample 4 are saved"):
+        trainer(callbacks=[Poison()], default_root_dir=tmp_path).fit(model, DataLoader(stream(12), batch_size=1))
+    saved = torch.load(tmp_path / GOOD_STATE_NAME, weights_only=True)
+    assert all(torch.isfinite(v).all() for v in trainable(saved["state_dict"]).values())
+
+
+# ================================================================ 4. numerical soak
+@pytest.mark.slow
+def test_float32_soak_of_20000_steps_on_a_100_class_head():
+    """20,000 float32 LoKO steps, 100 classes, a stream of exact duplicates (runs of 8 repeats) and inputs scaled so
+    that the softmax is near one-hot (often exactly one-hot in float32, so H ≈ 0 and S ≈ R, singular). Nothing may go
+    non-finite, p̂ stays > 0 and the S pseudo-inverse never fails (every step applied, none skipped)."""
+    torch.manual_seed(0)
+    m, d, steps = 100, 16, 20_000
+    model = nn.Sequential(nn.Linear(d, 32), nn.ReLU(), nn.Linear(32, m))
+    params = list(model.parameters())
+    opt = LoKO(params, p0=0.2, seed=0, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    pool_x, pool_y = torch.randn(40, d, generator=gen), torch.randint(m, (40,), generator=gen)
+    draws = torch.randint(40, (steps,), generator=gen)
+    cond, p_min, top = torch.empty(steps), torch.empty(steps), torch.empty(steps)
+    start = time.perf_counter()
+    for k in range(steps):
+        i = draws[k - k % 8] if (k // 8) % 4 == 0 else draws[k]  # one block of 8 in 4 repeats a single sample
+        x = pool_x[i][None] * (20.0 if k % 3 == 0 else 1.0)  # ReLU net: logits x20, softmax near one-hot
+        y = F.one_hot(pool_y[i], m).float()
+
+        def closure(x=x, y=y):
+            prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+            return prediction, y, jacobians
+
+        prediction, _, _ = opt.step(closure)
+        diagnostics = opt.diagnostics
+        cond[k], p_min[k], top[k] = diagnostics["cond"], diagnostics["p_min"], prediction.max()
+    elapsed = time.perf_counter() - start
+    state = opt.state[params[0]]
+    assert int(diagnostics["step"]) == steps and int(diagnostics["skipped"]) == 0
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(torch.isfinite(opt.state[p]["cov"]).all() and (opt.state[p]["cov"] > 0).all() for p in params)
+    assert torch.isfinite(state["noise"]).all() and state["noise"].dtype == torch.float32
+    assert torch.isfinite(cond).all() and (p_min > 0).all()
+    assert (top > 1 - 1e-6).float().mean() > 0.1, "the stream should hold many near-one-hot predictions"
+    print(f"soak: {steps} steps in {elapsed:.0f} s; worst kept-spectrum condition number of S {cond.max():.3g} "
+          f"(cut-off 1/rcond = {1 / (10 * m * torch.finfo(torch.float32).eps):.3g}); min p̂ {p_min.min():.3g}; "
+          f"{100 * (top > 1 - 1e-6).float().mean():.0f}% predictions within 1e-6 of one-hot")
+
+
+# ================================================================ 5. device hygiene
+HOST_READS = ("item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Count the Python-level ways to read a tensor on the host (each a device sync on a GPU)."""
+    counts = collections.Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name, method):
+        def wrapper(self, *args, **kwargs):
+            # torch.optim's AdamW/Adagrad read their step counters, kept on the CPU by design: no device sync.
+            if f"torch{os.sep}optim{os.sep}" not in sys._getframe(1).f_code.co_filename:
+                counts[name] += 1
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, method in saved.items():
+        setattr(torch.Tensor, name, counting(name, method))
+    try:
+        yield counts
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_loko_step_and_jacobian_read_nothing_on_the_host():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+    params = list(model.parameters())
+    opt = LoKO(params, p0=0.1, seed=0)
+    x, y = torch.randn(1, 3, 8, 8), F.one_hot(torch.tensor(2), 10).float()
+
+    def closure():
+        prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+        return prediction, y, jacobians
+
+    opt.step(closure)
+    with count_host_reads() as counts:
+        for _ in range(3):
+            opt.step(closure)
+        diagnostics = opt.diagnostics
+    assert not counts, counts
+    assert bool(diagnostics["applied"])
+
+
+@pytest.mark.parametrize(("optimizer", "allowed"), [("loko", {}), ("adamw", {"__bool__": 1})])
+def test_training_step_reads_nothing_on_the_host_beyond_the_documented(optimizer, allowed):
+    """LoKO's training step (prediction, Jacobian, update, metrics, logging without a progress bar) reads nothing on
+    the host; the baselines read one bool per step (a NaN loss must not reach AdamW's moments). The divergence guard
+    (every guard_every samples) and Lightning's logger are outside the step and read by design."""
+    torch.manual_seed(0)
+    model = tiny(optimizer=optimizer, guard_every=0)
+    counts, steps = collections.Counter(), []
+    original = model.training_step
+
+    def counted(batch, batch_idx):
+        with count_host_reads() as step_counts:
+            original(batch, batch_idx)
+        if batch_idx > 0:  # the first step creates the filter state
+            counts.update(step_counts)
+            steps.append(batch_idx)
+
+    model.training_step = counted
+    trainer().fit(model, DataLoader(stream(4), batch_size=1))
+    assert len(steps) == 3
+    assert dict(counts) == {name: n * len(steps) for name, n in allowed.items()}
+
+
+@pytest.mark.parametrize("kalman_dtype", ["float32", "float64"])
+def test_kalman_update_keeps_its_dtype_under_bf16_mixed_precision(kalman_dtype, monkeypatch):
+    """Under `precision="bf16-mixed"` the forward pass and the Jacobian run under autocast (bf16), the Kalman update
+    with autocast off in the filter dtype: p̂ and R stay float32 (or float64) and nothing is NaN."""
+    calls = []
+    real_update, real_jacobian = optim_lib.loko_update, module_lib.jacobian
+
+    def update(params, jacobians, covs, prediction, target, noise, step, **kwargs):
+        calls.append(("update", torch.is_autocast_enabled("cpu"), covs[0].dtype, noise.dtype))
+        return real_update(params, jacobians, covs, prediction, target, noise, step, **kwargs)
+
+    def jacobian_under(*args, **kwargs):
+        calls.append(("jacobian", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real_jacobian(*args, **kwargs)
+
+    monkeypatch.setattr(optim_lib, "loko_update", update)
+    monkeypatch.setattr(module_lib, "jacobian", jacobian_under)
+    torch.manual_seed(0)
+    model = tiny(kalman_dtype=kalman_dtype)
+    fit = trainer(precision="bf16-mixed")
+    fit.fit(model, DataLoader(stream(6), batch_size=1))
+    dtype = getattr(torch, kalman_dtype)
+    assert calls[0::2] == [("jacobian", True, torch.bfloat16)] * 6
+    assert calls[1::2] == [("update", False, dtype, dtype)] * 6
+    opt = fit.optimizers[0]
+    assert int(opt.diagnostics["step"]) == 6 and int(model.skipped) == 0
+    for param in model.trainable_parameters:
+        assert param.dtype == torch.float32 and torch.isfinite(param).all()
+        assert opt.state[param]["cov"].dtype == dtype and (opt.state[param]["cov"] > 0).all()
+    noise = opt.state[model.trainable_parameters[0]]["noise"]
+    assert noise.dtype == dtype and torch.isfinite(noise).all()
+    assert math.isfinite(float(fit.logged_metrics["train/loss_avg1000"]))
+
+
+def _mlp_problem(m=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, m))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    xs = torch.randn(4, 1, 8, generator=gen)
+    ys = F.one_hot(torch.randint(m, (4,), generator=gen), m).float()
+    return model, xs, ys
+
+
+def _run_loko(model, xs, ys, device, dtype=torch.float32):
+    model = model.to(device=device, dtype=dtype)
+    params = list(model.parameters())
+    opt = LoKO(params, p0=0.1, p0_init="constant", dtype=dtype)
+    conds = []
+    for x, y in zip(xs, ys, strict=True):
+        x, y = x.to(device, dtype), y.to(device, dtype)
+
+        def closure(x=x, y=y):
+            prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+            return prediction, y, jacobians
+
+        opt.step(closure)
+        conds.append(opt.diagnostics["cond"])
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).double().cpu()
+    cov = torch.cat([opt.state[p]["cov"].reshape(-1) for p in params]).double().cpu()
+    return flat, cov, max(float(c) for c in conds)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_float32_loko_is_within_rounding_of_float64(device):
+    """Four float32 LoKO steps (on the CPU, and on CUDA where there is one) against float64 from the same state: the
+    CUDA and CPU steps agree because each lies within float32 rounding of the exact result. The bound, per norm: each
+    step rounds the stored parameters (|θ|·eps) and computes the update from sums of <= n = 229 products (relative
+    error <= n·eps of H P Hᵀ, S, Hᵀw), which the pseudo-inverse of S amplifies by at most its kept condition number
+    κ; so |θ_32 - θ_64| <= eps·(4·|θ| + κ·n·|θ_64 - θ_0|), and likewise for p̂. A worst-case bound (on the CPU the
+    error is ~1e-3 of it), yet a wrong kernel or a lost update misses it by orders of magnitude."""
+    model, xs, ys = _mlp_problem()
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    exact, exact_cov, kappa = _run_loko(copy.deepcopy(model), xs, ys, "cpu", torch.float64)
+    params, cov, _ = _run_loko(copy.deepcopy(model), xs, ys, device)
+    n, eps, steps = start.numel(), torch.finfo(torch.float32).eps, len(xs)
+    assert n == 229 and kappa < 1e4
+    assert (params - exact).norm() <= eps * (steps * exact.norm() + kappa * n * (exact - start).norm())
+    assert (cov - exact_cov).norm() <= eps * (steps * exact_cov.norm() + kappa * n * (exact_cov - 0.1).norm())
+
+
+@pytest.mark.gpu
+def test_loko_hot_path_syncs_on_cuda_only_in_the_eigendecomposition():
+    """With CUDA's sync debug mode, a LoKO step (Jacobian + update) syncs no more than one `torch.linalg.eigh` of the
+    same size does alone (LAPACK-style error checking reads an info flag on the host); nothing else may sync."""
+    model, xs, ys = _mlp_problem(m=10)
+    model = model.cuda()
+    params = list(model.parameters())
+    opt = LoKO(params, p0=0.1, seed=0)
+    x, y = xs[0].cuda(), ys[0].cuda()
+
+    def closure():
+        prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+        return prediction, y, jacobians
+
+    opt.step(closure)
+    spd = torch.eye(10, device="cuda") + 0.1
+    torch.linalg.eigh(spd)
+    torch.cuda.synchronize()
+
+    def syncs(fn, repeat=3):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(repeat):
+                    fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in record)
+
+    baseline = syncs(lambda: torch.linalg.eigh(spd))
+    assert syncs(lambda: opt.step(closure)) <= baseline
