@@ -148,6 +148,7 @@ def model_kwargs(args: argparse.Namespace, optimizer: str, num_classes: int) -> 
         "weights": args.weights,
         "target": args.target,
         "r": args.rank,
+        "head_init": args.head_init,
         "optimizer": optimizer,
         "window": args.window,
         "guard_every": args.guard_every,
@@ -347,7 +348,8 @@ def setting_text(args: argparse.Namespace) -> str:
     loko = f"p0={args.p0:g} ({args.p0_init}), beta={args.beta:g}, R={args.r_estimator}"
     return (
         f"{args.dataset}, {args.backbone} ({weights} weights), {args.image_size or 'native'} px, LoRA rank "
-        f"{args.rank} on {args.target}, {args.samples} samples/run, seeds {', '.join(map(str, args.seeds))}; "
+        f"{args.rank} on {args.target}, head init {args.head_init}, {args.samples} samples/run, "
+        f"seeds {', '.join(map(str, args.seeds))}; "
         f"LoKO {loko}; AdamW/AdaGrad: the paper's defaults unless overridden "
         f"(adamw_lr={args.adamw_lr}, adagrad_lr={args.adagrad_lr})"
     )
@@ -380,6 +382,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     model.add_argument("--target", default="convs", help="adapter placement ('convs', 'query', regex)")
     model.add_argument("--rank", type=int, default=4, help="LoRA rank")
+    model.add_argument(
+        "--head-init", default="zeros", choices=("zeros", "timm"), help="new head's initialisation (model.head_init)"
+    )
     model.add_argument("--window", type=int, default=1000, help="moving-average window of the losses")
     model.add_argument("--guard-every", type=int, default=100, help="divergence check period in samples (0: off)")
     runs = parser.add_argument_group("runs")

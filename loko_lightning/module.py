@@ -76,6 +76,8 @@ class OnlineClassifier(pl.LightningModule):
         alpha: LoRA scaling numerator (scale ``alpha / r``); default ``r``.
         dropout: LoRA dropout (baselines only; LoKO's Jacobian needs a deterministic model, so it must be 0).
         use_dora: DoRA instead of LoRA.
+        head_init: initialisation of the new head: ``"zeros"`` (default; the first prediction is uniform) or
+            ``"timm"`` (the backbone's own; see :func:`~loko_lightning.adapters.build_model`).
         optimizer: ``"loko"``, ``"adamw"`` or ``"adagrad"``.
         p0: LoKO's initial covariance scale (upper bound of ``U(0, p0)`` or the constant).
         p0_init: ``"uniform"`` (paper method 2) or ``"constant"`` (method 1).
@@ -117,6 +119,7 @@ class OnlineClassifier(pl.LightningModule):
         alpha: float | None = None,
         dropout: float = 0.0,
         use_dora: bool = False,
+        head_init: Literal["zeros", "timm"] = "zeros",
         optimizer: OptimizerName = "loko",
         p0: float = 0.2,
         p0_init: Literal["uniform", "constant"] = "uniform",
@@ -154,6 +157,7 @@ class OnlineClassifier(pl.LightningModule):
             alpha=alpha,
             dropout=dropout,
             use_dora=use_dora,
+            head_init=head_init,
         )
         if optimizer == "loko":
             # Validate the filter's hyperparameters now (a bad config fails at parse time, not mid-run).

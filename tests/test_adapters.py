@@ -23,7 +23,7 @@ def test_convs_preset_is_every_groups1_conv_and_keeps_function():
     plain = sorted(n for n, m in base.named_modules() if isinstance(m, nn.Conv2d) and m.groups == 1)
     assert grouped, "test_efficientnet has depthwise convs: the preset must skip them"
     torch.manual_seed(0)
-    model = build_model("test_efficientnet", 10, target="convs", r=2)
+    model = build_model("test_efficientnet", 10, target="convs", r=2, head_init="timm")
     assert adapted(model) == plain
     # peft initialises B = 0, so the adapted model computes what the backbone computes.
     x = torch.randn(1, 3, 32, 32)
@@ -44,7 +44,7 @@ def test_query_preset_adapts_only_the_query_rows_of_fused_qkv():
     torch.testing.assert_close(split(h), fused(h))
 
     torch.manual_seed(0)
-    model = build_model("test_vit", 5, target="query", r=2)
+    model = build_model("test_vit", 5, target="query", r=2, head_init="timm")
     depth = len(base.blocks)
     assert adapted(model) == sorted(f"blocks.{i}.attn.qkv.q" for i in range(depth))
     torch.testing.assert_close(model(x), expected)
@@ -59,6 +59,23 @@ def test_query_preset_adapts_only_the_query_rows_of_fused_qkv():
     assert not torch.allclose(out[..., :dim], fused(h)[..., :dim])
     trainable, _ = count_parameters(model)
     assert trainable == depth * 2 * (2 * fused.in_features) + (fused.in_features + 1) * 5
+
+
+def test_head_starts_at_zero_unless_asked_for_timms_init():
+    """The default zero head predicts uniformly at first (cross-entropy log m); "timm" keeps the backbone's init."""
+    x = torch.randn(1, 3, 32, 32)
+    model = build_model("test_efficientnet", 10, target="convs", r=2)
+    head = model.base_model.model.classifier.modules_to_save.default
+    assert not head.weight.any() and not head.bias.any()
+    torch.testing.assert_close(model(x), torch.zeros(1, 10))
+    torch.manual_seed(0)
+    base = timm.create_model("test_efficientnet", num_classes=10)
+    torch.manual_seed(0)
+    timm_head = build_model("test_efficientnet", 10, target="convs", r=2, head_init="timm")
+    torch.testing.assert_close(timm_head.base_model.model.classifier.modules_to_save.default.weight,
+                               base.classifier.weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"model.head_init='ones'.*zeros, timm"):
+        build_model("test_efficientnet", 10, head_init="ones")
 
 
 def test_explicit_names_and_regex_targets():

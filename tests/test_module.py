@@ -192,7 +192,7 @@ def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
 
 def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state(tmp_path):
     torch.manual_seed(0)
-    module = tiny(p0=1e6, p0_init="constant", guard_every=20)
+    module = tiny(p0=1e6, p0_init="constant", guard_every=20, head_init="timm")  # diverges from a random head
     t = trainer(default_root_dir=tmp_path)
     with pytest.raises(DivergenceError, match=r"model.p0: loko diverged by sample \d+: the cross-entropy .* "
                                                r"restart with --model.p0 100000\. .*good-before-divergence.ckpt"):
