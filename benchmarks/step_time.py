@@ -41,7 +41,7 @@ from loko_lightning.adapters import build_model
 
 def build(backbone: str, num_classes: int) -> nn.Module:
     """The backbone with LoRA rank 4 on every ``groups == 1`` conv and a new ``num_classes`` head, in eval mode."""
-    return build_model(backbone, num_classes, pretrained=False, target="convs", r=4).eval()
+    return build_model(backbone, num_classes, pretrained=False, target="convs", r=4, head_init="timm").eval()
 
 
 def loko_step(model, opt, x, y_onehot, timings):

@@ -10,40 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
+from runs import outputs
 
 from loko_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
-
-
-def outputs(tmp_path, name="run", every=100, keep_all=False):
-    """A second --config that sends logs and checkpoints into tmp_path (a later config replaces lists whole)."""
-    override = {
-        "trainer": {
-            "enable_progress_bar": False,
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path), "name": name},
-            },
-            "callbacks": [
-                {
-                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                    "init_args": {
-                        "dirpath": str(tmp_path / name / "checkpoints"),
-                        "every_n_train_steps": every,
-                        "save_last": True,
-                        "save_top_k": -1 if keep_all else 1,
-                    },
-                },
-                {"class_path": "loko_lightning.callbacks.OnlineReport"},
-            ],
-        }
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(override))
-    return ["--config", str(path)]
 
 
 def test_debug_config_end_to_end(tmp_path, caplog):

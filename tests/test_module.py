@@ -4,43 +4,12 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
+from runs import loader, stream, tiny, trainer
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO, jacobian
-from loko_lightning.module import DivergenceError, OnlineClassifier
-
-
-def tiny(**kwargs):
-    defaults = dict(backbone="test_resnet", num_classes=4, pretrained=False, r=2)
-    return OnlineClassifier(**{**defaults, **kwargs})
-
-
-def stream(n, num_classes=4, size=32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    centres = torch.randn(num_classes, 3, size, size, generator=gen)
-    items = []
-    for i in range(n):
-        label = int(torch.randint(num_classes, (), generator=gen))
-        image = centres[label] + 0.5 * torch.randn(3, size, size, generator=gen)
-        items.append({"image": image, "label": torch.tensor(label), "position": torch.tensor(i)})
-    return items
-
-
-def loader(items):
-    return DataLoader(items, batch_size=1, shuffle=False)
-
-
-def trainer(**kwargs):
-    defaults = dict(
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return pl.Trainer(**{**defaults, **kwargs})
+from loko_lightning.module import DivergenceError
 
 
 @pytest.mark.parametrize("optimizer", ["loko", "adamw", "adagrad"])

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import runs
 import torch
-import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
+from runs import stream, tiny, trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -30,7 +31,7 @@ from loko_lightning import LoKO, jacobian
 from loko_lightning.cli import AtomicCheckpointIO, main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.functional import OuterJacobian
-from loko_lightning.module import GOOD_STATE_NAME, DivergenceError, OnlineClassifier
+from loko_lightning.module import GOOD_STATE_NAME, DivergenceError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
@@ -47,31 +48,8 @@ def _one_thread():
 
 # ---------------------------------------------------------------- helpers
 def outputs(tmp_path, name="run", every=10, keep_all=False):
-    """A second --config sending logs and checkpoints into tmp_path (a later config replaces lists whole)."""
-    override = {
-        "trainer": {
-            "enable_progress_bar": False,
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.CSVLogger",
-                "init_args": {"save_dir": str(tmp_path), "name": name},
-            },
-            "callbacks": [
-                {
-                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                    "init_args": {
-                        "dirpath": str(tmp_path / name / "checkpoints"),
-                        "every_n_train_steps": every,
-                        "save_last": True,
-                        "save_top_k": -1 if keep_all else 1,
-                    },
-                },
-                {"class_path": "loko_lightning.callbacks.OnlineReport", "init_args": {"plot": False}},
-            ],
-        }
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(override))
-    return ["--config", str(path)]
+    """Logs and checkpoints (every 10 samples) into tmp_path, no plot."""
+    return runs.outputs(tmp_path, name, every=every, keep_all=keep_all, plot=False)
 
 
 def run_cli(args, capsys):
@@ -84,34 +62,6 @@ def run_cli(args, capsys):
         code = exit_info.code
     err = capsys.readouterr().err.strip().splitlines()
     return code, (err[-1] if err else ""), sum(line.startswith("loko:") for line in err)
-
-
-def tiny(**kwargs):
-    defaults = dict(backbone="test_resnet", num_classes=4, pretrained=False, r=2)
-    return OnlineClassifier(**{**defaults, **kwargs})
-
-
-def stream(n, num_classes=4, size=32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    centres = torch.randn(num_classes, 3, size, size, generator=gen)
-    items = []
-    for i in range(n):
-        label = int(torch.randint(num_classes, (), generator=gen))
-        image = centres[label] + 0.5 * torch.randn(3, size, size, generator=gen)
-        items.append({"image": image, "label": torch.tensor(label), "position": torch.tensor(i)})
-    return items
-
-
-def trainer(**kwargs):
-    defaults = dict(
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return pl.Trainer(**{**defaults, **kwargs})
 
 
 def trainable(state_dict):

@@ -1,0 +1,72 @@
+"""Shared pieces of the module, CLI and reliability tests: a tiny module, a separable stream, a quiet trainer,
+and a config override that sends a CLI run's logs and checkpoints into a test's folder."""
+
+import lightning.pytorch as pl
+import torch
+import yaml
+from torch.utils.data import DataLoader
+
+from loko_lightning.module import OnlineClassifier
+
+
+def tiny(**kwargs):
+    """timm's ``test_resnet`` with rank-2 LoRA and a 4-class head (random backbone: no download)."""
+    defaults = dict(backbone="test_resnet", num_classes=4, pretrained=False, r=2)
+    return OnlineClassifier(**{**defaults, **kwargs})
+
+
+def stream(n, num_classes=4, size=32, seed=0):
+    """``n`` samples in the DataModule's batch format: noisy copies of one random image per class."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(num_classes, 3, size, size, generator=gen)
+    items = []
+    for i in range(n):
+        label = int(torch.randint(num_classes, (), generator=gen))
+        image = centres[label] + 0.5 * torch.randn(3, size, size, generator=gen)
+        items.append({"image": image, "label": torch.tensor(label), "position": torch.tensor(i)})
+    return items
+
+
+def loader(items):
+    return DataLoader(items, batch_size=1, shuffle=False)
+
+
+def trainer(**kwargs):
+    """One epoch, nothing written and nothing printed unless asked for."""
+    defaults = dict(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True):
+    """A second --config sending logs and checkpoints into tmp_path (a later config replaces lists whole)."""
+    override = {
+        "trainer": {
+            "enable_progress_bar": False,
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(tmp_path), "name": name},
+            },
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {
+                        "dirpath": str(tmp_path / name / "checkpoints"),
+                        "every_n_train_steps": every,
+                        "save_last": True,
+                        "save_top_k": -1 if keep_all else 1,
+                    },
+                },
+                {"class_path": "loko_lightning.callbacks.OnlineReport", "init_args": {"plot": plot}},
+            ],
+        }
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(override))
+    return ["--config", str(path)]
