@@ -368,6 +368,14 @@ class OnlineClassifier(pl.LightningModule):
             if hp.optimizer == "loko"
             else f"Restart with a smaller learning rate, e.g. --model.lr {self._baseline_lr() / 10:g}"
         )
+        snapshot = getattr(self, "_last_good", None)
+        first_check = snapshot is not None and snapshot["step"] == self._start_step
+        if ce > limit and first_check and hp.head_init != "zeros":
+            # Nothing passed a check since training started: the random head itself may be confidently wrong.
+            hint += (
+                " (or: it was above the limit at the first check, and a large random head is confidently wrong "
+                "before any update: try --model.head_init zeros)"
+            )
         field = "model.p0" if hp.optimizer == "loko" else "model.lr"
         raise DivergenceError(
             f"{field}: {hp.optimizer} diverged by sample {self.global_step}: {'; '.join(reasons)}. {hint}. {saved}"
@@ -375,6 +383,7 @@ class OnlineClassifier(pl.LightningModule):
 
     def on_train_start(self) -> None:
         """The state training starts from (initial or resumed) is the first good state of the divergence guard."""
+        self._start_step = self.global_step
         if self.hparams.guard_every:
             self._record_good_state()
 

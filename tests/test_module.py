@@ -159,6 +159,18 @@ def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
     assert module.online_acc.weight.item() == 5
 
 
+def test_guard_tripping_at_its_first_check_points_at_a_confidently_wrong_head(tmp_path):
+    """A huge random head is confidently wrong before any update: the message says so, not only "p0 too large"."""
+    torch.manual_seed(0)
+    module = tiny(p0=1e-8, guard_every=10, head_init="timm")
+    with torch.no_grad():
+        for param in module.model.base_model.model.fc.modules_to_save.default.parameters():
+            param.mul_(1e3)
+    with pytest.raises(DivergenceError, match=r"by sample 10: the cross-entropy .* --model\.p0 1e-09 \(or: it was "
+                                               r"above the limit at the first check.*--model\.head_init zeros\)"):
+        trainer(default_root_dir=tmp_path).fit(module, loader(stream(40)))
+
+
 def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state(tmp_path):
     torch.manual_seed(0)
     module = tiny(p0=1e6, p0_init="constant", guard_every=20, head_init="timm")  # diverges from a random head
