@@ -47,8 +47,10 @@ import csv
 import json
 import logging
 import math
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -184,6 +186,7 @@ def run_one(args: argparse.Namespace, optimizer: str, seed: int, overrides: dict
     kwargs.update(overrides or {})
     model = OnlineClassifier(**kwargs)
     recorder = StepRecorder(args.window, args.print_every, f"{optimizer} seed {seed}")
+    scratch = tempfile.mkdtemp(prefix="loko-compare-")
     trainer = pl.Trainer(
         accelerator="cpu" if args.cpu else "auto",
         devices=1,
@@ -195,14 +198,17 @@ def run_one(args: argparse.Namespace, optimizer: str, seed: int, overrides: dict
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[recorder],
-        default_root_dir=str(args.out / "lightning"),
+        # Scratch: the divergence guard's saved state is of no use to a benchmark and would land in --out.
+        default_root_dir=scratch,
     )
     start = time.perf_counter()
     diverged = None
     try:
         trainer.fit(model, datamodule=datamodule)
     except DivergenceError as err:
-        diverged = str(err)
+        diverged = str(err.args[0]).split(" The parameters and filter state")[0]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     wall = time.perf_counter() - start
     rows = recorder.rows
     result = RunResult(optimizer, seed, rows["online_acc"], rows["loss_avg"], rows["ce_avg"], rows["step_time"], wall)
@@ -310,6 +316,48 @@ def write_csv(results: list[RunResult], path: Path, every: int) -> None:
                 )
 
 
+def curve_table(path: Path, at: list[int]) -> str:
+    """The accuracy-after-N-samples table of a ``metrics.csv`` written by this script.
+
+    Average online accuracy and moving-average L1 loss after each of ``at`` samples, mean ± sample std over seeds,
+    one row per optimizer; a step the CSV lacks (thinned by ``--csv-every``) is an error.
+    """
+    values: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    seen: set[str] = set()
+    with path.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            seen.add(row["optimizer"])
+            step = int(row["step"])
+            if step in at:
+                values.setdefault((row["optimizer"], step), []).append(
+                    (100 * float(row["online_acc"]), float(row["loss_avg"]))
+                )
+    optimizers = [o for o in OPTIMIZERS if o in seen]
+    missing = [f"{o}@{step}" for o in optimizers for step in at if (o, step) not in values]
+    if not optimizers or missing:
+        raise SystemExit(f"compare.py: {path} has no rows for {', '.join(missing) or 'any optimizer'} (--csv-every?)")
+    header = " | ".join(f"after {step:,}" for step in at)
+    lines = [
+        f"| optimizer | {header} |",
+        "|---|" + "---|" * len(at),
+    ]
+    for optimizer in optimizers:
+        cells = []
+        for step in at:
+            accs, losses = zip(*values[optimizer, step], strict=True)
+            acc_mean, acc_std = _mean_std(list(accs))
+            loss_mean, _ = _mean_std(list(losses))
+            cells.append(f"{acc_mean:.1f} ± {acc_std:.1f} % (L1 {loss_mean:.3f})")
+        lines.append(f"| {LABELS[optimizer]} | {' | '.join(cells)} |")
+    seeds = len(values[optimizers[0], at[0]])
+    lines.append("")
+    lines.append(
+        f"Average online accuracy after that many samples, mean ± sample std over {seeds} seeds, and the mean "
+        "moving-average L1 loss then."
+    )
+    return "\n".join(lines)
+
+
 def plot(results: list[RunResult], path: Path, args: argparse.Namespace, title: str) -> None:
     """Figure 1 of the paper: moving-average L1 loss and average online accuracy vs samples."""
     import matplotlib
@@ -408,6 +456,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     output.add_argument(
         "--progress-bar", action=argparse.BooleanOptionalAction, default=False, help="Lightning progress bar"
     )
+    output.add_argument(
+        "--table-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run nothing: print the accuracy/loss-after-N-samples table of DIR/metrics.csv (see --at)",
+    )
+    output.add_argument("--at", type=int, nargs="+", default=[500, 1000, 2000, 5000], help="samples for --table-from")
     output.add_argument("--print-every", type=int, default=0, help="progress line every N steps (0: none)")
     output.add_argument(
         "--verbose", action=argparse.BooleanOptionalAction, default=False, help="Lightning's info messages"
@@ -425,6 +481,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Run the comparison and write the outputs; returns the summary."""
     args = parse_args(argv)
+    if args.table_from is not None:
+        print(curve_table(args.table_from / "metrics.csv", args.at))
+        return {}
     with quiet(args.verbose):
         return _main(args, argv)
 

@@ -88,6 +88,24 @@ def test_compare_csv_thinning(compare, tmp_path):
     assert steps == [7, 14, 20]
 
 
+def test_curve_table_from_a_written_csv(compare, tmp_path, capsys):
+    """--table-from recomputes mean ± std over seeds at the given steps from metrics.csv, running nothing."""
+    rows = [("loko", 0, 10, 0.5, 1.0), ("loko", 1, 10, 0.7, 0.8)]
+    rows += [("adamw", 0, 10, 0.4, 1.2), ("adamw", 1, 10, 0.4, 1.0)]
+    with (tmp_path / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(compare.CSV_FIELDS)
+        for optimizer, seed, step, acc, loss in rows:
+            writer.writerow([optimizer, seed, step, acc, loss, 1.0, 0.01])
+    compare.main(["--table-from", str(tmp_path), "--at", "10"])
+    lines = capsys.readouterr().out.splitlines()
+    # mean 60, sample std of (50, 70) = 14.142...; AdamW's two seeds agree: std 0.
+    assert lines[2] == "| LoKO | 60.0 ± 14.1 % (L1 0.900) |"
+    assert lines[3] == "| LoRA/AdamW | 40.0 ± 0.0 % (L1 1.100) |"
+    with pytest.raises(SystemExit, match="no rows for loko@20, adamw@20"):
+        compare.main(["--table-from", str(tmp_path), "--at", "20"])
+
+
 def test_compare_help_documents_options(compare, capsys):
     with pytest.raises(SystemExit) as exit_info:
         compare.parse_args(["--help"])
