@@ -61,8 +61,9 @@ class OnlineClassifier(pl.LightningModule):
     - ``"adamw"``/``"adagrad"``: the paper's baselines on the same adapters, a cross-entropy gradient step.
 
     Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/loss_avg{window}``,
-    ``train/ce_avg{window}``, ``train/step_time`` (seconds), ``train/lr`` (baselines) and, for LoKO,
-    ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond``, ``loko/skipped``. Validation and
+    ``train/ce_avg{window}``, ``train/step_time`` (seconds), ``train/skipped`` (non-finite samples),
+    ``train/lr`` (baselines) and, for LoKO, ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``,
+    ``loko/cond``. Validation and
     test log ordinary top-1 accuracy on the held-out split (``val/acc``, ``test/acc``).
 
     Args:
