@@ -166,8 +166,11 @@ def test_guard_tripping_at_its_first_check_points_at_a_confidently_wrong_head(tm
     with torch.no_grad():
         for param in module.model.base_model.model.fc.modules_to_save.default.parameters():
             param.mul_(1e3)
-    with pytest.raises(DivergenceError, match=r"by sample 10: the cross-entropy .* --model\.p0 1e-09 \(or: it was "
-                                               r"above the limit at the first check.*--model\.head_init zeros\)"):
+    with pytest.raises(
+        DivergenceError,
+        match=r"by sample 10: the cross-entropy .* --model\.p0 1e-09 \(or: it was "
+        r"above the limit at the first check.*--model\.head_init zeros\)",
+    ):
         trainer(default_root_dir=tmp_path).fit(module, loader(stream(40)))
 
 
@@ -185,9 +188,12 @@ def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state
     for item in items[20:]:
         item["image"] = item["image"] * 1e3
     t = trainer(default_root_dir=tmp_path)
-    with pytest.raises(DivergenceError, match=r"model.p0: loko diverged by sample 40: the cross-entropy .* "
-                                               r"restart with --model.p0 1e-09\. The parameters and filter state "
-                                               r"after sample 20 .*good-before-divergence.ckpt"):
+    with pytest.raises(
+        DivergenceError,
+        match=r"model.p0: loko diverged by sample 40: the cross-entropy .* "
+        r"restart with --model.p0 1e-09\. The parameters and filter state "
+        r"after sample 20 .*good-before-divergence.ckpt",
+    ):
         t.fit(module, loader(items))
     checkpoint = torch.load(tmp_path / "good-before-divergence.ckpt", weights_only=False)
     saved = checkpoint["state_dict"]
