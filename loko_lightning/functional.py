@@ -219,22 +219,26 @@ def _weighted_gram(jac: Tensor, weight: Tensor) -> Tensor:
     return gram
 
 
-def _gain_quad(jac: Tensor, s_pinv: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+def _gain_quad(
+    jac: Tensor, s_pinv: Tensor, weights: Tensor, gain: Tensor | None = None, quad: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``Hᵀ w`` and ``diag(Hᵀ S⁺ H)`` for a wide ``(m, n)`` matrix ``H``, in one pass over ``H``.
 
     ``[S⁺ | w]ᵀ H`` gives ``S⁺H`` (``S⁺`` is symmetric) and ``wᵀH`` together; it is formed in chunks of columns
-    that stay in cache while they are multiplied by ``H`` and summed.
+    that stay in cache while they are multiplied by ``H`` and summed. The results are written into ``gain`` and
+    ``quad`` (shape ``(n,)``) when both are given.
     """
     m, n = jac.shape
     factor = torch.cat([s_pinv, weights[:, None]], dim=1).T.contiguous()  # (m + 1, m)
     ones = torch.ones(m, dtype=jac.dtype, device=jac.device)
     chunk = max(4096, 409600 // m)
-    if n <= chunk:
-        products = factor @ jac
-        return products[m], ones @ products[:m].mul_(jac)
-    gain = torch.empty(n, dtype=jac.dtype, device=jac.device)
-    quad = torch.empty(n, dtype=jac.dtype, device=jac.device)
-    scratch = torch.empty((m + 1) * chunk, dtype=jac.dtype, device=jac.device)
+    if gain is None or quad is None:
+        if n <= chunk:
+            products = factor @ jac
+            return products[m], ones @ products[:m].mul_(jac)
+        gain = torch.empty(n, dtype=jac.dtype, device=jac.device)
+        quad = torch.empty(n, dtype=jac.dtype, device=jac.device)
+    scratch = torch.empty((m + 1) * min(chunk, n), dtype=jac.dtype, device=jac.device)
     for start in range(0, n, chunk):
         part = jac[:, start : start + chunk]
         width = part.shape[1]
@@ -242,18 +246,6 @@ def _gain_quad(jac: Tensor, s_pinv: Tensor, weights: Tensor) -> tuple[Tensor, Te
         gain[start : start + width] = products[m]
         torch.mv(products[:m].mul_(part).T, ones, out=quad[start : start + width])
     return gain, quad
-
-
-def _concat(tensors: Sequence[Tensor]) -> Tensor:
-    return tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _concat_noise(blocks: Sequence[tuple[Tensor, float]], dtype: torch.dtype, device: torch.device) -> Tensor | float:
-    """The process noise ``q`` of each block, as one scalar if they all agree, else as a flat vector."""
-    values = {q for _, q in blocks}
-    if len(values) == 1:
-        return values.pop()
-    return torch.cat([torch.full((t.numel(),), q, dtype=dtype, device=device) for t, q in blocks])
 
 
 def innovation_covariance(jacobians: Sequence[JacobianBlock], covs: Sequence[Tensor]) -> Tensor:
@@ -350,6 +342,287 @@ def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor
     return pinv, top / smallest
 
 
+def block_key(jac: JacobianBlock) -> tuple | None:
+    """The layout of one Jacobian block that an :class:`UpdatePlan` depends on (kind and shapes).
+
+    ``None`` if ``jac`` is not a Jacobian block at all.
+    """
+    if isinstance(jac, Tensor):
+        return (0, jac.shape)
+    if isinstance(jac, FactoredJacobian):
+        return (2, jac.left.shape, jac.right.shape, jac.param_shape)
+    if isinstance(jac, OuterJacobian):
+        return (1, jac.left.shape, jac.right.shape)
+    return None
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Factored blocks of one shape, processed together.
+
+    Parameters ``indices``, each ``rows x cols`` with ``k`` positions, stored consecutively from ``start`` in the
+    flat order; ``lo:hi`` are their columns among the stacked left factors (``rows`` per block for ``k = 1``,
+    ``rows · k`` otherwise).
+    """
+
+    indices: tuple[int, ...]
+    k: int
+    rows: int
+    cols: int
+    start: int
+    lo: int
+    hi: int
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.indices) * self.rows * self.cols
+
+
+class UpdatePlan:
+    """The part of a LoKO update that depends only on the layout of the Jacobian, computed once per layout.
+
+    Parameters are put in one flat order: dense blocks first (together they are one ``(m, n)`` matrix ``H``),
+    then blocks with one position (``k = 1``, :class:`OuterJacobian`-like), then factored blocks with ``k > 1``,
+    each kind grouped by shape so that a group is processed by batched products. Everything elementwise (``p̂``,
+    the gain, the covariance update) runs on flat vectors in that order. :class:`~loko_lightning.LoKO` keeps
+    ``p̂`` in such a flat vector (the per-parameter state tensors are views of it) and reuses one plan while
+    the layout does not change, so a step does no planning, no concatenation of ``p̂`` and no copy back;
+    :func:`loko_update` builds a plan per call.
+
+    Args:
+        jacobians: one block per parameter (only the kinds and shapes are used).
+        shapes: the parameters' shapes.
+        process_noise: ``q`` per parameter.
+        dtype: dtype of the Kalman arithmetic.
+        device: device of ``p̂``.
+    """
+
+    def __init__(
+        self,
+        jacobians: Sequence[JacobianBlock],
+        shapes: Sequence[torch.Size],
+        process_noise: Sequence[float],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if not jacobians:
+            raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
+        self.dtype, self.device = dtype, device
+        self.m = jacobians[0].shape[0]
+        self.shapes = [torch.Size(s) for s in shapes]
+        numels = [s.numel() for s in self.shapes]
+        self.dense = [i for i, j in enumerate(jacobians) if isinstance(j, Tensor)]
+        by_shape: dict[tuple[int, int, int], list[int]] = {}
+        for i, jac in enumerate(jacobians):
+            if isinstance(jac, FactoredJacobian):
+                key = (jac.left.shape[2], jac.left.shape[1], jac.right.shape[0])
+            elif isinstance(jac, OuterJacobian):
+                key = (1, jac.left.shape[1], jac.right.shape[0])
+            else:
+                continue
+            by_shape.setdefault(key, []).append(i)
+        self.order = list(self.dense)
+        start = self.n_dense = sum(numels[i] for i in self.dense)
+        self.outer: list[_Group] = []
+        self.factored: list[_Group] = []
+        columns = {1: 0, 2: 0}
+        for kind, groups in ((1, self.outer), (2, self.factored)):
+            for (k, rows, cols), indices in by_shape.items():
+                if (k == 1) != (kind == 1):
+                    continue
+                width = len(indices) * rows * (1 if k == 1 else k)
+                group = _Group(tuple(indices), k, rows, cols, start, columns[kind], columns[kind] + width)
+                groups.append(group)
+                self.order.extend(indices)
+                start = group.end
+                columns[kind] += width
+        self.outer_width, self.factored_width = columns[1], columns[2]
+        self.n = start
+        self.offsets = [0] * len(numels)
+        position = 0
+        for i in self.order:
+            self.offsets[i] = position
+            position += numels[i]
+        # Expected layout of dense blocks that are column blocks of one (m, N) buffer (see _dense_matrix).
+        self._dense_strides = [_contiguous_strides(self.shapes[i]) for i in self.dense]
+        self._dense_columns = [self.offsets[i] for i in self.dense]
+        qs = [float(process_noise[i]) for i in self.order]
+        if not any(qs):
+            self.q: Tensor | float | None = None
+        elif len(set(qs)) == 1:
+            self.q = qs[0]
+        else:
+            fills = zip(self.order, qs, strict=True)
+            self.q = torch.cat([torch.full((numels[i],), q, dtype=dtype, device=device) for i, q in fills])
+        self._delta = torch.empty(self.n, dtype=dtype, device=device)
+        self._delta_views = self.views(self._delta)
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter views of a flat vector in this plan's order, shaped like the parameters, in parameter order."""
+        return [flat[o : o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes, strict=True)]
+
+    def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
+        """One flat vector (in this plan's order and dtype) from per-parameter tensors (in parameter order)."""
+        return torch.cat([tensors[i].reshape(-1).to(device=self.device, dtype=self.dtype) for i in self.order])
+
+    def _dense_matrix(self, jacobians: Sequence[JacobianBlock]) -> Tensor:
+        """The dense blocks as one ``(m, n_dense)`` matrix.
+
+        A view when they are consecutive column blocks of one buffer, as :func:`loko_lightning.jacobian` returns
+        them (checked by address and strides), else a copy.
+        """
+        blocks = [jacobians[i] for i in self.dense]
+        first = blocks[0]
+        m, itemsize = self.m, first.element_size()
+        base, row_stride = first.data_ptr(), first.stride(0) if first.dim() else 0
+        tiled = first.dtype == self.dtype and (m == 1 or row_stride >= self.n_dense)
+        if tiled:
+            origin = self._dense_columns[0]
+            for block, column, strides in zip(blocks, self._dense_columns, self._dense_strides, strict=True):
+                if (
+                    block.dtype != first.dtype
+                    or block.data_ptr() != base + (column - origin) * itemsize
+                    or (m > 1 and block.stride(0) != row_stride)
+                    or not _strides_match(block, strides)
+                ):
+                    tiled = False
+                    break
+        if tiled:
+            return torch.as_strided(first, (m, self.n_dense), (row_stride if m > 1 else self.n_dense, 1))
+        return _dense_stack(blocks, m, self.dtype)
+
+    def run(
+        self,
+        params: Sequence[Tensor],
+        jacobians: Sequence[JacobianBlock],
+        cov: Tensor,
+        prediction: Tensor,
+        target: Tensor,
+        noise: Tensor,
+        step: Tensor,
+        *,
+        beta: float,
+        r_estimator: REstimator,
+        rcond: float | None = None,
+    ) -> dict[str, Tensor]:
+        """One update with ``p̂`` as the flat vector ``cov`` (this plan's order), updated in place.
+
+        See :func:`loko_update` for everything else.
+        """
+        m, dtype = self.m, self.dtype
+        prediction = prediction.to(dtype)
+        innovation = target.to(dtype) - prediction
+        prior = cov if self.q is None else cov + self.q
+
+        # H P Hᵀ. All dense blocks are one matrix H (m x n). A block with k = 1 is L ⊗ R: its term is
+        # L diag(p R²) Lᵀ, so the L of all of them side by side are one more matrix (m x Σ rows) with weights.
+        terms = []
+        if self.dense:
+            jac_d = self._dense_matrix(jacobians)
+            terms.append(_weighted_gram(jac_d, prior[: self.n_dense]))
+        outer = []
+        if self.outer:
+            lefts = [jacobians[i].left.reshape(m, -1).to(dtype) for g in self.outer for i in g.indices]
+            outer_left = lefts[0] if len(lefts) == 1 else torch.cat(lefts, dim=1)
+            weight = torch.empty(self.outer_width, dtype=dtype, device=cov.device)
+            for g in self.outer:
+                rights = [jacobians[i].right.reshape(-1).to(dtype) for i in g.indices]
+                right = rights[0][None] if g.count == 1 else torch.stack(rights)  # (G, cols)
+                right_sq = right.square()
+                prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols)
+                torch.matmul(prior_g, right_sq[:, :, None], out=weight[g.lo : g.hi].view(g.count, g.rows, 1))
+                outer.append((g, right, right_sq))
+            terms.append(_weighted_gram(outer_left, weight))
+        # Blocks with k > 1: Σ_i L_i M_i L_iᵀ over rows i, with M_i = Rᵀ diag(p_i) R (k x k).
+        factored = []
+        for g in self.factored:
+            lefts = [jacobians[i].left.to(dtype) for i in g.indices]
+            left = lefts[0] if g.count == 1 else torch.cat(lefts, dim=1)  # (m, G·rows, k)
+            rights = [jacobians[i].right.to(dtype) for i in g.indices]
+            right = (rights[0][None] if g.count == 1 else torch.stack(rights))[:, None]  # (G, 1, cols, k)
+            prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols, 1)
+            grams = (right.transpose(-1, -2) @ (prior_g * right)).view(-1, g.k, g.k)  # (G·rows, k, k)
+            left_gram = torch.bmm(left.transpose(0, 1), grams)  # (G·rows, m, k)
+            terms.append(left_gram.transpose(0, 1).reshape(m, -1) @ left.reshape(m, -1).T)
+            factored.append((g, left, right))
+        hpht = terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
+
+        new_noise = observation_noise(r_estimator, noise, innovation, hpht, prediction, step + 1, beta)
+        s_matrix = hpht + new_noise
+        finite = torch.isfinite(innovation).all() & torch.isfinite(s_matrix).all()
+        # eigh must never see NaN/Inf (LAPACK fails); a skipped step decomposes the identity instead.
+        s_matrix = torch.where(finite, s_matrix, torch.eye(m, dtype=dtype, device=s_matrix.device))
+        s_pinv, cond = psd_pinv(s_matrix, rcond)
+        weights = s_pinv @ torch.where(finite, innovation, torch.zeros_like(innovation))
+
+        # K e = p ⊙ Hᵀ w and (K H)_ii = p_i (Hᵀ S⁺ H)_ii, written straight into flat vectors in plan order.
+        delta = self._delta
+        quad = torch.empty_like(delta)
+        if self.dense:
+            _gain_quad(jac_d, s_pinv, weights, delta[: self.n_dense], quad[: self.n_dense])
+        if outer:
+            # For L ⊗ R: Hᵀ w = (Lᵀ w) ⊗ R and diag(Hᵀ S⁺ H) = diag(Lᵀ S⁺ L) ⊗ R².
+            gain_l, quad_l = _gain_quad(outer_left, s_pinv, weights)
+            for g, right, right_sq in outer:
+                shape, rows = (g.count, g.rows, g.cols), (g.count, g.rows, 1)
+                torch.mul(gain_l[g.lo : g.hi].view(rows), right[:, None], out=delta[g.start : g.end].view(shape))
+                torch.mul(quad_l[g.lo : g.hi].view(rows), right_sq[:, None], out=quad[g.start : g.end].view(shape))
+        for g, left, right in factored:
+            # Hᵀ w = (wᵀ L_i) Rᵀ per row i; diag(Hᵀ S⁺ H)_ij = R_j N_i R_jᵀ with N_i = L_iᵀ S⁺ L_i (k x k).
+            flat = left.reshape(m, -1)
+            gains = (weights @ flat).view(g.count, 1, g.rows, g.k)
+            torch.matmul(gains, right.transpose(-1, -2), out=delta[g.start : g.end].view(g.count, 1, g.rows, g.cols))
+            solved = (s_pinv @ flat).view(m, -1, g.k)
+            inner = torch.bmm(left.permute(1, 2, 0), solved.transpose(0, 1)).view(g.count, g.rows, g.k, g.k)
+            torch.sum((right @ inner).mul_(right), -1, out=quad[g.start : g.end].view(g.count, g.rows, g.cols))
+        delta.mul_(prior)
+        # (K H)_ii lies in [0, 1] in exact arithmetic; the floor keeps p̂ > 0 under rounding.
+        one = torch.ones((), dtype=dtype, device=cov.device)
+        posterior = torch.addcmul(one, prior, quad, value=-1.0).clamp_min_(torch.finfo(dtype).eps).mul_(prior)
+        # A NaN or Inf anywhere makes the sum non-finite (so does an overflowing sum, which is skipped as well).
+        applied = finite & torch.isfinite(delta.sum() + posterior.sum())
+
+        torch.where(applied, delta, one.new_zeros(()), out=delta)
+        torch.where(applied, posterior, cov, out=cov)
+        if all(p.dtype == dtype for p in params):
+            torch._foreach_add_(list(params), self._delta_views)
+        else:
+            for param, d in zip(params, self._delta_views, strict=True):
+                param.add_(d.to(param.dtype))
+        noise.copy_(torch.where(applied, new_noise, noise))
+        step.add_(applied.to(step.dtype))
+
+        p_min, p_max = torch.aminmax(cov)
+        return {
+            "applied": applied,
+            "innovation_norm": torch.linalg.vector_norm(innovation),
+            "p_mean": cov.sum() / cov.numel(),
+            "p_min": p_min,
+            "p_max": p_max,
+            "cond": cond,
+            "gain_norm": torch.linalg.vector_norm(delta),
+        }
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[tuple[int, int], ...]:
+    """``(dim, stride)`` of a contiguous tensor of ``shape``, for the dimensions of size > 1 (others are free)."""
+    strides, stride = [], 1
+    for dim in range(len(shape) - 1, -1, -1):
+        if shape[dim] > 1:
+            strides.append((dim + 1, stride))
+        stride *= shape[dim]
+    return tuple(strides)
+
+
+def _strides_match(block: Tensor, expected: tuple[tuple[int, int], ...]) -> bool:
+    strides = block.stride()
+    return all(strides[dim] == stride for dim, stride in expected)
+
+
 @torch.no_grad()
 def loko_update(
     params: Sequence[Tensor],
@@ -364,6 +637,8 @@ def loko_update(
     r_estimator: REstimator,
     process_noise: Sequence[float] | float = 0.0,
     rcond: float | None = None,
+    plan: UpdatePlan | None = None,
+    cov_flat: Tensor | None = None,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -395,136 +670,25 @@ def loko_update(
         r_estimator: see :func:`observation_noise`.
         process_noise: ``q`` added to every ``p̂`` in the predict step, one value or one per parameter.
         rcond: relative eigenvalue cut-off of the ``S`` pseudo-inverse (see :func:`psd_pinv`).
+        plan: an :class:`UpdatePlan` built for this layout of ``jacobians`` and these parameters (and
+            ``process_noise``), to reuse across steps; default: built here.
+        cov_flat: ``p̂`` as one flat vector in ``plan``'s order of which ``covs`` are views
+            (:meth:`UpdatePlan.views`); then it is updated in place and nothing is copied. Needs ``plan``.
 
     Returns:
         Diagnostics as 0-d tensors: ``applied``, ``innovation_norm``, ``p_mean``, ``p_min``, ``p_max``,
         ``cond`` (of ``S``'s kept spectrum), ``gain_norm`` (``‖K e‖``).
     """
-    dtype = covs[0].dtype
-    m = prediction.shape[0]
-    if isinstance(process_noise, (int, float)):
-        process_noise = [float(process_noise)] * len(params)
-    process_noise = [float(q) for q in process_noise]
-    prediction = prediction.to(dtype)
-    innovation = target.to(dtype) - prediction
-    blocks = {
-        i: _as_factored(j).to(dtype)
-        for i, j in enumerate(jacobians)
-        if isinstance(j, (OuterJacobian, FactoredJacobian))
-    }
-    dense = [i for i in range(len(jacobians)) if i not in blocks]
-    # Factored blocks are processed in groups of equal shape (k, rows, cols), each group batched.
-    by_shape: dict[tuple[int, int, int], list[int]] = {}
-    for i, j in blocks.items():
-        by_shape.setdefault((j.left.shape[2], j.left.shape[1], j.right.shape[0]), []).append(i)
-    outer_groups = {shape: group for shape, group in by_shape.items() if shape[0] == 1}
-    factored_groups = {shape: group for shape, group in by_shape.items() if shape[0] > 1}
-    outer = [i for group in outer_groups.values() for i in group]
-    factored = [i for group in factored_groups.values() for i in group]
-    # Everything elementwise runs on flat vectors over all parameters, in this order.
-    order = dense + outer + factored
-    sizes = [covs[i].numel() for i in order]
-    cov_flat = _concat([covs[i] for i in order])
-    noise_flat = _concat_noise([(covs[i], process_noise[i]) for i in order], dtype, cov_flat.device)
-    prior_flat = cov_flat + noise_flat if isinstance(noise_flat, Tensor) or noise_flat else cov_flat
-    n_dense = sum(sizes[: len(dense)])
-
-    # H P Hᵀ. All dense blocks are one matrix H (m x n). A block with k = 1 is L ⊗ R: its term is
-    # L diag(p R²) Lᵀ, so the L of all of them side by side are one more matrix (m x Σ rows) with weights.
-    terms = []
-    if dense:
-        jac_d = _dense_stack([jacobians[i] for i in dense], m, dtype)
-        terms.append(_weighted_gram(jac_d, prior_flat[:n_dense]))
-    start = n_dense
-    outer_parts = []
-    for (_, rows, cols), group in outer_groups.items():
-        right = torch.stack([blocks[i].right[:, 0] for i in group])[:, :, None]  # (G, cols, 1)
-        prior = prior_flat[start : start + len(group) * rows * cols].view(len(group), rows, cols)
-        start += len(group) * rows * cols
-        outer_parts.append((right, (prior @ right.square()).view(-1), len(group), rows))
-    if outer:
-        lefts = [blocks[i].left[:, :, 0] for i in outer]
-        outer_left = lefts[0] if len(lefts) == 1 else torch.cat(lefts, dim=1)
-        weight_all = torch.cat([weight for _, weight, _, _ in outer_parts])
-        terms.append(_weighted_gram(outer_left, weight_all))
-    # Blocks with k > 1: Σ_i L_i M_i L_iᵀ over rows i, with M_i = Rᵀ diag(p_i) R (k x k).
-    groups = []
-    for (k, rows, cols), group in factored_groups.items():
-        left = _stack_lefts([blocks[i] for i in group])  # (m, G·rows, k)
-        right = torch.stack([blocks[i].right for i in group])[:, None]  # (G, 1, cols, k)
-        prior = prior_flat[start : start + len(group) * rows * cols].view(len(group), rows, cols, 1)
-        start += len(group) * rows * cols
-        grams = (right.transpose(-1, -2) @ (prior * right)).view(-1, k, k)  # (G·rows, k, k)
-        left_gram = torch.bmm(left.transpose(0, 1), grams)  # (G·rows, m, k)
-        terms.append(left_gram.transpose(0, 1).reshape(m, -1) @ left.reshape(m, -1).T)
-        groups.append((left, right, len(group), rows, k))
-    if not terms:
-        raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
-    hpht = terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
-
-    new_noise = observation_noise(r_estimator, noise, innovation, hpht, prediction, step + 1, beta)
-    s_matrix = hpht + new_noise
-    finite = torch.isfinite(innovation).all() & torch.isfinite(s_matrix).all()
-    # eigh must never see NaN/Inf (LAPACK fails); a skipped step decomposes the identity instead.
-    s_matrix = torch.where(finite, s_matrix, torch.eye(s_matrix.shape[0], dtype=dtype, device=s_matrix.device))
-    s_pinv, cond = psd_pinv(s_matrix, rcond)
-    weights = s_pinv @ torch.where(finite, innovation, torch.zeros_like(innovation))
-
-    # K e = p ⊙ Hᵀ w and (K H)_ii = p_i (Hᵀ S⁺ H)_ii, flat in `order`.
-    gains, quads = [], []
-    if dense:
-        gain, quad = _gain_quad(jac_d, s_pinv, weights)
-        gains.append(gain)
-        quads.append(quad)
-    if outer:
-        # For L ⊗ R: Hᵀ w = (Lᵀ w) ⊗ R and diag(Hᵀ S⁺ H) = diag(Lᵀ S⁺ L) ⊗ R².
-        gain, quad = _gain_quad(outer_left, s_pinv, weights)
-        start = 0
-        for right, _, count, rows in outer_parts:
-            end = start + count * rows
-            gains.append((gain[start:end].view(count, rows, 1) * right.transpose(1, 2)).reshape(-1))
-            quads.append((quad[start:end].view(count, rows, 1) * right.square().transpose(1, 2)).reshape(-1))
-            start = end
-    for left, right, count, rows, k in groups:
-        # Hᵀ w = (wᵀ L_i) Rᵀ per row i; diag(Hᵀ S⁺ H)_ij = R_j N_i R_jᵀ with N_i = L_iᵀ S⁺ L_i (k x k).
-        flat = left.reshape(m, -1)
-        gains.append(((weights @ flat).view(count, 1, rows, k) @ right.transpose(-1, -2)).reshape(-1))
-        solved = (s_pinv @ flat).view(m, -1, k)
-        inner = torch.bmm(left.permute(1, 2, 0), solved.transpose(0, 1)).view(count, rows, k, k)
-        quads.append(((right @ inner) * right).sum(-1).reshape(-1))
-    delta = prior_flat * (gains[0] if len(gains) == 1 else torch.cat(gains))
-    quad = quads[0] if len(quads) == 1 else torch.cat(quads)
-    # (K H)_ii lies in [0, 1] in exact arithmetic; the floor keeps p̂ > 0 under rounding.
-    one = torch.ones((), dtype=dtype, device=quad.device)
-    posterior = torch.addcmul(one, prior_flat, quad, value=-1.0).clamp_min_(torch.finfo(dtype).eps).mul_(prior_flat)
-    # A NaN or Inf anywhere makes the sum non-finite (so does an overflowing sum, which is skipped as well).
-    applied = finite & torch.isfinite(delta.sum() + posterior.sum())
-
-    delta = torch.where(applied, delta, 0.0)
-    cov_new = torch.where(applied, posterior, cov_flat)
-    ordered_params = [params[i] for i in order]
-    steps = [d.view_as(p) for d, p in zip(torch.split(delta, sizes), ordered_params, strict=True)]
-    if all(p.dtype == dtype for p in ordered_params):
-        torch._foreach_add_(ordered_params, steps)
-    else:
-        for param, d in zip(ordered_params, steps, strict=True):
-            param.add_(d.to(param.dtype))
-    ordered_covs = [covs[i] for i in order]
-    torch._foreach_copy_(
-        ordered_covs, [c.view_as(t) for c, t in zip(torch.split(cov_new, sizes), ordered_covs, strict=True)]
-    )
-    noise.copy_(torch.where(applied, new_noise, noise))
-    step.add_(applied.to(step.dtype))
-
-    p_min, p_max = torch.aminmax(cov_new)
-    p_mean = cov_new.sum() / cov_new.numel()
-    gain_norm = torch.linalg.vector_norm(delta)
-    return {
-        "applied": applied,
-        "innovation_norm": torch.linalg.vector_norm(innovation),
-        "p_mean": p_mean,
-        "p_min": p_min,
-        "p_max": p_max,
-        "cond": cond,
-        "gain_norm": gain_norm,
-    }
+    if plan is None:
+        if cov_flat is not None:
+            raise ValueError("Invalid cov_flat: it is laid out by a plan, so pass the plan as well")
+        if isinstance(process_noise, (int, float)):
+            process_noise = [float(process_noise)] * len(params)
+        plan = UpdatePlan(jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device)
+    kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond)
+    if cov_flat is not None:
+        return plan.run(params, jacobians, cov_flat, prediction, target, noise, step, **kwargs)
+    flat = plan.flatten(covs)
+    diagnostics = plan.run(params, jacobians, flat, prediction, target, noise, step, **kwargs)
+    torch._foreach_copy_(list(covs), plan.views(flat))
+    return diagnostics

@@ -14,6 +14,8 @@ from loko_lightning.functional import (
     JacobianBlock,
     OuterJacobian,
     REstimator,
+    UpdatePlan,
+    block_key,
     loko_update,
 )
 
@@ -107,6 +109,12 @@ class LoKO(torch.optim.Optimizer):
             p0=p0, p0_init=p0_init, beta=beta, r_estimator=r_estimator, process_noise=process_noise, rcond=rcond
         )
         self._dtype = dtype
+        # The update plan for the last Jacobian layout and p̂ as one flat vector in its order (the per-parameter
+        # "cov" states are views of it); rebuilt when the layout changes or the states are replaced.
+        self._plan: UpdatePlan | None = None
+        self._plan_key: tuple | None = None
+        self._cov_flat: Tensor | None = None
+        self._cov_views: list[Tensor] = []
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["beta"] != beta or group["r_estimator"] != r_estimator or group["rcond"] != rcond:
@@ -119,6 +127,7 @@ class LoKO(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         r"""Add a param group and draw :math:`\\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
         super().add_param_group(param_group)
+        self._plan = self._plan_key = None
         group = self.param_groups[-1]
         _check_group(group)
         for param in group["params"]:
@@ -193,21 +202,33 @@ class LoKO(torch.optim.Optimizer):
             )
         prediction, target, jacobians = result
         params = self._params()
-        m = self._check_shapes(prediction, target, jacobians, params)
+        process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
+        key = self._layout_key(prediction, target, jacobians, process_noise)
+        if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
+            self._check_shapes(prediction, target, jacobians, params)
+            self._plan = None
+        m = prediction.shape[0]
         covs = [self.state[p]["cov"] for p in params]
         shared = self._shared_state(m, prediction.device, covs[0].dtype)
+        if self._plan is None:
+            self._plan = UpdatePlan(jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device)
+            self._plan_key, self._cov_flat = key, None
+        if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
+            self._flatten_covs(params, covs)
         diagnostics = loko_update(
             params,
-            [j if isinstance(j, (OuterJacobian, FactoredJacobian)) else j.detach() for j in jacobians],
-            covs,
+            jacobians,
+            [self.state[p]["cov"] for p in params],
             prediction.detach(),
             target.detach(),
             shared["noise"],
             shared["step"],
             beta=self.defaults["beta"],
             r_estimator=self.defaults["r_estimator"],
-            process_noise=[g["process_noise"] for g in self.param_groups for _ in g["params"]],
+            process_noise=process_noise,
             rcond=self.defaults["rcond"],
+            plan=self._plan,
+            cov_flat=self._cov_flat,
         )
         shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
         diagnostics["skipped"] = shared["skipped"]
@@ -224,6 +245,32 @@ class LoKO(torch.optim.Optimizer):
         ``step`` (updates applied) and ``skipped`` (updates skipped for non-finite input).
         """
         return dict(getattr(self, "_diagnostics", {}))
+
+    @staticmethod
+    def _layout_key(prediction: Any, target: Any, jacobians: Any, process_noise: list[float]) -> tuple | None:
+        """What the cached update plan depends on; ``None`` for input that needs the full checks."""
+        if not isinstance(prediction, Tensor) or not isinstance(target, Tensor):
+            return None
+        try:
+            blocks = tuple(map(block_key, jacobians))
+        except TypeError:
+            return None
+        return prediction.shape, target.shape, blocks, tuple(process_noise)
+
+    def _flatten_covs(self, params: list[Tensor], covs: list[Tensor]) -> None:
+        """Keep ``p̂`` as one flat vector in the plan's order, the per-parameter states being views of it.
+
+        Only when every ``p̂`` has the plan's dtype and device (otherwise :func:`loko_update` gathers and
+        scatters them each step).
+        """
+        plan = self._plan
+        if any(c.dtype != plan.dtype or c.device != plan.device for c in covs):
+            self._cov_flat, self._cov_views = None, []
+            return
+        self._cov_flat = plan.flatten(covs)
+        self._cov_views = plan.views(self._cov_flat)
+        for param, view in zip(params, self._cov_views, strict=True):
+            self.state[param]["cov"] = view
 
     def _check_shapes(
         self, prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock], params: list[Tensor]

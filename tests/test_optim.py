@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
-from loko_lightning.functional import FactoredJacobian, psd_pinv
+from loko_lightning.functional import FactoredJacobian, loko_update, psd_pinv
 
 ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
 
@@ -410,3 +410,36 @@ def test_factored_jacobian_shapes_are_checked_and_non_finite_skips():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     opt.step(lambda: (prediction, y, [good, *jacs[1:]]))
     assert opt.diagnostics["applied"].item()
+
+
+def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
+    """LoKO keeps one update plan and p̂ as one flat vector between steps; that must not change any number.
+
+    The stateless :func:`loko_update` (a plan built per call, p̂ gathered from and scattered back to separate
+    tensors) is run beside the optimizer on the same Jacobians. The layout changes mid-stream (dense, then
+    factored blocks, then dense again: a new plan and a new flat order each time), and the optimizer's state is
+    replaced by ``load_state_dict`` mid-stream (the flat vector must be rebuilt from the new tensors). Both sides
+    do the same operations on the same values, so they agree exactly.
+    """
+    torch.manual_seed(4)
+    model = SmallConvNet().double()
+    model_b = copy.deepcopy(model)
+    opt = LoKO(model.parameters(), seed=0, process_noise=1e-4)
+    params_b = list(model_b.parameters())
+    covs = [opt.state[p]["cov"].clone() for p in model.parameters()]
+    noise, step = torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+    for i, (x, y) in enumerate(conv_stream(12)):
+        factorize = 4 <= i < 8
+        prediction, jacs = jacobian(model, x, factorize=factorize)
+        prediction_b, jacs_b = jacobian(model_b, x, factorize=factorize)
+        assert torch.equal(prediction, prediction_b)
+        opt.step(lambda: (prediction, y, jacs))  # noqa: B023 (called at once)
+        loko_update(
+            params_b, jacs_b, covs, prediction_b, y, noise, step, beta=0.95, r_estimator="taylor", process_noise=1e-4
+        )
+        if i == 9:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        for p, q, cov in zip(model.parameters(), params_b, covs, strict=True):
+            assert torch.equal(p, q), i
+            assert torch.equal(opt.state[p]["cov"], cov), i
+    assert opt.diagnostics["step"].item() == 12
