@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn import functional as F
 
+from loko_lightning import _backward
 from loko_lightning.functional import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
 
 Output = Literal["softmax", "identity"]
@@ -93,10 +94,10 @@ def jacobian(
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
     if not params:
         raise ValueError("Invalid params: no trainable parameters (none has requires_grad=True)")
-    layers = _scan(model, params, fast=not torch.is_autocast_enabled(inputs.device.type))
-    result = _jacobian(model, inputs, params, layers, output, chunk_size, factorize_head or factorize, factorize)
+    scan = _scan(model, params, fast=not torch.is_autocast_enabled(inputs.device.type))
+    result = _jacobian(model, inputs, params, scan, output, chunk_size, factorize_head or factorize, factorize)
     if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
-        result = _jacobian(model, inputs, params, {}, output, chunk_size, False, False)
+        result = _jacobian(model, inputs, params, _Scan(), output, chunk_size, False, False)
     return result
 
 
@@ -117,49 +118,104 @@ class _Layer:
     saved: dict[str, Any] = field(default_factory=dict)
 
 
-def _scan(model: nn.Module, params: list[Tensor], *, fast: bool) -> dict[nn.Module, _Layer]:
-    """Refuse normalisation layers in training mode; find the fast-path layers.
+def _scan(model: nn.Module, params: list[Tensor], *, fast: bool) -> _Scan:
+    """Refuse normalisation layers in training mode; find the fast-path layers and the frozen layers.
 
     Fast path: ``nn.Linear`` and ``nn.Conv2d`` (``groups == 1``, the plain ``forward``) whose weight is in
-    ``params``, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw.
+    ``params``, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw. Frozen batch norms
+    and convolutions get a cheaper backward where one exists (:mod:`loko_lightning._backward`).
     """
     wanted = {id(p) for p in params}
-    layers: dict[nn.Module, _Layer] = {}
-    for module in model.modules():
-        if isinstance(module, _BATCH_NORMS) and module.training and module.track_running_stats:
-            name = next(n for n, mod in model.named_modules() if mod is module)
-            raise ValueError(
-                f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) is in training mode; at "
-                "batch size 1 put it in eval mode (model.eval() or loko_lightning.adapters.freeze_normalization)"
-            )
+    scan = _Scan()
+    for module in _modules(model):
+        kind = _KINDS.get(type(module))
+        if kind is None:
+            kind = _kind(type(module))
+        if kind == _OTHER:
+            continue
+        if kind == _NORM:
+            if module.training and module.track_running_stats:
+                name = next(n for n, mod in model.named_modules() if mod is module)
+                raise ValueError(
+                    f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) is in training mode; "
+                    "at batch size 1 put it in eval mode (model.eval() or "
+                    "loko_lightning.adapters.freeze_normalization)"
+                )
+            if fast and _backward.is_frozen_norm(module, wanted):
+                scan.norms.append(module)
+            continue
         if not fast:
             continue
-        forward = type(module).forward
-        if not (forward is nn.Linear.forward or (forward is nn.Conv2d.forward and module.groups == 1)):
+        if kind == _CONV and _backward.is_frozen_conv(module, wanted):
+            scan.convs.append(module)
+            continue
+        if kind == _CONV and module.groups != 1:
             continue
         weight = module._parameters.get("weight")
         if not isinstance(weight, Tensor) or id(weight) not in wanted:
             continue
         bias = module._parameters.get("bias")
         swap = ["weight", "bias"] if isinstance(bias, Tensor) and id(bias) in wanted else ["weight"]
-        layers[module] = _Layer(module, swap)
-    return layers
+        scan.layers[module] = _Layer(module, swap)
+    return scan
+
+
+_OTHER, _NORM, _LINEAR, _CONV = range(4)
+_KINDS: dict[type, int] = {}  # module class -> what _scan looks for in it
+
+
+def _kind(cls: type) -> int:
+    if issubclass(cls, _BATCH_NORMS):
+        kind = _NORM
+    elif cls.forward is nn.Linear.forward:
+        kind = _LINEAR
+    elif cls.forward is nn.Conv2d.forward:
+        kind = _CONV
+    else:
+        kind = _OTHER
+    _KINDS[cls] = kind
+    return kind
+
+
+def _modules(model: nn.Module) -> list[nn.Module]:
+    """``model.modules()`` (each module once, depth first in registration order), without building names."""
+    seen, order, stack = set(), [], [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        order.append(module)
+        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return order
+
+
+@dataclass
+class _Scan:
+    layers: dict[nn.Module, _Layer] = field(default_factory=dict)  # fast-path layers
+    norms: list[nn.Module] = field(default_factory=list)  # frozen batch norms
+    convs: list[nn.Module] = field(default_factory=list)  # frozen convolutions
 
 
 def _jacobian(
     model: nn.Module,
     inputs: Tensor,
     params: list[Tensor],
-    layers: dict[nn.Module, _Layer],
+    scan: _Scan,
     output: Output,
     chunk_size: int | None,
     factorize_head: bool,
     factorize: bool,
 ) -> tuple[Tensor, list[JacobianBlock]] | None:
+    layers = scan.layers
     hooks = []
     for layer in layers.values():
         hooks.append(layer.module.register_forward_pre_hook(_pre_hook(layer), with_kwargs=True))
         hooks.append(layer.module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
+    for norm in scan.norms:
+        hooks.append(norm.register_forward_hook(_backward.norm_hook, prepend=True))
+    for conv in scan.convs:
+        hooks.append(conv.register_forward_hook(_backward.conv_hook, prepend=True))
     try:
         with torch.enable_grad():
             raw = model(inputs)
@@ -287,13 +343,16 @@ def _pre_hook(layer: _Layer):
 
 
 def _post_hook(layer: _Layer):
-    def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+    def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
         if not layer.saved:  # a call the pre-hook left alone
-            return
+            return None
         module._parameters.update(layer.saved)
         layer.saved.clear()
-        if isinstance(out, Tensor) and out.requires_grad:  # otherwise the layer ran without grad: no contribution
-            layer.calls.append(_Call(args[0], args[0]._version, get_gradient_edge(out)))
+        if not isinstance(out, Tensor) or not out.requires_grad:  # the layer ran without grad: no contribution
+            return None
+        out = _backward.pointwise_hook(module, args[0], out)
+        layer.calls.append(_Call(args[0], args[0]._version, get_gradient_edge(out)))
+        return out
 
     return hook
 

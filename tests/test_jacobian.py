@@ -334,3 +334,96 @@ def test_single_output_position_convolutions():
     model = Deep()
     for factorize in (False, True):
         assert_jacobians_equal(model, torch.randn(1, 3, 2, 2), factorize=factorize)
+
+
+class FrozenZoo(nn.Module):
+    """Trainable layers around frozen convolutions and batch norms of every geometry the shortcuts handle.
+
+    The first layer is trainable, so its Jacobian needs the cotangent through every frozen layer after it.
+    """
+
+    def __init__(self, m=4):
+        super().__init__()
+        self.first = nn.Conv2d(3, 6, 3, padding=1)  # trainable: 6 x 16 x 16
+        self.big = nn.Conv2d(6, 6, 3, padding=1)  # frozen, large map: generic backward
+        self.norm = nn.BatchNorm2d(6)
+        self.down = nn.Conv2d(6, 5, 3, stride=4, padding=1)  # frozen, 16x16 -> 4x4: dense
+        self.pointwise = nn.Conv2d(5, 7, 1)  # frozen pointwise
+        self.plain_norm = nn.BatchNorm2d(7, affine=False)
+        self.batch_stats = nn.BatchNorm2d(7, track_running_stats=False)  # uses batch statistics: no shortcut
+        self.dilated = nn.Conv2d(7, 4, 3, padding=2, dilation=2)  # frozen, dense, dilated
+        self.oblong = nn.Conv2d(4, 4, (2, 3), stride=(1, 2), padding=(1, 0))  # frozen, dense, asymmetric
+        self.corner = nn.Conv2d(4, 3, (2, 1), stride=2)  # frozen, dense, 5x1 -> 2x1: input row 4 is never read
+        self.trained_pointwise = nn.Conv2d(7, 7, 1)  # trainable pointwise: its backward is the matrix product
+        self.head = nn.Linear(3, m)  # trainable
+        self.features = nn.BatchNorm1d(3)
+        for module in (self.big, self.norm, self.down, self.pointwise, self.dilated, self.oblong, self.corner):
+            module.requires_grad_(False)
+        for norm in (self.norm, self.plain_norm, self.features):
+            norm.running_mean.uniform_(-0.5, 0.5)
+            norm.running_var.uniform_(0.5, 2.0)
+        self.norm.weight.data.uniform_(0.5, 1.5)
+        self.batch_stats.requires_grad_(False)
+        self.features.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        h = torch.tanh(self.norm(self.big(h)))
+        h = torch.tanh(self.pointwise(torch.tanh(self.down(h))))
+        h = self.batch_stats(self.plain_norm(h))
+        h = torch.tanh(self.trained_pointwise(h))
+        h = torch.tanh(self.oblong(torch.tanh(self.dilated(h))))
+        h = self.corner(h).mean((2, 3))
+        return self.head(self.features(h))
+
+
+def count_shortcuts(monkeypatch):
+    """Record the kind of every backward substituted by loko_lightning._backward."""
+    backward = sys.modules["loko_lightning._backward"]
+    kinds = []
+
+    def substitute(x, out, grad_input):
+        kinds.append(getattr(grad_input, "func", grad_input).__qualname__.split(".")[0])
+        return real(x, out, grad_input)
+
+    real = backward.substitute
+    monkeypatch.setattr(backward, "substitute", substitute)
+    return kinds
+
+
+def test_frozen_layer_shortcuts_match_autograd(monkeypatch):
+    """The cheaper backward of frozen batch norms and convolutions (and of trainable pointwise ones) is exact.
+
+    float64: both sides add the same products in another order, relative errors of order 1e-15; 1e-10 leaves room
+    without hiding a wrong tap or channel (those are O(1) errors).
+    """
+    torch.manual_seed(0)
+    model = FrozenZoo().double().eval()
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    kinds = count_shortcuts(monkeypatch)
+    for factorize in (False, True):
+        kinds.clear()
+        prediction, jacs = jacobian(model, x, params, factorize=factorize)
+        ref_prediction, ref_jacs = row_by_row(model, x, params)
+        assert torch.equal(prediction, ref_prediction)  # the forward values are the layers' own
+        for jac, ref in zip(jacs, ref_jacs, strict=True):
+            torch.testing.assert_close(dense(jac), ref, rtol=1e-10, atol=1e-12)
+        # big keeps its generic backward, batch_stats is no fixed affine map; all the others are replaced.
+        assert sorted(kinds) == sorted(["_scale_grad"] * 3 + ["_dense_grad"] * 4 + ["_pointwise_grad"] * 2), kinds
+
+
+def test_frozen_convolution_matrix_follows_its_weight(monkeypatch):
+    """The cached dense matrix of a frozen convolution is rebuilt when its weight changes in place or is replaced."""
+    torch.manual_seed(1)
+    model = FrozenZoo().double().eval()
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    jacobian(model, x, params)  # builds the matrices
+    with torch.no_grad():
+        model.down.weight.mul_(-2.0)
+    model.dilated.weight = nn.Parameter(torch.randn_like(model.dilated.weight), requires_grad=False)
+    _, jacs = jacobian(model, x, params)
+    _, ref_jacs = row_by_row(model, x, params)
+    for jac, ref in zip(jacs, ref_jacs, strict=True):
+        torch.testing.assert_close(jac, ref, rtol=1e-10, atol=1e-12)

@@ -1,0 +1,196 @@
+"""Cheaper reverse passes through layers without differentiated parameters, for :func:`loko_lightning.jacobian`.
+
+The batched reverse pass of :func:`~loko_lightning.jacobian` (``vmap`` over ``m - 1`` cotangents) spends most of its
+time in frozen layers, where it only needs ``∂L/∂x``. For some layers that is much cheaper to compute directly than
+through the generic batched backward, which on small maps and few channels is dominated by overhead:
+
+- an eval-mode batch norm is a per-channel scale;
+- a 1 x 1 convolution (stride 1, no padding) is one matrix product over all pixels (also used for differentiated
+  ones, e.g. the ``B`` factors of LoRA convolutions, whose cotangents are still collected at their outputs);
+- a convolution on a small map (the last stages of a CNN at CIFAR resolution) is one dense matrix, built exactly
+  from the weight once and kept while the weight does not change.
+
+Every substitution keeps the layer's forward values (the output is the layer's own) and replaces its backward by a
+mathematically identical one, equal up to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+GradInput = Callable[[Tensor], Tensor]
+
+# Largest ``out.numel() x x.numel()`` of a convolution whose backward is one dense matrix product (4 MiB in float32).
+DENSE_CONV_LIMIT = 1 << 20
+
+
+class _Substitute(torch.autograd.Function):
+    """Identity on a layer's output ``out``, whose backward to the layer's input ``x`` is ``grad_input``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, out: Tensor, grad_input: GradInput) -> Tensor:
+        ctx.grad_input = grad_input
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return ctx.grad_input(grad), None, None
+
+
+def substitute(x: Tensor, out: Tensor, grad_input: GradInput) -> Tensor:
+    """``out`` (the output a layer computed from ``x``), with ``grad_input`` as the layer's backward."""
+    return _Substitute.apply(x, out.detach(), grad_input)
+
+
+def is_frozen_norm(module: nn.Module, wanted: set[int]) -> bool:
+    """A batch norm that is a fixed per-channel affine map here.
+
+    Eval mode with running statistics, the plain ``forward``, and neither its weight nor its bias among the
+    parameters differentiated (``wanted``: their ids).
+    """
+    return (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and type(module).forward is nn.modules.batchnorm._BatchNorm.forward
+        and not module.training
+        and module._buffers.get("running_mean") is not None
+        and module._buffers.get("running_var") is not None
+        and not any(p is not None and id(p) in wanted for p in module._parameters.values())
+    )
+
+
+def is_frozen_conv(module: nn.Module, wanted: set[int]) -> bool:
+    """A plain ``nn.Conv2d`` (zero padding, ``groups == 1``) none of whose parameters is differentiated."""
+    return (
+        type(module).forward is nn.Conv2d.forward
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+        and not any(p is not None and id(p) in wanted for p in module._parameters.values())
+    )
+
+
+def _is_pointwise(conv: nn.Conv2d) -> bool:
+    return conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.padding == (0, 0)
+
+
+def norm_hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
+    """Forward hook: a frozen batch norm's backward as the per-channel scale ``γ / sqrt(σ² + ε)`` it is."""
+    x = args[0] if len(args) == 1 else None
+    if not isinstance(x, Tensor) or not isinstance(out, Tensor) or not x.requires_grad or x.dim() < 2:
+        return None
+    var, weight = module._buffers["running_var"], module._parameters.get("weight")
+    key = (var._version, None if weight is None else weight._version, module.eps, out.dtype, x.dim())
+    cached = _NORM_SCALES.get(module)
+    if cached is None or cached[0] is not var or cached[1] is not weight or cached[2] != key:
+        scale = torch.rsqrt(var.detach() + module.eps)
+        if weight is not None:
+            scale = scale * weight.detach()
+        scale = scale.to(out.dtype).reshape(-1, *([1] * (x.dim() - 2)))
+        cached = _NORM_SCALES[module] = (var, weight, key, functools.partial(_scale_grad, scale=scale))
+    return substitute(x, out, cached[3])
+
+
+def _scale_grad(grad: Tensor, *, scale: Tensor) -> Tensor:
+    return grad * scale
+
+
+def conv_hook(module: nn.Conv2d, args: tuple, out: Any) -> Tensor | None:
+    """Forward hook: a frozen convolution's backward as one matrix product where that is cheaper.
+
+    Pointwise convolutions and convolutions on small maps (see :data:`DENSE_CONV_LIMIT`); others keep the generic
+    backward.
+    """
+    x = args[0] if len(args) == 1 else None
+    if not isinstance(x, Tensor) or not isinstance(out, Tensor) or not x.requires_grad:
+        return None
+    if x.dim() != 4 or x.shape[0] != 1 or out.dtype != module.weight.dtype:
+        return None
+    if _is_pointwise(module):
+        matrix = module.weight.detach().reshape(module.out_channels, -1)
+        return substitute(x, out, functools.partial(_pointwise_grad, matrix=matrix, shape=x.shape))
+    if out.numel() * x.numel() <= DENSE_CONV_LIMIT:
+        dense = _cached_conv_matrix(module, x.shape, out.shape)
+        return substitute(x, out, functools.partial(_dense_grad, matrix=dense, shape=x.shape))
+    return None
+
+
+def _dense_grad(grad: Tensor, *, matrix: Tensor, shape: torch.Size) -> Tensor:
+    """``∂L/∂x`` of a layer that is the linear map ``vec(z) = M vec(x)``: ``∂L/∂z · M``."""
+    return (grad.reshape(1, -1) @ matrix).reshape(shape)
+
+
+def pointwise_hook(module: nn.Module, x: Tensor, out: Tensor) -> Tensor:
+    """For a fast-path (differentiated) pointwise convolution: its backward to ``x`` as one matrix product."""
+    if not (
+        isinstance(module, nn.Conv2d)
+        and _is_pointwise(module)
+        and x.dim() == 4
+        and x.shape[0] == 1
+        and x.requires_grad
+        and out.dtype == module.weight.dtype
+    ):
+        return out
+    matrix = module.weight.detach().reshape(module.out_channels, -1)
+    return substitute(x, out, functools.partial(_pointwise_grad, matrix=matrix, shape=x.shape))
+
+
+def _pointwise_grad(grad: Tensor, *, matrix: Tensor, shape: torch.Size) -> Tensor:
+    """``∂L/∂x`` of a pointwise convolution with the ``(out, in)`` weight ``matrix``, for ``grad`` ``(1, out, H, W)``.
+
+    Written as ``(pixels x out) @ (out x in)`` so that, batched over cotangents by ``vmap``, it is one matrix
+    product with the weight (the other way round it becomes a batched product that reads the weight per row).
+    """
+    return (grad.reshape(matrix.shape[0], -1).T @ matrix).T.reshape(shape)
+
+
+# The dense matrix of each frozen convolution that has one, kept while its weight is the same tensor, unmodified.
+_CONV_MATRICES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, tuple, Tensor]] = weakref.WeakKeyDictionary()
+_CONV_INDICES: dict[tuple, Tensor] = {}
+# The backward of each frozen batch norm, kept while its running variance and weight are the same, unmodified.
+_NORM_SCALES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor | None, tuple, GradInput]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _cached_conv_matrix(module: nn.Conv2d, in_shape: torch.Size, out_shape: torch.Size) -> Tensor:
+    weight = module.weight
+    key = (weight._version, in_shape, out_shape)
+    cached = _CONV_MATRICES.get(module)
+    if cached is None or cached[0] is not weight or cached[1] != key:  # holding the weight keeps `is` reliable
+        dense = _dense_from_index(weight.detach().flatten(2), _conv_index(module, in_shape, out_shape))
+        cached = _CONV_MATRICES[module] = (weight, key, dense)
+    return cached[2]
+
+
+def _conv_index(module: nn.Conv2d, in_shape: torch.Size, out_shape: torch.Size) -> Tensor:
+    """``index[q, r]``: the kernel tap through which output pixel ``q`` reads input pixel ``r``, or ``kh·kw`` if none.
+
+    Output pixel ``(u, v)`` reads input pixel ``(u·s - p + i·d, v·s - p + j·d)`` through tap ``(i, j)``; two pixels
+    are linked by at most one tap.
+    """
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = module.kernel_size, module.stride, module.padding, module.dilation
+    height, width, rows, cols = *in_shape[-2:], *out_shape[-2:]
+    device = module.weight.device
+    key = (kh, kw, sh, sw, ph, pw, dh, dw, height, width, rows, cols, device)
+    index = _CONV_INDICES.get(key)
+    if index is None:
+        u, v, i, j = torch.meshgrid(*(torch.arange(n) for n in (rows, cols, kh, kw)), indexing="ij")
+        y, x = u * sh - ph + i * dh, v * sw - pw + j * dw
+        valid = (y >= 0) & (y < height) & (x >= 0) & (x < width)
+        index = torch.full((rows * cols, height * width), kh * kw, dtype=torch.long)
+        index[(u * cols + v)[valid], (y * width + x)[valid]] = (i * kw + j)[valid]
+        index = _CONV_INDICES[key] = index.to(device)
+    return index
+
+
+def _dense_from_index(weight: Tensor, index: Tensor) -> Tensor:
+    """The convolution with ``weight`` (``(out, in, kh·kw)``) as an ``(out·P, in·H·W)`` matrix, by ``index``."""
+    out, channels = weight.shape[:2]
+    padded = torch.cat([weight, weight.new_zeros(out, channels, 1)], dim=2)  # tap kh·kw: "no tap", zero
+    return padded[:, :, index].permute(0, 2, 1, 3).reshape(out * index.shape[0], channels * index.shape[1])
