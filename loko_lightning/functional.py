@@ -220,17 +220,16 @@ def _weighted_gram(jac: Tensor, weight: Tensor) -> Tensor:
 
 
 def _gain_quad(
-    jac: Tensor, s_pinv: Tensor, weights: Tensor, gain: Tensor | None = None, quad: Tensor | None = None
+    jac: Tensor, factor: Tensor, ones: Tensor, gain: Tensor | None = None, quad: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``Hᵀ w`` and ``diag(Hᵀ S⁺ H)`` for a wide ``(m, n)`` matrix ``H``, in one pass over ``H``.
 
-    ``[S⁺ | w]ᵀ H`` gives ``S⁺H`` (``S⁺`` is symmetric) and ``wᵀH`` together; it is formed in chunks of columns
-    that stay in cache while they are multiplied by ``H`` and summed. The results are written into ``gain`` and
-    ``quad`` (shape ``(n,)``) when both are given.
+    ``factor`` is ``[S⁺; wᵀ]`` (``(m + 1, m)``; ``S⁺`` is symmetric), so ``factor · H`` gives ``S⁺H`` and ``wᵀH``
+    together; it is formed in chunks of columns that stay in cache while they are multiplied by ``H`` and summed
+    (with ``ones``, ``m`` ones). The results are written into ``gain`` and ``quad`` (shape ``(n,)``) when both are
+    given.
     """
     m, n = jac.shape
-    factor = torch.cat([s_pinv, weights[:, None]], dim=1).T.contiguous()  # (m + 1, m)
-    ones = torch.ones(m, dtype=jac.dtype, device=jac.device)
     chunk = max(4096, 409600 // m)
     if gain is None or quad is None:
         if n <= chunk:
@@ -322,7 +321,7 @@ def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor
     covariance update can only shrink ``p̂``.
 
     Args:
-        matrix: symmetric ``m x m`` matrix (symmetrised here against rounding).
+        matrix: symmetric ``m x m`` matrix (only its lower triangle is read, so rounding asymmetry is harmless).
         rcond: relative eigenvalue cut-off; default ``m · eps(dtype) · 10``.
 
     Returns:
@@ -332,14 +331,14 @@ def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor
     m = matrix.shape[-1]
     if rcond is None:
         rcond = 10.0 * m * torch.finfo(matrix.dtype).eps
-    sym = 0.5 * (matrix + matrix.T)
-    eigvals, eigvecs = torch.linalg.eigh(sym)
+    # eigh reads one triangle only, i.e. it decomposes the symmetric matrix that triangle defines: the
+    # symmetrisation against rounding costs nothing.
+    eigvals, eigvecs = torch.linalg.eigh(matrix)
     top = eigvals[-1].clamp_min(torch.finfo(matrix.dtype).tiny)
     keep = eigvals > rcond * top
-    inv_vals = torch.where(keep, 1.0 / torch.where(keep, eigvals, top), torch.zeros_like(eigvals))
+    inv_vals = torch.where(keep, eigvals.reciprocal(), 0.0)  # the discarded reciprocals (maybe inf) are dropped
     pinv = (eigvecs * inv_vals) @ eigvecs.T
-    smallest = torch.where(keep, eigvals, torch.full_like(eigvals, math.inf)).min()
-    return pinv, top / smallest
+    return pinv, top / torch.where(keep, eigvals, math.inf).amin()
 
 
 def block_key(jac: JacobianBlock) -> tuple | None:
@@ -460,6 +459,11 @@ class UpdatePlan:
             self.q = torch.cat([torch.full((numels[i],), q, dtype=dtype, device=device) for i, q in fills])
         self._delta = torch.empty(self.n, dtype=dtype, device=device)
         self._delta_views = self.views(self._delta)
+        # Constants of every step.
+        self._eye = torch.eye(self.m, dtype=dtype, device=device)
+        self._ones = torch.ones(self.m, dtype=dtype, device=device)
+        self._one = torch.ones((), dtype=dtype, device=device)
+        self._zero = torch.zeros((), dtype=dtype, device=device)
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views of a flat vector in this plan's order, shaped like the parameters, in parameter order."""
@@ -555,45 +559,46 @@ class UpdatePlan:
         s_matrix = hpht + new_noise
         finite = torch.isfinite(innovation).all() & torch.isfinite(s_matrix).all()
         # eigh must never see NaN/Inf (LAPACK fails); a skipped step decomposes the identity instead.
-        s_matrix = torch.where(finite, s_matrix, torch.eye(m, dtype=dtype, device=s_matrix.device))
+        s_matrix = torch.where(finite, s_matrix, self._eye)
         s_pinv, cond = psd_pinv(s_matrix, rcond)
-        weights = s_pinv @ torch.where(finite, innovation, torch.zeros_like(innovation))
+        # [S⁺; wᵀ] with w = S⁺ e: every gain and quadratic term below comes from products with it.
+        factor = torch.cat([s_pinv, (s_pinv @ torch.where(finite, innovation, 0.0))[None]])
+        ones = self._ones
 
         # K e = p ⊙ Hᵀ w and (K H)_ii = p_i (Hᵀ S⁺ H)_ii, written straight into flat vectors in plan order.
         delta = self._delta
         quad = torch.empty_like(delta)
         if self.dense:
-            _gain_quad(jac_d, s_pinv, weights, delta[: self.n_dense], quad[: self.n_dense])
+            _gain_quad(jac_d, factor, ones, delta[: self.n_dense], quad[: self.n_dense])
         if outer:
             # For L ⊗ R: Hᵀ w = (Lᵀ w) ⊗ R and diag(Hᵀ S⁺ H) = diag(Lᵀ S⁺ L) ⊗ R².
-            gain_l, quad_l = _gain_quad(outer_left, s_pinv, weights)
+            gain_l, quad_l = _gain_quad(outer_left, factor, ones)
             for g, right, right_sq in outer:
                 shape, rows = (g.count, g.rows, g.cols), (g.count, g.rows, 1)
                 torch.mul(gain_l[g.lo : g.hi].view(rows), right[:, None], out=delta[g.start : g.end].view(shape))
                 torch.mul(quad_l[g.lo : g.hi].view(rows), right_sq[:, None], out=quad[g.start : g.end].view(shape))
         for g, left, right in factored:
             # Hᵀ w = (wᵀ L_i) Rᵀ per row i; diag(Hᵀ S⁺ H)_ij = R_j N_i R_jᵀ with N_i = L_iᵀ S⁺ L_i (k x k).
-            flat = left.reshape(m, -1)
-            gains = (weights @ flat).view(g.count, 1, g.rows, g.k)
+            products = factor @ left.reshape(m, -1)  # [S⁺ L; wᵀ L]
+            gains = products[m].view(g.count, 1, g.rows, g.k)
             torch.matmul(gains, right.transpose(-1, -2), out=delta[g.start : g.end].view(g.count, 1, g.rows, g.cols))
-            solved = (s_pinv @ flat).view(m, -1, g.k)
+            solved = products[:m].view(m, -1, g.k)
             inner = torch.bmm(left.permute(1, 2, 0), solved.transpose(0, 1)).view(g.count, g.rows, g.k, g.k)
             torch.sum((right @ inner).mul_(right), -1, out=quad[g.start : g.end].view(g.count, g.rows, g.cols))
         delta.mul_(prior)
         # (K H)_ii lies in [0, 1] in exact arithmetic; the floor keeps p̂ > 0 under rounding.
-        one = torch.ones((), dtype=dtype, device=cov.device)
-        posterior = torch.addcmul(one, prior, quad, value=-1.0).clamp_min_(torch.finfo(dtype).eps).mul_(prior)
+        posterior = torch.addcmul(self._one, prior, quad, value=-1.0).clamp_min_(torch.finfo(dtype).eps).mul_(prior)
         # A NaN or Inf anywhere makes the sum non-finite (so does an overflowing sum, which is skipped as well).
         applied = finite & torch.isfinite(delta.sum() + posterior.sum())
 
-        torch.where(applied, delta, one.new_zeros(()), out=delta)
+        torch.where(applied, delta, self._zero, out=delta)
         torch.where(applied, posterior, cov, out=cov)
         if all(p.dtype == dtype for p in params):
             torch._foreach_add_(list(params), self._delta_views)
         else:
             for param, d in zip(params, self._delta_views, strict=True):
                 param.add_(d.to(param.dtype))
-        noise.copy_(torch.where(applied, new_noise, noise))
+        torch.where(applied, new_noise, noise, out=noise)
         step.add_(applied.to(step.dtype))
 
         p_min, p_max = torch.aminmax(cov)

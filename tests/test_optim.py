@@ -443,3 +443,58 @@ def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
             assert torch.equal(p, q), i
             assert torch.equal(opt.state[p]["cov"], cov), i
     assert opt.diagnostics["step"].item() == 12
+
+
+@pytest.mark.parametrize(("m", "n"), [(10, 45_001), (40, 25_003)])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_wide_update_matches_dense_formulas(m, n, tiled):
+    """One update on a wide H (many parameters against m) equals Algorithm 1 written with dense matrices.
+
+    These sizes take the blocked code paths (H P Hᵀ and diag(Hᵀ S⁺ H) summed over column chunks, split into
+    triangle blocks for larger m) that the small models of the other tests never reach. float64 on both sides:
+    the sums differ in order only, so 1e-10 relative is far above rounding (about 1e-13 here) and far below any
+    wrong term.
+    """
+    gen = torch.Generator().manual_seed(m)
+    sizes = [n // 3, n // 3, n - 2 * (n // 3)]
+    buffer = torch.randn(m, n, generator=gen, dtype=torch.float64) / math.sqrt(n)
+    blocks, start = [], 0
+    for size in sizes:
+        block = buffer[:, start : start + size]
+        blocks.append(block if tiled else block.clone())
+        start += size
+    # A factored block (k = 3 positions) and an outer one beside the dense ones.
+    factored = FactoredJacobian(
+        torch.randn(m, 5, 3, generator=gen, dtype=torch.float64),
+        torch.randn(7, 3, generator=gen, dtype=torch.float64),
+        torch.Size((5, 7)),
+    )
+    outer = OuterJacobian(
+        torch.randn(m, 6, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64)
+    )
+    jacobians = [*blocks, factored, outer]
+    params = [torch.zeros(s, dtype=torch.float64) for s in sizes] + [
+        torch.zeros(5, 7, dtype=torch.float64),
+        torch.zeros(6, 4, dtype=torch.float64),
+    ]
+    covs = [torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.3 + 0.01 for p in params]
+    prediction = torch.softmax(torch.randn(m, generator=gen, dtype=torch.float64), 0)
+    target = F.one_hot(torch.tensor(1), m).double()
+    noise = torch.eye(m, dtype=torch.float64) * 0.05
+    step = torch.zeros((), dtype=torch.int64)
+
+    H = torch.cat(
+        [j.reshape(m, -1) if isinstance(j, torch.Tensor) else j.to_dense().reshape(m, -1) for j in jacobians], dim=1
+    )
+    p = torch.cat([c.reshape(-1) for c in covs])
+    e = target - prediction
+    hpht = (H * p) @ H.T
+    R = 0.9 * noise + 0.1 * (torch.outer(e, e) + hpht)
+    K = (p[:, None] * H.T) @ torch.linalg.pinv(hpht + R, hermitian=True)
+    theta = K @ e
+    p_new = p - (K * H.T).sum(1) * p
+
+    loko_update(params, jacobians, covs, prediction, target, noise, step, beta=0.9, r_estimator="taylor")
+    torch.testing.assert_close(torch.cat([q.reshape(-1) for q in params]), theta, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(torch.cat([c.reshape(-1) for c in covs]), p_new, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(noise, R, rtol=1e-10, atol=1e-14)
