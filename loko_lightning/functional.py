@@ -548,11 +548,19 @@ class UpdatePlan:
             left = lefts[0] if g.count == 1 else torch.cat(lefts, dim=1)  # (m, G·rows, k)
             rights = [jacobians[i].right.to(dtype) for i in g.indices]
             right = (rights[0][None] if g.count == 1 else torch.stack(rights))[:, None]  # (G, 1, cols, k)
-            prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols, 1)
-            grams = (right.transpose(-1, -2) @ (prior_g * right)).view(-1, g.k, g.k)  # (G·rows, k, k)
+            if g.k <= g.rows:
+                # With few positions the outer products R_j R_jᵀ (k² numbers per column j) are no larger than
+                # p_i ⊙ R: then M_i = Σ_j p_ij R_j R_jᵀ is one batched product, and so is the quadratic term below.
+                outer_r = (right[:, 0, :, :, None] * right[:, 0, :, None, :]).view(g.count, g.cols, g.k * g.k)
+                prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols)
+                grams = torch.bmm(prior_g, outer_r).view(-1, g.k, g.k)  # (G·rows, k, k)
+            else:
+                outer_r = None
+                prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols, 1)
+                grams = (right.transpose(-1, -2) @ (prior_g * right)).view(-1, g.k, g.k)
             left_gram = torch.bmm(left.transpose(0, 1), grams)  # (G·rows, m, k)
             terms.append(left_gram.transpose(0, 1).reshape(m, -1) @ left.reshape(m, -1).T)
-            factored.append((g, left, right))
+            factored.append((g, left, right, outer_r))
         hpht = terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
 
         new_noise = observation_noise(r_estimator, noise, innovation, hpht, prediction, step + 1, beta)
@@ -577,14 +585,18 @@ class UpdatePlan:
                 shape, rows = (g.count, g.rows, g.cols), (g.count, g.rows, 1)
                 torch.mul(gain_l[g.lo : g.hi].view(rows), right[:, None], out=delta[g.start : g.end].view(shape))
                 torch.mul(quad_l[g.lo : g.hi].view(rows), right_sq[:, None], out=quad[g.start : g.end].view(shape))
-        for g, left, right in factored:
+        for g, left, right, outer_r in factored:
             # Hᵀ w = (wᵀ L_i) Rᵀ per row i; diag(Hᵀ S⁺ H)_ij = R_j N_i R_jᵀ with N_i = L_iᵀ S⁺ L_i (k x k).
             products = factor @ left.reshape(m, -1)  # [S⁺ L; wᵀ L]
             gains = products[m].view(g.count, 1, g.rows, g.k)
             torch.matmul(gains, right.transpose(-1, -2), out=delta[g.start : g.end].view(g.count, 1, g.rows, g.cols))
             solved = products[:m].view(m, -1, g.k)
-            inner = torch.bmm(left.permute(1, 2, 0), solved.transpose(0, 1)).view(g.count, g.rows, g.k, g.k)
-            torch.sum((right @ inner).mul_(right), -1, out=quad[g.start : g.end].view(g.count, g.rows, g.cols))
+            inner = torch.bmm(left.permute(1, 2, 0), solved.transpose(0, 1))  # (G·rows, k, k)
+            quad_g = quad[g.start : g.end].view(g.count, g.rows, g.cols)
+            if outer_r is not None:  # Σ_ab N_i,ab (R_j R_jᵀ)_ab
+                torch.bmm(inner.view(g.count, g.rows, g.k * g.k), outer_r.transpose(1, 2), out=quad_g)
+            else:
+                torch.sum((right @ inner.view(g.count, g.rows, g.k, g.k)).mul_(right), -1, out=quad_g)
         delta.mul_(prior)
         # (K H)_ii lies in [0, 1] in exact arithmetic; the floor keeps p̂ > 0 under rounding.
         posterior = torch.addcmul(self._one, prior, quad, value=-1.0).clamp_min_(torch.finfo(dtype).eps).mul_(prior)

@@ -463,20 +463,19 @@ def test_wide_update_matches_dense_formulas(m, n, tiled):
         block = buffer[:, start : start + size]
         blocks.append(block if tiled else block.clone())
         start += size
-    # A factored block (k = 3 positions) and an outer one beside the dense ones.
-    factored = FactoredJacobian(
-        torch.randn(m, 5, 3, generator=gen, dtype=torch.float64),
-        torch.randn(7, 3, generator=gen, dtype=torch.float64),
-        torch.Size((5, 7)),
-    )
+
+    # Factored blocks with few (k = 3 <= 5 rows) and many (k = 6 > 2 rows) positions, and an outer one.
+    def factored(rows, cols, k):
+        left = torch.randn(m, rows, k, generator=gen, dtype=torch.float64)
+        return FactoredJacobian(
+            left, torch.randn(cols, k, generator=gen, dtype=torch.float64), torch.Size((rows, cols))
+        )
+
     outer = OuterJacobian(
         torch.randn(m, 6, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64)
     )
-    jacobians = [*blocks, factored, outer]
-    params = [torch.zeros(s, dtype=torch.float64) for s in sizes] + [
-        torch.zeros(5, 7, dtype=torch.float64),
-        torch.zeros(6, 4, dtype=torch.float64),
-    ]
+    jacobians = [*blocks, factored(5, 7, 3), factored(2, 9, 6), outer]
+    params = [torch.zeros(j.shape[1:], dtype=torch.float64) for j in jacobians]
     covs = [torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.3 + 0.01 for p in params]
     prediction = torch.softmax(torch.randn(m, generator=gen, dtype=torch.float64), 0)
     target = F.one_hot(torch.tensor(1), m).double()
