@@ -551,9 +551,10 @@ class UpdatePlan:
             if g.k <= g.rows:
                 # With few positions the outer products R_j R_jᵀ (k² numbers per column j) are no larger than
                 # p_i ⊙ R: then M_i = Σ_j p_ij R_j R_jᵀ is one batched product, and so is the quadratic term below.
-                outer_r = (right[:, 0, :, :, None] * right[:, 0, :, None, :]).view(g.count, g.cols, g.k * g.k)
+                right_t = right[:, 0].transpose(1, 2).contiguous()  # (G, k, cols): the products below run along cols
+                outer_r = (right_t[:, :, None, :] * right_t[:, None, :, :]).view(g.count, g.k * g.k, g.cols)
                 prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols)
-                grams = torch.bmm(prior_g, outer_r).view(-1, g.k, g.k)  # (G·rows, k, k)
+                grams = torch.bmm(prior_g, outer_r.transpose(1, 2)).view(-1, g.k, g.k)  # (G·rows, k, k)
             else:
                 outer_r = None
                 prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols, 1)
@@ -594,7 +595,7 @@ class UpdatePlan:
             inner = torch.bmm(left.permute(1, 2, 0), solved.transpose(0, 1))  # (G·rows, k, k)
             quad_g = quad[g.start : g.end].view(g.count, g.rows, g.cols)
             if outer_r is not None:  # Σ_ab N_i,ab (R_j R_jᵀ)_ab
-                torch.bmm(inner.view(g.count, g.rows, g.k * g.k), outer_r.transpose(1, 2), out=quad_g)
+                torch.bmm(inner.view(g.count, g.rows, g.k * g.k), outer_r, out=quad_g)
             else:
                 torch.sum((right @ inner.view(g.count, g.rows, g.k, g.k)).mul_(right), -1, out=quad_g)
         delta.mul_(prior)
