@@ -457,7 +457,9 @@ class UpdatePlan:
         else:
             fills = zip(self.order, qs, strict=True)
             self.q = torch.cat([torch.full((numels[i],), q, dtype=dtype, device=device) for i, q in fills])
+        # Work vectors of every step: the update K e and diag(Hᵀ S⁺ H) (then the new p̂).
         self._delta = torch.empty(self.n, dtype=dtype, device=device)
+        self._quad = torch.empty(self.n, dtype=dtype, device=device)
         self._delta_views = self.views(self._delta)
         # Constants of every step.
         self._eye = torch.eye(self.m, dtype=dtype, device=device)
@@ -575,8 +577,7 @@ class UpdatePlan:
         ones = self._ones
 
         # K e = p ⊙ Hᵀ w and (K H)_ii = p_i (Hᵀ S⁺ H)_ii, written straight into flat vectors in plan order.
-        delta = self._delta
-        quad = torch.empty_like(delta)
+        delta, quad = self._delta, self._quad
         if self.dense:
             _gain_quad(jac_d, factor, ones, delta[: self.n_dense], quad[: self.n_dense])
         if outer:
@@ -600,7 +601,8 @@ class UpdatePlan:
                 torch.sum((right @ inner.view(g.count, g.rows, g.k, g.k)).mul_(right), -1, out=quad_g)
         delta.mul_(prior)
         # (K H)_ii lies in [0, 1] in exact arithmetic; the floor keeps p̂ > 0 under rounding.
-        posterior = torch.addcmul(self._one, prior, quad, value=-1.0).clamp_min_(torch.finfo(dtype).eps).mul_(prior)
+        posterior = torch.addcmul(self._one, prior, quad, value=-1.0, out=quad)
+        posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
         # A NaN or Inf anywhere makes the sum non-finite (so does an overflowing sum, which is skipped as well).
         applied = finite & torch.isfinite(delta.sum() + posterior.sum())
 

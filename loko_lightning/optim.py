@@ -215,10 +215,11 @@ class LoKO(torch.optim.Optimizer):
             self._plan_key, self._cov_flat = key, None
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(params, covs)
+            covs = [self.state[p]["cov"] for p in params]
         diagnostics = loko_update(
             params,
             jacobians,
-            [self.state[p]["cov"] for p in params],
+            covs,
             prediction.detach(),
             target.detach(),
             shared["noise"],
