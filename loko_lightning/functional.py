@@ -514,6 +514,7 @@ class UpdatePlan:
         beta: float,
         r_estimator: REstimator,
         rcond: float | None = None,
+        statistics: bool = True,
     ) -> dict[str, Tensor]:
         """One update with ``p̂`` as the flat vector ``cov`` (this plan's order), updated in place.
 
@@ -616,15 +617,17 @@ class UpdatePlan:
         torch.where(applied, new_noise, noise, out=noise)
         step.add_(applied.to(step.dtype))
 
+        diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": cond}
+        return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+
+    def statistics(self, cov: Tensor) -> dict[str, Tensor]:
+        """``p_mean``, ``p_min``, ``p_max`` of the flat ``p̂`` ``cov`` and ``gain_norm`` of the last :meth:`run`."""
         p_min, p_max = torch.aminmax(cov)
         return {
-            "applied": applied,
-            "innovation_norm": torch.linalg.vector_norm(innovation),
             "p_mean": cov.sum() / cov.numel(),
             "p_min": p_min,
             "p_max": p_max,
-            "cond": cond,
-            "gain_norm": torch.linalg.vector_norm(delta),
+            "gain_norm": torch.linalg.vector_norm(self._delta),
         }
 
 
@@ -659,6 +662,7 @@ def loko_update(
     rcond: float | None = None,
     plan: UpdatePlan | None = None,
     cov_flat: Tensor | None = None,
+    statistics: bool = True,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -694,10 +698,12 @@ def loko_update(
             ``process_noise``), to reuse across steps; default: built here.
         cov_flat: ``p̂`` as one flat vector in ``plan``'s order of which ``covs`` are views
             (:meth:`UpdatePlan.views`); then it is updated in place and nothing is copied. Needs ``plan``.
+        statistics: also return ``p_mean``, ``p_min``, ``p_max`` and ``gain_norm`` (three passes over ``p̂``); without
+            them :meth:`UpdatePlan.statistics` gives them later, until the plan's next update.
 
     Returns:
-        Diagnostics as 0-d tensors: ``applied``, ``innovation_norm``, ``p_mean``, ``p_min``, ``p_max``,
-        ``cond`` (of ``S``'s kept spectrum), ``gain_norm`` (``‖K e‖``).
+        Diagnostics as 0-d tensors: ``applied``, ``innovation_norm``, ``cond`` (of ``S``'s kept spectrum) and, with
+        ``statistics``, ``p_mean``, ``p_min``, ``p_max`` and ``gain_norm`` (``‖K e‖``).
     """
     if plan is None:
         if cov_flat is not None:
@@ -705,7 +711,7 @@ def loko_update(
         if isinstance(process_noise, (int, float)):
             process_noise = [float(process_noise)] * len(params)
         plan = UpdatePlan(jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device)
-    kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond)
+    kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics)
     if cov_flat is not None:
         return plan.run(params, jacobians, cov_flat, prediction, target, noise, step, **kwargs)
     flat = plan.flatten(covs)

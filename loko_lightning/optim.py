@@ -127,6 +127,7 @@ class LoKO(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         r"""Add a param group and draw :math:`\\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
         super().add_param_group(param_group)
+        self._resolve_statistics()
         self._plan = self._plan_key = None
         group = self.param_groups[-1]
         _check_group(group)
@@ -230,11 +231,14 @@ class LoKO(torch.optim.Optimizer):
             rcond=self.defaults["rcond"],
             plan=self._plan,
             cov_flat=self._cov_flat,
+            # p̂'s statistics cost three passes over it: they are computed when diagnostics are read.
+            statistics=self._cov_flat is None,
         )
         shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
         diagnostics["skipped"] = shared["skipped"]
         diagnostics["step"] = shared["step"]
         self._diagnostics = diagnostics
+        self._statistics_pending = self._cov_flat is not None
         return result
 
     @property
@@ -245,7 +249,14 @@ class LoKO(torch.optim.Optimizer):
         the step), ``cond`` (condition number of the kept spectrum of ``S``), ``gain_norm`` (``‖K e‖``),
         ``step`` (updates applied) and ``skipped`` (updates skipped for non-finite input).
         """
+        self._resolve_statistics()
         return dict(getattr(self, "_diagnostics", {}))
+
+    def _resolve_statistics(self) -> None:
+        """Compute the last step's p̂ statistics if they are pending (valid until the next step or a new plan)."""
+        if getattr(self, "_statistics_pending", False):
+            self._diagnostics.update(self._plan.statistics(self._cov_flat))
+            self._statistics_pending = False
 
     @staticmethod
     def _layout_key(prediction: Any, target: Any, jacobians: Any, process_noise: list[float]) -> tuple | None:

@@ -434,7 +434,7 @@ def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
         prediction_b, jacs_b = jacobian(model_b, x, factorize=factorize)
         assert torch.equal(prediction, prediction_b)
         opt.step(lambda: (prediction, y, jacs))  # noqa: B023 (called at once)
-        loko_update(
+        expected = loko_update(
             params_b, jacs_b, covs, prediction_b, y, noise, step, beta=0.95, r_estimator="taylor", process_noise=1e-4
         )
         if i == 9:
@@ -442,6 +442,10 @@ def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
         for p, q, cov in zip(model.parameters(), params_b, covs, strict=True):
             assert torch.equal(p, q), i
             assert torch.equal(opt.state[p]["cov"], cov), i
+        # The optimizer computes p̂'s statistics when they are read; they are those of this step.
+        diagnostics = opt.diagnostics
+        for key, value in expected.items():
+            assert torch.equal(diagnostics[key], value), (i, key)
     assert opt.diagnostics["step"].item() == 12
 
 
