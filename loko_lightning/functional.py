@@ -646,7 +646,7 @@ def _strides_match(block: Tensor, expected: tuple[tuple[int, int], ...]) -> bool
     return all(strides[dim] == stride for dim, stride in expected)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def loko_update(
     params: Sequence[Tensor],
     jacobians: Sequence[JacobianBlock],
@@ -680,6 +680,10 @@ def loko_update(
     is ``False``. The decision is made on the device with :func:`torch.where`, so no host sync is needed. (The
     update and the new ``p̂`` are tested through their sums, which are non-finite if any entry is; a sum that
     overflows float range also skips the step.)
+
+    It runs under :func:`torch.inference_mode` (cheaper per operation than ``no_grad``; the parameters and states
+    it updates in place stay ordinary tensors), so the returned diagnostics are inference tensors: read or log
+    them, do not use them in a computation that autograd records.
 
     Args:
         params: trainable parameters ``θ̃``, updated in place.

@@ -247,7 +247,8 @@ class LoKO(torch.optim.Optimizer):
 
         ``applied`` (bool), ``innovation_norm`` (``‖y - ŷ‖``), ``p_mean``/``p_min``/``p_max`` (of ``p̂`` after
         the step), ``cond`` (condition number of the kept spectrum of ``S``), ``gain_norm`` (``‖K e‖``),
-        ``step`` (updates applied) and ``skipped`` (updates skipped for non-finite input).
+        ``step`` (updates applied) and ``skipped`` (updates skipped for non-finite input). ``applied``,
+        ``innovation_norm`` and ``cond`` are inference tensors (see :func:`~loko_lightning.functional.loko_update`).
         """
         self._resolve_statistics()
         return dict(getattr(self, "_diagnostics", {}))
