@@ -103,8 +103,8 @@ def _scale_grad(grad: Tensor, *, scale: Tensor) -> Tensor:
 def conv_hook(module: nn.Conv2d, args: tuple, out: Any) -> Tensor | None:
     """Forward hook: a frozen convolution's backward as one matrix product where that is cheaper.
 
-    Pointwise convolutions and convolutions on small maps (see :data:`DENSE_CONV_LIMIT`); others keep the generic
-    backward.
+    Pointwise convolutions and convolutions on maps not much larger than their kernel (with at most
+    :data:`DENSE_CONV_LIMIT` matrix entries); others keep the generic backward.
     """
     x = args[0] if len(args) == 1 else None
     if not isinstance(x, Tensor) or not isinstance(out, Tensor) or not x.requires_grad:
@@ -114,7 +114,10 @@ def conv_hook(module: nn.Conv2d, args: tuple, out: Any) -> Tensor | None:
     if _is_pointwise(module):
         matrix = module.weight.detach().reshape(module.out_channels, -1)
         return substitute(x, out, functools.partial(_pointwise_grad, matrix=matrix, shape=x.shape))
-    if out.numel() * x.numel() <= DENSE_CONV_LIMIT:
+    (kh, kw), area = module.kernel_size, x.shape[2] * x.shape[3]
+    # The dense product costs out.numel() x x.numel(), the convolution out.numel() x C_in·kh·kw: dense only where the
+    # map is hardly larger than the kernel (and the matrix small).
+    if out.numel() * x.numel() <= DENSE_CONV_LIMIT and area <= 4 * kh * kw:
         dense = _cached_conv_matrix(module, x.shape, out.shape)
         return substitute(x, out, functools.partial(_dense_grad, matrix=dense, shape=x.shape))
     return None
@@ -151,7 +154,6 @@ def _pointwise_grad(grad: Tensor, *, matrix: Tensor, shape: torch.Size) -> Tenso
 
 # The dense matrix of each frozen convolution that has one, kept while its weight is the same tensor, unmodified.
 _CONV_MATRICES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, tuple, Tensor]] = weakref.WeakKeyDictionary()
-_CONV_INDICES: dict[tuple, Tensor] = {}
 # The backward of each frozen batch norm, kept while its running variance and weight are the same, unmodified.
 _NORM_SCALES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor | None, tuple, GradInput]] = (
     weakref.WeakKeyDictionary()
@@ -176,17 +178,12 @@ def _conv_index(module: nn.Conv2d, in_shape: torch.Size, out_shape: torch.Size) 
     """
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = module.kernel_size, module.stride, module.padding, module.dilation
     height, width, rows, cols = *in_shape[-2:], *out_shape[-2:]
-    device = module.weight.device
-    key = (kh, kw, sh, sw, ph, pw, dh, dw, height, width, rows, cols, device)
-    index = _CONV_INDICES.get(key)
-    if index is None:
-        u, v, i, j = torch.meshgrid(*(torch.arange(n) for n in (rows, cols, kh, kw)), indexing="ij")
-        y, x = u * sh - ph + i * dh, v * sw - pw + j * dw
-        valid = (y >= 0) & (y < height) & (x >= 0) & (x < width)
-        index = torch.full((rows * cols, height * width), kh * kw, dtype=torch.long)
-        index[(u * cols + v)[valid], (y * width + x)[valid]] = (i * kw + j)[valid]
-        index = _CONV_INDICES[key] = index.to(device)
-    return index
+    u, v, i, j = torch.meshgrid(*(torch.arange(n) for n in (rows, cols, kh, kw)), indexing="ij")
+    y, x = u * sh - ph + i * dh, v * sw - pw + j * dw
+    valid = (y >= 0) & (y < height) & (x >= 0) & (x < width)
+    index = torch.full((rows * cols, height * width), kh * kw, dtype=torch.long)
+    index[(u * cols + v)[valid], (y * width + x)[valid]] = (i * kw + j)[valid]
+    return index.to(module.weight.device)
 
 
 def _dense_from_index(weight: Tensor, index: Tensor) -> Tensor:

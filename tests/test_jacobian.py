@@ -347,7 +347,7 @@ class FrozenZoo(nn.Module):
         self.first = nn.Conv2d(3, 6, 3, padding=1)  # trainable: 6 x 16 x 16
         self.big = nn.Conv2d(6, 6, 3, padding=1)  # frozen, large map: generic backward
         self.norm = nn.BatchNorm2d(6)
-        self.down = nn.Conv2d(6, 5, 3, stride=4, padding=1)  # frozen, 16x16 -> 4x4: dense
+        self.down = nn.Conv2d(6, 5, 3, stride=4, padding=1)  # frozen, 16x16 -> 4x4: map >> kernel, generic
         self.pointwise = nn.Conv2d(5, 7, 1)  # frozen pointwise
         self.plain_norm = nn.BatchNorm2d(7, affine=False)
         self.batch_stats = nn.BatchNorm2d(7, track_running_stats=False)  # uses batch statistics: no shortcut
@@ -409,8 +409,8 @@ def test_frozen_layer_shortcuts_match_autograd(monkeypatch):
         assert torch.equal(prediction, ref_prediction)  # the forward values are the layers' own
         for jac, ref in zip(jacs, ref_jacs, strict=True):
             torch.testing.assert_close(dense(jac), ref, rtol=1e-10, atol=1e-12)
-        # big keeps its generic backward, batch_stats is no fixed affine map; all the others are replaced.
-        assert sorted(kinds) == sorted(["_scale_grad"] * 3 + ["_dense_grad"] * 4 + ["_pointwise_grad"] * 2), kinds
+        # big and down keep their generic backward, batch_stats is no fixed affine map; the others are replaced.
+        assert sorted(kinds) == sorted(["_scale_grad"] * 3 + ["_dense_grad"] * 3 + ["_pointwise_grad"] * 2), kinds
 
 
 def test_frozen_convolution_matrix_follows_its_weight(monkeypatch):
@@ -421,7 +421,7 @@ def test_frozen_convolution_matrix_follows_its_weight(monkeypatch):
     params = [p for p in model.parameters() if p.requires_grad]
     jacobian(model, x, params)  # builds the matrices
     with torch.no_grad():
-        model.down.weight.mul_(-2.0)
+        model.oblong.weight.mul_(-2.0)
     model.dilated.weight = nn.Parameter(torch.randn_like(model.dilated.weight), requires_grad=False)
     _, jacs = jacobian(model, x, params)
     _, ref_jacs = row_by_row(model, x, params)
