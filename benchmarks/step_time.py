@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loko_lightning import LoKO, jacobian
+from loko_lightning import LoKO, _backward, jacobian
 from loko_lightning.adapters import build_model
 
 
@@ -81,6 +81,7 @@ def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
         if i == warmup - 1:
             timings = {k: [] for k in timings}
     med = {k: statistics.median(v) for k, v in timings.items()}
+    cached = [entry[2] for module, entry in _backward._CONV_MATRICES.items() if module in set(model_loko.modules())]
     return {
         "backbone": backbone,
         "m": m,
@@ -91,6 +92,7 @@ def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
         "kalman_share": statistics.median(k / t for k, t in zip(timings["kalman"], timings["loko"], strict=True)),
         "steps": steps,
         "threads": torch.get_num_threads(),
+        "conv_matrices_mib": sum(m.numel() * m.element_size() for m in cached) / 2**20,
     }
 
 
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['loko_over_adamw']:.2f} | {r['jacobian_over_adamw']:.2f} | {100 * r['kalman_share']:.1f}% "
             f"| {r['loko_peak_extra_mib']:.1f} MiB | {r['adamw_peak_extra_mib']:.1f} MiB |"
         )
+    print()
+    for r in rows:  # kept while the model lives, like optimizer state: not part of the step's peak
+        mib = r["conv_matrices_mib"]
+        print(f"{r['backbone']}: dense matrices of small-map convolutions cached by jacobian(): {mib:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ through the generic batched reverse pass. Both paths give the same Jacobian up t
 
 With softmax outputs the rows sum to zero (``Σ_a ŷ_a = 1``), so only ``m - 1`` rows go through the reverse pass
 and the last is minus their sum: exact, one reverse row fewer.
+
+Frozen layers only pass cotangents through. Where their generic batched backward is mostly overhead (eval-mode
+batch norms, pointwise convolutions, convolutions on small maps) it is replaced, during the call only, by the
+matrix product it amounts to (:mod:`loko_lightning._backward`); the forward values are the layers' own. The dense
+matrices of small-map convolutions are cached while their weights do not change (19 MiB for a ResNet-18 at
+32 x 32 inputs, 26 MiB for a ResNet-50), and released with the model.
 """
 
 from __future__ import annotations
