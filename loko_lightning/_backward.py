@@ -4,7 +4,7 @@ The batched reverse pass of :func:`~loko_lightning.jacobian` (``vmap`` over ``m 
 time in frozen layers, where it only needs ``∂L/∂x``. For some layers that is much cheaper to compute directly than
 through the generic batched backward, which on small maps and few channels is dominated by overhead:
 
-- an eval-mode batch norm is a per-channel scale;
+- an eval-mode batch norm is a per-channel scale (times the pass-through mask of a ReLU/ReLU6 that timm fuses in);
 - a 1 x 1 convolution (stride 1, no padding) is one matrix product over all pixels (also used for differentiated
   ones, e.g. the ``B`` factors of LoRA convolutions, whose cotangents are still collected at their outputs);
 - a convolution on a small map (the last stages of a CNN at CIFAR resolution) is one dense matrix, built exactly
@@ -17,6 +17,7 @@ mathematically identical one, equal up to rounding.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -49,14 +50,15 @@ def substitute(x: Tensor, out: Tensor, grad_input: GradInput) -> Tensor:
 
 
 def is_frozen_norm(module: nn.Module, wanted: set[int]) -> bool:
-    """A batch norm that is a fixed per-channel affine map here.
+    """A batch norm that is a fixed per-channel affine map here (possibly followed by a ReLU, see below).
 
     Eval mode with running statistics, the plain ``forward``, and neither its weight nor its bias among the
-    parameters differentiated (``wanted``: their ids).
+    parameters differentiated (``wanted``: their ids). timm's fused ``BatchNormAct2d`` (batch norm, dropout,
+    activation) qualifies when its dropout is the identity and its activation ``ReLU``, ``ReLU6`` or the identity.
     """
     return (
         isinstance(module, nn.modules.batchnorm._BatchNorm)
-        and type(module).forward is nn.modules.batchnorm._BatchNorm.forward
+        and (type(module).forward is nn.modules.batchnorm._BatchNorm.forward or _is_norm_act(module))
         and not module.training
         and module._buffers.get("running_mean") is not None
         and module._buffers.get("running_var") is not None
@@ -72,6 +74,16 @@ def is_frozen_conv(module: nn.Module, wanted: set[int]) -> bool:
         and module.padding_mode == "zeros"
         and not isinstance(module.padding, str)
         and not any(p is not None and id(p) in wanted for p in module._parameters.values())
+    )
+
+
+def _is_norm_act(module: nn.Module) -> bool:
+    norm_act = sys.modules.get("timm.layers.norm_act")
+    return (
+        norm_act is not None
+        and type(module).forward is norm_act.BatchNormAct2d.forward
+        and type(getattr(module, "drop", None)) is nn.Identity
+        and type(getattr(module, "act", None)) in (nn.Identity, nn.ReLU, nn.ReLU6)
     )
 
 
@@ -93,6 +105,12 @@ def norm_hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
             scale = scale * weight.detach()
         scale = scale.to(out.dtype).reshape(-1, *([1] * (x.dim() - 2)))
         cached = _NORM_SCALES[module] = (var, weight, key, functools.partial(_scale_grad, scale=scale))
+    act = type(getattr(module, "act", None))
+    if act is nn.ReLU or act is nn.ReLU6:
+        # The activation passes the cotangent where its input z lay strictly inside (0, 6) (ReLU: above 0); for these
+        # clamps that is where the output does, so the mask comes from the output itself.
+        inside = out > 0 if act is nn.ReLU else (out > 0) & (out < 6)
+        return substitute(x, out, functools.partial(_scale_grad, scale=cached[3].keywords["scale"] * inside))
     return substitute(x, out, cached[3])
 
 

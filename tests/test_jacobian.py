@@ -4,6 +4,7 @@ import pytest
 import timm
 import torch
 from peft import LoraConfig, get_peft_model
+from timm.layers import BatchNormAct2d
 from torch import nn
 
 import loko_lightning.jacobian  # noqa: F401  (the module, for monkeypatching)
@@ -347,6 +348,8 @@ class FrozenZoo(nn.Module):
         self.first = nn.Conv2d(3, 6, 3, padding=1)  # trainable: 6 x 16 x 16
         self.big = nn.Conv2d(6, 6, 3, padding=1)  # frozen, large map: generic backward
         self.norm = nn.BatchNorm2d(6)
+        self.fused = BatchNormAct2d(5, act_layer=nn.ReLU6)  # timm's batch norm + ReLU6 in one module
+        self.fused_plain = BatchNormAct2d(4, apply_act=False)
         self.down = nn.Conv2d(6, 5, 3, stride=4, padding=1)  # frozen, 16x16 -> 4x4: map >> kernel, generic
         self.pointwise = nn.Conv2d(5, 7, 1)  # frozen pointwise
         self.plain_norm = nn.BatchNorm2d(7, affine=False)
@@ -359,20 +362,24 @@ class FrozenZoo(nn.Module):
         self.features = nn.BatchNorm1d(3)
         for module in (self.big, self.norm, self.down, self.pointwise, self.dilated, self.oblong, self.corner):
             module.requires_grad_(False)
-        for norm in (self.norm, self.plain_norm, self.features):
+        for norm in (self.norm, self.fused, self.fused_plain, self.plain_norm, self.features):
             norm.running_mean.uniform_(-0.5, 0.5)
             norm.running_var.uniform_(0.5, 2.0)
         self.norm.weight.data.uniform_(0.5, 1.5)
+        self.fused.weight.data.uniform_(4.0, 12.0)  # outputs on both sides of ReLU6's clamps
+        self.fused.bias.data.copy_(torch.tensor([-6.0, -3.0, 0.0, 3.0, 6.0]))
+        self.fused.requires_grad_(False)
+        self.fused_plain.requires_grad_(False)
         self.batch_stats.requires_grad_(False)
         self.features.requires_grad_(False)
 
     def forward(self, x):
         h = torch.tanh(self.first(x))
         h = torch.tanh(self.norm(self.big(h)))
-        h = torch.tanh(self.pointwise(torch.tanh(self.down(h))))
+        h = torch.tanh(self.pointwise(self.fused(self.down(h))))
         h = self.batch_stats(self.plain_norm(h))
         h = torch.tanh(self.trained_pointwise(h))
-        h = torch.tanh(self.oblong(torch.tanh(self.dilated(h))))
+        h = torch.tanh(self.oblong(self.fused_plain(self.dilated(h))))
         h = self.corner(h).mean((2, 3))
         return self.head(self.features(h))
 
@@ -410,7 +417,7 @@ def test_frozen_layer_shortcuts_match_autograd(monkeypatch):
         for jac, ref in zip(jacs, ref_jacs, strict=True):
             torch.testing.assert_close(dense(jac), ref, rtol=1e-10, atol=1e-12)
         # big and down keep their generic backward, batch_stats is no fixed affine map; the others are replaced.
-        assert sorted(kinds) == sorted(["_scale_grad"] * 3 + ["_dense_grad"] * 3 + ["_pointwise_grad"] * 2), kinds
+        assert sorted(kinds) == sorted(["_scale_grad"] * 5 + ["_dense_grad"] * 3 + ["_pointwise_grad"] * 2), kinds
 
 
 def test_frozen_convolution_matrix_follows_its_weight(monkeypatch):
