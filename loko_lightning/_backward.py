@@ -104,14 +104,14 @@ def norm_hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
         if weight is not None:
             scale = scale * weight.detach()
         scale = scale.to(out.dtype).reshape(-1, *([1] * (x.dim() - 2)))
-        cached = _NORM_SCALES[module] = (var, weight, key, functools.partial(_scale_grad, scale=scale))
+        cached = _NORM_SCALES[module] = (var, weight, key, scale)
+    scale = cached[3]
     act = type(getattr(module, "act", None))
     if act is nn.ReLU or act is nn.ReLU6:
         # The activation passes the cotangent where its input z lay strictly inside (0, 6) (ReLU: above 0); for these
         # clamps that is where the output does, so the mask comes from the output itself.
-        inside = out > 0 if act is nn.ReLU else (out > 0) & (out < 6)
-        return substitute(x, out, functools.partial(_scale_grad, scale=cached[3].keywords["scale"] * inside))
-    return substitute(x, out, cached[3])
+        scale = scale * (out > 0 if act is nn.ReLU else (out > 0) & (out < 6))
+    return substitute(x, out, functools.partial(_scale_grad, scale=scale))
 
 
 def _scale_grad(grad: Tensor, *, scale: Tensor) -> Tensor:
@@ -172,8 +172,8 @@ def _pointwise_grad(grad: Tensor, *, matrix: Tensor, shape: torch.Size) -> Tenso
 
 # The dense matrix of each frozen convolution that has one, kept while its weight is the same tensor, unmodified.
 _CONV_MATRICES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, tuple, Tensor]] = weakref.WeakKeyDictionary()
-# The backward of each frozen batch norm, kept while its running variance and weight are the same, unmodified.
-_NORM_SCALES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor | None, tuple, GradInput]] = (
+# The per-channel scale of each frozen batch norm, kept while its running variance and weight are the same, unmodified.
+_NORM_SCALES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor | None, tuple, Tensor]] = (
     weakref.WeakKeyDictionary()
 )
 

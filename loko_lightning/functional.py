@@ -145,45 +145,11 @@ def _factored_hpht(jac: FactoredJacobian, cov: Tensor) -> Tensor:
     return left_gram.transpose(0, 1).reshape(m, rows * k) @ left.reshape(m, rows * k).T
 
 
-def _stack_lefts(jacs: Sequence[FactoredJacobian]) -> Tensor:
-    """The left factors of blocks with the same ``k`` side by side, ``(m, Σ rows, k)``."""
-    return jacs[0].left if len(jacs) == 1 else torch.cat([j.left for j in jacs], dim=1)
-
-
 def _row_grams(jac: FactoredJacobian, cov: Tensor) -> Tensor:
     """``M_i = Rᵀ diag(p_i) R`` for every row ``i`` of a factored block, ``(rows, k, k)``."""
     right = jac.right
     cov = cov.view(jac.left.shape[1], right.shape[0])
     return torch.matmul(right.T, cov[:, :, None] * right)
-
-
-def _dense_stack(jacs: Sequence[Tensor], m: int, dtype: torch.dtype) -> Tensor:
-    """Dense blocks side by side as one ``(m, n)`` matrix ``H``.
-
-    :func:`loko_lightning.jacobian` lays its dense blocks out as consecutive column blocks of one buffer; then
-    this is a view of that buffer, without a copy. Any other layout is copied.
-    """
-    flats = [j.reshape(m, -1) for j in jacs]
-    first = flats[0]
-    row_stride = first.stride(0)
-    offset, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
-    tiled = True
-    for flat in flats:
-        n = flat.shape[1]
-        tiled = (
-            flat.dtype == dtype
-            and (flat.stride(0) == row_stride or m == 1)
-            and (flat.stride(1) == 1 or n == 1)
-            and flat.untyped_storage().data_ptr() == ptr
-            and flat.storage_offset() == offset
-        )
-        if not tiled:
-            break
-        offset += n
-    total = sum(flat.shape[1] for flat in flats)
-    if tiled and (m == 1 or row_stride >= total):
-        return torch.as_strided(first, (m, total), (row_stride, 1), first.storage_offset())
-    return torch.cat(flats, dim=1).to(dtype)
 
 
 def _weighted_gram(jac: Tensor, weight: Tensor) -> Tensor:
@@ -439,7 +405,7 @@ class UpdatePlan:
                 self.order.extend(indices)
                 start = group.end
                 columns[kind] += width
-        self.outer_width, self.factored_width = columns[1], columns[2]
+        self.outer_width = columns[1]
         self.n = start
         self.offsets = [0] * len(numels)
         position = 0
@@ -499,7 +465,7 @@ class UpdatePlan:
                     break
         if tiled:
             return torch.as_strided(first, (m, self.n_dense), (row_stride if m > 1 else self.n_dense, 1))
-        return _dense_stack(blocks, m, self.dtype)
+        return torch.cat([block.reshape(m, -1) for block in blocks], dim=1).to(self.dtype)
 
     def run(
         self,
