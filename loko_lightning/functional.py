@@ -190,17 +190,17 @@ def _gain_quad(
 ) -> tuple[Tensor, Tensor]:
     """``Hᵀ w`` and ``diag(Hᵀ S⁺ H)`` for a wide ``(m, n)`` matrix ``H``, in one pass over ``H``.
 
-    ``factor`` is ``[S⁺; wᵀ]`` (``(m + 1, m)``; ``S⁺`` is symmetric), so ``factor · H`` gives ``S⁺H`` and ``wᵀH``
-    together; it is formed in chunks of columns that stay in cache while they are multiplied by ``H`` and summed
-    (with ``ones``, ``m`` ones). The results are written into ``gain`` and ``quad`` (shape ``(n,)``) when both are
-    given.
+    ``factor`` is ``[Wᵀ; wᵀ]`` (``(m + 1, m)``) with ``S⁺ = W Wᵀ``, so ``factor · H`` gives ``WᵀH``, whose squared
+    columns sum to ``diag(Hᵀ S⁺ H)``, and ``wᵀH`` together; it is formed in chunks of columns that stay in cache
+    while they are squared and summed (with ``ones``, ``m`` ones). The results are written into ``gain`` and
+    ``quad`` (shape ``(n,)``) when both are given.
     """
     m, n = jac.shape
     chunk = max(4096, 409600 // m)
     if gain is None or quad is None:
         if n <= chunk:
             products = factor @ jac
-            return products[m], ones @ products[:m].mul_(jac)
+            return products[m], ones @ products[:m].square_()
         gain = torch.empty(n, dtype=jac.dtype, device=jac.device)
         quad = torch.empty(n, dtype=jac.dtype, device=jac.device)
     scratch = torch.empty((m + 1) * min(chunk, n), dtype=jac.dtype, device=jac.device)
@@ -209,7 +209,7 @@ def _gain_quad(
         width = part.shape[1]
         products = torch.mm(factor, part, out=scratch[: (m + 1) * width].view(m + 1, width))
         gain[start : start + width] = products[m]
-        torch.mv(products[:m].mul_(part).T, ones, out=quad[start : start + width])
+        torch.mv(products[:m].square_().T, ones, out=quad[start : start + width])
     return gain, quad
 
 
@@ -294,6 +294,12 @@ def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor
         ``(pinv, cond)``: the pseudo-inverse and the condition number of the kept spectrum
         (``λ_max / smallest kept λ``).
     """
+    eigvecs, inv_vals, cond = _psd_eigh(matrix, rcond)
+    return (eigvecs * inv_vals) @ eigvecs.T, cond
+
+
+def _psd_eigh(matrix: Tensor, rcond: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Eigenvectors, the reciprocals of the kept eigenvalues (0 for the others) and the condition number."""
     m = matrix.shape[-1]
     if rcond is None:
         rcond = 10.0 * m * torch.finfo(matrix.dtype).eps
@@ -303,8 +309,7 @@ def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor
     top = eigvals[-1].clamp_min(torch.finfo(matrix.dtype).tiny)
     keep = eigvals > rcond * top
     inv_vals = torch.where(keep, eigvals.reciprocal(), 0.0)  # the discarded reciprocals (maybe inf) are dropped
-    pinv = (eigvecs * inv_vals) @ eigvecs.T
-    return pinv, top / torch.where(keep, eigvals, math.inf).amin()
+    return eigvecs, inv_vals, top / torch.where(keep, eigvals, math.inf).amin()
 
 
 def block_key(jac: JacobianBlock) -> tuple | None:
@@ -396,7 +401,8 @@ class UpdatePlan:
         self.factored: list[_Group] = []
         columns = {1: 0, 2: 0}
         for kind, groups in ((1, self.outer), (2, self.factored)):
-            for (k, rows, cols), indices in by_shape.items():
+            # Factored groups with the same k are adjacent: the products on their left factors are batched by k.
+            for (k, rows, cols), indices in sorted(by_shape.items(), key=lambda item: item[0][0]):
                 if (k == 1) != (kind == 1):
                     continue
                 width = len(indices) * rows * (1 if k == 1 else k)
@@ -405,8 +411,23 @@ class UpdatePlan:
                 self.order.extend(indices)
                 start = group.end
                 columns[kind] += width
-        self.outer_width = columns[1]
+        self.outer_width, self.factored_width = columns[1], columns[2]
         self.n = start
+        # Where each factored group's k x k matrices (one per row) lie in one flat buffer, and the runs of groups
+        # with one k as (k, lo, hi) in the stacked left factors and (a, b) in that buffer.
+        self._gram_spans, self._segments, position = [], [], 0
+        for g in self.factored:
+            span = (position, position + g.count * g.rows * g.k * g.k)
+            self._gram_spans.append(span)
+            if self._segments and self._segments[-1][0] == g.k:
+                k, lo, _, a, _ = self._segments[-1]
+                self._segments[-1] = (k, lo, g.hi, a, span[1])
+            else:
+                self._segments.append((g.k, g.lo, g.hi, *span))
+            position = span[1]
+        # The k x k matrices: first M_i, then (once H P Hᵀ is formed) N_i; and M_i L_iᵀ stacked.
+        self._grams = torch.empty(position, dtype=dtype, device=device)
+        self._ml_t = torch.empty(self.factored_width, self.m, dtype=dtype, device=device)
         self.offsets = [0] * len(numels)
         position = 0
         for i in self.order:
@@ -507,30 +528,42 @@ class UpdatePlan:
                 right = rights[0][None] if g.count == 1 else torch.stack(rights)  # (G, cols)
                 right_sq = right.square()
                 prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols)
-                torch.matmul(prior_g, right_sq[:, :, None], out=weight[g.lo : g.hi].view(g.count, g.rows, 1))
+                torch.bmm(prior_g, right_sq[:, :, None], out=weight[g.lo : g.hi].view(g.count, g.rows, 1))
                 outer.append((g, right, right_sq))
             terms.append(_weighted_gram(outer_left, weight))
-        # Blocks with k > 1: Σ_i L_i M_i L_iᵀ over rows i, with M_i = Rᵀ diag(p_i) R (k x k).
+        # Blocks with k > 1: Σ_i L_i M_i L_iᵀ over rows i, with M_i = Rᵀ diag(p_i) R (k x k). The left factors of all
+        # of them side by side are one matrix L (m x Σ rows·k); M_i L_iᵀ stacked below each other is another
+        # ((Σ rows·k) x m), so the sum is one product. M_i depends on the group's shape, the rest only on k.
         factored = []
-        for g in self.factored:
-            lefts = [jacobians[i].left.to(dtype) for i in g.indices]
-            left = lefts[0] if g.count == 1 else torch.cat(lefts, dim=1)  # (m, G·rows, k)
-            rights = [jacobians[i].right.to(dtype) for i in g.indices]
-            right = (rights[0][None] if g.count == 1 else torch.stack(rights))[:, None]  # (G, 1, cols, k)
-            if g.k <= g.rows:
-                # With few positions the outer products R_j R_jᵀ (k² numbers per column j) are no larger than
-                # p_i ⊙ R: then M_i = Σ_j p_ij R_j R_jᵀ is one batched product, and so is the quadratic term below.
-                right_t = right[:, 0].transpose(1, 2).contiguous()  # (G, k, cols): the products below run along cols
-                outer_r = (right_t[:, :, None, :] * right_t[:, None, :, :]).view(g.count, g.k * g.k, g.cols)
+        if self.factored:
+            lefts = [jacobians[i].left.reshape(m, -1) for g in self.factored for i in g.indices]
+            left_all = torch.cat(lefts, dim=1).to(dtype)  # (m, Σ rows·k)
+            grams_all, ml_t = self._grams, self._ml_t
+            for g, (a, b) in zip(self.factored, self._gram_spans, strict=True):
+                rights = [jacobians[i].right for i in g.indices]
+                right = (rights[0][None] if g.count == 1 else torch.stack(rights)).to(dtype)  # (G, cols, k)
                 prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols)
-                grams = torch.bmm(prior_g, outer_r.transpose(1, 2)).view(-1, g.k, g.k)  # (G·rows, k, k)
-            else:
-                outer_r = None
-                prior_g = prior[g.start : g.end].view(g.count, g.rows, g.cols, 1)
-                grams = (right.transpose(-1, -2) @ (prior_g * right)).view(-1, g.k, g.k)
-            left_gram = torch.bmm(left.transpose(0, 1), grams)  # (G·rows, m, k)
-            terms.append(left_gram.transpose(0, 1).reshape(m, -1) @ left.reshape(m, -1).T)
-            factored.append((g, left, right, outer_r))
+                grams = grams_all[a:b].view(g.count, g.rows, g.k, g.k)
+                if g.k <= g.rows:
+                    # With few positions the outer products R_j R_jᵀ (k² numbers per column j) are no larger than
+                    # p_i ⊙ R: then M_i = Σ_j p_ij R_j R_jᵀ is one batched product, and so is the quadratic term.
+                    right_t = right.transpose(1, 2).contiguous()  # (G, k, cols): the products below run along cols
+                    outer_r = (right_t[:, :, None, :] * right_t[:, None, :, :]).view(g.count, g.k * g.k, g.cols)
+                    torch.bmm(prior_g, outer_r.transpose(1, 2), out=grams.view(g.count, g.rows, g.k * g.k))
+                else:
+                    # p_i ⊙ R of every row i side by side, (G, cols, rows·k): one product with Rᵀ gives all M_i.
+                    outer_r = None
+                    scaled = torch.empty(g.count, g.cols, g.rows, g.k, dtype=dtype, device=cov.device)
+                    torch.mul(prior_g.transpose(1, 2)[:, :, :, None], right[:, :, None, :], out=scaled)
+                    stacked = torch.bmm(right.transpose(1, 2), scaled.view(g.count, g.cols, -1))  # (G, k, rows·k)
+                    grams.copy_(stacked.view(g.count, g.k, g.rows, g.k).transpose(1, 2))
+                factored.append((g, right, outer_r, a, b))
+            for k, lo, hi, a, b in self._segments:
+                rows = (hi - lo) // k
+                grams = grams_all[a:b].view(rows, k, k)
+                left_seg = left_all[:, lo:hi].view(m, rows, k).permute(1, 2, 0)  # (Σ rows, k, m)
+                torch.bmm(grams, left_seg, out=ml_t[lo:hi].view(rows, k, m))
+            terms.append(left_all @ ml_t)
         hpht = terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
 
         new_noise = observation_noise(r_estimator, noise, innovation, hpht, prediction, step + 1, beta)
@@ -538,9 +571,12 @@ class UpdatePlan:
         finite = torch.isfinite(innovation).all() & torch.isfinite(s_matrix).all()
         # eigh must never see NaN/Inf (LAPACK fails); a skipped step decomposes the identity instead.
         s_matrix = torch.where(finite, s_matrix, self._eye)
-        s_pinv, cond = psd_pinv(s_matrix, rcond)
-        # [S⁺; wᵀ] with w = S⁺ e: every gain and quadratic term below comes from products with it.
-        factor = torch.cat([s_pinv, (s_pinv @ torch.where(finite, innovation, 0.0))[None]])
+        eigvecs, inv_vals, cond = _psd_eigh(s_matrix, rcond)
+        # S⁺ = W Wᵀ with W = V Λ^(-1/2) (zero columns for the dropped eigenvalues). [Wᵀ; wᵀ] with w = S⁺ e: every
+        # gain and quadratic term below comes from products with it, and the quadratic terms are sums of squares.
+        root_t = (eigvecs * inv_vals.sqrt()).T
+        solve_e = root_t.T @ (root_t @ torch.where(finite, innovation, 0.0))
+        factor = torch.cat([root_t, solve_e[None]])
         ones = self._ones
 
         # K e = p ⊙ Hᵀ w and (K H)_ii = p_i (Hᵀ S⁺ H)_ii, written straight into flat vectors in plan order.
@@ -554,18 +590,24 @@ class UpdatePlan:
                 shape, rows = (g.count, g.rows, g.cols), (g.count, g.rows, 1)
                 torch.mul(gain_l[g.lo : g.hi].view(rows), right[:, None], out=delta[g.start : g.end].view(shape))
                 torch.mul(quad_l[g.lo : g.hi].view(rows), right_sq[:, None], out=quad[g.start : g.end].view(shape))
-        for g, left, right, outer_r in factored:
+        if factored:
             # Hᵀ w = (wᵀ L_i) Rᵀ per row i; diag(Hᵀ S⁺ H)_ij = R_j N_i R_jᵀ with N_i = L_iᵀ S⁺ L_i (k x k).
-            products = factor @ left.reshape(m, -1)  # [S⁺ L; wᵀ L]
-            gains = products[m].view(g.count, 1, g.rows, g.k)
-            torch.matmul(gains, right.transpose(-1, -2), out=delta[g.start : g.end].view(g.count, 1, g.rows, g.cols))
-            solved = products[:m].view(m, -1, g.k)
-            inner = torch.bmm(left.permute(1, 2, 0), solved.transpose(0, 1))  # (G·rows, k, k)
-            quad_g = quad[g.start : g.end].view(g.count, g.rows, g.cols)
-            if outer_r is not None:  # Σ_ab N_i,ab (R_j R_jᵀ)_ab
-                torch.bmm(inner.view(g.count, g.rows, g.k * g.k), outer_r, out=quad_g)
-            else:
-                torch.sum((right @ inner.view(g.count, g.rows, g.k, g.k)).mul_(right), -1, out=quad_g)
+            products = factor @ left_all  # [Wᵀ L; wᵀ L]
+            inner_all = self._grams  # the M_i are used up
+            for k, lo, hi, a, b in self._segments:  # N_i = (Wᵀ L_i)ᵀ Wᵀ L_i, (Σ rows, k, k)
+                rooted = products[:m, lo:hi].view(m, -1, k)
+                torch.bmm(rooted.permute(1, 2, 0), rooted.transpose(0, 1), out=inner_all[a:b].view(-1, k, k))
+            for g, right, outer_r, a, b in factored:
+                gains = products[m, g.lo : g.hi].view(g.count, g.rows, g.k)
+                torch.bmm(gains, right.transpose(1, 2), out=delta[g.start : g.end].view(g.count, g.rows, g.cols))
+                inner = inner_all[a:b]
+                quad_g = quad[g.start : g.end].view(g.count, g.rows, g.cols)
+                if outer_r is not None:  # Σ_ab N_i,ab (R_j R_jᵀ)_ab
+                    torch.bmm(inner.view(g.count, g.rows, g.k * g.k), outer_r, out=quad_g)
+                else:  # T = R [N_1 … N_rows], (G, cols, rows·k), and quad_ij = Σ_b T_j,ib R_jb
+                    inner = inner.view(g.count, g.rows, g.k, g.k).transpose(1, 2).reshape(g.count, g.k, -1)
+                    t = torch.bmm(right, inner).view(g.count, g.cols, g.rows, g.k)
+                    torch.sum(t.mul_(right[:, :, None, :]), -1, out=quad_g.transpose(1, 2))
         delta.mul_(prior)
         # (K H)_ii lies in [0, 1] in exact arithmetic; the floor keeps p̂ > 0 under rounding.
         posterior = torch.addcmul(self._one, prior, quad, value=-1.0, out=quad)

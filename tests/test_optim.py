@@ -454,8 +454,9 @@ def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
 def test_wide_update_matches_dense_formulas(m, n, tiled):
     """One update on a wide H (many parameters against m) equals Algorithm 1 written with dense matrices.
 
-    These sizes take the blocked code paths (H P Hᵀ and diag(Hᵀ S⁺ H) summed over column chunks, split into
-    triangle blocks for larger m) that the small models of the other tests never reach. float64 on both sides:
+    These sizes take the blocked code paths (H P Hᵀ and diag(Hᵀ S⁺ H) summed over column chunks) that the small
+    models of the other tests never reach, and the factored blocks form groups of one shape with several blocks
+    and runs of groups with one k that mix both ways of forming M_i (k <= rows and k > rows). float64 on both sides:
     the sums differ in order only, so 1e-10 relative is far above rounding (about 1e-13 here) and far below any
     wrong term.
     """
@@ -468,7 +469,7 @@ def test_wide_update_matches_dense_formulas(m, n, tiled):
         blocks.append(block if tiled else block.clone())
         start += size
 
-    # Factored blocks with few (k = 3 <= 5 rows) and many (k = 6 > 2 rows) positions, and an outer one.
+    # Factored blocks with few (k = 3 <= 5 rows) and many (k = 3 > 2, 6 > 2 rows) positions, and an outer one.
     def factored(rows, cols, k):
         left = torch.randn(m, rows, k, generator=gen, dtype=torch.float64)
         return FactoredJacobian(
@@ -478,7 +479,8 @@ def test_wide_update_matches_dense_formulas(m, n, tiled):
     outer = OuterJacobian(
         torch.randn(m, 6, generator=gen, dtype=torch.float64), torch.randn(4, generator=gen, dtype=torch.float64)
     )
-    jacobians = [*blocks, factored(5, 7, 3), factored(2, 9, 6), outer]
+    jacobians = [*blocks, factored(5, 7, 3), factored(2, 9, 6), factored(5, 7, 3), factored(5, 4, 3)]
+    jacobians += [factored(2, 9, 3), factored(2, 9, 6), outer]
     params = [torch.zeros(j.shape[1:], dtype=torch.float64) for j in jacobians]
     covs = [torch.rand(p.shape, generator=gen, dtype=torch.float64) * 0.3 + 0.01 for p in params]
     prediction = torch.softmax(torch.randn(m, generator=gen, dtype=torch.float64), 0)
