@@ -357,7 +357,8 @@ class UpdatePlan:
 
     Parameters are put in one flat order: dense blocks first (together they are one ``(m, n)`` matrix ``H``),
     then blocks with one position (``k = 1``, :class:`OuterJacobian`-like), then factored blocks with ``k > 1``,
-    each kind grouped by shape so that a group is processed by batched products. Everything elementwise (``p̂``,
+    each kind grouped by shape so that a group is processed by batched products (factored groups ordered by ``k``:
+    their left factors are one matrix, and the products on them run once per ``k``). Everything elementwise (``p̂``,
     the gain, the covariance update) runs on flat vectors in that order. :class:`~loko_lightning.LoKO` keeps
     ``p̂`` in such a flat vector (the per-parameter state tensors are views of it) and reuses one plan while
     the layout does not change, so a step does no planning, no concatenation of ``p̂`` and no copy back;
