@@ -126,32 +126,6 @@ def factored_is_cheaper(m: int, rows: int, cols: int, k: int) -> bool:
     return factored < dense
 
 
-def _as_factored(jac: OuterJacobian | FactoredJacobian) -> FactoredJacobian:
-    if isinstance(jac, FactoredJacobian):
-        return jac
-    return FactoredJacobian(jac.left[:, :, None], jac.right[:, None], jac.shape[1:])
-
-
-def _factored_hpht(jac: FactoredJacobian, cov: Tensor) -> Tensor:
-    """``H P Hᵀ`` of one factored block."""
-    left = jac.left
-    m, rows, k = left.shape
-    if k == 1:
-        # Σ_ij L_ai R_j² p_ij L_bi = L diag(p R²) Lᵀ
-        lvec = left[:, :, 0]
-        return (lvec * (cov.view(rows, -1) @ jac.right[:, 0].square())) @ lvec.T
-    # Σ_i L_i M_i L_iᵀ with M_i = Rᵀ diag(p_i) R (k x k per row i)
-    left_gram = torch.bmm(left.transpose(0, 1), _row_grams(jac, cov))  # (rows, m, k)
-    return left_gram.transpose(0, 1).reshape(m, rows * k) @ left.reshape(m, rows * k).T
-
-
-def _row_grams(jac: FactoredJacobian, cov: Tensor) -> Tensor:
-    """``M_i = Rᵀ diag(p_i) R`` for every row ``i`` of a factored block, ``(rows, k, k)``."""
-    right = jac.right
-    cov = cov.view(jac.left.shape[1], right.shape[0])
-    return torch.matmul(right.T, cov[:, :, None] * right)
-
-
 def _weighted_gram(jac: Tensor, weight: Tensor) -> Tensor:
     """``H diag(w) Hᵀ`` for a wide ``(m, n)`` matrix ``H``.
 
@@ -224,17 +198,10 @@ def innovation_covariance(jacobians: Sequence[JacobianBlock], covs: Sequence[Ten
     Returns:
         The ``m x m`` matrix ``H P Hᵀ``.
     """
-    total = None
-    for jac, cov in zip(jacobians, covs, strict=True):
-        if isinstance(jac, (OuterJacobian, FactoredJacobian)):
-            term = _factored_hpht(_as_factored(jac), cov)
-        else:
-            flat = jac.reshape(jac.shape[0], -1)
-            term = (flat * cov.reshape(-1)) @ flat.T
-        total = term if total is None else total + term
-    if total is None:
+    if not jacobians:
         raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
-    return total
+    plan = UpdatePlan(jacobians, [c.shape for c in covs], [0.0] * len(covs), covs[0].dtype, covs[0].device)
+    return plan._hpht(jacobians, plan.flatten(covs))[0]
 
 
 def observation_noise(
@@ -489,30 +456,10 @@ class UpdatePlan:
             return torch.as_strided(first, (m, self.n_dense), (row_stride if m > 1 else self.n_dense, 1))
         return torch.cat([block.reshape(m, -1) for block in blocks], dim=1).to(self.dtype)
 
-    def run(
-        self,
-        params: Sequence[Tensor],
-        jacobians: Sequence[JacobianBlock],
-        cov: Tensor,
-        prediction: Tensor,
-        target: Tensor,
-        noise: Tensor,
-        step: Tensor,
-        *,
-        beta: float,
-        r_estimator: REstimator,
-        rcond: float | None = None,
-        statistics: bool = True,
-    ) -> dict[str, Tensor]:
-        """One update with ``p̂`` as the flat vector ``cov`` (this plan's order), updated in place.
-
-        See :func:`loko_update` for everything else.
-        """
+    def _hpht(self, jacobians: Sequence[JacobianBlock], prior: Tensor) -> tuple[Tensor, tuple]:
+        """``H P Hᵀ`` for ``p̂ = prior`` (flat, this plan's order), and what the rest of :meth:`run` reuses."""
         m, dtype = self.m, self.dtype
-        prediction = prediction.to(dtype)
-        innovation = target.to(dtype) - prediction
-        prior = cov if self.q is None else cov + self.q
-
+        jac_d = outer_left = left_all = None
         # H P Hᵀ. All dense blocks are one matrix H (m x n). A block with k = 1 is L ⊗ R: its term is
         # L diag(p R²) Lᵀ, so the L of all of them side by side are one more matrix (m x Σ rows) with weights.
         terms = []
@@ -523,7 +470,7 @@ class UpdatePlan:
         if self.outer:
             lefts = [jacobians[i].left.reshape(m, -1).to(dtype) for g in self.outer for i in g.indices]
             outer_left = lefts[0] if len(lefts) == 1 else torch.cat(lefts, dim=1)
-            weight = torch.empty(self.outer_width, dtype=dtype, device=cov.device)
+            weight = torch.empty(self.outer_width, dtype=dtype, device=self.device)
             for g in self.outer:
                 rights = [jacobians[i].right.reshape(-1).to(dtype) for i in g.indices]
                 right = rights[0][None] if g.count == 1 else torch.stack(rights)  # (G, cols)
@@ -554,7 +501,7 @@ class UpdatePlan:
                 else:
                     # p_i ⊙ R of every row i side by side, (G, cols, rows·k): one product with Rᵀ gives all M_i.
                     outer_r = None
-                    scaled = torch.empty(g.count, g.cols, g.rows, g.k, dtype=dtype, device=cov.device)
+                    scaled = torch.empty(g.count, g.cols, g.rows, g.k, dtype=dtype, device=self.device)
                     torch.mul(prior_g.transpose(1, 2)[:, :, :, None], right[:, :, None, :], out=scaled)
                     stacked = torch.bmm(right.transpose(1, 2), scaled.view(g.count, g.cols, -1))  # (G, k, rows·k)
                     grams.copy_(stacked.view(g.count, g.k, g.rows, g.k).transpose(1, 2))
@@ -566,6 +513,33 @@ class UpdatePlan:
                 torch.bmm(grams, left_seg, out=ml_t[lo:hi].view(rows, k, m))
             terms.append(left_all @ ml_t)
         hpht = terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
+        return hpht, (jac_d, outer_left, outer, left_all, factored)
+
+    def run(
+        self,
+        params: Sequence[Tensor],
+        jacobians: Sequence[JacobianBlock],
+        cov: Tensor,
+        prediction: Tensor,
+        target: Tensor,
+        noise: Tensor,
+        step: Tensor,
+        *,
+        beta: float,
+        r_estimator: REstimator,
+        rcond: float | None = None,
+        statistics: bool = True,
+    ) -> dict[str, Tensor]:
+        """One update with ``p̂`` as the flat vector ``cov`` (this plan's order), updated in place.
+
+        See :func:`loko_update` for everything else.
+        """
+        m, dtype = self.m, self.dtype
+        prediction = prediction.to(dtype)
+        innovation = target.to(dtype) - prediction
+        prior = cov if self.q is None else cov + self.q
+
+        hpht, (jac_d, outer_left, outer, left_all, factored) = self._hpht(jacobians, prior)
 
         new_noise = observation_noise(r_estimator, noise, innovation, hpht, prediction, step + 1, beta)
         s_matrix = hpht + new_noise

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
-from loko_lightning.functional import FactoredJacobian, loko_update, psd_pinv
+from loko_lightning.functional import FactoredJacobian, innovation_covariance, loko_update, psd_pinv
 
 ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
 
@@ -503,3 +503,29 @@ def test_wide_update_matches_dense_formulas(m, n, tiled):
     torch.testing.assert_close(torch.cat([q.reshape(-1) for q in params]), theta, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(torch.cat([c.reshape(-1) for c in covs]), p_new, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(noise, R, rtol=1e-10, atol=1e-14)
+
+
+def test_innovation_covariance_matches_dense_product():
+    """``innovation_covariance`` (the update's own H P Hᵀ) on every block kind equals ``H diag(p) Hᵀ`` of the dense H.
+
+    float64 on both sides, sums in a different order only: 1e-12 relative is far above rounding and far below any
+    missing or wrong term.
+    """
+    gen = torch.Generator().manual_seed(3)
+    m = 7
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    jacobians = [
+        randn(m, 4, 3),
+        FactoredJacobian(randn(m, 5, 3), randn(6, 3), torch.Size((5, 6))),
+        FactoredJacobian(randn(m, 2, 4), randn(9, 4), torch.Size((2, 9))),
+        OuterJacobian(randn(m, 3), randn(8)),
+    ]
+    covs = [torch.rand(j.shape[1:], generator=gen, dtype=torch.float64) + 0.1 for j in jacobians]
+    H = torch.cat([(j if isinstance(j, torch.Tensor) else j.to_dense()).reshape(m, -1) for j in jacobians], dim=1)
+    p = torch.cat([c.reshape(-1) for c in covs])
+    torch.testing.assert_close(innovation_covariance(jacobians, covs), (H * p) @ H.T, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="at least one parameter block"):
+        innovation_covariance([], [])
