@@ -4,7 +4,8 @@ The top level re-exports the torch-only API; it imports no ``lightning``. The Li
 CLI live in :mod:`loko_lightning.module`, :mod:`loko_lightning.data` and :mod:`loko_lightning.cli`.
 """
 
-from loko_lightning.functional import FactoredJacobian, OuterJacobian, loko_update
+from loko_lightning.blocks import FactoredJacobian, OuterJacobian
+from loko_lightning.functional import loko_update
 from loko_lightning.jacobian import jacobian
 from loko_lightning.optim import LoKO
 

@@ -24,106 +24,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+
 REstimator = Literal["taylor", "residual", "identity", "decay", "softmax"]
 R_ESTIMATORS: tuple[str, ...] = ("taylor", "residual", "identity", "decay", "softmax")
-
-
-@dataclass(frozen=True)
-class OuterJacobian:
-    """Jacobian of ``m`` outputs w.r.t. a weight ``W`` (``out x in``) of a Linear layer seen by one input.
-
-    For ``z = W f + b`` with a single input vector ``f``, ``∂ŷ_a/∂W_jk = left[a, j] * right[k]`` where
-    ``left = ∂ŷ/∂z`` (``m x out``) and ``right = f`` (``in``). Storing the two factors costs
-    ``m·out + in`` numbers instead of ``m·out·in``, and every Kalman product on this block has a closed form.
-
-    Args:
-        left: ``∂ŷ/∂z``, shape ``(m, out)``.
-        right: the layer's input ``f``, shape ``(in,)``.
-    """
-
-    left: Tensor
-    right: Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        """Shape of the dense Jacobian this object stands for, ``(m, out, in)``."""
-        return torch.Size((*self.left.shape, *self.right.shape))
-
-    def to_dense(self) -> Tensor:
-        """Materialise the dense ``(m, out, in)`` Jacobian (for tests and debugging)."""
-        return self.left[:, :, None] * self.right[None, None, :]
-
-    def to(self, dtype: torch.dtype) -> OuterJacobian:
-        """Return a copy with both factors cast to ``dtype``."""
-        return OuterJacobian(self.left.to(dtype), self.right.to(dtype))
-
-
-@dataclass(frozen=True)
-class FactoredJacobian:
-    """Exact factored Jacobian of a Linear or Conv2d weight that sees ``k`` input positions.
-
-    A layer ``z_p = W x_p (+ b)`` applied at ``k`` positions ``p`` (the output pixels of a convolution, with
-    ``x_p`` the unfolded input patch, or the tokens of a Linear layer) has
-    ``∂ŷ_a/∂W_ij = Σ_p left[a, i, p] · right[j, p]``, with ``left[a, :, p] = ∂ŷ_a/∂z_p`` and
-    ``right[:, p] = x_p``. For ``W`` of shape ``(rows, *rest)`` the Jacobian of sample row ``a`` is
-    ``left[a] @ right.T`` reshaped to ``W``'s shape. It is the per-sample-gradient structure that LoRA factors
-    inherit, and it generalises :class:`OuterJacobian` (``k = 1``). Storing ``m·rows·k + cols·k`` numbers
-    instead of ``m·rows·cols`` pays off, and makes the Kalman products cheaper, when ``k`` is small against
-    ``m`` (deep layers with few pixels, many classes); see :func:`factored_is_cheaper`.
-
-    Args:
-        left: cotangents at the layer output, shape ``(m, rows, k)``.
-        right: the layer input at each position, shape ``(cols, k)`` with ``cols = prod(param_shape[1:])``.
-        param_shape: shape of the weight, ``(rows, *rest)``.
-    """
-
-    left: Tensor
-    right: Tensor
-    param_shape: torch.Size
-
-    @property
-    def shape(self) -> torch.Size:
-        """Shape of the dense Jacobian this object stands for, ``(m, *param_shape)``."""
-        return torch.Size((self.left.shape[0], *self.param_shape))
-
-    def to_dense(self) -> Tensor:
-        """Materialise the dense ``(m, *param_shape)`` Jacobian (for tests and debugging)."""
-        return torch.matmul(self.left, self.right.T).reshape(self.shape)
-
-    def to(self, dtype: torch.dtype) -> FactoredJacobian:
-        """Return a copy with both factors cast to ``dtype``."""
-        return FactoredJacobian(self.left.to(dtype), self.right.to(dtype), self.param_shape)
-
-
-JacobianBlock = Tensor | OuterJacobian | FactoredJacobian
-
-# Equivalent multiply-adds charged for the dozen small tensor ops a factored block with k > 1 adds; a dense
-# block instead joins one big matrix product with all the other dense blocks, and blocks with k = 1 are
-# processed together (see loko_update).
-_BLOCK_OVERHEAD = 5e5
-_OUTER_OVERHEAD = 2e5
-
-
-def factored_is_cheaper(m: int, rows: int, cols: int, k: int) -> bool:
-    """Whether the Kalman update costs less with a :class:`FactoredJacobian` than with its dense form.
-
-    Rough multiply-add counts per step: dense ``m·rows·cols·(k + 2m)`` (forming the block, then ``H P Hᵀ`` and
-    ``diag(Hᵀ S⁺ H)``); factored ``rows·cols·k·(2k + 4) + 2·rows·m·k·(k + m)`` plus a fixed overhead per
-    block (``k = 1``: ``2·m²·rows`` plus a few passes over ``rows·cols``). Either form gives the same update to
-    rounding; this only picks the faster one.
-
-    Args:
-        m: number of outputs (Jacobian rows).
-        rows: the weight's first dimension.
-        cols: the product of its other dimensions.
-        k: number of input positions the layer saw.
-    """
-    dense = m * rows * cols * (k + 2 * m + 3)
-    if k == 1:
-        factored = 2 * m * rows * (m + 1) + 4 * rows * cols + _OUTER_OVERHEAD
-    else:
-        factored = rows * cols * k * (2 * k + 4) + 2 * rows * m * k * (k + m) + _BLOCK_OVERHEAD
-    return factored < dense
 
 
 def _weighted_gram(jac: Tensor, weight: Tensor) -> Tensor:
@@ -277,20 +181,6 @@ def _psd_eigh(matrix: Tensor, rcond: float | None) -> tuple[Tensor, Tensor, Tens
     keep = eigvals > rcond * top
     inv_vals = torch.where(keep, eigvals.reciprocal(), 0.0)  # the discarded reciprocals (maybe inf) are dropped
     return eigvecs, inv_vals, top / torch.where(keep, eigvals, math.inf).amin()
-
-
-def block_key(jac: JacobianBlock) -> tuple | None:
-    """The layout of one Jacobian block that an :class:`UpdatePlan` depends on (kind and shapes).
-
-    ``None`` if ``jac`` is not a Jacobian block at all.
-    """
-    if isinstance(jac, Tensor):
-        return (0, jac.shape)
-    if isinstance(jac, FactoredJacobian):
-        return (2, jac.left.shape, jac.right.shape, jac.param_shape)
-    if isinstance(jac, OuterJacobian):
-        return (1, jac.left.shape, jac.right.shape)
-    return None
 
 
 @dataclass(frozen=True)

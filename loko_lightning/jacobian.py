@@ -38,7 +38,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn import functional as F
 
 from loko_lightning import _backward
-from loko_lightning.functional import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
+from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
 
 Output = Literal["softmax", "identity"]
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)

@@ -8,16 +8,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from loko_lightning.functional import (
-    R_ESTIMATORS,
-    FactoredJacobian,
-    JacobianBlock,
-    OuterJacobian,
-    REstimator,
-    UpdatePlan,
-    block_key,
-    loko_update,
-)
+from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, block_key
+from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
 
 P0Init = Literal["uniform", "constant"]
 P0_INITS: tuple[str, ...] = ("uniform", "constant")

@@ -9,7 +9,7 @@ from torch import nn
 
 import loko_lightning.jacobian  # noqa: F401  (the module, for monkeypatching)
 from loko_lightning import OuterJacobian, jacobian
-from loko_lightning.functional import FactoredJacobian, factored_is_cheaper
+from loko_lightning.blocks import FactoredJacobian, factored_is_cheaper
 
 jacobian_module = sys.modules["loko_lightning.jacobian"]
 

@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
-from loko_lightning.functional import FactoredJacobian, innovation_covariance, loko_update, psd_pinv
+from loko_lightning.blocks import FactoredJacobian
+from loko_lightning.functional import innovation_covariance, loko_update, psd_pinv
 
 ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
 

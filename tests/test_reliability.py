@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader
 import loko_lightning.module as module_lib
 import loko_lightning.optim as optim_lib
 from loko_lightning import LoKO, jacobian
+from loko_lightning.blocks import OuterJacobian
 from loko_lightning.cli import AtomicCheckpointIO, main
 from loko_lightning.data import StreamDataModule
-from loko_lightning.functional import OuterJacobian
 from loko_lightning.module import GOOD_STATE_NAME, DivergenceError
 
 ROOT = Path(__file__).resolve().parents[1]
