@@ -1,0 +1,31 @@
+"""Errors that name the setting they are about.
+
+Library code raises :class:`ConfigError` with the *argument* it is about (``p0``, ``max_samples``) and, where it
+knows it, the class that took the argument. It never formats a command-line flag: the ``loko`` command finds
+where that class sits in the configuration (``model.optimizer``, ``data``) and prints ``--model.optimizer.p0``.
+Plain PyTorch code can catch it as the ``ValueError`` it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad value of one argument: the message says what to change, ``field`` names the argument.
+
+    Args:
+        message: what is wrong and how to fix it (shown as is to Python users).
+        field: the argument of ``owner`` that is wrong, e.g. ``"p0"``; dotted for a nested argument.
+        owner: the class (or an instance of it) whose argument ``field`` is; ``None`` if not known.
+
+    Example:
+        >>> err = ConfigError("Invalid p0: -1 (must be > 0)", field="p0")
+        >>> isinstance(err, ValueError), err.field, str(err)
+        (True, 'p0', 'Invalid p0: -1 (must be > 0)')
+    """
+
+    def __init__(self, message: str, *, field: str, owner: type | Any | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.owner = owner if owner is None or isinstance(owner, type) else type(owner)
