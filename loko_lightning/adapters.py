@@ -26,6 +26,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
+from loko_lightning.errors import ConfigError
 from loko_lightning.weights import PYPI, pypi_weights
 
 HEAD_INITS = ("zeros", "timm")
@@ -87,18 +88,17 @@ def create_backbone(
         The timm model.
 
     Raises:
-        ValueError: unknown backbone (with close names), or ``num_classes < 1``.
-        FileNotFoundError: ``weights`` does not exist.
-        RuntimeError: hub weights could not be loaded (offline), with what to do instead.
+        ConfigError: unknown backbone (with close names), ``num_classes < 1``, no file at ``weights``, or hub
+            weights that could not be loaded (offline), each naming the argument and what to do instead.
     """
     if not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"Invalid num_classes: {num_classes} (must be a positive integer)")
+        raise ConfigError(f"Invalid num_classes: {num_classes} (must be a positive integer)", field="num_classes")
     check_backbone(backbone)
     overlay = None
     if weights is not None:
         path = pypi_weights(backbone) if str(weights) == PYPI else Path(weights).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"model.weights: no file at {str(path)!r}; give the path of a timm state dict")
+            raise ConfigError(f"no weights file at {str(path)!r}; give the path of a timm state dict", field="weights")
         overlay = {"file": str(path)}
         pretrained = True
     try:
@@ -108,25 +108,25 @@ def create_backbone(
     except Exception as err:
         if not pretrained or weights is not None:
             raise
-        raise RuntimeError(
-            f"model.pretrained: could not load the pretrained weights of {backbone!r} from the Hugging Face hub "
-            f"({type(err).__name__}: {err}). Without internet, pass a local file with --model.weights PATH, "
-            "fill the Hugging Face cache on a connected machine (HF_HOME), or use --model.pretrained false to start "
-            "from random weights."
+        raise ConfigError(
+            f"could not load the pretrained weights of {backbone!r} from the Hugging Face hub "
+            f"({type(err).__name__}: {err}). Without internet, set `weights` to a local file, fill the Hugging Face "
+            "cache on a connected machine (HF_HOME), or set `pretrained` to false to start from random weights.",
+            field="pretrained",
         ) from err
 
 
 def check_backbone(backbone: str) -> None:
-    """Raise ``ValueError`` naming close matches if ``backbone`` is not a timm model (tags allowed)."""
+    """Raise :class:`~loko_lightning.errors.ConfigError` naming close matches if ``backbone`` is not a timm model."""
     name, _, tag = backbone.partition(".")
     if timm.is_model(name) and (not tag or backbone in timm.list_pretrained(name + ".*")):
         return
     if timm.is_model(name):
         tags = timm.list_pretrained(name + ".*")
-        raise ValueError(f"Unknown pretrained tag in model.backbone={backbone!r}; available: {tags}")
+        raise ConfigError(f"unknown pretrained tag in backbone={backbone!r}; available: {tags}", field="backbone")
     close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
     hint = f"; did you mean {close}?" if close else "; see timm.list_models()"
-    raise ValueError(f"Unknown model.backbone={backbone!r}: not a timm model{hint}")
+    raise ConfigError(f"unknown backbone={backbone!r}: not a timm model{hint}", field="backbone")
 
 
 def head_name(model: nn.Module) -> str:
@@ -156,7 +156,7 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
         Sorted list of module names.
 
     Raises:
-        ValueError: no module matches, a name is unknown or not adaptable, or a grouped conv is targeted.
+        ConfigError: no module matches, a name is unknown or not adaptable, or a grouped conv is targeted.
     """
     def allowed(name: str) -> bool:
         return not exclude or (name != exclude and not name.startswith(exclude + "."))
@@ -177,39 +177,43 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
         try:
             pattern = re.compile(target)
         except re.error as err:
-            raise ValueError(
-                f"Invalid model.target={target!r}: not a preset {PRESETS} nor a valid regex ({err})"
-            ) from err
+            message = f"target={target!r} is not a preset {PRESETS} nor a valid regex ({err})"
+            raise ConfigError(message, field="target") from err
         names = [n for n, m in model.named_modules() if n and pattern.fullmatch(n) and allowed(n)]
     else:
         modules = dict(model.named_modules())
         unknown = [n for n in target if n not in modules]
         if unknown:
-            raise ValueError(
-                f"Unknown module(s) in model.target: {unknown}; close names: "
-                f"{sorted({c for n in unknown for c in difflib.get_close_matches(n, _candidates(model), n=3)})}"
+            raise ConfigError(
+                f"unknown module(s) in target: {unknown}; close names: "
+                f"{sorted({c for n in unknown for c in difflib.get_close_matches(n, _candidates(model), n=3)})}",
+                field="target",
             )
         head = [n for n in target if not allowed(n)]
         if head:
-            raise ValueError(f"model.target: {head} belong to the new head, which is trained in full, not adapted")
+            message = f"target {head} belong to the new head, which is trained in full, not adapted"
+            raise ConfigError(message, field="target")
         names = list(target)
     if not names:
-        raise ValueError(
-            f"model.target={target!r} matches no adaptable module of {type(model).__name__}. Presets: {PRESETS}; "
-            f"candidates (first 20 of {len(_candidates(model))}): {_candidates(model)[:20]}"
+        raise ConfigError(
+            f"target={target!r} matches no adaptable module of {type(model).__name__}. Presets: {PRESETS}; "
+            f"candidates (first 20 of {len(_candidates(model))}): {_candidates(model)[:20]}",
+            field="target",
         )
     for name in names:
         module = model.get_submodule(name)
         if not isinstance(module, _ADAPTABLE):
-            raise ValueError(
-                f"model.target: {name!r} is a {type(module).__name__}, which peft LoRA cannot adapt; "
-                f"target Linear/Conv/Embedding layers, e.g. {_candidates(model)[:5]}"
+            raise ConfigError(
+                f"target {name!r} is a {type(module).__name__}, which peft LoRA cannot adapt; "
+                f"target Linear/Conv/Embedding layers, e.g. {_candidates(model)[:5]}",
+                field="target",
             )
         groups = getattr(module, "groups", 1)
         if groups > 1 and rank % groups:
-            raise ValueError(
-                f"model.target: {name!r} is a grouped convolution (groups={groups}); peft needs the rank "
-                f"(model.r={rank}) divisible by groups. Use the 'convs' preset, which skips grouped convolutions."
+            raise ConfigError(
+                f"target {name!r} is a grouped convolution (groups={groups}); peft needs the rank "
+                f"(r={rank}) divisible by groups. Use the 'convs' preset, which skips grouped convolutions.",
+                field="target",
             )
     return sorted(set(names))
 
@@ -263,11 +267,12 @@ def build_model(
         ``modules_to_save``).
     """
     if not isinstance(r, int) or r < 1:
-        raise ValueError(f"Invalid model.r={r}: the adapter rank must be a positive integer")
+        raise ConfigError(f"Invalid r={r}: the adapter rank must be a positive integer", field="r")
     if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"Invalid model.dropout={dropout}: must lie in [0, 1)")
+        raise ConfigError(f"Invalid dropout={dropout}: must lie in [0, 1)", field="dropout")
     if head_init not in HEAD_INITS:
-        raise ValueError(f"Invalid model.head_init={head_init!r}: expected one of {', '.join(HEAD_INITS)}")
+        message = f"Invalid head_init={head_init!r}: expected one of {', '.join(HEAD_INITS)}"
+        raise ConfigError(message, field="head_init")
     model = create_backbone(backbone, num_classes, pretrained=pretrained, weights=weights)
     head = head_name(model)
     if head_init == "zeros":

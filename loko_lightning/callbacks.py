@@ -1,12 +1,25 @@
-"""Callbacks for online runs."""
+"""Callbacks for online runs: the end-of-run report, the divergence guard and the RNG states in checkpoints."""
 
 from __future__ import annotations
 
+import copy
 import csv
+import math
+import random
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
+import torch
 from lightning.pytorch.utilities import rank_zero_info
+
+from loko_lightning.errors import ConfigError, DivergenceError
+from loko_lightning.optim import LoKO
+
+# Where the divergence guard saves the last good state, beside the periodic checkpoints. Its name must not start with
+# "last": Lightning's ``ckpt_path="last"`` picks the newest ``last*.ckpt`` and would resume a diverged run from it.
+GOOD_STATE_NAME = "good-before-divergence.ckpt"
 
 
 class OnlineReport(pl.Callback):
@@ -82,3 +95,169 @@ def plot_metrics(metrics: Path, out: Path, *, window: int = 1000) -> str:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return f"Plot: {out}"
+
+
+class DivergenceGuard(pl.Callback):
+    """Stop a diverging online run, keeping the state of its last check that passed.
+
+    Every ``check_every`` samples (one host sync) the run stops with :class:`~loko_lightning.errors.DivergenceError`
+    when the moving-average cross-entropy of the learner exceeds ``divergence_ce × log m`` (``log m`` is that of
+    uniform guessing over ``m`` classes: the run is confidently wrong), when an entry of LoKO's ``p̂`` exceeds
+    ``p_limit × p0`` or is not finite (possible only with process noise: without it ``p̂`` only shrinks), or when a
+    parameter of a gradient optimizer is not finite. The parameters and optimizer state of the last check that
+    passed (or of the start of training) are then restored and saved as ``good-before-divergence.ckpt`` beside the
+    checkpoints, and the error names the hyperparameter to change (``p0`` or ``lr``) and the value to try: ten times
+    smaller.
+
+    Args:
+        check_every: check every this many samples; 0 disables the guard.
+        divergence_ce: the cross-entropy limit in units of ``log m``; ``None`` disables that check.
+        p_limit: the limit on LoKO's ``p̂`` in units of its ``p0``.
+    """
+
+    def __init__(self, check_every: int = 100, divergence_ce: float | None = 3.0, p_limit: float = 1e3) -> None:
+        if not isinstance(check_every, int) or check_every < 0:
+            raise ConfigError(
+                f"check_every must be >= 0 (0 disables the guard), got {check_every}", field="check_every", owner=self
+            )
+        if divergence_ce is not None and not divergence_ce > 0:
+            message = f"divergence_ce must be > 0, or null to disable the check, got {divergence_ce}"
+            raise ConfigError(message, field="divergence_ce", owner=self)
+        if not p_limit > 0:
+            raise ConfigError(f"p_limit must be > 0, got {p_limit}", field="p_limit", owner=self)
+        self.check_every, self.divergence_ce, self.p_limit = check_every, divergence_ce, p_limit
+        self._last_good: dict[str, Any] | None = None
+        self._start_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The state training starts from (initial or resumed) is the first good state."""
+        self._start_step = trainer.global_step
+        if self.check_every:
+            self._record(trainer, pl_module)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Check after every ``check_every``-th sample of the epoch."""
+        if self.check_every and (batch_idx + 1) % self.check_every == 0:
+            self._check(trainer, pl_module)
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        m = pl_module.num_classes
+        ce = float(pl_module.ce_avg.compute())
+        limit = self.divergence_ce * math.log(m) if self.divergence_ce else math.inf
+        reasons = []
+        count = int(pl_module.ce_avg.count)
+        if count >= self.check_every and ce > limit:
+            reasons.append(
+                f"the cross-entropy averaged over the last {min(count, pl_module.ce_avg.window)} samples is "
+                f"{ce:.2f}, above {limit:.2f} ({self.divergence_ce:g} x log {m}, uniform guessing)"
+            )
+        kalman = isinstance(optimizer, LoKO)
+        if kalman:
+            p0 = max(group["p0"] for group in optimizer.param_groups)
+            p_max = float(optimizer.diagnostics["p_max"])
+            if not p_max <= self.p_limit * p0:
+                reasons.append(f"the largest covariance entry p̂ is {p_max:.3g}, above {self.p_limit:g} x p0")
+        elif not bool(torch.stack([p.isfinite().all() for p in pl_module.trainable_parameters]).all()):
+            # LoKO never writes a non-finite update; a gradient step can (a finite loss with an overflowing gradient).
+            reasons.append("a trainable parameter is NaN or infinite")
+        if not reasons:
+            self._record(trainer, pl_module)
+            return
+        saved = self._restore_and_save(trainer, pl_module)
+        if kalman:
+            field, value = "p0", p0
+            hint = f"Too large a p0 diverges (the paper's p0 bounds table): restart with p0 = {p0 / 10:g}"
+        else:
+            group = optimizer.param_groups[0]
+            field, value = "lr", group.get("initial_lr", group["lr"])
+            hint = f"Restart with a smaller learning rate, e.g. lr = {value / 10:g}"
+        first_check = self._last_good is not None and self._last_good["step"] == self._start_step
+        if ce > limit and first_check and getattr(pl_module.network_factory, "head_init", "zeros") != "zeros":
+            # Nothing passed a check since training started: the random head itself may be confidently wrong.
+            hint += (
+                " (or: it was above the limit at the first check, and a large random head is confidently wrong "
+                "before any update: try head_init = 'zeros')"
+            )
+        name = type(optimizer).__name__
+        message = f"{name} diverged by sample {trainer.global_step}: {'; '.join(reasons)}. {hint}. {saved}"
+        raise DivergenceError(message, field=field, owner=type(optimizer))
+
+    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_good = {
+            "step": trainer.global_step,
+            "params": [p.detach().clone() for p in pl_module.trainable_parameters],
+            "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+        }
+
+    def _restore_and_save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        snapshot = self._last_good
+        if snapshot is None:
+            return "No good state was recorded before the divergence."
+        with torch.no_grad():
+            for param, value in zip(pl_module.trainable_parameters, snapshot["params"], strict=True):
+                param.copy_(value)
+        trainer.optimizers[0].load_state_dict(snapshot["optimizer"])
+        directory = Path(trainer.default_root_dir)
+        if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
+            directory = Path(trainer.checkpoint_callback.dirpath)
+        path = directory / GOOD_STATE_NAME
+        trainer.save_checkpoint(path)
+        return f"The parameters and filter state after sample {snapshot['step']} are saved in {path}."
+
+
+class RNGStateCheckpoint(pl.Callback):
+    """Save the global RNG states (torch, CUDA, numpy, Python) in every checkpoint and restore them on resume.
+
+    LoRA dropout (gradient optimizers) and anything else drawing from the global generators then continues exactly
+    as in an uninterrupted run. The states are restored at the first training batch of the resumed run: nothing draws
+    from the global RNG between a checkpoint (saved after a sample's update) and the next sample's step, while setup
+    between loading and that batch may. The state is stored as tensors and Python numbers, so checkpoints still load
+    with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global RNG states now (called when a checkpoint is saved)."""
+        return rng_states()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the saved states until the first training batch."""
+        self._pending = dict(state_dict) if state_dict else None
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """On the first step of a resumed run, restore the checkpoint's RNG states."""
+        if self._pending is not None:
+            set_rng_states(self._pending)
+            self._pending = None
+
+
+def rng_states() -> dict[str, Any]:
+    """The global RNG states as tensors and Python numbers (loadable with ``torch.load(weights_only=True)``)."""
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    version, state, python_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        # Only if this process uses CUDA: asking an unused device for its state would create a CUDA context on it.
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(gauss)],
+        "python": [version, list(state), python_gauss],
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`rng_states` saved (CUDA states only if this process has as many devices)."""
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    name, keys, position, has_gauss, gauss = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    version, state, python_gauss = states["python"]
+    random.setstate((version, tuple(state), python_gauss))

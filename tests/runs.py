@@ -1,18 +1,32 @@
 """Shared pieces of the module, CLI and reliability tests: a tiny module, a separable stream, a quiet trainer,
 and a config override that sends a CLI run's logs and checkpoints into a test's folder."""
 
+from functools import partial
+
 import lightning.pytorch as pl
 import torch
 import yaml
 from torch.utils.data import DataLoader
 
+from loko_lightning import LoKO
 from loko_lightning.module import OnlineClassifier
+from loko_lightning.networks import TimmClassifier
+
+NETWORK_ARGS = {"backbone", "num_classes", "pretrained", "weights", "target", "r", "alpha", "dropout", "use_dora",
+                "head_init"}
+GRADIENT = {"adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad}
 
 
-def tiny(**kwargs):
-    """timm's ``test_resnet`` with rank-2 LoRA and a 4-class head (random backbone: no download)."""
-    defaults = dict(backbone="test_resnet", num_classes=4, pretrained=False, r=2)
-    return OnlineClassifier(**{**defaults, **kwargs})
+def tiny(optimizer="loko", lr_scheduler=None, window=1000, **kwargs):
+    """timm's ``test_resnet`` with rank-2 LoRA and a 4-class head (random backbone: no download).
+
+    ``optimizer`` is ``"loko"`` (the other keywords that are not the network's go to :class:`LoKO`), ``"adamw"`` or
+    ``"adagrad"`` (they go to the torch optimizer).
+    """
+    network = {k: kwargs.pop(k) for k in list(kwargs) if k in NETWORK_ARGS}
+    factory = TimmClassifier(**{"backbone": "test_resnet", "num_classes": 4, "pretrained": False, "r": 2, **network})
+    build = partial(GRADIENT.get(optimizer, LoKO), **kwargs)
+    return OnlineClassifier(factory, build, lr_scheduler, window=window)
 
 
 def stream(n, num_classes=4, size=32, seed=0):
@@ -23,7 +37,7 @@ def stream(n, num_classes=4, size=32, seed=0):
     for i in range(n):
         label = int(torch.randint(num_classes, (), generator=gen))
         image = centres[label] + 0.5 * torch.randn(3, size, size, generator=gen)
-        items.append({"image": image, "label": torch.tensor(label), "position": torch.tensor(i)})
+        items.append({"inputs": image, "label": torch.tensor(label), "position": torch.tensor(i)})
     return items
 
 
@@ -44,7 +58,7 @@ def trainer(**kwargs):
     return pl.Trainer(**{**defaults, **kwargs})
 
 
-def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True):
+def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True, guard_every=100):
     """A second --config sending logs and checkpoints into tmp_path (a later config replaces lists whole)."""
     override = {
         "trainer": {
@@ -64,6 +78,8 @@ def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True):
                     },
                 },
                 {"class_path": "loko_lightning.callbacks.OnlineReport", "init_args": {"plot": plot}},
+                {"class_path": "loko_lightning.callbacks.DivergenceGuard", "init_args": {"check_every": guard_every}},
+                {"class_path": "loko_lightning.callbacks.RNGStateCheckpoint"},
             ],
         }
     }

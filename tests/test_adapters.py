@@ -9,6 +9,8 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from loko_lightning.adapters import SplitQKV, build_model, count_parameters, freeze_normalization, resolve_targets
+from loko_lightning.errors import ConfigError
+from loko_lightning.networks import TimmClassifier
 from loko_lightning.weights import pypi_weights
 
 
@@ -74,7 +76,7 @@ def test_head_starts_at_zero_unless_asked_for_timms_init():
     timm_head = build_model("test_efficientnet", 10, target="convs", r=2, head_init="timm")
     torch.testing.assert_close(timm_head.base_model.model.classifier.modules_to_save.default.weight,
                                base.classifier.weight, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"model.head_init='ones'.*zeros, timm"):
+    with pytest.raises(ConfigError, match=r"head_init='ones'.*zeros, timm"):
         build_model("test_efficientnet", 10, head_init="ones")
 
 
@@ -97,29 +99,35 @@ def test_dora_adds_magnitudes():
     ("target", "message"),
     [
         ("nothing_matches_this", r"matches no adaptable module.*candidates"),
-        (["layer9.conv"], r"Unknown module\(s\) in model.target: \['layer9.conv'\]"),
+        (["layer9.conv"], r"unknown module\(s\) in target: \['layer9.conv'\]"),
         (["layer1.0.bn1"], r"'layer1.0.bn1' is a BatchNorm2d, which peft LoRA cannot adapt"),
         (["fc"], r"belong to the new head"),
         ("[unclosed", r"not a preset .* nor a valid regex"),
     ],
 )
 def test_bad_targets(target, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message) as info:
         build_model("test_resnet", 4, target=target, r=2)
+    assert info.value.field == "target"
 
 
 def test_grouped_conv_target_is_refused():
     model = timm.create_model("test_efficientnet")
     name = next(n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.groups > 1)
-    with pytest.raises(ValueError, match=rf"'{name}' is a grouped convolution .*'convs' preset"):
+    with pytest.raises(ConfigError, match=rf"'{name}' is a grouped convolution .*'convs' preset"):
         resolve_targets(model, [name], rank=3)
 
 
 def test_unknown_backbone_suggests_close_names():
-    with pytest.raises(ValueError, match=r"Unknown model.backbone='resnet_18'.*did you mean.*'resnet18'"):
+    with pytest.raises(ConfigError, match=r"unknown backbone='resnet_18'.*did you mean.*'resnet18'") as info:
         build_model("resnet_18", 10)
-    with pytest.raises(ValueError, match=r"Unknown pretrained tag.*resnet18.a1_in1k"):
+    assert info.value.field == "backbone"
+    with pytest.raises(ConfigError, match=r"unknown pretrained tag.*resnet18.a1_in1k"):
         build_model("resnet18.nonexistent_tag", 10)
+    # The factory says so at configuration time, before anything is built, and names itself as the owner.
+    with pytest.raises(ConfigError, match=r"unknown backbone='resnet_18'") as info:
+        TimmClassifier("resnet_18")
+    assert (info.value.field, info.value.owner) == ("backbone", TimmClassifier)
 
 
 def test_local_weights_file(tmp_path):
@@ -130,8 +138,9 @@ def test_local_weights_file(tmp_path):
     inner = model.base_model.model
     torch.testing.assert_close(inner.layer1[0].conv1.base_layer.weight, source.layer1[0].conv1.weight)
     assert inner.fc.modules_to_save.default.out_features == 7
-    with pytest.raises(FileNotFoundError, match=r"model.weights: no file at"):
-        build_model("test_resnet", 7, weights=str(tmp_path / "missing.pth"))
+    with pytest.raises(ConfigError, match=r"no weights file at") as info:
+        TimmClassifier("test_resnet", 7, weights=str(tmp_path / "missing.pth"))()
+    assert (info.value.field, info.value.owner) == ("weights", TimmClassifier)
 
 
 def test_offline_hub_weights_fail_with_actionable_message():
@@ -142,8 +151,8 @@ def test_offline_hub_weights_fail_with_actionable_message():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert "model.pretrained: could not load the pretrained weights of 'test_resnet'" in out.stderr
-    assert "--model.weights PATH" in out.stderr
+    assert "ConfigError: could not load the pretrained weights of 'test_resnet'" in out.stderr
+    assert "set `weights` to a local file" in out.stderr and "--" not in out.stderr.splitlines()[-1]
 
 
 def test_freeze_normalization_survives_train_mode():
@@ -179,5 +188,5 @@ def test_pypi_efficientnet_lite0_weights_are_imagenet(tmp_path, monkeypatch):
 
 
 def test_pypi_weights_unknown_backbone():
-    with pytest.raises(ValueError, match=r"model.weights='pypi': no PyPI weights package is known for 'resnet18'"):
+    with pytest.raises(ConfigError, match=r"weights='pypi': no PyPI weights package is known for 'resnet18'"):
         build_model("resnet18", 10, weights="pypi")

@@ -45,6 +45,8 @@ def test_print_config_shows_the_resolved_configuration():
     assert "backbone: tf_efficientnet_lite0" in out
     assert "dataset: mnist5k" in out
     assert "p0: 0.2" in out
+    assert "class_path: loko_lightning.optim.LoKO" in out
+    assert "class_path: loko_lightning.networks.TimmClassifier" in out
 
 
 def write_cifar10(root, n_train=24, n_test=16, seed=0):
@@ -73,7 +75,7 @@ def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, monkeypa
     write_cifar10(tmp_path / "data")
     config = str(ROOT / "configs" / "cifar10_resnet18.yaml")
     main([
-        "fit", "--config", config, "--model.pretrained", "false", "--data.root", str(tmp_path / "data"),
+        "fit", "--config", config, "--model.network.pretrained", "false", "--data.root", str(tmp_path / "data"),
         "--data.download", "false", "--data.image_size", "32", *outputs(tmp_path),
     ])
     metrics = (tmp_path / "run" / "version_0" / "metrics.csv").read_text()
@@ -87,13 +89,13 @@ def test_missing_data_is_one_line_error(tmp_path, capsys):
     config = str(ROOT / "configs" / "cifar10_resnet18.yaml")
     with pytest.raises(SystemExit) as exit_info:
         main([
-            "fit", "--config", config, "--model.pretrained", "false", "--data.root", str(tmp_path / "nothing"),
+            "fit", "--config", config, "--model.network.pretrained", "false", "--data.root", str(tmp_path / "nothing"),
             "--data.download", "false", *outputs(tmp_path),
         ])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("loko: error: data.dataset='cifar10'")
-    assert str(tmp_path / "nothing") in err[-1] and "--data.download true" in err[-1]
+    assert err[-1].startswith("loko: error: --data.")
+    assert str(tmp_path / "nothing") in err[-1] and "download" in err[-1]
 
 
 def trainable_state(path):

@@ -3,8 +3,10 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from loko_lightning import LoKO
 from loko_lightning.adapters import count_parameters
 from loko_lightning.cli import LoKOCLI
 from loko_lightning.data import StreamDataModule
@@ -23,7 +25,7 @@ PAPER_COUNTS = {
 
 
 def build(config, *overrides):
-    args = ["--config", str(config), "--model.pretrained", "false", *overrides]
+    args = ["--config", str(config), "--model.network.pretrained", "false", *overrides]
     return LoKOCLI(OnlineClassifier, StreamDataModule, args=args, run=False)
 
 
@@ -34,19 +36,21 @@ def test_every_paper_experiment_has_a_config():
 @pytest.mark.parametrize("name", sorted(PAPER_COUNTS))
 def test_paper_config_builds_with_the_papers_trainable_count(name, tmp_path):
     cli = build(CONFIGS / f"{name}.yaml", "--trainer.logger", "false", "--data.root", str(tmp_path))
-    trainable, _ = count_parameters(cli.model.model)
+    trainable, _ = count_parameters(cli.model.network)
     assert abs(trainable - PAPER_COUNTS[name]) / PAPER_COUNTS[name] <= 0.03, trainable
-    assert cli.model.hparams.optimizer == "loko"
-    assert cli.datamodule.hparams.backbone == cli.model.hparams.backbone  # preprocessing follows the backbone
+    assert isinstance(cli.model.configure_optimizers(), LoKO)
+    assert cli.datamodule.hparams.backbone == cli.model.network_factory.backbone  # preprocessing follows it
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adagrad"])
-def test_baseline_override_documented_in_every_config(optimizer):
+@pytest.mark.parametrize(("name", "optimizer"), [("adamw", torch.optim.AdamW), ("adagrad", torch.optim.Adagrad)])
+def test_every_paper_config_documents_its_baselines_which_build(name, optimizer):
+    overlay = f"--config configs/baselines/{name}.yaml"
     for path in CONFIGS.glob("*.yaml"):
         if path.stem in PAPER_COUNTS:
-            assert f"--model.optimizer {optimizer}" in path.read_text(), path.name
-    cli = build(CONFIGS / "cifar10_resnet18.yaml", "--model.optimizer", optimizer, "--trainer.logger", "false")
-    assert cli.model.hparams.optimizer == optimizer
+            assert f"--config configs/{path.stem}.yaml {overlay}" in path.read_text(), path.name
+    cli = build(CONFIGS / "cifar10_resnet18.yaml", *overlay.split(), "--trainer.logger", "false")
+    assert type(cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])) is optimizer
+    assert not cli.model.is_kalman
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

@@ -1,5 +1,7 @@
 import copy
 import math
+from functools import partial
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -9,7 +11,14 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO, jacobian
-from loko_lightning.module import DivergenceError
+from loko_lightning.callbacks import DivergenceGuard
+from loko_lightning.cli import LoKOCLI
+from loko_lightning.data import StreamDataModule
+from loko_lightning.errors import ConfigError, DivergenceError
+from loko_lightning.module import OnlineClassifier
+from loko_lightning.networks import TimmClassifier
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize("optimizer", ["loko", "adamw", "adagrad"])
@@ -31,12 +40,20 @@ def test_every_optimizer_steps_and_counts_global_steps(optimizer):
         assert int(t.optimizers[0].diagnostics["step"]) == 12
         assert float(metrics["train/skipped"]) == 0
     # Frozen backbone: normalisation layers stayed in eval mode through training.
-    assert not any(m.training for m in module.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    assert not any(m.training for m in module.network.modules() if isinstance(m, torch.nn.BatchNorm2d))
+
+
+def baseline(name, *overrides):
+    """The optimizer and scheduler callables of ``configs/baselines/<name>.yaml``, as the CLI builds them."""
+    args = ["--config", str(CONFIGS / "debug.yaml"), "--config", str(CONFIGS / "baselines" / f"{name}.yaml")]
+    cli = LoKOCLI(OnlineClassifier, StreamDataModule, args=[*args, "--trainer.logger", "false", *overrides], run=False)
+    return cli.model.optimizer_factory, cli.model.lr_scheduler_factory
 
 
 def test_baseline_schedules_are_the_papers():
     torch.manual_seed(0)
-    module = tiny(optimizer="adamw")
+    optimizer, scheduler = baseline("adamw", "--model.lr_scheduler.total_iters", "10")
+    module = OnlineClassifier(tiny().network_factory, optimizer, scheduler)
     t = trainer()
     lrs = []
 
@@ -54,7 +71,9 @@ def test_baseline_schedules_are_the_papers():
     assert lrs == pytest.approx([1e-4 * (1 - k / 10) for k in range(10)], rel=1e-12)
     assert group["lr"] == 0.0
 
-    module = tiny(optimizer="adagrad")
+    optimizer, scheduler = baseline("adagrad")
+    assert scheduler is None
+    module = OnlineClassifier(tiny().network_factory, optimizer)
     t = trainer()
     t.fit(module, loader(stream(5)))
     opt = t.optimizers[0]
@@ -70,13 +89,13 @@ def test_online_accuracy_is_prequential():
     item = stream(1)[0]
     module.eval()
     with torch.no_grad():
-        first = module(item["image"][None]).argmax().item()
+        first = module(item["inputs"][None]).argmax().item()
     wrong = (first + 1) % 4
     item["label"] = torch.tensor(wrong)
     t = trainer(max_steps=1)
     t.fit(module, loader([item]))
     with torch.no_grad():
-        after = module(item["image"][None]).argmax().item()
+        after = module(item["inputs"][None]).argmax().item()
     assert after == wrong, "the update should have taught the model this sample"
     assert float(t.logged_metrics["train/online_acc"]) == 0.0
 
@@ -91,17 +110,17 @@ def test_loko_updates_match_the_plain_optimizer():
     """The module's LoKO step is exactly LoKO.step on the same Jacobian: the Lightning plumbing adds nothing."""
     torch.manual_seed(0)
     module = tiny(p0=0.05, p0_init="constant")  # deterministic p̂0, so both sides start from the same state
-    reference = copy.deepcopy(module.model)
+    reference = copy.deepcopy(module.network)
     items = stream(5)
     trainer().fit(module, loader(items))
 
     params = [p for p in reference.parameters() if p.requires_grad]
     opt = LoKO(params, p0=0.05, p0_init="constant")
     for item in items:
-        x, y = item["image"][None], F.one_hot(item["label"], 4).float()
+        x, y = item["inputs"][None], F.one_hot(item["label"], 4).float()
 
         def closure(x=x, y=y):
-            prediction, jacobians = jacobian(reference, x, params, factorize_head=True)
+            prediction, jacobians = jacobian(reference, x, params, factorize=True)
             return prediction, y, jacobians
 
         opt.step(closure)
@@ -110,19 +129,34 @@ def test_loko_updates_match_the_plain_optimizer():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "field", "owner", "message"),
     [
-        ({"optimizer": "sgd"}, r"model.optimizer='sgd'"),
-        ({"dropout": 0.1}, r"model.dropout=0.1 with LoKO"),
-        ({"p0": -1.0}, r"Invalid p0"),
-        ({"beta": 1.5}, r"Invalid beta"),
-        ({"process_noise": -1.0}, r"Invalid process_noise"),
-        ({"kalman_dtype": "float16"}, r"model.kalman_dtype"),
+        ({"dropout": 0.1}, "dropout", TimmClassifier, r"^dropout=0.1 with LoKO"),
+        ({"p0": -1.0}, "p0", LoKO, r"^Invalid p0"),
+        ({"beta": 1.5}, "beta", LoKO, r"^Invalid beta"),
+        ({"process_noise": -1.0}, "process_noise", LoKO, r"^Invalid process_noise"),
+        ({"dtype": torch.float16}, "dtype", LoKO, r"^Invalid dtype"),
+        ({"optimizer": "adamw", "lr": -1.0}, None, torch.optim.AdamW, r"^Invalid learning rate"),
+        ({"window": 0}, "window", OnlineClassifier, r"^window must be a positive integer"),
     ],
 )
-def test_bad_hyperparameters_fail_at_construction(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_hyperparameters_fail_before_the_network_is_built(kwargs, field, owner, message, monkeypatch):
+    """The error names the argument and its owner (the CLI turns them into a flag) and comes before any download."""
+
+    def never(self):
+        raise AssertionError("the network was built before the hyperparameters were checked")
+
+    monkeypatch.setattr(TimmClassifier, "__call__", never)
+    with pytest.raises(ConfigError, match=message) as info:
         tiny(**kwargs)
+    assert (info.value.field, info.value.owner) == (field, owner)
+    assert "--" not in str(info.value) and "model." not in str(info.value)
+
+
+def test_a_schedule_shorter_or_longer_than_the_stream_is_reported():
+    module = tiny(optimizer="adamw", lr_scheduler=partial(torch.optim.lr_scheduler.LinearLR, total_iters=50))
+    with pytest.warns(UserWarning, match="total_iters=50 steps but this stream has 6 samples; set total_iters to 6"):
+        trainer().fit(module, loader(stream(6)))
 
 
 def test_batches_larger_than_one_are_refused():
@@ -138,8 +172,8 @@ def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
     torch.manual_seed(0)
     module = tiny(optimizer=optimizer)
     items = stream(6)
-    items[3]["image"] = items[3]["image"].clone()
-    items[3]["image"][0, 0, 0] = float("nan")
+    items[3]["inputs"] = items[3]["inputs"].clone()
+    items[3]["inputs"][0, 0, 0] = float("nan")
     snapshots = []
 
     class Snapshot(pl.Callback):
@@ -162,16 +196,17 @@ def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
 def test_guard_tripping_at_its_first_check_points_at_a_confidently_wrong_head(tmp_path):
     """A huge random head is confidently wrong before any update: the message says so, not only "p0 too large"."""
     torch.manual_seed(0)
-    module = tiny(p0=1e-8, guard_every=10, head_init="timm")
+    module = tiny(p0=1e-8, head_init="timm")
     with torch.no_grad():
-        for param in module.model.base_model.model.fc.modules_to_save.default.parameters():
+        for param in module.network.base_model.model.fc.modules_to_save.default.parameters():
             param.mul_(1e3)
     with pytest.raises(
         DivergenceError,
-        match=r"by sample 10: the cross-entropy .* --model\.p0 1e-09 \(or: it was "
-        r"above the limit at the first check.*--model\.head_init zeros\)",
-    ):
-        trainer(default_root_dir=tmp_path).fit(module, loader(stream(40)))
+        match=r"by sample 10: the cross-entropy .* p0 = 1e-09 \(or: it was "
+        r"above the limit at the first check.*head_init = 'zeros'\)",
+    ) as info:
+        trainer(default_root_dir=tmp_path, callbacks=[DivergenceGuard(10)]).fit(module, loader(stream(40)))
+    assert (info.value.field, info.value.owner) == ("p0", LoKO)
 
 
 def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state(tmp_path):
@@ -183,15 +218,15 @@ def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state
     gets wrong costs a cross-entropy in the hundreds, far above the limit 3 log 4 = 4.2.
     """
     torch.manual_seed(0)
-    module = tiny(p0=1e-8, p0_init="constant", guard_every=20, head_init="timm")
+    module = tiny(p0=1e-8, p0_init="constant", head_init="timm")
     items = stream(60)
     for item in items[20:]:
-        item["image"] = item["image"] * 1e3
-    t = trainer(default_root_dir=tmp_path)
+        item["inputs"] = item["inputs"] * 1e3
+    t = trainer(default_root_dir=tmp_path, callbacks=[DivergenceGuard(check_every=20)])
     with pytest.raises(
         DivergenceError,
-        match=r"model.p0: loko diverged by sample 40: the cross-entropy .* "
-        r"restart with --model.p0 1e-09\. The parameters and filter state "
+        match=r"^LoKO diverged by sample 40: the cross-entropy .* "
+        r"restart with p0 = 1e-09\. The parameters and filter state "
         r"after sample 20 .*good-before-divergence.ckpt",
     ):
         t.fit(module, loader(items))

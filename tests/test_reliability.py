@@ -29,9 +29,10 @@ import loko_lightning.module as module_lib
 import loko_lightning.optim as optim_lib
 from loko_lightning import LoKO, jacobian
 from loko_lightning.blocks import OuterJacobian
+from loko_lightning.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
 from loko_lightning.cli import AtomicCheckpointIO, main
 from loko_lightning.data import StreamDataModule
-from loko_lightning.module import GOOD_STATE_NAME, DivergenceError
+from loko_lightning.errors import DivergenceError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
@@ -96,7 +97,7 @@ def assert_checkpoints_match(full, resumed):
     for key in metrics:
         assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
     assert_same_tensors(full["optimizer_states"], resumed["optimizer_states"], "optimizer")
-    assert_same_tensors(full["loko_rng_states"], resumed["loko_rng_states"], "rng")
+    assert_same_tensors(full["callbacks"]["RNGStateCheckpoint"], resumed["callbacks"]["RNGStateCheckpoint"], "rng")
     assert full["loops"]["fit_loop"]["state_dict"]["combined_loader"] == \
         resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"]
 
@@ -144,19 +145,18 @@ def test_resume_restores_the_rng_states_for_lora_dropout(tmp_path):
     class Crash(Exception):
         pass
 
-    class CrashAfter12(pl.Callback):  # not max_steps: that would also shorten AdamW's linear lr decay
+    class CrashAfter12(pl.Callback):  # not max_steps: the resumed run must go on to the end of the stream
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 12:
                 raise Crash
 
-    def run(name, ckpt_path=None, crash=False, restore=True, monkeypatch=None):
+    def run(name, ckpt_path=None, crash=False, restore=True):
         pl.seed_everything(0, verbose=False)
         model = tiny(num_classes=10, optimizer="adamw", dropout=0.25)
-        if not restore:
-            monkeypatch.setattr(model, "on_train_batch_start", lambda batch, batch_idx: None)
         data = StreamDataModule("mnist5k", image_size=32, num_classes=10, max_samples=18, eval_max_samples=4)
         checkpoint = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=6, save_top_k=-1, save_last=True)
-        callbacks = [checkpoint, CrashAfter12()] if crash else [checkpoint]
+        callbacks = [checkpoint, RNGStateCheckpoint()] if restore else [checkpoint]
+        callbacks += [CrashAfter12()] if crash else []
         fit = trainer(enable_checkpointing=True, callbacks=callbacks, limit_val_batches=0)
         fit.fit(model, datamodule=data, ckpt_path=ckpt_path)
         return torch.load(tmp_path / name / "last.ckpt", weights_only=True)
@@ -165,13 +165,13 @@ def test_resume_restores_the_rng_states_for_lora_dropout(tmp_path):
     with pytest.raises(Crash):  # goes on past the checkpoint we resume from: the RNG moves on too
         run("part", crash=True)
     middle = tmp_path / "part" / "epoch=0-step=6.ckpt"
-    assert torch.load(middle, weights_only=True)["loko_rng_states"]["numpy"][0] == "MT19937"
+    assert torch.load(middle, weights_only=True)["callbacks"]["RNGStateCheckpoint"]["numpy"][0] == "MT19937"
     resumed = run("resumed", ckpt_path=middle)
     assert full["global_step"] == resumed["global_step"] == 18
     assert_checkpoints_match(full, resumed)
 
-    with pytest.MonkeyPatch.context() as monkeypatch:  # control: without the restore the dropout masks differ
-        unrestored = run("unrestored", ckpt_path=middle, restore=False, monkeypatch=monkeypatch)
+    # Control: resumed without the callback, the dropout masks differ.
+    unrestored = run("unrestored", ckpt_path=middle, restore=False)
     assert not all(torch.equal(v, trainable(unrestored["state_dict"])[k])
                    for k, v in trainable(full["state_dict"]).items())
 
@@ -212,8 +212,8 @@ def test_truncated_checkpoint_is_a_one_line_error(tmp_path, capsys):
     code, last, count = run_cli(["fit", "--config", DEBUG, "--ckpt_path", str(tmp_path / "torn.ckpt"),
                                  *outputs(tmp_path)], capsys)
     assert code == 2 and count == 1
-    assert last.startswith(f"loko: error: ckpt_path: {tmp_path / 'torn.ckpt'} is not a readable checkpoint")
-    assert "--ckpt_path PATH" in last
+    assert last.startswith(f"loko: error: --ckpt_path: {tmp_path / 'torn.ckpt'} is not a readable checkpoint")
+    assert "pass an earlier checkpoint of that folder" in last
 
 
 # ================================================================ 2. the bad-input catalogue
@@ -223,32 +223,58 @@ def _empty_imagefolder(tmp_path):
 
 
 def _bad_key_file(tmp_path):
-    (tmp_path / "bad.yaml").write_text("model:\n  bet: 0.9\n")
+    (tmp_path / "bad.yaml").write_text("model:\n  optimizer:\n    init_args:\n      bet: 0.9\n")
     return ["--config", str(tmp_path / "bad.yaml")]
 
 
 CATALOGUE = {
-    "unknown backbone": (["--model.backbone", "resnet181"], ["Unknown model.backbone='resnet181'", "'resnet18'"]),
-    "unknown option": (["--model.p00", "0.1"], ["--model.p00", "did you mean 'model.p0'"]),
-    "unknown key in a config file": (_bad_key_file, ["'model.bet'", "did you mean 'model.beta'"]),
-    "ill-typed option": (["--model.p0", "big"], ['"model.p0"', "Got value: big"]),
-    "unknown adapter target": (["--model.target", "[blocks.0.0.conv_dww]"], ["model.target", "'blocks.0.0.conv_dw'"]),
-    "target regex matching nothing": (["--model.target", "head_.*"], ["model.target='head_.*' matches no"]),
-    "grouped-conv target": (["--model.target", "[blocks.1.0.conv_dw]"], ["grouped convolution", "'convs' preset"]),
-    "p0 zero": (["--model.p0", "0"], ["model.p0: Invalid p0: 0.0", "> 0"]),
-    "p0 negative": (["--model.p0", "-0.1"], ["model.p0: Invalid p0: -0.1"]),
-    "p0 infinite": (["--model.p0", ".inf"], ["model.p0: Invalid p0: inf"]),
-    "beta 0": (["--model.beta", "0"], ["model.beta: Invalid beta: 0.0", "(0, 1)"]),
-    "beta 1": (["--model.beta", "1"], ["model.beta: Invalid beta: 1.0"]),
-    "beta above 1": (["--model.beta", "1.5"], ["model.beta: Invalid beta: 1.5"]),
-    "negative process noise": (["--model.process_noise=-1e-4"], ["model.process_noise: Invalid process_noise"]),
-    "dropout with LoKO": (["--model.dropout", "0.1"], ["model.dropout=0.1 with LoKO", "set model.dropout to 0"]),
-    "label >= num_classes": (["--model.num_classes", "5"], ["has label 9 (>= 5)", "set model.num_classes to 10"]),
-    "empty dataset": (_empty_imagefolder, ["data.dataset='imagefolder'", "is empty"]),
-    "max_samples 0": (["--data.max_samples", "0"], ["data.max_samples must be a positive integer"]),
+    "unknown backbone": (
+        ["--model.network.backbone", "resnet181"],
+        ["--model.network.backbone: unknown backbone='resnet181'", "'resnet18'"],
+    ),
+    "unknown option": (["--model.network.rr", "3"], ["--model.network.rr", "did you mean 'model.network.r'"]),
+    "unknown option of the optimizer": (
+        ["--model.optimizer.p00", "0.1"],
+        ["--model.optimizer.p00 is not an option of loko_lightning.LoKO; did you mean 'p0'?"],
+    ),
+    "unknown key in a config file": (_bad_key_file, ["--model.optimizer.bet is not an option", "did you mean 'beta'"]),
+    "ill-typed option": (["--model.optimizer.p0", "big"], ["--model.optimizer.p0: expected a float, got 'big'"]),
+    "unknown adapter target": (
+        ["--model.network.target", "[blocks.0.0.conv_dww]"],
+        ["--model.network.target: unknown module(s)", "'blocks.0.0.conv_dw'"],
+    ),
+    "target regex matching nothing": (
+        ["--model.network.target", "head_.*"],
+        ["--model.network.target: target='head_.*' matches no"],
+    ),
+    "grouped-conv target": (
+        ["--model.network.target", "[blocks.1.0.conv_dw]"],
+        ["--model.network.target:", "grouped convolution", "'convs' preset"],
+    ),
+    "p0 zero": (["--model.optimizer.p0", "0"], ["--model.optimizer.p0: Invalid p0: 0.0", "> 0"]),
+    "p0 negative": (["--model.optimizer.p0", "-0.1"], ["--model.optimizer.p0: Invalid p0: -0.1"]),
+    "p0 infinite": (["--model.optimizer.p0", ".inf"], ["--model.optimizer.p0: Invalid p0: inf"]),
+    "beta 0": (["--model.optimizer.beta", "0"], ["--model.optimizer.beta: Invalid beta: 0.0", "(0, 1)"]),
+    "beta 1": (["--model.optimizer.beta", "1"], ["--model.optimizer.beta: Invalid beta: 1.0"]),
+    "beta above 1": (["--model.optimizer.beta", "1.5"], ["--model.optimizer.beta: Invalid beta: 1.5"]),
+    "negative process noise": (
+        ["--model.optimizer.process_noise=-1e-4"],
+        ["--model.optimizer.process_noise: Invalid process_noise"],
+    ),
+    "dropout with LoKO": (
+        ["--model.network.dropout", "0.1"],
+        ["--model.network.dropout: dropout=0.1 with LoKO", "set it to 0"],
+    ),
+    "label >= num_classes": (["--model.network.num_classes", "5"], ["--model.network.num_classes:", "has label 9"]),
+    "guard check_every negative": (
+        ["--trainer.callbacks+=loko_lightning.callbacks.DivergenceGuard", "--trainer.callbacks.check_every=-1"],
+        ["check_every must be >= 0"],
+    ),
+    "empty dataset": (_empty_imagefolder, ["--data.", "is empty"]),
+    "max_samples 0": (["--data.max_samples", "0"], ["--data.max_samples:", "must be a positive integer"]),
     "data root missing, offline": (
         lambda tmp_path: ["--data.dataset", "mnist", "--data.root", str(tmp_path / "nothing")],
-        ["no data found at", "--data.download true"],
+        ["no data found at", "download"],
     ),
 }
 
@@ -283,8 +309,8 @@ def test_nonfinite_sample_is_skipped_counted_and_checkpointed(bad, tmp_path):
     torch.manual_seed(0)
     model = tiny()
     items = stream(6)
-    items[2]["image"] = items[2]["image"].clone()
-    items[2]["image"][1, 3, 4] = bad
+    items[2]["inputs"] = items[2]["inputs"].clone()
+    items[2]["inputs"][1, 3, 4] = bad
     seen = []
 
     class Snapshot(pl.Callback):
@@ -352,12 +378,12 @@ def test_closure_changing_the_number_of_outputs_is_refused():
 
 # ================================================================ 3. divergence guard
 def test_divergence_from_the_cli_is_one_line_with_the_p0_to_try(tmp_path, capsys):
-    args = ["fit", "--config", DEBUG, "--data.max_samples", "40", "--model.p0", "1e6", "--model.p0_init", "constant",
-            "--model.guard_every", "10", *outputs(tmp_path)]
+    args = ["fit", "--config", DEBUG, "--data.max_samples", "40", "--model.optimizer.p0", "1e6",
+            "--model.optimizer.p0_init", "constant", *runs.outputs(tmp_path, every=10, plot=False, guard_every=10)]
     code, last, count = run_cli(args, capsys)
     assert code == 3 and count == 1
-    assert last.startswith("loko: error: model.p0: loko diverged by sample 10: the cross-entropy")
-    assert "restart with --model.p0 100000." in last
+    assert last.startswith("loko: error: --model.optimizer.p0: LoKO diverged by sample 10: the cross-entropy")
+    assert "restart with p0 = 100000." in last
     saved = tmp_path / "run" / "checkpoints" / GOOD_STATE_NAME
     assert f"after sample 0 are saved in {saved}" in last  # diverged at the first check: the initial state
     state = torch.load(saved, weights_only=True)
@@ -372,7 +398,7 @@ def test_divergence_from_the_cli_is_one_line_with_the_p0_to_try(tmp_path, capsys
 def test_divergence_guard_catches_nonfinite_baseline_parameters(tmp_path):
     """A baseline parameter that became NaN makes every later loss NaN (all skipped, silently): the guard stops."""
     torch.manual_seed(0)
-    model = tiny(optimizer="adamw", guard_every=4)
+    model = tiny(optimizer="adamw", lr=1e-4)
 
     class Poison(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -380,9 +406,11 @@ def test_divergence_guard_catches_nonfinite_baseline_parameters(tmp_path):
                 with torch.no_grad():
                     pl_module.trainable_parameters[-1].fill_(float("nan"))
 
-    with pytest.raises(DivergenceError, match=r"model.lr: adamw diverged by sample 8: a trainable parameter is NaN .*"
-                                              r"--model.lr 1e-05\. .*after sample 4 are saved"):
-        trainer(callbacks=[Poison()], default_root_dir=tmp_path).fit(model, DataLoader(stream(12), batch_size=1))
+    with pytest.raises(DivergenceError, match=r"^AdamW diverged by sample 8: a trainable parameter is NaN .*"
+                                              r"lr = 1e-05\. .*after sample 4 are saved") as info:
+        fit = trainer(callbacks=[Poison(), DivergenceGuard(check_every=4)], default_root_dir=tmp_path)
+        fit.fit(model, DataLoader(stream(12), batch_size=1))
+    assert (info.value.field, info.value.owner) == ("lr", torch.optim.AdamW)
     saved = torch.load(tmp_path / GOOD_STATE_NAME, weights_only=True)
     assert all(torch.isfinite(v).all() for v in trainable(saved["state_dict"]).values())
 
@@ -409,7 +437,7 @@ def test_float32_soak_of_20000_steps_on_a_100_class_head():
         y = F.one_hot(pool_y[i], m).float()
 
         def closure(x=x, y=y):
-            prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+            prediction, jacobians = jacobian(model, x, params, factorize=True)
             return prediction, y, jacobians
 
         prediction, _, _ = opt.step(closure)
@@ -463,7 +491,7 @@ def test_loko_step_and_jacobian_read_nothing_on_the_host():
     x, y = torch.randn(1, 3, 8, 8), F.one_hot(torch.tensor(2), 10).float()
 
     def closure():
-        prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+        prediction, jacobians = jacobian(model, x, params, factorize=True)
         return prediction, y, jacobians
 
     opt.step(closure)
@@ -481,7 +509,7 @@ def test_training_step_reads_nothing_on_the_host_beyond_the_documented(optimizer
     the host; the baselines read one bool per step (a NaN loss must not reach AdamW's moments). The divergence guard
     (every guard_every samples) and Lightning's logger are outside the step and read by design."""
     torch.manual_seed(0)
-    model = tiny(optimizer=optimizer, guard_every=0)
+    model = tiny(optimizer=optimizer)
     counts, steps = collections.Counter(), []
     original = model.training_step
 
@@ -516,7 +544,7 @@ def test_kalman_update_keeps_its_dtype_under_bf16_mixed_precision(kalman_dtype, 
     monkeypatch.setattr(optim_lib, "loko_update", update)
     monkeypatch.setattr(module_lib, "jacobian", jacobian_under)
     torch.manual_seed(0)
-    model = tiny(kalman_dtype=kalman_dtype)
+    model = tiny(dtype=getattr(torch, kalman_dtype))
     fit = trainer(precision="bf16-mixed")
     fit.fit(model, DataLoader(stream(6), batch_size=1))
     dtype = getattr(torch, kalman_dtype)
@@ -552,7 +580,7 @@ def _run_loko(model, xs, ys, device, dtype=torch.float32):
         x, y = x.to(device, dtype), y.to(device, dtype)
 
         def closure(x=x, y=y):
-            prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+            prediction, jacobians = jacobian(model, x, params, factorize=True)
             return prediction, y, jacobians
 
         opt.step(closure)
@@ -591,7 +619,7 @@ def test_loko_hot_path_syncs_on_cuda_only_in_the_eigendecomposition():
     x, y = xs[0].cuda(), ys[0].cuda()
 
     def closure():
-        prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+        prediction, jacobians = jacobian(model, x, params, factorize=True)
         return prediction, y, jacobians
 
     opt.step(closure)

