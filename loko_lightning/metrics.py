@@ -32,6 +32,42 @@ class OnlineMean(MeanMetric):
         self.weight += weight.to(self.weight.dtype)
 
 
+class OnlineAccuracy(OnlineMean):
+    """Prequential ("test-then-train") top-k accuracy: each prediction scored before the model updates on its sample.
+
+    Feed it the prediction made *before* the update on a sample, then update the model: the running value is the
+    paper's average online accuracy ``acc(k) = (1/k) Σ_i 1[y_i in top-k of the prediction made on x_i]``. A sample
+    with ``weight`` 0 (skipped, e.g. non-finite input) is left out of the average. The state (a weighted sum and the
+    total weight, as in :class:`~torchmetrics.MeanMetric`) is saved with the module, so a resumed run continues the
+    average exactly; ``dist_reduce_fx="sum"`` sums it over processes.
+
+    Args:
+        top_k: a prediction counts as correct when the label is among its ``top_k`` largest entries (capped at the
+            number of classes).
+
+    Example:
+        >>> metric = OnlineAccuracy(top_k=1)
+        >>> metric.update(torch.tensor([0.1, 0.7, 0.2]), torch.tensor(1))
+        >>> metric.update(torch.tensor([0.5, 0.3, 0.2]), torch.tensor(2))
+        >>> metric.compute()
+        tensor(0.5000)
+    """
+
+    def __init__(self, top_k: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"Invalid top_k: {top_k} (must be a positive integer)")
+        self.top_k = top_k
+
+    def update(self, prediction: Tensor, label: Tensor, weight: Tensor | float = 1.0) -> None:
+        """Score one prediction (``(m,)`` scores or probabilities) against its label (0-d), with ``weight``."""
+        if self.top_k == 1:
+            correct = prediction.argmax() == label
+        else:
+            correct = (prediction.topk(min(self.top_k, prediction.shape[-1])).indices == label).any()
+        super().update(correct.float(), torch.as_tensor(weight, dtype=torch.float32, device=prediction.device))
+
+
 class MovingAverage(Metric):
     """Mean of the last ``window`` values (the paper's moving-average loss, window 1000).
 

@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from loko_lightning.adapters import count_parameters, freeze_normalization
 from loko_lightning.errors import ConfigError
 from loko_lightning.jacobian import jacobian
-from loko_lightning.metrics import MovingAverage, OnlineMean
+from loko_lightning.metrics import MovingAverage, OnlineAccuracy
 from loko_lightning.networks import NetworkFactory
 from loko_lightning.optim import LoKO
 
@@ -35,10 +35,8 @@ class OnlineClassifier(pl.LightningModule):
     (prequential, "test-then-train"): the online top-1/top-5 accuracy, the moving averages of the L1 loss
     ``‖y − ŷ‖₁`` and of the cross-entropy, then updates with the optimizer:
 
-    - :class:`~loko_lightning.LoKO` (recognised by type): the Kalman update on the softmax output (``m`` = classes),
-      with the Jacobian of the prediction;
-    - any other ``torch.optim.Optimizer`` (the paper's baselines: AdamW, AdaGrad), a cross-entropy gradient step,
-      and the learning-rate scheduler, if any, stepped once per sample.
+    :class:`~loko_lightning.LoKO` (recognised by type) makes the Kalman update on the softmax output; any other
+    ``torch.optim.Optimizer`` (the baselines AdamW, AdaGrad) a cross-entropy step, its scheduler stepped per sample.
 
     Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/loss_avg{window}``,
     ``train/ce_avg{window}``, ``train/step_time`` (seconds), ``train/skipped`` (non-finite samples),
@@ -90,8 +88,8 @@ class OnlineClassifier(pl.LightningModule):
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
-        self.online_acc = OnlineMean()
-        self.online_acc_top5 = OnlineMean()
+        self.online_acc = OnlineAccuracy(top_k=1)
+        self.online_acc_top5 = OnlineAccuracy(top_k=5)
         self.loss_avg = MovingAverage(window)
         self.ce_avg = MovingAverage(window)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
@@ -124,13 +122,8 @@ class OnlineClassifier(pl.LightningModule):
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
-        total = getattr(scheduler, "total_iters", None)
-        stream = self.trainer.estimated_stepping_batches if self._trainer is not None else None
-        if total is not None and stream is not None and stream != float("inf") and total != stream:
-            rank_zero_warn(
-                f"lr_scheduler: {type(scheduler).__name__} runs over total_iters={total} steps but this stream has "
-                f"{int(stream)} samples; set total_iters to {int(stream)} for a schedule that ends with the stream"
-            )
+        if self._trainer is not None:
+            _check_schedule_length(scheduler, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------ steps
@@ -193,10 +186,9 @@ class OnlineClassifier(pl.LightningModule):
 
     def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:
         prediction = prediction.float()
-        k = min(5, prediction.shape[0])
         weight = applied.float()
-        self.online_acc.update((prediction.argmax() == label).float(), weight)
-        self.online_acc_top5.update((prediction.topk(k).indices == label).any().float(), weight)
+        self.online_acc.update(prediction, label, weight)
+        self.online_acc_top5.update(prediction, label, weight)
         one_hot = F.one_hot(label, prediction.shape[0]).to(prediction.dtype)
         self.loss_avg.update((one_hot - prediction).abs().sum(), applied)
         self.ce_avg.update(-prediction[label].clamp_min(torch.finfo(prediction.dtype).tiny).log(), applied)
@@ -236,6 +228,16 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy on the held-out split."""
         self._eval_step(batch, self.test_acc, "test/acc")
+
+
+def _check_schedule_length(scheduler: Any, stream: float) -> None:
+    """Warn when a scheduler with a fixed length (``LinearLR``'s ``total_iters``) does not end with the stream."""
+    total = getattr(scheduler, "total_iters", None)
+    if total is not None and stream != float("inf") and total != stream:
+        rank_zero_warn(
+            f"lr_scheduler: {type(scheduler).__name__} runs over total_iters={total} steps but this stream has "
+            f"{int(stream)} samples; set total_iters to {int(stream)} for a schedule that ends with the stream"
+        )
 
 
 def _probe(optimizer: OptimizerCallable) -> torch.optim.Optimizer:
