@@ -4,6 +4,8 @@ Everything here is stateless: the optimizer (:mod:`loko_lightning.optim`) owns t
 :func:`loko_update`. Notation follows the paper: ``H`` is the ``m x ñ`` Jacobian of the prediction ``ŷ``
 with respect to the trainable parameters ``θ̃``, ``p`` the diagonal of the covariance ``P``, ``e = y - ŷ``
 the innovation, ``R`` the ``m x m`` observation noise, ``S = H P Hᵀ + R`` and ``K = P Hᵀ S⁻¹``.
+:mod:`loko_lightning.reference` is the same step written with dense matrices in float64, slow and obviously
+correct; the tests hold this fast path to it.
 
 The Jacobian of one parameter is a dense tensor of shape ``(m, *param.shape)``, an :class:`OuterJacobian`
 (the exact factored form of a Linear layer's weight Jacobian for a single input vector) or a
@@ -323,12 +325,12 @@ def loko_update(
         \tilde\theta_k &= \tilde\theta_{k|k-1} + K_k e_k \\
         (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij} (H_k)_{ji} (\hat p_{k|k-1})_i
 
-    The arithmetic runs in the dtype of ``covs``; parameters are updated in their own dtype. If anything is
-    non-finite (prediction, target, a Jacobian, the innovation or the resulting update), nothing is written:
-    parameters, ``covs``, ``R`` and ``step`` keep their values and ``diagnostics["applied"]`` is ``False``. The
-    decision is made on the device with :func:`torch.where`, so no host sync is needed. (The update and the new
-    ``p̂`` are tested through their sums, which are non-finite if any entry is; a sum that overflows float range
-    also skips the step.)
+    :func:`loko_lightning.reference.loko_step_reference` is the same step with dense matrices. The arithmetic runs
+    in the dtype of ``covs``; parameters are updated in their own dtype. If anything is non-finite (prediction,
+    target, a Jacobian, the innovation or the resulting update), nothing is written: parameters, ``covs``, ``R``
+    and ``step`` keep their values and ``diagnostics["applied"]`` is ``False``. The decision is made on the device
+    with :func:`torch.where`, so no host sync is needed. (The update and the new ``p̂`` are tested through their
+    sums, which are non-finite if any entry is; a sum that overflows float range also skips the step.)
 
     It runs under :func:`torch.inference_mode` (cheaper per operation than ``no_grad``; the parameters and states
     it updates in place stay ordinary tensors), so the returned diagnostics are inference tensors: read or log
