@@ -48,7 +48,7 @@ def test_matches_float64_reference(r_estimator, p0_init):
     # accumulated relative error near 1e-13, so 1e-9 leaves room without hiding an algorithmic difference.
     torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(cov, reference.p, rtol=1e-9, atol=1e-15)
-    torch.testing.assert_close(opt.state[next(model.parameters())]["noise"], reference.R, rtol=1e-9, atol=1e-15)
+    torch.testing.assert_close(opt.state[next(model.parameters())]["R"], reference.R, rtol=1e-9, atol=1e-15)
     assert (cov > 0).all()
     assert (cov < 0.3 + 120 * 1e-4).all()
 

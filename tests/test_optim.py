@@ -34,7 +34,7 @@ def test_state_dict_round_trip_continues_bit_identically():
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["cov"], opt2.state[q]["cov"])
     first, first2 = next(model.parameters()), next(restored.parameters())
-    for key in ("noise", "step", "skipped"):
+    for key in ("R", "step", "skipped"):
         assert torch.equal(opt.state[first][key], opt2.state[first2][key])
 
 
@@ -48,7 +48,31 @@ def test_float64_state_survives_checkpoint_of_float32_model():
     for p in model.parameters():
         assert opt2.state[p]["cov"].dtype == torch.float64
         assert torch.equal(opt2.state[p]["cov"], opt.state[p]["cov"])
-    assert opt2.state[next(model.parameters())]["noise"].dtype == torch.float64
+    assert opt2.state[next(model.parameters())]["R"].dtype == torch.float64
+
+
+def test_checkpoint_with_r_under_its_former_key_noise_loads():
+    """Checkpoints that store R as "noise" (loko-lightning 0.1.0) resume exactly like ones that store "R"."""
+    stream = list(teacher_stream(6, dtype=torch.float32))
+    model = mlp(dtype=torch.float32)
+    opt = LoKO(model.parameters(), seed=0)
+    for x, y in stream[:3]:
+        opt.step(loko_closure(model, x, y))
+    saved = copy.deepcopy(opt.state_dict())
+    assert "R" in saved["state"][0] and "noise" not in saved["state"][0]
+    saved["state"][0]["noise"] = saved["state"][0].pop("R")
+    restored = copy.deepcopy(model)
+    opt2 = LoKO(restored.parameters(), seed=1)
+    opt2.load_state_dict(saved)
+    first2 = next(restored.parameters())
+    assert "noise" not in opt2.state[first2]
+    assert torch.equal(opt2.state[first2]["R"], opt.state[next(model.parameters())]["R"])
+    for x, y in stream[3:]:
+        opt.step(loko_closure(model, x, y))
+        opt2.step(loko_closure(restored, x, y))
+    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["cov"], opt2.state[q]["cov"])
 
 
 @pytest.mark.parametrize("where", ["prediction", "jacobian", "target"])
