@@ -8,6 +8,7 @@ from loko_lightning.blocks import FactoredJacobian, OuterJacobian
 from loko_lightning.functional import loko_update
 from loko_lightning.jacobian import jacobian
 from loko_lightning.optim import LoKO
+from loko_lightning.reference import loko_step_reference
 
-__all__ = ["FactoredJacobian", "LoKO", "OuterJacobian", "jacobian", "loko_update"]
+__all__ = ["FactoredJacobian", "LoKO", "OuterJacobian", "jacobian", "loko_step_reference", "loko_update"]
 __version__ = "0.1.0"

@@ -15,9 +15,10 @@ P0Init = Literal["uniform", "constant"]
 P0_INITS: tuple[str, ...] = ("uniform", "constant")
 Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
-# Filter state shared by all parameters lives in the state of the first parameter, so that
-# ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
-_SHARED_KEYS = ("noise", "step", "skipped")
+# Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
+# the state of the first parameter, so that ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
+# Checkpoints written by loko-lightning 0.1.0 call R "noise"; load_state_dict reads both.
+_LEGACY_KEYS = {"noise": "R"}
 
 
 class LoKO(torch.optim.Optimizer):
@@ -41,6 +42,12 @@ class LoKO(torch.optim.Optimizer):
     Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size.
     With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
     sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
+
+    The filter state is in :attr:`state`, so it round-trips through :meth:`state_dict`: ``state[param]["cov"]`` is
+    :math:`\hat p` of that parameter; the first parameter's state also holds the shared ``"R"`` (``m x m``) and
+    the counters ``"step"`` (updates applied) and ``"skipped"`` (updates skipped for non-finite input).
+    :func:`~loko_lightning.functional.loko_update` is the same step as a function on plain tensors, and
+    :func:`~loko_lightning.reference.loko_step_reference` a slow dense float64 version of it.
 
     Args:
         params: parameters or param groups; groups may set their own ``p0``, ``p0_init`` and
@@ -117,7 +124,7 @@ class LoKO(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        r"""Add a param group and draw :math:`\\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
+        r"""Add a param group and draw :math:`\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
         super().add_param_group(param_group)
         self._resolve_statistics()
         self._plan = self._plan_key = None
@@ -152,18 +159,25 @@ class LoKO(torch.optim.Optimizer):
 
     def _shared_state(self, m: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         state = self.state[self._params()[0]]
-        if "noise" not in state or state["noise"].shape != (m, m):
-            if "noise" in state:
-                raise ValueError(f"Invalid prediction: expected {state['noise'].shape[0]} outputs, got {m}")
-            state["noise"] = torch.zeros(m, m, dtype=dtype, device=device)
+        if "R" not in state or state["R"].shape != (m, m):
+            if "R" in state:
+                raise ValueError(f"Invalid prediction: expected {state['R'].shape[0]} outputs, got {m}")
+            state["R"] = torch.zeros(m, m, dtype=dtype, device=device)
             state["step"] = torch.zeros((), dtype=torch.int64, device=device)
             state["skipped"] = torch.zeros((), dtype=torch.int64, device=device)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype)."""
+        """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype).
+
+        ``R`` saved under its former key ``"noise"`` is read as ``"R"``.
+        """
+        saved = {
+            index: {_LEGACY_KEYS.get(key, key): value for key, value in state.items()}
+            for index, state in state_dict["state"].items()
+        }
+        state_dict = {**state_dict, "state": saved}
         super().load_state_dict(state_dict)
-        saved = state_dict["state"]
         for index, param in enumerate(self._params()):
             for key, value in saved.get(index, {}).items():
                 if isinstance(value, Tensor):
@@ -178,8 +192,8 @@ class LoKO(torch.optim.Optimizer):
             closure: callable evaluated with gradients enabled that returns
                 ``(prediction, target, jacobians)``: ``prediction`` and ``target`` of shape ``(m,)``,
                 ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)``, an
-                :class:`~loko_lightning.functional.OuterJacobian` or a
-                :class:`~loko_lightning.functional.FactoredJacobian` (see :func:`loko_lightning.jacobian`).
+                :class:`~loko_lightning.OuterJacobian` or a :class:`~loko_lightning.FactoredJacobian` (see
+                :func:`loko_lightning.jacobian`).
 
         Returns:
             What the closure returned. If any of it is non-finite the update is skipped (parameters and
@@ -215,7 +229,7 @@ class LoKO(torch.optim.Optimizer):
             covs,
             prediction.detach(),
             target.detach(),
-            shared["noise"],
+            shared["R"],
             shared["step"],
             beta=self.defaults["beta"],
             r_estimator=self.defaults["r_estimator"],
