@@ -101,7 +101,7 @@ def test_loko_updates_match_the_plain_optimizer():
         x, y = item["image"][None], F.one_hot(item["label"], 4).float()
 
         def closure(x=x, y=y):
-            prediction, jacobians = jacobian(reference, x, params, factorize_head=True)
+            prediction, jacobians = jacobian(reference, x, params, factorize=True)
             return prediction, y, jacobians
 
         opt.step(closure)

@@ -409,7 +409,7 @@ def test_float32_soak_of_20000_steps_on_a_100_class_head():
         y = F.one_hot(pool_y[i], m).float()
 
         def closure(x=x, y=y):
-            prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+            prediction, jacobians = jacobian(model, x, params, factorize=True)
             return prediction, y, jacobians
 
         prediction, _, _ = opt.step(closure)
@@ -463,7 +463,7 @@ def test_loko_step_and_jacobian_read_nothing_on_the_host():
     x, y = torch.randn(1, 3, 8, 8), F.one_hot(torch.tensor(2), 10).float()
 
     def closure():
-        prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+        prediction, jacobians = jacobian(model, x, params, factorize=True)
         return prediction, y, jacobians
 
     opt.step(closure)
@@ -552,7 +552,7 @@ def _run_loko(model, xs, ys, device, dtype=torch.float32):
         x, y = x.to(device, dtype), y.to(device, dtype)
 
         def closure(x=x, y=y):
-            prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+            prediction, jacobians = jacobian(model, x, params, factorize=True)
             return prediction, y, jacobians
 
         opt.step(closure)
@@ -591,7 +591,7 @@ def test_loko_hot_path_syncs_on_cuda_only_in_the_eigendecomposition():
     x, y = xs[0].cuda(), ys[0].cuda()
 
     def closure():
-        prediction, jacobians = jacobian(model, x, params, factorize_head=True)
+        prediction, jacobians = jacobian(model, x, params, factorize=True)
         return prediction, y, jacobians
 
     opt.step(closure)
