@@ -6,9 +6,17 @@ CLI live in :mod:`loko_lightning.module`, :mod:`loko_lightning.data` and :mod:`l
 
 from loko_lightning.blocks import FactoredJacobian, OuterJacobian
 from loko_lightning.functional import loko_update
-from loko_lightning.jacobian import jacobian
+from loko_lightning.jacobian import JacobianEngine, jacobian
 from loko_lightning.optim import LoKO
 from loko_lightning.reference import loko_step_reference
 
-__all__ = ["FactoredJacobian", "LoKO", "OuterJacobian", "jacobian", "loko_step_reference", "loko_update"]
+__all__ = [
+    "FactoredJacobian",
+    "JacobianEngine",
+    "LoKO",
+    "OuterJacobian",
+    "jacobian",
+    "loko_step_reference",
+    "loko_update",
+]
 __version__ = "0.1.0"

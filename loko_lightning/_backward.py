@@ -1,8 +1,8 @@
-"""Cheaper reverse passes through layers without differentiated parameters, for :func:`loko_lightning.jacobian`.
+"""Cheaper reverse passes through layers without differentiated parameters, for the Jacobian engine.
 
-The batched reverse pass of :func:`~loko_lightning.jacobian` (``vmap`` over ``m - 1`` cotangents) spends most of its
-time in frozen layers, where it only needs ``∂L/∂x``. For some layers that is much cheaper to compute directly than
-through the generic batched backward, which on small maps and few channels is dominated by overhead:
+The batched reverse pass of :class:`~loko_lightning.JacobianEngine` (``vmap`` over ``m - 1`` cotangents) spends most
+of its time in frozen layers, where it only needs ``∂L/∂x``. For some layers that is much cheaper to compute directly
+than through the generic batched backward, which on small maps and few channels is dominated by overhead:
 
 - an eval-mode batch norm is a per-channel scale (times the pass-through mask of a ReLU/ReLU6 that timm fuses in);
 - a 1 x 1 convolution (stride 1, no padding) is one matrix product over all pixels (also used for differentiated
@@ -11,14 +11,14 @@ through the generic batched backward, which on small maps and few channels is do
   from the weight once and kept while the weight does not change.
 
 Every substitution keeps the layer's forward values (the output is the layer's own) and replaces its backward by a
-mathematically identical one, equal up to rounding.
+mathematically identical one, equal up to rounding. The hooks take the caches they fill as arguments: each engine owns
+its own, and nothing here keeps state between calls.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,24 +49,24 @@ def substitute(x: Tensor, out: Tensor, grad_input: GradInput) -> Tensor:
     return _Substitute.apply(x, out.detach(), grad_input)
 
 
-def is_frozen_norm(module: nn.Module, wanted: set[int]) -> bool:
-    """A batch norm that is a fixed per-channel affine map here (possibly followed by a ReLU, see below).
+def is_frozen_norm(module: nn.Module, wanted: set[int] | frozenset[int]) -> bool:
+    """A batch norm that is a fixed per-channel affine map in eval mode (possibly followed by a ReLU, see below).
 
-    Eval mode with running statistics, the plain ``forward``, and neither its weight nor its bias among the
-    parameters differentiated (``wanted``: their ids). timm's fused ``BatchNormAct2d`` (batch norm, dropout,
-    activation) qualifies when its dropout is the identity and its activation ``ReLU``, ``ReLU6`` or the identity.
+    Running statistics, the plain ``forward``, and neither its weight nor its bias among the parameters
+    differentiated (``wanted``: their ids). timm's fused ``BatchNormAct2d`` (batch norm, dropout, activation)
+    qualifies when its dropout is the identity and its activation ``ReLU``, ``ReLU6`` or the identity. The mode is
+    not part of it: a layer can be switched between calls, so :func:`norm_hook` checks it on every call.
     """
     return (
         isinstance(module, nn.modules.batchnorm._BatchNorm)
         and (type(module).forward is nn.modules.batchnorm._BatchNorm.forward or _is_norm_act(module))
-        and not module.training
         and module._buffers.get("running_mean") is not None
         and module._buffers.get("running_var") is not None
         and not any(p is not None and id(p) in wanted for p in module._parameters.values())
     )
 
 
-def is_frozen_conv(module: nn.Module, wanted: set[int]) -> bool:
+def is_frozen_conv(module: nn.Module, wanted: set[int] | frozenset[int]) -> bool:
     """A plain ``nn.Conv2d`` (zero padding, ``groups == 1``) none of whose parameters is differentiated."""
     return (
         type(module).forward is nn.Conv2d.forward
@@ -91,20 +91,25 @@ def _is_pointwise(conv: nn.Conv2d) -> bool:
     return conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.padding == (0, 0)
 
 
-def norm_hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-    """Forward hook: a frozen batch norm's backward as the per-channel scale ``γ / sqrt(σ² + ε)`` it is."""
+def norm_hook(module: nn.Module, args: tuple, out: Any, *, scales: dict) -> Tensor | None:
+    """Forward hook: a frozen batch norm's backward as the per-channel scale ``γ / sqrt(σ² + ε)`` it is.
+
+    ``scales`` caches the scale per module while its running variance and weight are the same tensors, unmodified.
+    """
+    if module.training:  # it normalises with batch statistics: not a fixed map
+        return None
     x = args[0] if len(args) == 1 else None
     if not isinstance(x, Tensor) or not isinstance(out, Tensor) or not x.requires_grad or x.dim() < 2:
         return None
     var, weight = module._buffers["running_var"], module._parameters.get("weight")
-    key = (var._version, None if weight is None else weight._version, module.eps, out.dtype, x.dim())
-    cached = _NORM_SCALES.get(module)
+    key = (_state(var), None if weight is None else _state(weight), module.eps, out.dtype, x.dim())
+    cached = scales.get(module)
     if cached is None or cached[0] is not var or cached[1] is not weight or cached[2] != key:
         scale = torch.rsqrt(var.detach() + module.eps)
         if weight is not None:
             scale = scale * weight.detach()
         scale = scale.to(out.dtype).reshape(-1, *([1] * (x.dim() - 2)))
-        cached = _NORM_SCALES[module] = (var, weight, key, scale)
+        cached = scales[module] = (var, weight, key, scale)
     scale = cached[3]
     act = type(getattr(module, "act", None))
     if act is nn.ReLU or act is nn.ReLU6:
@@ -118,11 +123,12 @@ def _scale_grad(grad: Tensor, *, scale: Tensor) -> Tensor:
     return grad * scale
 
 
-def conv_hook(module: nn.Conv2d, args: tuple, out: Any) -> Tensor | None:
+def conv_hook(module: nn.Conv2d, args: tuple, out: Any, *, matrices: dict) -> Tensor | None:
     """Forward hook: a frozen convolution's backward as one matrix product where that is cheaper.
 
     Pointwise convolutions and convolutions on maps not much larger than their kernel (with at most
-    :data:`DENSE_CONV_LIMIT` matrix entries); others keep the generic backward.
+    :data:`DENSE_CONV_LIMIT` matrix entries); others keep the generic backward. ``matrices`` caches the dense
+    matrix per module while its weight is the same tensor, unmodified.
     """
     x = args[0] if len(args) == 1 else None
     if not isinstance(x, Tensor) or not isinstance(out, Tensor) or not x.requires_grad:
@@ -136,7 +142,7 @@ def conv_hook(module: nn.Conv2d, args: tuple, out: Any) -> Tensor | None:
     # The dense product costs out.numel() x x.numel(), the convolution out.numel() x C_in·kh·kw: dense only where the
     # map is hardly larger than the kernel (and the matrix small).
     if out.numel() * x.numel() <= DENSE_CONV_LIMIT and area <= 4 * kh * kw:
-        dense = _cached_conv_matrix(module, x.shape, out.shape)
+        dense = _cached_conv_matrix(module, x.shape, out.shape, matrices)
         return substitute(x, out, functools.partial(_dense_grad, matrix=dense, shape=x.shape))
     return None
 
@@ -170,21 +176,22 @@ def _pointwise_grad(grad: Tensor, *, matrix: Tensor, shape: torch.Size) -> Tenso
     return (grad.reshape(matrix.shape[0], -1).T @ matrix).T.reshape(shape)
 
 
-# The dense matrix of each frozen convolution that has one, kept while its weight is the same tensor, unmodified.
-_CONV_MATRICES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, tuple, Tensor]] = weakref.WeakKeyDictionary()
-# The per-channel scale of each frozen batch norm, kept while its running variance and weight are the same, unmodified.
-_NORM_SCALES: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor | None, tuple, Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
+def _state(tensor: Tensor) -> tuple:
+    """What tells a tensor's values apart besides its identity.
+
+    In-place changes bump the version; ``tensor.data = ...`` (which ``module.to(...)`` and ``module.double()`` use)
+    keeps the version but moves the data.
+    """
+    return tensor._version, tensor.data_ptr(), tensor.dtype, tensor.device
 
 
-def _cached_conv_matrix(module: nn.Conv2d, in_shape: torch.Size, out_shape: torch.Size) -> Tensor:
+def _cached_conv_matrix(module: nn.Conv2d, in_shape: torch.Size, out_shape: torch.Size, matrices: dict) -> Tensor:
     weight = module.weight
-    key = (weight._version, in_shape, out_shape)
-    cached = _CONV_MATRICES.get(module)
+    key = (_state(weight), in_shape, out_shape)
+    cached = matrices.get(module)
     if cached is None or cached[0] is not weight or cached[1] != key:  # holding the weight keeps `is` reliable
         dense = _dense_from_index(weight.detach().flatten(2), _conv_index(module, in_shape, out_shape))
-        cached = _CONV_MATRICES[module] = (weight, key, dense)
+        cached = matrices[module] = (weight, key, dense)
     return cached[2]
 
 

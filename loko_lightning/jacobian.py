@@ -1,5 +1,8 @@
 """Prediction and Jacobian of a model's outputs w.r.t. its trainable parameters, for one sample.
 
+:class:`JacobianEngine` is built once per model (scan, hooks, caches) and called once per sample; :func:`jacobian`
+is the same for a single call.
+
 The ``m`` rows of the Jacobian come from one forward pass and one *batched* reverse pass (``torch.func.vmap``
 over :func:`torch.autograd.grad` with the ``m`` cotangents), never from ``ñ`` forward passes or ``m`` separate
 backward passes.
@@ -10,7 +13,7 @@ pixels of a convolution with ``x_p`` its unfolded input patch, or tokens) has th
 ``∂ŷ_a/∂W = Σ_p (∂ŷ_a/∂z_p) x_pᵀ``. So the batched reverse pass only has to deliver the ``m`` cotangents at the
 layer *output*; the layer's input is captured in the forward pass (batch 1, shared by all rows) and the weight
 Jacobian is one matrix product, or is returned in that exact factored form
-(:class:`~loko_lightning.functional.FactoredJacobian`). While the forward pass runs through such a layer its
+(:class:`~loko_lightning.FactoredJacobian`). While the forward pass runs through such a layer its
 trainable weight is swapped for a detached alias, so the reverse pass never forms a weight gradient there; any
 other use of the same weight elsewhere in the model still reaches the real parameter and is added. Everything
 else (other parameter kinds, ``groups > 1`` convolutions, layers called with keyword arguments, ...) goes
@@ -20,28 +23,236 @@ With softmax outputs the rows sum to zero (``Σ_a ŷ_a = 1``), so only ``m - 1``
 and the last is minus their sum: exact, one reverse row fewer.
 
 Frozen layers only pass cotangents through. Where their generic batched backward is mostly overhead (eval-mode
-batch norms, pointwise convolutions, convolutions on small maps) it is replaced, during the call only, by the
-matrix product it amounts to (:mod:`loko_lightning._backward`); the forward values are the layers' own. The dense
-matrices of small-map convolutions are cached while their weights do not change (19 MiB for a ResNet-18 at
-32 x 32 inputs, 26 MiB for a ResNet-50), and released with the model.
+batch norms, pointwise convolutions, convolutions on small maps) it is replaced, during engine calls only, by the
+matrix product it amounts to (:mod:`loko_lightning._backward`); the forward values are the layers' own. The engine
+caches the dense matrices of small-map convolutions while their weights do not change (19 MiB for a ResNet-18 at
+32 x 32 inputs, 26 MiB for a ResNet-50), and releases them with itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from itertools import chain
+from operator import is_not
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn import functional as F
+from torch.utils.hooks import RemovableHandle
 
 from loko_lightning import _backward
 from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
 
 Output = Literal["softmax", "identity"]
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+class JacobianEngine:
+    """Prediction ``ŷ`` and ``∂ŷ/∂θ`` of one model, one sample per call, with the per-model work done once.
+
+    Building the engine scans the model once for the layers with a faster path (``nn.Linear``/``nn.Conv2d`` layers
+    whose weight is differentiated, frozen batch norms and convolutions; see the module docstring) and registers
+    forward hooks on them once. Outside the engine's own calls those hooks read one flag and return: the model computes
+    exactly what it computes without them, for evaluation or for another optimizer's forward and backward pass.
+
+    Checked on every call, cheaply:
+
+    - the model's structure: the submodules and parameters of every module (and the buffers of normalisation
+      layers), by identity. If one was added, removed or replaced, the engine scans the model again (its hooks move
+      with it, its caches are emptied). Module attributes (a convolution's padding, ...) are taken as fixed.
+    - normalisation layers with running statistics must be in eval mode (at batch size 1 their batch statistics are
+      meaningless and every call would overwrite the running ones), whenever they were switched.
+    - autocast: under autocast the hooks stay inert and every parameter goes through the generic batched reverse pass.
+    - the caches: a weight or running variance replaced, or changed in place, rebuilds its entry.
+
+    The differentiated parameters are fixed when the engine is built, as an optimizer's are: build both after the
+    model is complete and on its device. A layer added later is differentiated through, not differentiated.
+
+    The caches (dense matrices of small-map frozen convolutions, batch-norm scales) belong to the engine and are
+    released with it, or by :meth:`close`, which also removes the hooks; the engine is a context manager that closes
+    on exit. One call at a time: the engine is not thread-safe.
+
+    Args:
+        model: maps ``inputs`` (batch dimension 1) to ``(1, m)`` logits or regression outputs.
+        params: the parameters to differentiate, default all with ``requires_grad`` when the engine is built.
+            Frozen weights get no gradient and cost nothing beyond the backward pass through them.
+        output: ``"softmax"`` (classification, ``ŷ`` = class probabilities) or ``"identity"``
+            (regression, ``ŷ`` = the model output).
+        chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for
+            large ``m``; default all ``m`` at once.
+        factorize: return the weight Jacobian of every fast-path ``nn.Linear``/``nn.Conv2d`` layer in its exact
+            factored form: :class:`~loko_lightning.OuterJacobian` (``∂ŷ/∂z ⊗ x``) when the layer saw one position, as
+            a classification head does, otherwise :class:`~loko_lightning.FactoredJacobian` wherever that makes the
+            Kalman update cheaper (:func:`~loko_lightning.blocks.factored_is_cheaper`: few positions against ``m``,
+            i.e. deep layers and many classes). :class:`~loko_lightning.LoKO` consumes every form exactly.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        >>> with JacobianEngine(model, factorize=True) as engine:
+        ...     for x in torch.randn(5, 1, 4):  # a stream of samples, batch dimension 1
+        ...         prediction, jacobians = engine(x)
+        >>> prediction.shape, type(jacobians[2]).__name__, jacobians[2].shape
+        (torch.Size([3]), 'OuterJacobian', torch.Size([3, 3, 8]))
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[Tensor] | None = None,
+        *,
+        output: Output = "softmax",
+        chunk_size: int | None = None,
+        factorize: bool = False,
+    ) -> None:
+        if output not in get_args(Output):
+            raise ValueError(f"Invalid output: {output!r} (expected 'softmax' or 'identity')")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"Invalid chunk_size: {chunk_size} (must be >= 1 or None)")
+        params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+        if not params:
+            raise ValueError("Invalid params: no trainable parameters (none has requires_grad=True)")
+        self._model = model
+        self._params = params
+        self._output = output
+        self._chunk_size = chunk_size
+        self._factorize = factorize
+        self._wanted = frozenset(map(id, params))
+        self._hooks = _Hooks()
+        self._handles: list[RemovableHandle] = []
+        # Removes the hooks when the engine is closed or garbage collected; holds no reference to the engine.
+        self._finalizer = weakref.finalize(self, _remove, self._handles)
+        self._scan()
+
+    @property
+    def model(self) -> nn.Module:
+        """The model the engine differentiates."""
+        return self._model
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters differentiated, in the order of the returned Jacobians."""
+        return list(self._params)
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes held by the engine's caches (dense matrices of small-map frozen convolutions, batch-norm scales)."""
+        entries = chain(self._hooks.conv_matrices.values(), self._hooks.norm_scales.values())
+        return sum(entry[-1].numel() * entry[-1].element_size() for entry in entries)
+
+    def __call__(self, inputs: Tensor) -> tuple[Tensor, list[JacobianBlock]]:
+        """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for one sample.
+
+        Args:
+            inputs: one sample with a leading batch dimension of 1.
+
+        Returns:
+            ``(prediction, jacobians)``: ``ŷ`` of shape ``(m,)`` (detached) and one Jacobian per parameter, each of
+            shape ``(m, *param.shape)`` or a factored block of that shape (see ``factorize``). Dense Jacobians are
+            column blocks of one shared ``(m, n)`` buffer (``H``), which :func:`~loko_lightning.loko_update` uses
+            without a copy, so they need not be contiguous.
+        """
+        if not self._finalizer.alive:
+            raise RuntimeError("Invalid call: this JacobianEngine is closed (build a new one)")
+        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] != 1:
+            got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
+            raise ValueError(f"Invalid inputs: expected one sample with batch dimension 1, got shape {got}")
+        if self._structure_changed():
+            _remove(self._handles)
+            self._scan()
+        for module in self._norms:
+            if module.training and module.track_running_stats:
+                name = next(n for n, mod in self._model.named_modules() if mod is module)
+                raise ValueError(
+                    f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) is in training mode; "
+                    "at batch size 1 put it in eval mode (model.eval() or "
+                    "loko_lightning.adapters.freeze_normalization)"
+                )
+        fast = not torch.is_autocast_enabled(inputs.device.type)
+        result = self._run(inputs, fast)
+        if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
+            result = self._run(inputs, False)
+        return result
+
+    def close(self) -> None:
+        """Remove the hooks from the model and release the caches; the engine cannot be called afterwards."""
+        self._finalizer()
+        self._hooks.conv_matrices.clear()
+        self._hooks.norm_scales.clear()
+
+    def __enter__(self) -> JacobianEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _scan(self) -> None:
+        """Find and hook the fast-path layers, frozen batch norms and frozen convolutions; record the structure.
+
+        Fast path: ``nn.Linear`` and ``nn.Conv2d`` (``groups == 1``, the plain ``forward``) whose weight is
+        differentiated, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw. Frozen batch
+        norms and convolutions get a cheaper backward where one exists (:mod:`loko_lightning._backward`).
+        """
+        hooks, wanted, handles = self._hooks, self._wanted, self._handles
+        hooks.conv_matrices.clear()
+        hooks.norm_scales.clear()
+        layers: dict[nn.Module, _Layer] = {}
+        norms: list[nn.Module] = []
+        dicts: list[dict] = []  # what the structure check compares: children, parameters, norm buffers
+        kinds: dict[type, int] = {}
+        for module in _modules(self._model):
+            dicts += (module._modules, module._parameters)
+            kind = kinds.get(type(module))
+            if kind is None:
+                kind = kinds[type(module)] = _kind(type(module))
+            if kind == _OTHER:
+                continue
+            if kind == _NORM:
+                norms.append(module)
+                dicts.append(module._buffers)
+                if _backward.is_frozen_norm(module, wanted):
+                    handles.append(module.register_forward_hook(_norm_hook(hooks), prepend=True))
+                continue
+            if kind == _CONV and _backward.is_frozen_conv(module, wanted):
+                handles.append(module.register_forward_hook(_conv_hook(hooks), prepend=True))
+                continue
+            if kind == _CONV and module.groups != 1:
+                continue
+            weight = module._parameters.get("weight")
+            if not isinstance(weight, Tensor) or id(weight) not in wanted:
+                continue
+            bias = module._parameters.get("bias")
+            swap = ["weight", "bias"] if isinstance(bias, Tensor) and id(bias) in wanted else ["weight"]
+            layer = layers[module] = _Layer(module, swap)
+            handles.append(module.register_forward_pre_hook(_pre_hook(layer, hooks), with_kwargs=True))
+            handles.append(module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
+        self._layers, self._norms, self._dicts = layers, norms, dicts
+        self._structure = list(chain.from_iterable(map(dict.values, dicts)))  # holding them keeps `is` reliable
+
+    def _structure_changed(self) -> bool:
+        now = list(chain.from_iterable(map(dict.values, self._dicts)))
+        return len(now) != len(self._structure) or any(map(is_not, now, self._structure))
+
+    def _run(self, inputs: Tensor, fast: bool) -> tuple[Tensor, list[JacobianBlock]] | None:
+        """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
+        layers = self._layers if fast else {}
+        self._hooks.active = fast
+        try:
+            try:
+                with torch.enable_grad():
+                    raw = self._model(inputs)
+            finally:
+                self._hooks.active = False
+                for layer in layers.values():  # only left over if the forward pass raised inside the layer
+                    layer.module._parameters.update(layer.saved)
+                    layer.saved.clear()
+            return _jacobian(raw, self._params, layers, self._output, self._chunk_size, self._factorize)
+        finally:
+            for layer in layers.values():  # the calls hold the layers' inputs and graph: not beyond the call
+                layer.calls.clear()
 
 
 def jacobian(
@@ -51,38 +262,28 @@ def jacobian(
     *,
     output: Output = "softmax",
     chunk_size: int | None = None,
-    factorize_head: bool = False,
     factorize: bool = False,
 ) -> tuple[Tensor, list[JacobianBlock]]:
-    """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for a single sample.
+    """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for a single sample, by a :class:`JacobianEngine` built for this call.
+
+    A loop over samples should build the engine once instead: it then scans the model and registers its hooks once,
+    and keeps its caches between calls.
 
     Args:
         model: maps ``inputs`` (batch dimension 1) to ``(1, m)`` logits or regression outputs.
             Normalisation layers with running statistics must be in eval mode (at batch size 1 their batch
             statistics are meaningless and every call would overwrite the running ones).
         inputs: one sample with a leading batch dimension of 1.
-        params: the parameters to differentiate, default all with ``requires_grad``. Frozen weights get
-            no gradient and cost nothing beyond the backward pass through them.
-        output: ``"softmax"`` (classification, ``ŷ`` = class probabilities) or ``"identity"``
-            (regression, ``ŷ`` = the model output).
-        chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for
-            large ``m``; default all ``m`` at once.
-        factorize_head: if the model's output is produced directly by an ``nn.Linear`` whose weight is in
-            ``params``, return that weight's Jacobian as an exact
-            :class:`~loko_lightning.functional.OuterJacobian` (``∂ŷ/∂z ⊗ f``).
-        factorize: return the weight Jacobian of every fast-path ``nn.Linear``/``nn.Conv2d`` layer in its exact
-            factored form (:class:`~loko_lightning.functional.FactoredJacobian`, or
-            :class:`~loko_lightning.functional.OuterJacobian` when the layer saw one position, as a head does)
-            wherever that makes the Kalman update cheaper
-            (:func:`~loko_lightning.functional.factored_is_cheaper`: few positions against ``m``, i.e. deep
-            layers and many classes). Implies ``factorize_head``. :class:`~loko_lightning.LoKO` consumes every
-            form exactly.
+        params: the parameters to differentiate, default all with ``requires_grad``.
+        output: ``"softmax"`` (classification) or ``"identity"`` (regression), see :class:`JacobianEngine`.
+        chunk_size: at most this many Jacobian rows per batched backward pass; default all ``m`` at once.
+        factorize: return fast-path weight Jacobians in exact factored form, see :class:`JacobianEngine`.
 
     Returns:
         ``(prediction, jacobians)``: ``ŷ`` of shape ``(m,)`` (detached) and one Jacobian per parameter, each
-        of shape ``(m, *param.shape)`` or a factored block of that shape (see ``factorize_head`` and
-        ``factorize``). Dense Jacobians are column blocks of one shared ``(m, n)`` buffer (``H``), which
-        :func:`~loko_lightning.functional.loko_update` uses without a copy, so they need not be contiguous.
+        of shape ``(m, *param.shape)`` or a factored block of that shape (see ``factorize``). Dense Jacobians are
+        column blocks of one shared ``(m, n)`` buffer (``H``), which :func:`~loko_lightning.loko_update` uses
+        without a copy, so they need not be contiguous.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -90,21 +291,23 @@ def jacobian(
         >>> prediction.shape, jacobians[0].shape
         (torch.Size([3]), torch.Size([3, 8, 4]))
     """
-    if output not in ("softmax", "identity"):
-        raise ValueError(f"Invalid output: {output!r} (expected 'softmax' or 'identity')")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"Invalid chunk_size: {chunk_size} (must be >= 1 or None)")
-    if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] != 1:
-        got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
-        raise ValueError(f"Invalid inputs: expected one sample with batch dimension 1, got shape {got}")
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    if not params:
-        raise ValueError("Invalid params: no trainable parameters (none has requires_grad=True)")
-    scan = _scan(model, params, fast=not torch.is_autocast_enabled(inputs.device.type))
-    result = _jacobian(model, inputs, params, scan, output, chunk_size, factorize_head or factorize, factorize)
-    if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
-        result = _jacobian(model, inputs, params, _Scan(), output, chunk_size, False, False)
-    return result
+    with JacobianEngine(model, params, output=output, chunk_size=chunk_size, factorize=factorize) as engine:
+        return engine(inputs)
+
+
+class _Hooks:
+    """What the engine's hooks share with it: whether an engine call is running, and the engine's caches."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.norm_scales: dict[nn.Module, tuple] = {}
+        self.conv_matrices: dict[nn.Module, tuple] = {}
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 @dataclass
@@ -124,63 +327,18 @@ class _Layer:
     saved: dict[str, Any] = field(default_factory=dict)
 
 
-def _scan(model: nn.Module, params: list[Tensor], *, fast: bool) -> _Scan:
-    """Refuse normalisation layers in training mode; find the fast-path layers and the frozen layers.
-
-    Fast path: ``nn.Linear`` and ``nn.Conv2d`` (``groups == 1``, the plain ``forward``) whose weight is in
-    ``params``, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw. Frozen batch norms
-    and convolutions get a cheaper backward where one exists (:mod:`loko_lightning._backward`).
-    """
-    wanted = {id(p) for p in params}
-    scan = _Scan()
-    for module in _modules(model):
-        kind = _KINDS.get(type(module))
-        if kind is None:
-            kind = _kind(type(module))
-        if kind == _OTHER:
-            continue
-        if kind == _NORM:
-            if module.training and module.track_running_stats:
-                name = next(n for n, mod in model.named_modules() if mod is module)
-                raise ValueError(
-                    f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) is in training mode; "
-                    "at batch size 1 put it in eval mode (model.eval() or "
-                    "loko_lightning.adapters.freeze_normalization)"
-                )
-            if fast and _backward.is_frozen_norm(module, wanted):
-                scan.norms.append(module)
-            continue
-        if not fast:
-            continue
-        if kind == _CONV and _backward.is_frozen_conv(module, wanted):
-            scan.convs.append(module)
-            continue
-        if kind == _CONV and module.groups != 1:
-            continue
-        weight = module._parameters.get("weight")
-        if not isinstance(weight, Tensor) or id(weight) not in wanted:
-            continue
-        bias = module._parameters.get("bias")
-        swap = ["weight", "bias"] if isinstance(bias, Tensor) and id(bias) in wanted else ["weight"]
-        scan.layers[module] = _Layer(module, swap)
-    return scan
-
-
 _OTHER, _NORM, _LINEAR, _CONV = range(4)
-_KINDS: dict[type, int] = {}  # module class -> what _scan looks for in it
 
 
 def _kind(cls: type) -> int:
+    """What the scan looks for in a module of class ``cls``."""
     if issubclass(cls, _BATCH_NORMS):
-        kind = _NORM
-    elif cls.forward is nn.Linear.forward:
-        kind = _LINEAR
-    elif cls.forward is nn.Conv2d.forward:
-        kind = _CONV
-    else:
-        kind = _OTHER
-    _KINDS[cls] = kind
-    return kind
+        return _NORM
+    if cls.forward is nn.Linear.forward:
+        return _LINEAR
+    if cls.forward is nn.Conv2d.forward:
+        return _CONV
+    return _OTHER
 
 
 def _modules(model: nn.Module) -> list[nn.Module]:
@@ -196,41 +354,15 @@ def _modules(model: nn.Module) -> list[nn.Module]:
     return order
 
 
-@dataclass
-class _Scan:
-    layers: dict[nn.Module, _Layer] = field(default_factory=dict)  # fast-path layers
-    norms: list[nn.Module] = field(default_factory=list)  # frozen batch norms
-    convs: list[nn.Module] = field(default_factory=list)  # frozen convolutions
-
-
 def _jacobian(
-    model: nn.Module,
-    inputs: Tensor,
+    raw: Any,
     params: list[Tensor],
-    scan: _Scan,
+    layers: dict[nn.Module, _Layer],
     output: Output,
     chunk_size: int | None,
-    factorize_head: bool,
     factorize: bool,
 ) -> tuple[Tensor, list[JacobianBlock]] | None:
-    layers = scan.layers
-    hooks = []
-    for layer in layers.values():
-        hooks.append(layer.module.register_forward_pre_hook(_pre_hook(layer), with_kwargs=True))
-        hooks.append(layer.module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
-    for norm in scan.norms:
-        hooks.append(norm.register_forward_hook(_backward.norm_hook, prepend=True))
-    for conv in scan.convs:
-        hooks.append(conv.register_forward_hook(_backward.conv_hook, prepend=True))
-    try:
-        with torch.enable_grad():
-            raw = model(inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        for layer in layers.values():  # only left over if the forward pass raised inside the layer
-            layer.module._parameters.update(layer.saved)
-            layer.saved.clear()
+    """The batched reverse pass from the model output ``raw``, and the Jacobian blocks; ``None`` to redo the call."""
     if not isinstance(raw, Tensor) or raw.shape[0] != 1:
         got = tuple(raw.shape) if isinstance(raw, Tensor) else type(raw).__name__
         raise ValueError(f"Invalid model output: expected a tensor of shape (1, m), got {got}")
@@ -260,7 +392,6 @@ def _jacobian(
         weight_of.setdefault(id(layer.module._parameters["weight"]), []).append(layer)
         if "bias" in layer.swap:
             bias_of.setdefault(id(layer.module._parameters["bias"]), []).append(layer)
-    raw_edge = get_gradient_edge(raw) if raw.grad_fn is not None else None
     blocks: list[Any] = []
     for param, extra in zip(params, param_grads, strict=True):
         is_weight = id(param) in weight_of
@@ -285,15 +416,7 @@ def _jacobian(
         left = lefts[0] if len(lefts) == 1 else torch.cat(lefts, -1)
         right = rights[0] if len(rights) == 1 else torch.cat(rights, -1)
         rows, cols, k = left.shape[1], right.shape[0], left.shape[2]
-        is_head = (
-            len(owners) == 1
-            and len(owners[0].calls) == 1
-            and raw_edge is not None
-            and owners[0].calls[0].edge.node is raw_edge.node
-            and owners[0].calls[0].edge.output_nr == raw_edge.output_nr
-            and isinstance(owners[0].module, nn.Linear)
-        )
-        if extra is None and k == 1 and param.dim() == 2 and (factorize_head and is_head or factorize):
+        if extra is None and factorize and k == 1 and param.dim() == 2:
             blocks.append(("block", OuterJacobian(left[:, :, 0], right[:, 0])))
         elif extra is None and factorize and factored_is_cheaper(m, rows, cols, k):
             blocks.append(("block", FactoredJacobian(left, right, param.shape)))
@@ -329,11 +452,11 @@ def _jacobian(
     return prediction.detach(), jacobians
 
 
-def _pre_hook(layer: _Layer):
+def _pre_hook(layer: _Layer, hooks: _Hooks) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        # Any other call signature runs untouched: its use of the weight reaches the real parameter and is
-        # covered by the generic reverse pass.
-        if len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
+        # Outside engine calls, and for any other call signature, the layer runs untouched: its use of the weight
+        # reaches the real parameter and is covered by the generic reverse pass.
+        if not hooks.active or len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
             return None
         for name in layer.swap:
             param = module._parameters[name]
@@ -348,9 +471,9 @@ def _pre_hook(layer: _Layer):
     return hook
 
 
-def _post_hook(layer: _Layer):
+def _post_hook(layer: _Layer) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
-        if not layer.saved:  # a call the pre-hook left alone
+        if not layer.saved:  # a call the pre-hook left alone (always, outside engine calls)
             return None
         module._parameters.update(layer.saved)
         layer.saved.clear()
@@ -359,6 +482,20 @@ def _post_hook(layer: _Layer):
         out = _backward.pointwise_hook(module, args[0], out)
         layer.calls.append(_Call(args[0], args[0]._version, get_gradient_edge(out)))
         return out
+
+    return hook
+
+
+def _norm_hook(hooks: _Hooks) -> Callable:
+    def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
+        return _backward.norm_hook(module, args, out, scales=hooks.norm_scales) if hooks.active else None
+
+    return hook
+
+
+def _conv_hook(hooks: _Hooks) -> Callable:
+    def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
+        return _backward.conv_hook(module, args, out, matrices=hooks.conv_matrices) if hooks.active else None
 
     return hook
 

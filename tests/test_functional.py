@@ -39,7 +39,7 @@ def test_matches_float64_reference(r_estimator, p0_init):
     reference = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, process_noise=1e-4)
     for x, y in teacher_stream(120):
         y_ref = reference.step(x, y)
-        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize_head=True))
+        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
         torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
     assert opt.diagnostics["step"].item() == 120
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -86,7 +86,7 @@ def test_singular_s_float32_stays_finite_and_positive():
         label = torch.randint(m, (1,), generator=gen)
         x = centres[label] + torch.randn(1, d, generator=gen)
         y = F.one_hot(label[0], m).float()
-        prediction, _, _ = opt.step(loko_closure(model, x, y, factorize_head=True))
+        prediction, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
         correct += int(prediction.argmax() == label[0])
         if k % 100 == 0:
             worst_cond = max(worst_cond, opt.diagnostics["cond"].item())
@@ -148,7 +148,7 @@ def test_outer_jacobian_equals_dense():
     model_b = copy.deepcopy(model)
     opt_outer = LoKO(model_b.parameters(), seed=0)
     opt_dense.step(loko_closure(model, x, y))
-    _, _, jacs = opt_outer.step(loko_closure(model_b, x, y, factorize_head=True))
+    _, _, jacs = opt_outer.step(loko_closure(model_b, x, y, factorize=True))
     assert isinstance(jacs[2], OuterJacobian)
     for p, q in zip(model.parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)

@@ -1,4 +1,6 @@
+import gc
 import sys
+import weakref
 
 import pytest
 import timm
@@ -8,7 +10,7 @@ from timm.layers import BatchNormAct2d
 from torch import nn
 
 import loko_lightning.jacobian  # noqa: F401  (the module, for monkeypatching)
-from loko_lightning import OuterJacobian, jacobian
+from loko_lightning import JacobianEngine, OuterJacobian, jacobian
 from loko_lightning.blocks import FactoredJacobian, factored_is_cheaper
 
 jacobian_module = sys.modules["loko_lightning.jacobian"]
@@ -29,35 +31,53 @@ def dense(jac):
     return jac.to_dense() if isinstance(jac, (OuterJacobian, FactoredJacobian)) else jac
 
 
-def assert_jacobians_equal(model, x, params=None, **kwargs):
+@pytest.fixture(params=["jacobian", "engine"])
+def via(request):
+    """How the oracle tests compute: ``jacobian()`` per call, or one ``JacobianEngine`` reused over several inputs."""
+    return request.param
+
+
+def compute(model, xs, params=None, via="jacobian", **kwargs):
+    """``(prediction, jacobians)`` for each input: by ``jacobian()``, or by one engine built before the first."""
+    if via == "jacobian":
+        return [jacobian(model, x, params, **kwargs) for x in xs]
+    with JacobianEngine(model, params, **kwargs) as engine:
+        return [engine(x) for x in xs]
+
+
+def assert_jacobians_equal(model, x, params=None, via="jacobian", **kwargs):
+    """The Jacobian at ``x`` equals row-by-row autograd; an engine is also checked on two further inputs after it."""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
-    prediction, jacs = jacobian(model, x, params, **kwargs)
-    ref_prediction, ref_jacs = row_by_row(model, x, params, kwargs.get("output", "softmax"))
-    # Same float32 arithmetic; the batched backward may sum in another order, so allow a few ulps of the
-    # largest entry (torch's float32 defaults: rtol 1.3e-6, atol 1e-5).
-    torch.testing.assert_close(prediction, ref_prediction)
-    assert len(jacs) == len(params)
-    for jac, ref, p in zip(jacs, ref_jacs, params, strict=True):
-        assert tuple(jac.shape) == (prediction.shape[0], *p.shape)
-        torch.testing.assert_close(dense(jac), ref)
-    return jacs
+    xs = [x] if via == "jacobian" else [x, torch.randn_like(x), 2 * torch.randn_like(x)]
+    results = compute(model, xs, params, via, **kwargs)
+    for x_i, (prediction, jacs) in zip(xs, results, strict=True):
+        ref_prediction, ref_jacs = row_by_row(model, x_i, params, kwargs.get("output", "softmax"))
+        # Same float32 arithmetic; the batched backward may sum in another order, so allow a few ulps of the
+        # largest entry (torch's float32 defaults: rtol 1.3e-6, atol 1e-5).
+        torch.testing.assert_close(prediction, ref_prediction)
+        assert len(jacs) == len(params)
+        for jac, ref, p in zip(jacs, ref_jacs, params, strict=True):
+            assert tuple(jac.shape) == (prediction.shape[0], *p.shape)
+            torch.testing.assert_close(dense(jac), ref)
+    return results[0][1]
 
 
 @pytest.mark.parametrize("output", ["softmax", "identity"])
-@pytest.mark.parametrize("factorize_head", [False, True])
-def test_mlp(output, factorize_head):
+@pytest.mark.parametrize("factorize", [False, True])
+def test_mlp(output, factorize, via):
     model = nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 5))
-    jacs = assert_jacobians_equal(model, torch.randn(1, 6), output=output, factorize_head=factorize_head)
-    assert isinstance(jacs[2], OuterJacobian) == factorize_head
+    jacs = assert_jacobians_equal(model, torch.randn(1, 6), via=via, output=output, factorize=factorize)
+    assert isinstance(jacs[2], OuterJacobian) == factorize
 
 
-def test_chunked_equals_unchunked():
+def test_chunked_equals_unchunked(via):
     model = nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 7))
-    x = torch.randn(1, 6)
-    _, full = jacobian(model, x)
-    _, chunked = jacobian(model, x, chunk_size=3)
-    for a, b in zip(full, chunked, strict=True):
-        torch.testing.assert_close(a, b)
+    xs = [torch.randn(1, 6) for _ in range(3)]
+    full = compute(model, xs, via=via)
+    chunked = compute(model, xs, via=via, chunk_size=3)
+    for (_, a), (_, b) in zip(full, chunked, strict=True):
+        for jac_a, jac_b in zip(a, b, strict=True):
+            torch.testing.assert_close(jac_a, jac_b)
 
 
 class TinyConvNet(nn.Module):
@@ -75,15 +95,15 @@ class TinyConvNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def test_conv_net_with_batchnorm_in_eval_mode():
+def test_conv_net_with_batchnorm_in_eval_mode(via):
     model = TinyConvNet()
     # Non-trivial running statistics, so eval-mode BatchNorm is not the identity.
     model.train()
     model(torch.randn(16, 3, 8, 8) * 2 + 1)
     model.eval()
     stats = model.bn1.running_mean.clone()
-    assert_jacobians_equal(model, torch.randn(1, 3, 8, 8))
-    assert_jacobians_equal(model, torch.randn(1, 3, 8, 8), factorize_head=True)
+    assert_jacobians_equal(model, torch.randn(1, 3, 8, 8), via=via)
+    assert_jacobians_equal(model, torch.randn(1, 3, 8, 8), via=via, factorize=True)
     assert torch.equal(model.bn1.running_mean, stats)
 
 
@@ -93,7 +113,21 @@ def test_batchnorm_in_training_mode_is_refused():
         jacobian(model, torch.randn(1, 3, 8, 8))
 
 
-def test_peft_lora_resnet18():
+def test_batchnorm_switched_to_training_mode_after_building_is_refused():
+    model = TinyConvNet().eval()
+    x = torch.randn(1, 3, 8, 8)
+    with JacobianEngine(model) as engine:
+        engine(x)
+        model.bn2.train()
+        with pytest.raises(ValueError, match=r"'bn2'.*training mode.*eval"):
+            engine(x)
+        assert torch.equal(model.bn2.running_mean, torch.zeros(8))  # refused before the forward pass
+        model.eval()
+        prediction, _ = engine(x)
+    torch.testing.assert_close(prediction, row_by_row(model, x, list(model.parameters()))[0])
+
+
+def test_peft_lora_resnet18(via):
     """LoRA rank 4 on every conv of a timm resnet18 and a new trainable 10-class head (peft modules_to_save)."""
     backbone = timm.create_model("resnet18", pretrained=False, num_classes=10)
     convs = [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d)]
@@ -106,7 +140,7 @@ def test_peft_lora_resnet18():
     params = [p for p in model.parameters() if p.requires_grad]
     assert sum(p.numel() for p in params) == 148_822
     x = torch.randn(1, 3, 32, 32)
-    jacs = assert_jacobians_equal(model, x, params, factorize_head=True)
+    jacs = assert_jacobians_equal(model, x, params, via=via, factorize=True)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     head = names.index(next(n for n in names if n.endswith("fc.modules_to_save.default.weight")))
     assert isinstance(jacs[head], OuterJacobian)
@@ -120,6 +154,14 @@ def test_bad_inputs():
         jacobian(model, torch.randn(2, 3))
     with pytest.raises(ValueError, match="Invalid output"):
         jacobian(model, torch.randn(1, 3), output="sigmoid")
+    with pytest.raises(ValueError, match="Invalid chunk_size"):
+        JacobianEngine(model, chunk_size=0)
+    engine = JacobianEngine(model)
+    with pytest.raises(ValueError, match=r"batch dimension 1, got shape \(2, 3\)"):
+        engine(torch.randn(2, 3))
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine(torch.randn(1, 3))
     with pytest.raises(ValueError, match="no trainable parameters"):
         jacobian(model.requires_grad_(False), torch.randn(1, 3))
 
@@ -161,11 +203,11 @@ class ConvZoo(nn.Module):
 
 @pytest.mark.parametrize("output", ["softmax", "identity"])
 @pytest.mark.parametrize("factorize", [False, True])
-def test_fast_path_matches_autograd_on_conv_configurations(output, factorize, monkeypatch):
+def test_fast_path_matches_autograd_on_conv_configurations(output, factorize, via, monkeypatch):
     if factorize:
         force_factored(monkeypatch)
     model = ConvZoo()
-    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 13, 11), output=output, factorize=factorize)
+    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 13, 11), via=via, output=output, factorize=factorize)
     names = [n for n, p in model.named_parameters()]
     kinds = {n: type(j).__name__ for n, j in zip(names, jacs, strict=True)}
     if factorize:
@@ -178,7 +220,7 @@ def test_fast_path_matches_autograd_on_conv_configurations(output, factorize, mo
         assert set(kinds.values()) == {"Tensor"}
 
 
-def test_unbatched_conv_input_and_batch_folded_inside_the_model():
+def test_unbatched_conv_input_and_batch_folded_inside_the_model(via):
     class Odd(nn.Module):
         def __init__(self):
             super().__init__()
@@ -190,10 +232,10 @@ def test_unbatched_conv_input_and_batch_folded_inside_the_model():
             b = self.conv(torch.cat([x, x.flip(-1)]))[1:]  # the model makes its own batch of 2
             return self.head(torch.cat([a[None], b]).reshape(1, -1))
 
-    assert_jacobians_equal(Odd(), torch.randn(1, 2, 4, 4), factorize=True)
+    assert_jacobians_equal(Odd(), torch.randn(1, 2, 4, 4), via=via, factorize=True)
 
 
-def test_shared_layer_and_tied_weight_reuse():
+def test_shared_layer_and_tied_weight_reuse(via):
     """A layer called twice, and its weight also used outside it: every use is counted."""
 
     class Tied(nn.Module):
@@ -210,13 +252,13 @@ def test_shared_layer_and_tied_weight_reuse():
 
     model = Tied()
     for factorize in (False, True):
-        jacs = assert_jacobians_equal(model, torch.randn(1, 6), factorize=factorize)
+        jacs = assert_jacobians_equal(model, torch.randn(1, 6), via=via, factorize=factorize)
         assert isinstance(jacs[0], torch.Tensor)  # reuse outside the layer: dense, exact
     model.fc.weight.requires_grad_(False)  # only the bias: dense sum over calls
-    assert_jacobians_equal(model, torch.randn(1, 6), factorize=True)
+    assert_jacobians_equal(model, torch.randn(1, 6), via=via, factorize=True)
 
 
-def test_keyword_call_and_no_grad_call_and_unused_layer():
+def test_keyword_call_and_no_grad_call_and_unused_layer(via):
     class Mixed(nn.Module):
         def __init__(self):
             super().__init__()
@@ -232,11 +274,11 @@ def test_keyword_call_and_no_grad_call_and_unused_layer():
             return self.head(h)
 
     model = Mixed()
-    jacs = assert_jacobians_equal(model, torch.randn(1, 4), factorize=True)
+    jacs = assert_jacobians_equal(model, torch.randn(1, 4), via=via, factorize=True)
     assert all(j.abs().max() == 0 for j in jacs[2:6])  # no gradient flows through the no-grad and unused layers
 
 
-def test_input_modified_in_place_after_the_layer_is_not_silently_wrong():
+def test_input_modified_in_place_after_the_layer_is_not_silently_wrong(via):
     """The fast path reads a layer's input after the forward pass; an in-place change would corrupt it.
 
     Plain autograd refuses such a model (the input is saved for the weight gradient), and so does jacobian(): it
@@ -255,17 +297,19 @@ def test_input_modified_in_place_after_the_layer_is_not_silently_wrong():
             h.mul_(3)
             return self.head(torch.tanh(out) + h)
 
+    model = InPlace()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        jacobian(InPlace(), torch.randn(1, 4), factorize=True)
+        compute(model, [torch.randn(1, 4)], via=via, factorize=True)
+    assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in model.modules())
 
 
-def test_output_modified_in_place_after_the_layer():
+def test_output_modified_in_place_after_the_layer(via):
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(12, 4))
-    assert_jacobians_equal(model, torch.randn(1, 2, 4, 4), factorize=True)
+    assert_jacobians_equal(model, torch.randn(1, 2, 4, 4), via=via, factorize=True)
 
 
 @pytest.mark.parametrize("factorize", [False, True])
-def test_peft_lora_resnet18_factorized(factorize, monkeypatch):
+def test_peft_lora_resnet18_factorized(factorize, via, monkeypatch):
     """The peft/timm case with factored blocks: exact, and frozen weights still get no gradient."""
     if factorize:
         force_factored(monkeypatch)
@@ -277,7 +321,7 @@ def test_peft_lora_resnet18_factorized(factorize, monkeypatch):
             nn.init.normal_(p, std=0.05)
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
-    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 32, 32), params, factorize=factorize, chunk_size=4)
+    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 32, 32), params, via, factorize=factorize, chunk_size=4)
     factored = [j for j in jacs if isinstance(j, (FactoredJacobian, OuterJacobian))]
     assert len(factored) == (41 if factorize else 0)  # every LoRA A/B weight and the head weight
     assert all(p.grad is None for p in model.parameters())
@@ -313,7 +357,7 @@ def test_factored_jacobian_to_dense_and_cost_model():
     assert not factored_is_cheaper(m=100, rows=256, cols=4, k=64)
 
 
-def test_single_output_position_convolutions():
+def test_single_output_position_convolutions(via):
     """Convolutions whose output is one pixel (deep layers at low resolution): taps on padding, strides, dilation."""
 
     class Deep(nn.Module):
@@ -335,7 +379,7 @@ def test_single_output_position_convolutions():
 
     model = Deep()
     for factorize in (False, True):
-        assert_jacobians_equal(model, torch.randn(1, 3, 2, 2), factorize=factorize)
+        assert_jacobians_equal(model, torch.randn(1, 3, 2, 2), via=via, factorize=factorize)
 
 
 class FrozenZoo(nn.Module):
@@ -399,7 +443,7 @@ def count_shortcuts(monkeypatch):
     return kinds
 
 
-def test_frozen_layer_shortcuts_match_autograd(monkeypatch):
+def test_frozen_layer_shortcuts_match_autograd(via, monkeypatch):
     """The cheaper backward of frozen batch norms and convolutions (and of trainable pointwise ones) is exact.
 
     float64: both sides add the same products in another order, relative errors of order 1e-15; 1e-10 leaves room
@@ -407,31 +451,176 @@ def test_frozen_layer_shortcuts_match_autograd(monkeypatch):
     """
     torch.manual_seed(0)
     model = FrozenZoo().double().eval()
-    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    xs = [torch.randn(1, 3, 16, 16, dtype=torch.float64) for _ in range(1 if via == "jacobian" else 3)]
     params = [p for p in model.parameters() if p.requires_grad]
     kinds = count_shortcuts(monkeypatch)
     for factorize in (False, True):
-        kinds.clear()
-        prediction, jacs = jacobian(model, x, params, factorize=factorize)
-        ref_prediction, ref_jacs = row_by_row(model, x, params)
-        assert torch.equal(prediction, ref_prediction)  # the forward values are the layers' own
-        for jac, ref in zip(jacs, ref_jacs, strict=True):
-            torch.testing.assert_close(dense(jac), ref, rtol=1e-10, atol=1e-12)
-        # big and down keep their generic backward, batch_stats is no fixed affine map; the others are replaced.
-        assert sorted(kinds) == sorted(["_scale_grad"] * 5 + ["_dense_grad"] * 3 + ["_pointwise_grad"] * 2), kinds
+        engine = JacobianEngine(model, params, factorize=factorize)
+        for x in xs:
+            kinds.clear()
+            prediction, jacs = jacobian(model, x, params, factorize=factorize) if via == "jacobian" else engine(x)
+            ref_prediction, ref_jacs = row_by_row(model, x, params)
+            assert torch.equal(prediction, ref_prediction)  # the forward values are the layers' own
+            for jac, ref in zip(jacs, ref_jacs, strict=True):
+                torch.testing.assert_close(dense(jac), ref, rtol=1e-10, atol=1e-12)
+            # big and down keep their generic backward, batch_stats is no fixed affine map; the others are replaced.
+            assert sorted(kinds) == sorted(["_scale_grad"] * 5 + ["_dense_grad"] * 3 + ["_pointwise_grad"] * 2), kinds
+        engine.close()
 
 
-def test_frozen_convolution_matrix_follows_its_weight(monkeypatch):
-    """The cached dense matrix of a frozen convolution is rebuilt when its weight changes in place or is replaced."""
+def assert_engine_matches_autograd(engine, model, x, params):
+    """float64 on both sides: see test_frozen_layer_shortcuts_match_autograd for the tolerance."""
+    _, jacs = engine(x)
+    _, ref_jacs = row_by_row(model, x, params)
+    for jac, ref in zip(jacs, ref_jacs, strict=True):
+        torch.testing.assert_close(dense(jac), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_frozen_convolution_matrix_follows_its_weight():
+    """An engine's cached dense matrix of a frozen convolution (or scale of a batch norm) follows its tensor.
+
+    It is rebuilt when the tensor changes in place (a new version), is replaced (a new tensor), or is given new data
+    (``.data =``: the same tensor and version).
+    """
     torch.manual_seed(1)
     model = FrozenZoo().double().eval()
     x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
     params = [p for p in model.parameters() if p.requires_grad]
-    jacobian(model, x, params)  # builds the matrices
+    with JacobianEngine(model, params) as engine:
+        engine(x)  # builds the matrices
+        with torch.no_grad():
+            model.oblong.weight.mul_(-2.0)
+        model.dilated.weight = nn.Parameter(torch.randn_like(model.dilated.weight), requires_grad=False)
+        assert_engine_matches_autograd(engine, model, x, params)
+        model.corner.weight.data = torch.randn_like(model.corner.weight)
+        with torch.no_grad():
+            model.norm.running_var.mul_(3.0)
+        model.fused.running_var.data = model.fused.running_var.data * 0.5
+        assert_engine_matches_autograd(engine, model, x, params)
+
+
+# ---------------------------------------------------------------- the engine: hooks, caches, structure changes
+
+
+def hook_count(model):
+    return sum(len(mod._forward_hooks) + len(mod._forward_pre_hooks) for mod in model.modules())
+
+
+def test_engine_hooks_are_inert_outside_its_calls(monkeypatch):
+    """Registered once, the hooks change nothing when the model runs outside the engine: same outputs, same gradients,
+    no backward substituted, no cache growth; and the engine's own results are still right afterwards."""
+    torch.manual_seed(2)
+    model = FrozenZoo().double().eval()
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def plain():  # a forward and backward pass as an AdamW step does it
+        out = model(x)
+        grads = torch.autograd.grad(out.logsumexp(-1).sum(), params)
+        return out.detach(), grads
+
+    ref_out, ref_grads = plain()
+    kinds = count_shortcuts(monkeypatch)
+    engine = JacobianEngine(model, params, factorize=True)
+    assert hook_count(model) > 0
+    engine(x)
+    caches = {**engine._hooks.conv_matrices, **engine._hooks.norm_scales}
+    assert caches and engine.cache_nbytes > 0
+    kinds.clear()
+    out, grads = plain()
     with torch.no_grad():
-        model.oblong.weight.mul_(-2.0)
-    model.dilated.weight = nn.Parameter(torch.randn_like(model.dilated.weight), requires_grad=False)
-    _, jacs = jacobian(model, x, params)
-    _, ref_jacs = row_by_row(model, x, params)
-    for jac, ref in zip(jacs, ref_jacs, strict=True):
-        torch.testing.assert_close(jac, ref, rtol=1e-10, atol=1e-12)
+        no_grad_out = model(x)
+    assert not kinds  # no shortcut was applied
+    assert torch.equal(out, ref_out) and torch.equal(no_grad_out, ref_out)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert {**engine._hooks.conv_matrices, **engine._hooks.norm_scales} == caches  # nothing added or rebuilt
+    assert_engine_matches_autograd(engine, model, x, params)
+    engine.close()
+
+
+def test_engine_close_removes_every_hook():
+    model = FrozenZoo().eval()
+    x = torch.randn(1, 3, 16, 16)
+    engine = JacobianEngine(model)
+    engine(x)
+    assert hook_count(model) > 0
+    engine.close()
+    assert hook_count(model) == 0 and engine.cache_nbytes == 0
+    with JacobianEngine(model) as engine:
+        engine(x)
+        assert hook_count(model) > 0
+    assert hook_count(model) == 0
+    jacobian(model, x)  # the convenience function leaves nothing behind either
+    assert hook_count(model) == 0
+
+
+def test_engine_caches_are_per_engine_and_freed_with_it():
+    """Two engines on two models share nothing; deleting an engine frees its caches and removes its hooks."""
+    models = [FrozenZoo().eval(), FrozenZoo().eval()]
+    x = torch.randn(1, 3, 16, 16)
+    engines = [JacobianEngine(model) for model in models]
+    for engine in engines:
+        engine(x)
+    for engine, model in zip(engines, models, strict=True):
+        cached = set(engine._hooks.conv_matrices) | set(engine._hooks.norm_scales)
+        assert cached and cached <= set(model.modules())
+    matrix = weakref.ref(next(iter(engines[0]._hooks.conv_matrices.values()))[-1])
+    engine_ref = weakref.ref(engines[0])
+    del engines[0], engine
+    assert engine_ref() is None and matrix() is None  # freed at once, no reference cycle to wait for
+    assert hook_count(models[0]) == 0
+    gc.collect()
+    assert len(engines[0]._hooks.conv_matrices) == 3  # the other engine is untouched
+    engines[0](x)
+
+
+def test_engine_rescans_when_the_model_changes():
+    """Modules or parameters added, removed or replaced after building: the engine scans again on its next call."""
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Conv2d(3, 3, 3, padding=1)
+            self.b = nn.Conv2d(3, 3, 3, padding=1).requires_grad_(False)  # frozen: dense backward on 4x4 maps
+            self.head = nn.Linear(48, 4)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))).flatten(1))
+
+    torch.manual_seed(3)
+    model = Pair().double()
+    x = torch.randn(1, 3, 4, 4, dtype=torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine = JacobianEngine(model, params, factorize=True)
+    assert_engine_matches_autograd(engine, model, x, params)
+    assert model.b._forward_hooks and not model.b._forward_pre_hooks
+    # b now shares a's (differentiated) weight: its frozen-layer shortcut would drop that weight's gradient through b.
+    model.b.weight = model.a.weight
+    assert_engine_matches_autograd(engine, model, x, params)
+    assert model.b._forward_pre_hooks  # b is a fast-path layer now
+    # A layer added later: differentiated through (its parameters are not among the engine's), and checked.
+    old_head = model.head
+    model.head = nn.Sequential(nn.BatchNorm1d(48), nn.Linear(48, 4)).double()
+    with pytest.raises(ValueError, match=r"'head.0'.*training mode"):
+        engine(x)
+    assert hook_count(old_head) == 0  # a removed module keeps no hooks
+    model.head.eval()
+    assert_engine_matches_autograd(engine, model, x, params)
+    engine.close()
+
+
+def test_engine_under_autocast_uses_the_generic_path(monkeypatch):
+    """Under autocast the hooks stay inert (the fast path assumes the layers' own dtype), and come back after it."""
+    model = FrozenZoo().eval()
+    x = torch.randn(1, 3, 16, 16)
+    kinds = count_shortcuts(monkeypatch)
+    with JacobianEngine(model) as engine:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            prediction, jacs = engine(x)
+            ref_prediction, ref_jacs = jacobian(model, x)
+        assert not kinds
+        assert torch.equal(prediction, ref_prediction)
+        assert all(torch.equal(a, b) for a, b in zip(jacs, ref_jacs, strict=True))
+        engine(x)
+        assert kinds
