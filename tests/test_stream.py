@@ -99,6 +99,7 @@ def test_loader_state_round_trip_and_refusal_of_another_stream(cifar10):
     loader.load_state_dict(state)
     assert len(loader) == N_TRAIN and [int(b["position"]) for b in loader] == list(range(13, N_TRAIN))
     assert loader.state_dict() == state  # only samples that reach training advance it (the DataModule's hook)
+    assert [int(b["position"]) for b in loader] == list(range(N_TRAIN))  # the next pass is the whole stream
     assert dm.state_dict() == {}  # the position is saved once, in the loader's state
     assert int(next(iter(dm.train_dataloader()))["position"]) == 0  # a fresh fit starts over
     with pytest.raises(ValueError, match=r"position 21 is outside \[0, 20\]"):
@@ -250,3 +251,21 @@ def test_a_run_stopped_mid_stream_resumes_at_its_last_checkpoint(cifar10, tmp_pa
     assert [p for p, _, _ in crashed.seen[:6] + resumed.seen] == list(range(N_TRAIN))
     expected = [float(dm.train_stream[p]["inputs"].double().sum()) for p in range(N_TRAIN)]
     assert [s for _, _, s in crashed.seen[:6] + resumed.seen] == expected
+
+
+@quiet_trainer
+def test_a_resumed_stream_that_ends_starts_the_next_epoch_at_zero(cifar10, tmp_path):
+    def datamodule():
+        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, max_samples=6)
+
+    mid, end = tmp_path / "mid.ckpt", tmp_path / "end.ckpt"
+    trainer(tmp_path, callbacks=[SaveAt(mid, 4), SaveAt(end, 6)]).fit(Recorder(), datamodule=datamodule())
+    resumed = Recorder()
+    trainer(tmp_path, max_epochs=2).fit(resumed, datamodule=datamodule(), ckpt_path=mid)
+    assert [p for p, _, _ in resumed.seen] == [4, 5, 0, 1, 2, 3, 4, 5]
+    finished = Recorder()
+    trainer(tmp_path).fit(finished, datamodule=datamodule(), ckpt_path=end)
+    assert finished.seen == []
+    again = Recorder()
+    trainer(tmp_path, max_epochs=2).fit(again, datamodule=datamodule(), ckpt_path=end)
+    assert [p for p, _, _ in again.seen] == list(range(6))

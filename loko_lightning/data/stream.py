@@ -179,7 +179,7 @@ class StreamCursor:
 
 
 class _StreamSampler(Sampler[int]):
-    """Stream positions ``start, ..., length - 1``; its length is the whole stream, as Lightning's progress expects."""
+    """Stream positions ``start, ..., length - 1``, then whole passes; its length is the whole stream."""
 
     def __init__(self, length: int, start: int = 0) -> None:
         self.length = length
@@ -189,7 +189,8 @@ class _StreamSampler(Sampler[int]):
         return self.length
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.length))
+        start, self.start = self.start, 0  # a later pass (epoch) covers the whole stream
+        yield from range(start, self.length)
 
 
 class StreamDataLoader(DataLoader):
@@ -218,10 +219,10 @@ class StreamDataLoader(DataLoader):
         return self.cursor.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at a checkpoint's stream position.
+        """Continue at a checkpoint's stream position; a finished stream starts a new pass.
 
         Args:
             state: a :meth:`state_dict`.
         """
         self.cursor.load_state_dict(state)
-        self.sampler.start = self.cursor.position
+        self.sampler.start = self.cursor.position if self.cursor.position < len(self.dataset) else 0
