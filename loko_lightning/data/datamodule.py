@@ -211,7 +211,7 @@ class StreamDataModule(pl.LightningDataModule):
             raise ConfigError(
                 f"num_classes={self.expected_num_classes} but the {split} split of dataset={self.dataset!r} has "
                 f"label {largest} (>= {self.expected_num_classes}), i.e. at least {largest + 1} classes. To fix it: "
-                f"set num_classes to {self.num_classes or largest + 1}.",
+                f"set num_classes to {max(self.num_classes or 0, largest + 1)}.",
                 field="num_classes",
                 owner=self,
             )
