@@ -114,6 +114,8 @@ class StreamDataModule(pl.LightningDataModule):
         self.train_stream: StreamDataset | None = None
         self.eval_dataset: HeldOutDataset | None = None
         self.cursor: StreamCursor | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._resume_position: int | None = None
 
     def _perturbation(self, every: int | None, rotation: float, jitter: float) -> Perturbation | None:
         """The OOD samples of the source's modality (images: rotation and colour jitter), if any."""
@@ -201,6 +203,10 @@ class StreamDataModule(pl.LightningDataModule):
             pick = torch.randperm(len(eval_indices), generator=torch.Generator().manual_seed(HOLDOUT_SEED))
             eval_indices = np.sort(np.asarray(eval_indices)[pick[: self.eval_max_samples].numpy()])
         self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
+        self.cursor = StreamCursor(self.dataset, self.seed, len(self.train_stream), self.ood_every, owner=type(self))
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
 
     def _check_labels(self, split: str, labels: np.ndarray) -> None:
         """Every label must index the model's head."""
@@ -217,8 +223,8 @@ class StreamDataModule(pl.LightningDataModule):
             )
 
     def train_dataloader(self) -> StreamDataLoader:
-        """The stream from position 0; Lightning's fit loop moves it to a checkpoint's position on resume."""
-        if self.train_stream is None:
+        """The stream, from position 0 or from the position restored by :meth:`load_state_dict`."""
+        if self.train_stream is None or self.cursor is None:
             self.setup("fit")
         if self.trainer is not None and self.trainer.world_size > 1:
             raise ConfigError(
@@ -227,8 +233,9 @@ class StreamDataModule(pl.LightningDataModule):
                 field="devices",
                 owner=pl.Trainer,
             )
-        self.cursor = StreamCursor(self.dataset, self.seed, len(self.train_stream), self.ood_every, owner=type(self))
-        return StreamDataLoader(self.train_stream, self.cursor, num_workers=self.num_workers)
+        start, self._resume_position = self._resume_position or 0, None
+        self.cursor.position = start
+        return StreamDataLoader(self.train_stream, start, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         """Held-out split, in a fixed order."""
@@ -245,12 +252,14 @@ class StreamDataModule(pl.LightningDataModule):
             self.eval_dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers
         )
 
-    # The stream position is saved once, in the train loader's state_dict: Lightning's fit loop checkpoints it with
-    # its own batch counters and hands it back to the new loader before the first batch of a resumed run, mid-epoch
-    # included (a DataModule state_dict would be restored apart from the loop, by the checkpoint connector). It is
-    # advanced here, not by the loader, because Lightning fetches batches ahead of training_step (one ahead, more with
-    # worker processes): this hook runs for the batch about to be trained on, so a checkpoint saved after that step
-    # resumes at the next sample, neither skipping nor repeating one.
+    # The stream position is saved once, in this DataModule's state_dict. Lightning's checkpoint connector restores
+    # it before configure_optimizers and before any train_dataloader() call. A train loader's own state_dict would be
+    # restored by the fit loop only if the loader were first requested after the loop's state is loaded, which
+    # trainer.estimated_stepping_batches in configure_optimizers (OnlineClassifier's AdamW schedule) defeats: the
+    # loader is built early and its saved state silently dropped (Lightning issue #20550). The position is advanced
+    # in on_before_batch_transfer, not by the loader, because Lightning fetches batches ahead of training_step (one
+    # ahead, more with worker processes): this hook runs for the batch about to be trained on, so a checkpoint saved
+    # after that step resumes at the next sample, neither skipping nor repeating one.
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Advance the stream position past the training sample about to reach ``training_step``.
 
@@ -265,6 +274,29 @@ class StreamDataModule(pl.LightningDataModule):
         if self.cursor is not None and training and isinstance(batch, dict) and "position" in batch:
             self.cursor.advance_past(int(batch["position"][-1]))
         return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position and identity (dataset, seed, length, OOD period), saved in every checkpoint."""
+        return self.cursor.state_dict() if self.cursor is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the stream at a checkpoint's position (checked against this stream; deferred until setup).
+
+        Args:
+            state_dict: a :meth:`state_dict`.
+
+        Raises:
+            ConfigError: the checkpoint comes from another stream (dataset, seed, length or OOD period differ).
+        """
+        if not state_dict:
+            return
+        if self.trainer is not None and self.trainer.state.fn != "fit":
+            return  # validate/test evaluate the held-out split: the training stream's position does not matter
+        if self.cursor is None:
+            self._pending_state = dict(state_dict)
+            return
+        self.cursor.load_state_dict(state_dict)
+        self._resume_position = self.cursor.position
 
 
 def _check_arguments(values: dict[str, Any]) -> None:
