@@ -17,7 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from loko_lightning.adapters import count_parameters, freeze_normalization
 from loko_lightning.errors import ConfigError
-from loko_lightning.jacobian import jacobian
+from loko_lightning.jacobian import JacobianEngine
 from loko_lightning.metrics import MovingAverage, OnlineAccuracy
 from loko_lightning.networks import NetworkFactory
 from loko_lightning.optim import LoKO
@@ -93,6 +93,7 @@ class OnlineClassifier(pl.LightningModule):
         self.loss_avg = MovingAverage(window)
         self.ce_avg = MovingAverage(window)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
+        self._engine: JacobianEngine | None = None  # built at the first Kalman step, once the network is in place
         self.val_acc = MulticlassAccuracy(self.num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(self.num_classes, average="micro")
 
@@ -151,7 +152,9 @@ class OnlineClassifier(pl.LightningModule):
         self._log_online(prediction, label[0], applied, elapsed)
 
     def _kalman_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor]:
-        params = self.trainable_parameters
+        if self._engine is None:
+            self._engine = JacobianEngine(self.network, self.trainable_parameters, factorize=True)
+        engine = self._engine
         # Mixed precision: the forward pass and the Jacobian run under the trainer's autocast, the Kalman update
         # (whose matrix products autocast would run in bf16/fp16) in the filter's own dtype.
         device = label.device.type
@@ -161,7 +164,7 @@ class OnlineClassifier(pl.LightningModule):
         def closure() -> tuple[Tensor, Tensor, list]:
             forward = torch.autocast(device, dtype=autocast_dtype) if mixed else contextlib.nullcontext()
             with forward:
-                prediction, jacobians = jacobian(self.network, inputs, params, factorize=True)
+                prediction, jacobians = engine(inputs)
             target = F.one_hot(label[0], self.num_classes).to(prediction.dtype)
             return prediction, target, jacobians
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, block_key
+from loko_lightning.errors import ConfigError
 from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
 
 P0Init = Literal["uniform", "constant"]
@@ -95,13 +96,21 @@ class LoKO(torch.optim.Optimizer):
         seed: int | None = None,
     ) -> None:
         if not 0.0 < beta < 1.0:
-            raise ValueError(f"Invalid beta: {beta} (must lie in (0, 1); the paper uses 0.95)")
+            raise ConfigError(
+                f"Invalid beta: {beta} (must lie in (0, 1); the paper uses 0.95)", field="beta", owner=LoKO
+            )
         if r_estimator not in R_ESTIMATORS:
-            raise ValueError(f"Invalid r_estimator: {r_estimator!r} (expected one of {R_ESTIMATORS})")
+            raise ConfigError(
+                f"Invalid r_estimator: {r_estimator!r} (expected one of {R_ESTIMATORS})",
+                field="r_estimator",
+                owner=LoKO,
+            )
         if rcond is not None and not 0.0 <= rcond < 1.0:
-            raise ValueError(f"Invalid rcond: {rcond} (must lie in [0, 1))")
+            raise ConfigError(f"Invalid rcond: {rcond} (must lie in [0, 1))", field="rcond", owner=LoKO)
         if dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)")
+            raise ConfigError(
+                f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)", field="dtype", owner=LoKO
+            )
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
         defaults = dict(
@@ -327,9 +336,15 @@ class LoKO(torch.optim.Optimizer):
 def _check_group(group: dict[str, Any]) -> None:
     p0 = group["p0"]
     if not (isinstance(p0, (int, float)) and p0 > 0 and p0 < float("inf")):
-        raise ValueError(f"Invalid p0: {p0} (must be a finite number > 0; the paper's default is 0.2)")
+        raise ConfigError(
+            f"Invalid p0: {p0} (must be a finite number > 0; the paper's default is 0.2)", field="p0", owner=LoKO
+        )
     if group["p0_init"] not in P0_INITS:
-        raise ValueError(f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})")
+        raise ConfigError(
+            f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=LoKO
+        )
     q = group["process_noise"]
     if not (isinstance(q, (int, float)) and 0 <= q < float("inf")):
-        raise ValueError(f"Invalid process_noise: {q} (must be a finite number >= 0)")
+        raise ConfigError(
+            f"Invalid process_noise: {q} (must be a finite number >= 0)", field="process_noise", owner=LoKO
+        )

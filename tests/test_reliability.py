@@ -25,9 +25,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-import loko_lightning.module as module_lib
 import loko_lightning.optim as optim_lib
-from loko_lightning import LoKO, jacobian
+from loko_lightning import JacobianEngine, LoKO, jacobian
 from loko_lightning.blocks import OuterJacobian
 from loko_lightning.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
 from loko_lightning.cli import AtomicCheckpointIO, main
@@ -448,7 +447,7 @@ def test_float32_soak_of_20000_steps_on_a_100_class_head():
     assert int(diagnostics["step"]) == steps and int(diagnostics["skipped"]) == 0
     assert all(torch.isfinite(p).all() for p in params)
     assert all(torch.isfinite(opt.state[p]["cov"]).all() and (opt.state[p]["cov"] > 0).all() for p in params)
-    assert torch.isfinite(state["noise"]).all() and state["noise"].dtype == torch.float32
+    assert torch.isfinite(state["R"]).all() and state["R"].dtype == torch.float32
     assert torch.isfinite(cond).all() and (p_min > 0).all()
     assert (top > 1 - 1e-6).float().mean() > 0.1, "the stream should hold many near-one-hot predictions"
     print(f"soak: {steps} steps in {elapsed:.0f} s; worst kept-spectrum condition number of S {cond.max():.3g} "
@@ -531,18 +530,18 @@ def test_kalman_update_keeps_its_dtype_under_bf16_mixed_precision(kalman_dtype, 
     """Under `precision="bf16-mixed"` the forward pass and the Jacobian run under autocast (bf16), the Kalman update
     with autocast off in the filter dtype: p̂ and R stay float32 (or float64) and nothing is NaN."""
     calls = []
-    real_update, real_jacobian = optim_lib.loko_update, module_lib.jacobian
+    real_update, real_call = optim_lib.loko_update, JacobianEngine.__call__
 
-    def update(params, jacobians, covs, prediction, target, noise, step, **kwargs):
-        calls.append(("update", torch.is_autocast_enabled("cpu"), covs[0].dtype, noise.dtype))
-        return real_update(params, jacobians, covs, prediction, target, noise, step, **kwargs)
+    def update(params, jacobians, covs, prediction, target, R, step, **kwargs):
+        calls.append(("update", torch.is_autocast_enabled("cpu"), covs[0].dtype, R.dtype))
+        return real_update(params, jacobians, covs, prediction, target, R, step, **kwargs)
 
-    def jacobian_under(*args, **kwargs):
+    def jacobian_under(engine, inputs):
         calls.append(("jacobian", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        return real_jacobian(*args, **kwargs)
+        return real_call(engine, inputs)
 
     monkeypatch.setattr(optim_lib, "loko_update", update)
-    monkeypatch.setattr(module_lib, "jacobian", jacobian_under)
+    monkeypatch.setattr(JacobianEngine, "__call__", jacobian_under)
     torch.manual_seed(0)
     model = tiny(dtype=getattr(torch, kalman_dtype))
     fit = trainer(precision="bf16-mixed")
@@ -555,8 +554,8 @@ def test_kalman_update_keeps_its_dtype_under_bf16_mixed_precision(kalman_dtype, 
     for param in model.trainable_parameters:
         assert param.dtype == torch.float32 and torch.isfinite(param).all()
         assert opt.state[param]["cov"].dtype == dtype and (opt.state[param]["cov"] > 0).all()
-    noise = opt.state[model.trainable_parameters[0]]["noise"]
-    assert noise.dtype == dtype and torch.isfinite(noise).all()
+    R = opt.state[model.trainable_parameters[0]]["R"]
+    assert R.dtype == dtype and torch.isfinite(R).all()
     assert math.isfinite(float(fit.logged_metrics["train/loss_avg1000"]))
 
 
