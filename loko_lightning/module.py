@@ -250,7 +250,10 @@ def _probe(optimizer: OptimizerCallable) -> torch.optim.Optimizer:
         ConfigError: the optimizer refused a hyperparameter (its own message, with the argument when it names one).
     """
     try:
-        return optimizer([nn.Parameter(torch.zeros(1))])
+        # LoKO draws p̂0 for the stand-in from the global RNG: the probe must leave it as it was, so that the network
+        # and the real optimizer get the random numbers of a seeded run.
+        with torch.random.fork_rng(devices=[]):
+            return optimizer([nn.Parameter(torch.zeros(1))])
     except ConfigError as err:
         err.owner = err.owner or _optimizer_class(optimizer)
         raise
