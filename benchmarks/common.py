@@ -10,8 +10,10 @@ A run is the training of ``loko fit`` with the same configs and overrides, built
 - a learning-rate scheduler with a ``total_iters`` argument (the AdamW baseline's ``LinearLR``) runs over the
   stream's length, so the paper's linear decay ends with the stream;
 - :class:`~loko_lightning.LoKO` draws ``p̂₀`` from its own generator seeded with the run's seed (unless the config
-  sets ``seed``). Building the learner then draws nothing from the global RNG before the network is built, so
-  every optimizer's adapters and head are initialised from the same ``seed_everything`` state.
+  sets ``seed``). The learner checks its optimizer on a stand-in parameter before it builds the network; from the
+  global RNG, LoKO's draw in that check would shift the network's initialisation. With its own generator nothing
+  draws from the global RNG before the network is built, so every optimizer's adapters and head are initialised
+  from the same ``seed_everything`` state.
 
 The scripts live in ``benchmarks/``, which Python puts on ``sys.path`` when one of them runs: they import this
 module as ``common``.
@@ -357,7 +359,7 @@ def describe(cli: LoKOCLI) -> dict[str, str]:
 
 
 def _configured(value: Any) -> str:
-    """``Name(arg=value, ...)`` of a configured class: its main hyperparameters and the arguments not at default."""
+    """``Name(arg=value, ...)`` of a configured class: main hyperparameters, arguments not at default (no seed)."""
     if not isinstance(value, Namespace):
         return getattr(value, "__name__", repr(value))
     try:
@@ -368,7 +370,8 @@ def _configured(value: Any) -> str:
     shown = [
         f"{name}={arg}"
         for name, arg in init_args.items()
-        if name in MAIN_HYPERPARAMETERS or name not in parameters or parameters[name].default != arg
+        if name != "seed"
+        and (name in MAIN_HYPERPARAMETERS or name not in parameters or parameters[name].default != arg)
     ]
     return f"{value.class_path.rpartition('.')[2]}({', '.join(shown)})"
 

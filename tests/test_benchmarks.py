@@ -139,6 +139,30 @@ def test_compare_csv_thinning(scripts, tmp_path):
     assert steps == [7, 14, 20]
 
 
+def test_compare_table_marks_diverged_runs_and_late_convergence(scripts):
+    """A diverged seed is named and left out of the mean; '*' marks a run still moving in its last window."""
+    compare, common = scripts.compare, scripts.common
+
+    def run(optimizer, seed, acc, loss, step_time, diverged=None):
+        n = len(loss)
+        result = common.RunResult([acc] * n, loss, [1.0] * n, [step_time] * n, window=10, wall_s=1.0, diverged=diverged)
+        return compare.Run(optimizer, seed, result)
+
+    moving = [1.5 - 0.05 * k for k in range(20)]  # 0.05 per step: within 0.05 of the end only from step 20
+    runs = [
+        run("loko", 0, 0.5, moving, 0.02),
+        run("loko", 1, 0.9, [1.0] * 9, 0.02, diverged="LoKO diverged by sample 10"),
+        run("adamw", 0, 0.3, [1.0] * 20, 0.01),
+        run("adamw", 1, 0.4, [1.0] * 20, 0.01),
+    ]
+    summary = compare.summarize(runs, ["loko", "adamw"], warmup=0, conv_tol=0.05)
+    assert summary["loko"]["steps_to_convergence"] == {0: 20}
+    assert summary["loko"]["converged_in_last_window"] == {0: True}
+    lines = compare.markdown_table(summary).splitlines()
+    assert lines[2] == "| LoKO | 50.00 ± 0.00 (diverged: seeds 1) | 50.00, 90.00 | 20 ± 0* | 2.00 |"
+    assert lines[3] == "| LoRA/AdamW | 35.00 ± 7.07 | 30.00, 40.00 | 1 ± 0 | 1.00 |"
+
+
 def test_curve_table_from_a_written_csv(scripts, tmp_path, capsys):
     """--table-from recomputes mean ± std over seeds at the given steps from metrics.csv, running nothing."""
     compare = scripts.compare
