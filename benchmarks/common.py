@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -204,7 +205,7 @@ def build(
     except (ValueError, FileNotFoundError) as err:
         key = getattr(err, "key", None) or getattr(err, "field", None)
         where = f"--{key}: " if key else ""
-        raise SystemExit(f"error: {where}{' '.join(str(err).split())}") from None
+        raise SystemExit(f"{Path(sys.argv[0]).name}: error: {where}{' '.join(str(err).split())}") from None
 
 
 class StepRecorder(pl.Callback):
@@ -380,7 +381,7 @@ def _arguments(value: Any, names: Iterable[str]) -> str:
     init_args = value.get("init_args") if isinstance(value, Namespace) else None
     if init_args is None:
         return ""
-    return ", ".join(f"{k}={v}" for k, v in init_args.as_dict().items() if k in names)
+    return ", ".join(f"{k}={v}" for k, v in init_args.as_dict().items() if k in names and v is not None)
 
 
 def set_threads(threads: int | None) -> None:

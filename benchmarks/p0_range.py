@@ -256,12 +256,13 @@ def _main(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
     total = time.perf_counter() - started
     setting = result.setting
     floor = 1 / result.num_classes + args.margin
+    guard = f"divergence check every {args.guard_every} samples" if args.guard_every else "no divergence check"
     swept = re.sub(r"\bp0=[^,)]*(, )?", "", setting["optimizer"])
     title = f"p0 range: {setting['dataset']} / {setting['backbone']} @ {setting['image_size']}"
     text = (
         f"# {title}\n\nSetting: {setting['network']} ({setting['adapters']}), {setting['dataset']} at "
         f"{setting['image_size']}, {args.samples} samples per p0, seed {args.seed}, {swept} with p0 swept, "
-        f" window {args.window}, divergence check every {args.guard_every} samples, chance + margin = "
+        f"window {args.window}, {guard}, chance + margin = "
         f"{floor:.2f}.\n\n{table}\n\n{verdict}\n\n"
         f"Command: `python benchmarks/p0_range.py {command}` ({total / 60:.1f} min wall). The last p0 trains as "
         f"`loko fit {' '.join(result.command)}`.\n"
