@@ -92,27 +92,31 @@ def test_stream_is_modality_neutral_and_asks_the_perturbation_where_it_inserts()
 
 
 # ---------------------------------------------------------------- checkpoint state and exact resume
-def test_loader_state_round_trip_and_refusal_of_another_stream(cifar10):
+def test_state_round_trip_and_refusal_of_another_stream(cifar10):
     dm = make(cifar10, dataset="cifar10")
     state = {"position": 13, "seed": 0, "length": N_TRAIN, "dataset": "cifar10", "ood_every": None}
+    dm.load_state_dict(state)
     loader = dm.train_dataloader()
-    loader.load_state_dict(state)
     assert len(loader) == N_TRAIN and [int(b["position"]) for b in loader] == list(range(13, N_TRAIN))
-    assert loader.state_dict() == state  # only samples that reach training advance it (the DataModule's hook)
+    assert dm.state_dict() == state  # only samples that reach training advance it (on_before_batch_transfer)
     assert [int(b["position"]) for b in loader] == list(range(N_TRAIN))  # the next pass is the whole stream
-    assert dm.state_dict() == {}  # the position is saved once, in the loader's state
+    assert loader.state_dict() == {}  # the position is saved once, by the DataModule
     assert int(next(iter(dm.train_dataloader()))["position"]) == 0  # a fresh fit starts over
+    dm.load_state_dict({**state, "position": N_TRAIN})  # a finished stream: the next pass starts over
+    assert int(next(iter(dm.train_dataloader()))["position"]) == 0
     with pytest.raises(ValueError, match=r"position 21 is outside \[0, 20\]"):
-        loader.load_state_dict({**state, "position": 21})
+        dm.load_state_dict({**state, "position": 21})
 
     with pytest.raises(ConfigError, match=r"the checkpoint's stream has seed=0 .*seed=1.*resume with seed=0") as err:
-        make(cifar10, dataset="cifar10", seed=1).train_dataloader().load_state_dict(state)
+        make(cifar10, dataset="cifar10", seed=1).load_state_dict(state)
     assert (err.value.field, err.value.owner) == ("seed", StreamDataModule) and "--" not in str(err.value)
     with pytest.raises(ConfigError, match=r"length=20 but this run's has length=5") as err:
-        make(cifar10, dataset="cifar10", max_samples=5).train_dataloader().load_state_dict(state)
+        make(cifar10, dataset="cifar10", max_samples=5).load_state_dict(state)
     assert err.value.field == "max_samples"
+    pending = StreamDataModule("cifar10", root=str(cifar10), image_size=8, ood_every=4)
+    pending.load_state_dict(state)  # before setup: checked once the stream is known
     with pytest.raises(ConfigError, match=r"ood_every=None but this run's has ood_every=4") as err:
-        make(cifar10, dataset="cifar10", ood_every=4).train_dataloader().load_state_dict(state)
+        pending.setup("fit")
     assert err.value.field == "ood_every"
     cursor = StreamCursor("cifar10", 0, N_TRAIN, None)
     cursor.load_state_dict(state)
@@ -126,6 +130,7 @@ quiet_trainer = pytest.mark.filterwarnings(
     "ignore:Using ModelCheckpoint with manual optimization",
     "ignore:Be aware that when using `ckpt_path`, callbacks",
     "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated",
+    "error:You're resuming from a checkpoint that ended before the epoch ended",  # the loader counts as resumable
 )
 
 
@@ -138,10 +143,13 @@ class Recorder(pl.LightningModule):
 
     Args:
         crash_at: raise in training_step at this stream position (a run that dies mid-stream).
+        estimate_steps: ask ``trainer.estimated_stepping_batches`` in configure_optimizers, as an LR schedule does
+            (Lightning then builds the train loader before it restores its loop state).
     """
 
-    def __init__(self, crash_at: int | None = None) -> None:
+    def __init__(self, crash_at: int | None = None, estimate_steps: bool = False) -> None:
         super().__init__()
+        self.estimate_steps = estimate_steps
         self.automatic_optimization = False
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.seen: list[tuple[int, bool, float]] = []
@@ -158,6 +166,8 @@ class Recorder(pl.LightningModule):
         optimizer.step()
 
     def configure_optimizers(self):
+        if self.estimate_steps:
+            assert self.trainer.estimated_stepping_batches > 0
         return torch.optim.SGD([self.weight], lr=0.0)
 
 
@@ -187,17 +197,18 @@ class SaveAt(pl.Callback):
 
 
 @quiet_trainer
-def test_resume_after_max_steps_neither_skips_nor_repeats(cifar10, tmp_path):
+@pytest.mark.parametrize("estimate_steps", [False, True])
+def test_resume_after_max_steps_neither_skips_nor_repeats(cifar10, tmp_path, estimate_steps):
     k, ckpt = 7, tmp_path / "interrupted.ckpt"
-    first = Recorder()
+    first = Recorder(estimate_steps=estimate_steps)
     run = trainer(tmp_path, max_steps=k, callbacks=[SaveAt(ckpt, k)])
     run.fit(first, datamodule=StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3))
     assert [p for p, _, _ in first.seen] == list(range(k))
     saved = torch.load(ckpt, weights_only=False)
-    assert "StreamDataModule" not in saved  # saved once: in the fit loop's state of the train loader
-    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"] == k
+    assert saved["StreamDataModule"]["position"] == k
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{}]  # saved once, by the DataModule
 
-    second = Recorder()
+    second = Recorder(estimate_steps=estimate_steps)
     dm = StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3)
     trainer(tmp_path).fit(second, datamodule=dm, ckpt_path=ckpt)
     positions = [p for p, _, _ in first.seen + second.seen]

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from loko_lightning.data.perturbations import Perturbation, RotationJitter
-from loko_lightning.data.sources import HOLDOUT_SEED, Source, get_source
+from loko_lightning.data.sources import HOLDOUT_SEED, Source, Splits, get_source
 from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
@@ -94,11 +94,11 @@ class StreamDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        with self._arguments():
+        with _owned_by(self):
             self.source: Source = get_source(dataset)
             _check_arguments(self.hparams)
             self.transform: Transform = build_transform(self.source.modality, backbone, image_size, mean, std)
-            self.perturbation = self._perturbation(ood_every, ood_rotation, ood_jitter)
+            self.perturbation = _ood_perturbation(self.source.modality, ood_every, ood_rotation, ood_jitter)
         self.dataset = dataset
         self.root = Path(root).expanduser()
         self.download = download
@@ -114,28 +114,8 @@ class StreamDataModule(pl.LightningDataModule):
         self.train_stream: StreamDataset | None = None
         self.eval_dataset: HeldOutDataset | None = None
         self.cursor: StreamCursor | None = None
-
-    def _perturbation(self, every: int | None, rotation: float, jitter: float) -> Perturbation | None:
-        """The OOD samples of the source's modality (images: rotation and colour jitter), if any."""
-        if every is None:
-            return None
-        if self.source.modality != "image":
-            raise ConfigError(
-                f"OOD samples (ood_every) are defined for images, not for {self.source.modality} samples; set "
-                "ood_every to null.",
-                field="ood_every",
-            )
-        return RotationJitter(every, rotation, jitter)
-
-    @contextmanager
-    def _arguments(self) -> Iterator[None]:
-        """Errors about an argument that this DataModule passed on (``root``, ``backbone``, ...) name it as owner."""
-        try:
-            yield
-        except ConfigError as err:
-            if err.owner is None:
-                err.owner = type(self)
-            raise
+        self._pending_state: dict[str, Any] | None = None
+        self._resume_position: int | None = None
 
     @property
     def data_config(self) -> dict[str, Any] | None:
@@ -162,7 +142,7 @@ class StreamDataModule(pl.LightningDataModule):
         Raises:
             DataNotFoundError: the download failed (no network, bad checksum), with how to get the files offline.
         """
-        with self._arguments():
+        with _owned_by(self):
             self.source.prepare(self.root, self.download)
 
     def setup(self, stage: str | None = None) -> None:
@@ -177,17 +157,9 @@ class StreamDataModule(pl.LightningDataModule):
         """
         if self.train_stream is not None:
             return
-        with self._arguments():
+        with _owned_by(self):
             splits = self.source.load(self.root)
-        for name, split in (("training", splits.train), ("held-out", splits.held_out)):
-            if len(split.indices) == 0:
-                raise ConfigError(
-                    f"dataset={self.dataset!r}: the {name} split at {self.source.location(self.root)} is empty. "
-                    "To fix it: check the files there (or root).",
-                    field="root",
-                    owner=self,
-                )
-            self._check_labels(name, split.labels)
+        _check_splits(splits, self.source, self.root, self.expected_num_classes, owner=self)
         self.classes = list(splits.classes)
 
         permutation = torch.randperm(len(splits.train.indices), generator=torch.Generator().manual_seed(self.seed))
@@ -195,30 +167,16 @@ class StreamDataModule(pl.LightningDataModule):
         if self.max_samples is not None:
             order = order[: self.max_samples]
         self.train_stream = StreamDataset(splits.train.dataset, order, self.transform, self.seed, self.perturbation)
-        eval_indices = splits.held_out.indices
-        if self.eval_max_samples is not None and self.eval_max_samples < len(eval_indices):
-            # A seeded subset rather than the first samples: an ImageFolder's val/ is sorted by class.
-            pick = torch.randperm(len(eval_indices), generator=torch.Generator().manual_seed(HOLDOUT_SEED))
-            eval_indices = np.sort(np.asarray(eval_indices)[pick[: self.eval_max_samples].numpy()])
+        eval_indices = _eval_subset(splits.held_out.indices, self.eval_max_samples)
         self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
-
-    def _check_labels(self, split: str, labels: np.ndarray) -> None:
-        """Every label must index the model's head."""
-        if self.expected_num_classes is None or labels.size == 0:
-            return
-        largest = int(labels.max())
-        if largest >= self.expected_num_classes:
-            raise ConfigError(
-                f"num_classes={self.expected_num_classes} but the {split} split of dataset={self.dataset!r} has "
-                f"label {largest} (>= {self.expected_num_classes}), i.e. at least {largest + 1} classes. To fix it: "
-                f"set num_classes to {max(self.num_classes or 0, largest + 1)}.",
-                field="num_classes",
-                owner=self,
-            )
+        self.cursor = StreamCursor(self.dataset, self.seed, len(self.train_stream), self.ood_every, owner=type(self))
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
 
     def train_dataloader(self) -> StreamDataLoader:
-        """The stream from position 0; Lightning's fit loop moves it to a checkpoint's position on resume."""
-        if self.train_stream is None:
+        """The stream, from position 0 or from the position restored by :meth:`load_state_dict`."""
+        if self.train_stream is None or self.cursor is None:
             self.setup("fit")
         if self.trainer is not None and self.trainer.world_size > 1:
             raise ConfigError(
@@ -227,8 +185,9 @@ class StreamDataModule(pl.LightningDataModule):
                 field="devices",
                 owner=pl.Trainer,
             )
-        self.cursor = StreamCursor(self.dataset, self.seed, len(self.train_stream), self.ood_every, owner=type(self))
-        return StreamDataLoader(self.train_stream, self.cursor, num_workers=self.num_workers)
+        start, self._resume_position = self._resume_position or 0, None
+        self.cursor.position = start
+        return StreamDataLoader(self.train_stream, start, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         """Held-out split, in a fixed order."""
@@ -245,12 +204,14 @@ class StreamDataModule(pl.LightningDataModule):
             self.eval_dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers
         )
 
-    # The stream position is saved once, in the train loader's state_dict: Lightning's fit loop checkpoints it with
-    # its own batch counters and hands it back to the new loader before the first batch of a resumed run, mid-epoch
-    # included (a DataModule state_dict would be restored apart from the loop, by the checkpoint connector). It is
-    # advanced here, not by the loader, because Lightning fetches batches ahead of training_step (one ahead, more with
-    # worker processes): this hook runs for the batch about to be trained on, so a checkpoint saved after that step
-    # resumes at the next sample, neither skipping nor repeating one.
+    # The stream position is saved once, in this DataModule's state_dict. Lightning's checkpoint connector restores
+    # it before configure_optimizers and before any train_dataloader() call. A train loader's own state_dict would be
+    # restored by the fit loop only if the loader were first requested after the loop's state is loaded, which
+    # trainer.estimated_stepping_batches in configure_optimizers (OnlineClassifier's AdamW schedule) defeats: the
+    # loader is built early and its saved state silently dropped (Lightning issue #20550). The position is advanced
+    # in on_before_batch_transfer, not by the loader, because Lightning fetches batches ahead of training_step (one
+    # ahead, more with worker processes): this hook runs for the batch about to be trained on, so a checkpoint saved
+    # after that step resumes at the next sample, neither skipping nor repeating one.
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Advance the stream position past the training sample about to reach ``training_step``.
 
@@ -265,6 +226,29 @@ class StreamDataModule(pl.LightningDataModule):
         if self.cursor is not None and training and isinstance(batch, dict) and "position" in batch:
             self.cursor.advance_past(int(batch["position"][-1]))
         return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position and identity (dataset, seed, length, OOD period), saved in every checkpoint."""
+        return self.cursor.state_dict() if self.cursor is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the stream at a checkpoint's position (checked against this stream; deferred until setup).
+
+        Args:
+            state_dict: a :meth:`state_dict`.
+
+        Raises:
+            ConfigError: the checkpoint comes from another stream (dataset, seed, length or OOD period differ).
+        """
+        if not state_dict:
+            return
+        if self.trainer is not None and self.trainer.state.fn != "fit":
+            return  # validate/test evaluate the held-out split: the training stream's position does not matter
+        if self.cursor is None:
+            self._pending_state = dict(state_dict)
+            return
+        self.cursor.load_state_dict(state_dict)
+        self._resume_position = self.cursor.position
 
 
 def _check_arguments(values: dict[str, Any]) -> None:
@@ -289,3 +273,64 @@ def _check_arguments(values: dict[str, Any]) -> None:
         )
     if values["ood_jitter"] < 0:
         raise ConfigError(f"ood_jitter must be >= 0, got {values['ood_jitter']}.", field="ood_jitter")
+
+
+@contextmanager
+def _owned_by(datamodule: StreamDataModule) -> Iterator[None]:
+    """Errors about an argument that the DataModule passed on (``root``, ``backbone``, ...) name it as owner."""
+    try:
+        yield
+    except ConfigError as err:
+        if err.owner is None:
+            err.owner = type(datamodule)
+        raise
+
+
+def _ood_perturbation(modality: str, every: int | None, rotation: float, jitter: float) -> Perturbation | None:
+    """The OOD samples for a source's modality (images: rotation and colour jitter), if any."""
+    if every is None:
+        return None
+    if modality != "image":
+        raise ConfigError(
+            f"OOD samples (ood_every) are defined for images, not for {modality} samples; set ood_every to null.",
+            field="ood_every",
+        )
+    return RotationJitter(every, rotation, jitter)
+
+
+def _check_splits(splits: Splits, source: Source, root: Path, num_classes: int | None, owner: Any) -> None:
+    """Both splits must hold samples, and every label must index the model's head of ``num_classes``.
+
+    Raises:
+        ConfigError: an empty split (``field="root"``) or a label ``>= num_classes`` (``field="num_classes"``).
+    """
+    for name, split in (("training", splits.train), ("held-out", splits.held_out)):
+        if len(split.indices) == 0:
+            raise ConfigError(
+                f"dataset={source.name!r}: the {name} split at {source.location(root)} is empty. To fix it: check "
+                "the files there (or root).",
+                field="root",
+                owner=owner,
+            )
+        labels = split.labels
+        if num_classes is None or int(labels.max()) < num_classes:
+            continue
+        largest = int(labels.max())
+        needed = max(source.num_classes or len(splits.classes), largest + 1)
+        raise ConfigError(
+            f"num_classes={num_classes} but the {name} split of dataset={source.name!r} has label {largest} "
+            f"(>= {num_classes}), i.e. at least {largest + 1} classes. To fix it: set num_classes to {needed}.",
+            field="num_classes",
+            owner=owner,
+        )
+
+
+def _eval_subset(indices: np.ndarray, max_samples: int | None) -> np.ndarray:
+    """At most ``max_samples`` of the held-out ``indices``: a subset seeded with :data:`HOLDOUT_SEED`, sorted.
+
+    A seeded subset rather than the first samples, because an ImageFolder's ``val/`` is sorted by class.
+    """
+    if max_samples is None or max_samples >= len(indices):
+        return indices
+    pick = torch.randperm(len(indices), generator=torch.Generator().manual_seed(HOLDOUT_SEED))
+    return np.sort(np.asarray(indices)[pick[:max_samples].numpy()])

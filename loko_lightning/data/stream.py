@@ -194,35 +194,33 @@ class _StreamSampler(Sampler[int]):
 
 
 class StreamDataLoader(DataLoader):
-    """Batch-size-1 loader over a :class:`StreamDataset` that Lightning checkpoints and resumes mid-epoch.
+    """Batch-size-1 loader over a :class:`StreamDataset` from stream position ``start`` to the end.
 
-    Lightning's fit loop saves ``state_dict()`` of a train loader that has one (in
-    ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``) and, on resume, calls
-    ``load_state_dict()`` before iterating; iteration then starts at the saved position. ``len()`` is the whole
-    stream, so that Lightning's restored batch counter (which already counts the trained samples) ends the epoch
-    after the last one.
+    ``len()`` is the whole stream, so that Lightning's restored batch counter (which already counts the trained
+    samples) ends a resumed epoch after the last sample. A finished stream (``start == len(dataset)``) and every
+    later pass (epoch) start at position 0.
+
+    The loader keeps no state of its own: the position lives in a :class:`StreamCursor` that its owner saves
+    (:class:`~loko_lightning.data.StreamDataModule`). :meth:`state_dict` and :meth:`load_state_dict` exist so that
+    Lightning sees a loader that resumes mid-epoch and does not warn that it cannot.
 
     Args:
         dataset: the stream.
-        cursor: the stream position, advanced as samples reach training (not as they are fetched).
+        start: first stream position of the first pass.
         num_workers: DataLoader worker processes.
     """
 
-    def __init__(self, dataset: StreamDataset, cursor: StreamCursor, num_workers: int = 0) -> None:
-        super().__init__(
-            dataset, batch_size=1, sampler=_StreamSampler(len(dataset), cursor.position), num_workers=num_workers
-        )
-        self.cursor = cursor
+    def __init__(self, dataset: StreamDataset, start: int = 0, num_workers: int = 0) -> None:
+        start = start if start < len(dataset) else 0
+        super().__init__(dataset, batch_size=1, sampler=_StreamSampler(len(dataset), start), num_workers=num_workers)
 
     def state_dict(self) -> dict[str, Any]:
-        """The stream position after the last sample that reached training (not the last one fetched)."""
-        return self.cursor.state_dict()
+        """Empty: the stream position is saved with the cursor, by the loader's owner."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at a checkpoint's stream position; a finished stream starts a new pass.
+        """Nothing to restore (see :meth:`state_dict`).
 
         Args:
-            state: a :meth:`state_dict`.
+            state: ignored.
         """
-        self.cursor.load_state_dict(state)
-        self.sampler.start = self.cursor.position if self.cursor.position < len(self.dataset) else 0
