@@ -113,6 +113,12 @@ def _unreadable_checkpoint(path: Any, err: BaseException) -> ConfigError:
 class LoKOCLI(LightningCLI):
     """LightningCLI with the data preprocessing and label range tied to the network, one-line errors, atomic saves."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The learner takes its optimizer and scheduler as arguments (model.optimizer, model.lr_scheduler), so the
+        # top-level --optimizer/--lr_scheduler of LightningCLI would only be a second, ignored way to set them.
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser: Any) -> None:
         """The stream is preprocessed for the network's backbone and its labels are checked against the head size."""
         for source, target in LINKS:
@@ -210,10 +216,11 @@ def _nested_argument_message(text: str) -> str | None:
 
     Returns ``None`` if ``text`` is not about such an argument.
     """
-    outer = re.match(r'Parser key "([\w.]+)": .*?Got value: Namespace\(class_path=\'([\w.]+)\'', text)
-    if outer is None:
+    outer = re.match(r'Parser key "([\w.]+)": ', text)
+    class_path = re.search(r"class_path[=\s]'([\w.]+)'", text)
+    if outer is None or class_path is None:
         return None
-    key, class_path = outer.groups()
+    key, class_path = outer.group(1), class_path.group(1)
     unknown = re.search(r"Option '(\w+)' is not accepted", text)
     if unknown:
         name = unknown.group(1)
@@ -226,7 +233,7 @@ def _nested_argument_message(text: str) -> str | None:
         close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
         hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"its options: {', '.join(options)}"
         return f"--{key}.{name} is not an option of {class_path}; {hint} See `loko fit --help`."
-    typed = re.search(r'Parser key "(\w+)": (Expected .*?)\. Got value: (.*?)\. Got value: Namespace', text)
+    typed = re.search(r'Parser key "(\w+)": (Expected .*?)\. Got value: (.*?)\. Got value: ', text)
     if typed:
         name, expected, value = typed.groups()
         expected = re.sub(r"<class '(\w+)'>", r"\1", expected)

@@ -117,6 +117,12 @@ class OnlineClassifier(pl.LightningModule):
             f"parameters of {total:,} ({100 * trainable / total:.3f}%), optimizer {_name(self.optimizer_factory)}"
         )
 
+    def teardown(self, stage: str) -> None:
+        """Close the Jacobian engine: its hooks live on the network only while training runs."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
     def configure_optimizers(self) -> Any:
         """The injected optimizer over the trainable parameters, with its scheduler stepped every sample."""
         optimizer = self.optimizer_factory(self.trainable_parameters)

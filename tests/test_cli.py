@@ -45,7 +45,7 @@ def test_print_config_shows_the_resolved_configuration():
     assert "backbone: tf_efficientnet_lite0" in out
     assert "dataset: mnist5k" in out
     assert "p0: 0.2" in out
-    assert "class_path: loko_lightning.optim.LoKO" in out
+    assert "class_path: loko_lightning.LoKO" in out
     assert "class_path: loko_lightning.networks.TimmClassifier" in out
 
 

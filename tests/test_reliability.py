@@ -231,7 +231,8 @@ CATALOGUE = {
         ["--model.network.backbone", "resnet181"],
         ["--model.network.backbone: unknown backbone='resnet181'", "'resnet18'"],
     ),
-    "unknown option": (["--model.network.rr", "3"], ["--model.network.rr", "did you mean 'model.network.r'"]),
+    "unknown option": (["--model.network.rr", "3"], ["--model.network.rr is not an option", "did you mean 'r'?"]),
+    "unknown section": (["--model.netwrk.r", "3"], ["--model.netwrk.r", "did you mean 'model.network.r'"]),
     "unknown option of the optimizer": (
         ["--model.optimizer.p00", "0.1"],
         ["--model.optimizer.p00 is not an option of loko_lightning.LoKO; did you mean 'p0'?"],
@@ -297,7 +298,7 @@ def test_download_while_offline_says_how_to_get_the_files(tmp_path, capsys, monk
     args = ["--data.dataset", "mnist", "--data.root", str(tmp_path / "data"), "--data.download", "true"]
     code, last, count = run_cli(["fit", "--config", DEBUG, *outputs(tmp_path), *args], capsys)
     assert code == 2 and count == 1
-    assert f"data.dataset='mnist': downloading into {tmp_path / 'data'} failed" in last
+    assert f"--data.download: dataset='mnist': downloading into {tmp_path / 'data'} failed" in last
     assert "Temporary failure in name resolution" in last and "put the files at" in last
 
 
