@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, get_args
 
@@ -13,6 +14,8 @@ from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko
 
 P0Init = Literal["uniform", "constant"]
 P0_INITS: tuple[str, ...] = get_args(P0Init)
+Observation = Literal["softmax", "regression"]
+OBSERVATIONS: tuple[str, ...] = get_args(Observation)
 Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
 # Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
@@ -67,6 +70,13 @@ class LoKO(torch.optim.Optimizer):
         process_noise: ``q`` added to every :math:`\hat p` in the predict step; 0 is the paper, a small
             positive value keeps learning alive on non-stationary streams.
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
+        observation: what the prediction is. ``"softmax"`` (default): class probabilities, the paper's
+            classification setting; when the target is a probability vector (e.g. one-hot) and the prediction is
+            not (a negative entry, or a sum off 1 by more than rounding: logits passed where probabilities
+            belong), :meth:`step` raises a ``ValueError``. ``"regression"``: any real outputs, no check. The check
+            runs on the first step and whenever the Jacobian layout changes (one host read then), not every step.
+        dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
+            ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0`; ``None`` uses the global RNG.
 
     LoKO has no learning rate: ``lr``, as an argument or in a param group, raises a ``ValueError``; ``p0`` plays
@@ -98,6 +108,7 @@ class LoKO(torch.optim.Optimizer):
         rcond: float | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
+        observation: Observation = "softmax",
         **unexpected: Any,
     ) -> None:
         if "lr" in unexpected:
@@ -112,6 +123,8 @@ class LoKO(torch.optim.Optimizer):
             raise ValueError(f"Invalid rcond: {rcond} (must lie in [0, 1))")
         if dtype not in (None, torch.float32, torch.float64):
             raise ValueError(f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)")
+        if observation not in OBSERVATIONS:
+            raise ValueError(f"Invalid observation: {observation!r} (expected one of {OBSERVATIONS})")
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
         defaults = dict(
@@ -121,6 +134,7 @@ class LoKO(torch.optim.Optimizer):
             r_estimator=r_estimator,
             process_noise=process_noise,
             rcond=rcond,
+            observation=observation,
         )
         self._dtype = dtype
         # The update plan for the last Jacobian layout and p̂ as one flat vector in its order (the per-parameter
@@ -130,12 +144,12 @@ class LoKO(torch.optim.Optimizer):
         self._cov_flat: Tensor | None = None
         self._cov_views: list[Tensor] = []
         super().__init__(params, defaults)
-        shared = ("beta", "r_estimator", "rcond")
+        shared = ("beta", "r_estimator", "rcond", "observation")
         for group in self.param_groups:
             if any(group[key] != defaults[key] for key in shared):
                 raise ValueError(
-                    "Invalid param group: beta, r_estimator and rcond describe the single shared R and S and "
-                    "must be set on the optimizer, not per group"
+                    "Invalid param group: beta, r_estimator, rcond and observation describe the single shared R, S "
+                    "and observation model and must be set on the optimizer, not per group"
                 )
 
     # ------------------------------------------------------------------ state
@@ -221,6 +235,8 @@ class LoKO(torch.optim.Optimizer):
         key = _layout_key(prediction, target, jacobians, process_noise)
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             _check_shapes(prediction, target, jacobians, params)
+            if self.defaults["observation"] == "softmax":
+                _check_probabilities(prediction.detach(), target.detach())
             self._plan = None
         m = prediction.shape[0]
         covs = [self.state[p]["cov"] for p in params]
@@ -348,6 +364,29 @@ def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, gener
     # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
     draw = (1.0 - draw) * float(group["p0"])
     return draw.to(dtype=dtype, device=param.device)
+
+
+def _check_probabilities(prediction: Tensor, target: Tensor) -> None:
+    """Refuse a prediction that is not a probability vector when the target is one (one host read)."""
+    m = prediction.shape[0]
+    if m == 0:
+        return
+    stats = torch.stack([v.double() for v in (target.min(), target.sum(), prediction.min(), prediction.sum())])
+    stats = stats.tolist()
+    target_min, target_sum, prediction_min, prediction_sum = stats
+    if not all(math.isfinite(v) for v in stats):
+        return  # the step is skipped on the device
+    # Softmax sums to 1 up to ~m roundings; 10 m eps of each dtype is far from the sum of any logits by chance.
+    target_tol = 10 * m * torch.finfo(target.dtype).eps
+    tol = 10 * m * torch.finfo(prediction.dtype).eps
+    target_is_probability = target_min >= 0.0 and abs(target_sum - 1.0) <= target_tol
+    if target_is_probability and (prediction_min < 0.0 or abs(prediction_sum - 1.0) > tol):
+        raise ValueError(
+            "Invalid prediction: the target is a probability vector (e.g. one-hot) but the prediction is not "
+            f"(smallest entry {prediction_min:.4g}, sum {prediction_sum:.6g}): LoKO observes class probabilities, so "
+            'compute the prediction with jacobian(..., output="softmax") (the default), not logits; for a '
+            'regression on such targets, create the optimizer with LoKO(..., observation="regression")'
+        )
 
 
 def _check_group(group: dict[str, Any]) -> None:

@@ -273,3 +273,29 @@ def test_closure_result_of_the_wrong_length_says_how_many_came_back(items):
     result = (prediction, y, jacobians, None)[:items]
     with pytest.raises(ValueError, match=rf"Invalid closure result: .*got {items} items"):
         opt.step(lambda: result)
+
+
+def test_logits_against_a_one_hot_target_are_refused_unless_regression_is_declared():
+    """A one-hot target with a prediction that is not a probability vector (logits) names the fix; a declared
+    regression observation takes the same input; a non-finite first prediction is skipped, not refused."""
+    model = mlp(dtype=torch.float32)
+    stream = list(teacher_stream(3, dtype=torch.float32))
+    opt = LoKO(model.parameters(), seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r'prediction is not .*jacobian\(\.\.\., output="softmax"\)'):
+        opt.step(loko_closure(model, *stream[0], output="identity"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+    regression = LoKO(model.parameters(), seed=0, observation="regression")
+    for x, y in stream:
+        regression.step(loko_closure(model, x, y, output="identity"))
+    assert regression.diagnostics["step"].item() == 3
+
+    x, y = stream[0]
+    prediction, jacobians = jacobian(model, x)
+    opt.step(lambda: (torch.full_like(prediction, float("nan")), y, jacobians))
+    assert not opt.diagnostics["applied"].item()
+    opt.step(loko_closure(model, x, y))  # softmax output: accepted
+    assert opt.diagnostics["applied"].item()
+    with pytest.raises(ValueError, match="Invalid observation"):
+        LoKO(model.parameters(), observation="logits")
