@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -13,13 +14,19 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
 
 P0Init = Literal["uniform", "constant"]
-P0_INITS: tuple[str, ...] = ("uniform", "constant")
+P0_INITS: tuple[str, ...] = get_args(P0Init)
+Observation = Literal["softmax", "regression"]
+OBSERVATIONS: tuple[str, ...] = get_args(Observation)
 Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
 # Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
 # the state of the first parameter, so that ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
 # Checkpoints written by loko-lightning 0.1.0 call R "noise"; load_state_dict reads both.
 _LEGACY_KEYS = {"noise": "R"}
+_NO_LR = (
+    "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
+    "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
+)
 
 
 class LoKO(torch.optim.Optimizer):
@@ -64,9 +71,17 @@ class LoKO(torch.optim.Optimizer):
         process_noise: ``q`` added to every :math:`\hat p` in the predict step; 0 is the paper, a small
             positive value keeps learning alive on non-stationary streams.
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
+        observation: what the prediction is. ``"softmax"`` (default): class probabilities, the paper's
+            classification setting; when the target is a probability vector (e.g. one-hot) and the prediction is
+            not (a negative entry, or a sum off 1 by more than rounding: logits passed where probabilities
+            belong), :meth:`step` raises a ``ValueError``. ``"regression"``: any real outputs, no check. The check
+            runs on the first step and whenever the Jacobian layout changes (one host read then), not every step.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0`; ``None`` uses the global RNG.
+
+    LoKO has no learning rate: ``lr``, as an argument or in a param group, raises a ``ValueError``; ``p0`` plays
+    that role.
 
     Example:
         >>> import torch
@@ -94,7 +109,13 @@ class LoKO(torch.optim.Optimizer):
         rcond: float | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
+        observation: Observation = "softmax",
+        **unexpected: Any,
     ) -> None:
+        if "lr" in unexpected:
+            raise ConfigError(_NO_LR, field="lr", owner=LoKO)
+        if unexpected:
+            raise TypeError(f"LoKO got unexpected keyword arguments: {', '.join(sorted(unexpected))}")
         if not 0.0 < beta < 1.0:
             raise ConfigError(
                 f"Invalid beta: {beta} (must lie in (0, 1); the paper uses 0.95)", field="beta", owner=LoKO
@@ -111,10 +132,22 @@ class LoKO(torch.optim.Optimizer):
             raise ConfigError(
                 f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)", field="dtype", owner=LoKO
             )
+        if observation not in OBSERVATIONS:
+            raise ConfigError(
+                f"Invalid observation: {observation!r} (expected one of {OBSERVATIONS})",
+                field="observation",
+                owner=LoKO,
+            )
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
         defaults = dict(
-            p0=p0, p0_init=p0_init, beta=beta, r_estimator=r_estimator, process_noise=process_noise, rcond=rcond
+            p0=p0,
+            p0_init=p0_init,
+            beta=beta,
+            r_estimator=r_estimator,
+            process_noise=process_noise,
+            rcond=rcond,
+            observation=observation,
         )
         self._dtype = dtype
         # The update plan for the last Jacobian layout and p̂ as one flat vector in its order (the per-parameter
@@ -124,16 +157,19 @@ class LoKO(torch.optim.Optimizer):
         self._cov_flat: Tensor | None = None
         self._cov_views: list[Tensor] = []
         super().__init__(params, defaults)
+        shared = ("beta", "r_estimator", "rcond", "observation")
         for group in self.param_groups:
-            if group["beta"] != beta or group["r_estimator"] != r_estimator or group["rcond"] != rcond:
+            if any(group[key] != defaults[key] for key in shared):
                 raise ValueError(
-                    "Invalid param group: beta, r_estimator and rcond describe the single shared R and S and "
-                    "must be set on the optimizer, not per group"
+                    "Invalid param group: beta, r_estimator, rcond and observation describe the single shared R, S "
+                    "and observation model and must be set on the optimizer, not per group"
                 )
 
     # ------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         r"""Add a param group and draw :math:`\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
+        if "lr" in param_group:
+            raise ValueError(_NO_LR)
         super().add_param_group(param_group)
         self._resolve_statistics()
         self._plan = self._plan_key = None
@@ -150,18 +186,9 @@ class LoKO(torch.optim.Optimizer):
         return param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32
 
     def _initial_cov(self, param: Tensor, group: dict[str, Any]) -> Tensor:
-        dtype = self._arith_dtype(param)
-        if group["p0_init"] == "constant":
-            return torch.full(param.shape, float(group["p0"]), dtype=dtype, device=param.device)
-        if self._generator_seed is not None:
-            if self._generator is None:
-                self._generator = torch.Generator().manual_seed(self._generator_seed)
-            draw = torch.rand(param.shape, generator=self._generator, dtype=torch.float64)
-        else:
-            draw = torch.rand(param.shape, dtype=torch.float64)
-        # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
-        draw = (1.0 - draw) * float(group["p0"])
-        return draw.to(dtype=dtype, device=param.device)
+        if group["p0_init"] != "constant" and self._generator is None and self._generator_seed is not None:
+            self._generator = torch.Generator().manual_seed(self._generator_seed)
+        return _initial_cov(param, group, self._arith_dtype(param), self._generator)
 
     def _params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -213,15 +240,16 @@ class LoKO(torch.optim.Optimizer):
         with torch.enable_grad():
             result = closure()
         if not isinstance(result, (tuple, list)) or len(result) != 3:
-            raise ValueError(
-                f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {type(result)}"
-            )
+            got = f"{len(result)} items" if isinstance(result, (tuple, list)) else type(result)
+            raise ValueError(f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {got}")
         prediction, target, jacobians = result
         params = self._params()
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
-        key = self._layout_key(prediction, target, jacobians, process_noise)
+        key = _layout_key(prediction, target, jacobians, process_noise)
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
-            self._check_shapes(prediction, target, jacobians, params)
+            _check_shapes(prediction, target, jacobians, params)
+            if self.defaults["observation"] == "softmax":
+                _check_probabilities(prediction.detach(), target.detach())
             self._plan = None
         m = prediction.shape[0]
         covs = [self.state[p]["cov"] for p in params]
@@ -274,17 +302,6 @@ class LoKO(torch.optim.Optimizer):
             self._diagnostics.update(self._plan.statistics(self._cov_flat))
             self._statistics_pending = False
 
-    @staticmethod
-    def _layout_key(prediction: Any, target: Any, jacobians: Any, process_noise: list[float]) -> tuple | None:
-        """What the cached update plan depends on; ``None`` for input that needs the full checks."""
-        if not isinstance(prediction, Tensor) or not isinstance(target, Tensor):
-            return None
-        try:
-            blocks = tuple(map(block_key, jacobians))
-        except TypeError:
-            return None
-        return prediction.shape, target.shape, blocks, tuple(process_noise)
-
     def _flatten_covs(self, params: list[Tensor], covs: list[Tensor]) -> None:
         """Keep ``p̂`` as one flat vector in the plan's order, the per-parameter states being views of it.
 
@@ -300,37 +317,89 @@ class LoKO(torch.optim.Optimizer):
         for param, view in zip(params, self._cov_views, strict=True):
             self.state[param]["cov"] = view
 
-    def _check_shapes(
-        self, prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock], params: list[Tensor]
-    ) -> int:
-        if not isinstance(prediction, Tensor) or prediction.dim() != 1:
-            got = tuple(prediction.shape) if isinstance(prediction, Tensor) else type(prediction).__name__
-            raise ValueError(f"Invalid prediction: expected shape (m,), got {got}")
-        m = prediction.shape[0]
-        if not isinstance(target, Tensor) or tuple(target.shape) != (m,):
-            got = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
-            raise ValueError(f"Invalid target: expected shape ({m},) like the prediction, got {got}")
-        if len(jacobians) != len(params):
-            raise ValueError(f"Invalid jacobians: expected {len(params)} (one per parameter), got {len(jacobians)}")
-        for index, (jac, param) in enumerate(zip(jacobians, params, strict=True)):
-            expected = (m, *param.shape)
-            if isinstance(jac, OuterJacobian):
-                ok = jac.left.dim() == 2 and jac.right.dim() == 1 and tuple(jac.shape) == expected
-            elif isinstance(jac, FactoredJacobian):
-                ok = (
-                    tuple(jac.shape) == expected
-                    and param.dim() >= 1
-                    and jac.left.dim() == 3
-                    and jac.right.dim() == 2
-                    and jac.left.shape[:2] == (m, param.shape[0])
-                    and jac.right.shape == (param[0].numel(), jac.left.shape[2])
-                )
-            else:
-                ok = isinstance(jac, Tensor) and tuple(jac.shape) == expected
-            if not ok:
-                got = tuple(jac.shape) if hasattr(jac, "shape") else type(jac).__name__
-                raise ValueError(f"Invalid jacobians[{index}]: expected shape {expected}, got {got}")
-        return m
+
+def _check_shapes(prediction: Any, target: Any, jacobians: Any, params: list[Tensor]) -> None:
+    """Refuse a closure result whose shapes do not fit the parameters."""
+    if not isinstance(prediction, Tensor) or prediction.dim() != 1:
+        got = tuple(prediction.shape) if isinstance(prediction, Tensor) else type(prediction).__name__
+        raise ValueError(f"Invalid prediction: expected shape (m,), got {got}")
+    m = prediction.shape[0]
+    if not isinstance(target, Tensor) or tuple(target.shape) != (m,):
+        got = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
+        raise ValueError(f"Invalid target: expected shape ({m},) like the prediction, got {got}")
+    if len(jacobians) != len(params):
+        message = f"Invalid jacobians: expected {len(params)} (one per parameter), got {len(jacobians)}"
+        frozen = sum(not p.requires_grad for p in params)
+        if frozen:
+            message += (
+                f"; {frozen} of the optimizer's parameters have requires_grad=False, and jacobian() "
+                "differentiates only parameters with requires_grad unless it is given params: give LoKO only the "
+                "trainable ones ([p for p in model.parameters() if p.requires_grad]), or give jacobian() the "
+                "optimizer's parameters"
+            )
+        raise ValueError(message)
+    for index, (jac, param) in enumerate(zip(jacobians, params, strict=True)):
+        expected = (m, *param.shape)
+        if isinstance(jac, OuterJacobian):
+            ok = jac.left.dim() == 2 and jac.right.dim() == 1 and tuple(jac.shape) == expected
+        elif isinstance(jac, FactoredJacobian):
+            ok = (
+                tuple(jac.shape) == expected
+                and param.dim() >= 1
+                and jac.left.dim() == 3
+                and jac.right.dim() == 2
+                and jac.left.shape[:2] == (m, param.shape[0])
+                and jac.right.shape == (param[0].numel(), jac.left.shape[2])
+            )
+        else:
+            ok = isinstance(jac, Tensor) and tuple(jac.shape) == expected
+        if not ok:
+            got = tuple(jac.shape) if hasattr(jac, "shape") else type(jac).__name__
+            raise ValueError(f"Invalid jacobians[{index}]: expected shape {expected}, got {got}")
+
+
+def _layout_key(prediction: Any, target: Any, jacobians: Any, process_noise: list[float]) -> tuple | None:
+    """What the cached update plan depends on; ``None`` for input that needs the full checks."""
+    if not isinstance(prediction, Tensor) or not isinstance(target, Tensor):
+        return None
+    try:
+        blocks = tuple(map(block_key, jacobians))
+    except TypeError:
+        return None
+    return prediction.shape, target.shape, blocks, tuple(process_noise)
+
+
+def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
+    """``p̂_0`` of one parameter: the constant ``p0`` or a draw from ``U(0, p0]``."""
+    if group["p0_init"] == "constant":
+        return torch.full(param.shape, float(group["p0"]), dtype=dtype, device=param.device)
+    draw = torch.rand(param.shape, generator=generator, dtype=torch.float64)
+    # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
+    draw = (1.0 - draw) * float(group["p0"])
+    return draw.to(dtype=dtype, device=param.device)
+
+
+def _check_probabilities(prediction: Tensor, target: Tensor) -> None:
+    """Refuse a prediction that is not a probability vector when the target is one (one host read)."""
+    m = prediction.shape[0]
+    if m == 0:
+        return
+    stats = torch.stack([v.double() for v in (target.min(), target.sum(), prediction.min(), prediction.sum())])
+    stats = stats.tolist()
+    target_min, target_sum, prediction_min, prediction_sum = stats
+    if not all(math.isfinite(v) for v in stats):
+        return  # the step is skipped on the device
+    # Softmax sums to 1 up to ~m roundings; 10 m eps of each dtype is far from the sum of any logits by chance.
+    target_tol = 10 * m * torch.finfo(target.dtype).eps
+    tol = 10 * m * torch.finfo(prediction.dtype).eps
+    target_is_probability = target_min >= 0.0 and abs(target_sum - 1.0) <= target_tol
+    if target_is_probability and (prediction_min < 0.0 or abs(prediction_sum - 1.0) > tol):
+        raise ValueError(
+            "Invalid prediction: the target is a probability vector (e.g. one-hot) but the prediction is not "
+            f"(smallest entry {prediction_min:.4g}, sum {prediction_sum:.6g}): LoKO observes class probabilities, so "
+            'compute the prediction with jacobian(..., output="softmax") (the default), not logits; for a '
+            'regression on such targets, create the optimizer with LoKO(..., observation="regression")'
+        )
 
 
 def _check_group(group: dict[str, Any]) -> None:

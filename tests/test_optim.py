@@ -238,3 +238,64 @@ def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
         for key, value in expected.items():
             assert torch.equal(diagnostics[key], value), (i, key)
     assert opt.diagnostics["step"].item() == 12
+
+
+def test_lr_is_refused_with_p0_named():
+    """LoKO has no learning rate; an lr given to the constructor or in a param group is an error, not ignored."""
+    model = mlp(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"Invalid lr: LoKO has no learning rate.*p0"):
+        LoKO(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"Invalid lr: LoKO has no learning rate.*p0"):
+        LoKO([{"params": model[0].parameters(), "lr": 1e-3}])
+    opt = LoKO(model[0].parameters())
+    with pytest.raises(ValueError, match=r"Invalid lr: LoKO has no learning rate.*p0"):
+        opt.add_param_group({"params": model[2].parameters(), "lr": 1e-3})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(TypeError, match="momentum"):
+        LoKO(model.parameters(), momentum=0.9)
+
+
+def test_frozen_parameter_in_the_optimizer_names_requires_grad():
+    model = mlp(dtype=torch.float32)
+    model[0].requires_grad_(False)
+    opt = LoKO(model.parameters())
+    x, y = next(teacher_stream(1, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"expected 4 \(one per parameter\), got 2; 2 of .* requires_grad=False"):
+        opt.step(loko_closure(model, x, y))
+
+
+@pytest.mark.parametrize("items", [2, 4])
+def test_closure_result_of_the_wrong_length_says_how_many_came_back(items):
+    model = mlp(dtype=torch.float32)
+    opt = LoKO(model.parameters())
+    x, y = next(teacher_stream(1, dtype=torch.float32))
+    prediction, jacobians = jacobian(model, x)
+    result = (prediction, y, jacobians, None)[:items]
+    with pytest.raises(ValueError, match=rf"Invalid closure result: .*got {items} items"):
+        opt.step(lambda: result)
+
+
+def test_logits_against_a_one_hot_target_are_refused_unless_regression_is_declared():
+    """A one-hot target with a prediction that is not a probability vector (logits) names the fix; a declared
+    regression observation takes the same input; a non-finite first prediction is skipped, not refused."""
+    model = mlp(dtype=torch.float32)
+    stream = list(teacher_stream(3, dtype=torch.float32))
+    opt = LoKO(model.parameters(), seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r'prediction is not .*jacobian\(\.\.\., output="softmax"\)'):
+        opt.step(loko_closure(model, *stream[0], output="identity"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+    regression = LoKO(model.parameters(), seed=0, observation="regression")
+    for x, y in stream:
+        regression.step(loko_closure(model, x, y, output="identity"))
+    assert regression.diagnostics["step"].item() == 3
+
+    x, y = stream[0]
+    prediction, jacobians = jacobian(model, x)
+    opt.step(lambda: (torch.full_like(prediction, float("nan")), y, jacobians))
+    assert not opt.diagnostics["applied"].item()
+    opt.step(loko_closure(model, x, y))  # softmax output: accepted
+    assert opt.diagnostics["applied"].item()
+    with pytest.raises(ValueError, match="Invalid observation"):
+        LoKO(model.parameters(), observation="logits")
