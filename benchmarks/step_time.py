@@ -5,11 +5,12 @@ Usage:
     python benchmarks/step_time.py --cases resnet18:10 --steps 30
 
 For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
-``groups == 1`` plus a new ``m``-class head, 32x32 input. A LoKO step is ``jacobian(..., factorize=True)`` +
-``LoKO.step``; an AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by
-step after a warm-up, and the script prints medians as ratios to the AdamW step (absolute times on a shared
-machine are noise; ratios measured side by side are not), the Kalman arithmetic's share of the LoKO step, and
-the peak memory of each step kind.
+``groups == 1`` plus a new ``m``-class head, 32x32 input. A LoKO step is a call of a
+``JacobianEngine(..., factorize=True)`` built once per model, as the training loop builds it, plus ``LoKO.step``;
+an AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by step after a warm-up,
+and the script prints medians as ratios to the AdamW step (absolute times on a shared machine are noise; ratios
+measured side by side are not), the Kalman arithmetic's share of the LoKO step, and the peak memory of each step
+kind.
 
 Peak memory is measured in a fresh subprocess per step kind: build the model and optimizer, run one step (so
 that lazily created optimizer state exists), hand freed heap memory back to the kernel (``malloc_trim``), reset
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loko_lightning import LoKO, _backward, jacobian
+from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.adapters import build_model
 
 
@@ -44,9 +45,9 @@ def build(backbone: str, num_classes: int) -> nn.Module:
     return build_model(backbone, num_classes, pretrained=False, target="convs", r=4, head_init="timm").eval()
 
 
-def loko_step(model, opt, x, y_onehot, timings):
+def loko_step(engine, opt, x, y_onehot, timings):
     start = time.perf_counter()
-    prediction, jacobians = jacobian(model, x, opt.param_groups[0]["params"], factorize=True)
+    prediction, jacobians = engine(x)
     mid = time.perf_counter()
     opt.step(lambda: (prediction, y_onehot, jacobians))
     end = time.perf_counter()
@@ -71,17 +72,17 @@ def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
     params_loko = [p for p in model_loko.parameters() if p.requires_grad]
     params_adamw = [p for p in model_adamw.parameters() if p.requires_grad]
     opt_loko = LoKO(params_loko, p0=0.2, seed=0)
+    engine = JacobianEngine(model_loko, params_loko, factorize=True)
     opt_adamw = torch.optim.AdamW(params_adamw, lr=1e-4, weight_decay=1e-4)
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
     for i in range(warmup + steps):
         x = torch.randn(1, 3, 32, 32)
         label = torch.randint(m, (1,))
-        loko_step(model_loko, opt_loko, x, F.one_hot(label[0], m).float(), timings)
+        loko_step(engine, opt_loko, x, F.one_hot(label[0], m).float(), timings)
         adamw_step(model_adamw, opt_adamw, x, label, timings)
         if i == warmup - 1:
             timings = {k: [] for k in timings}
     med = {k: statistics.median(v) for k, v in timings.items()}
-    cached = [entry[2] for module, entry in _backward._CONV_MATRICES.items() if module in set(model_loko.modules())]
     return {
         "backbone": backbone,
         "m": m,
@@ -92,7 +93,7 @@ def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
         "kalman_share": statistics.median(k / t for k, t in zip(timings["kalman"], timings["loko"], strict=True)),
         "steps": steps,
         "threads": torch.get_num_threads(),
-        "conv_matrices_mib": sum(m.numel() * m.element_size() for m in cached) / 2**20,
+        "engine_cache_mib": engine.cache_nbytes / 2**20,
     }
 
 
@@ -115,7 +116,8 @@ def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
     step = loko_step if kind == "loko" else adamw_step
     target = F.one_hot(label[0], m).float() if kind == "loko" else label
-    step(model, opt, x, target, timings)  # optimizer state (AdamW's is lazy) now exists
+    model = JacobianEngine(model, params, factorize=True) if kind == "loko" else model  # what the step calls
+    step(model, opt, x, target, timings)  # optimizer state (AdamW's is lazy) and the engine's caches now exist
     try:
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # resident but free heap memory would hide the step's peak
@@ -169,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['loko_peak_extra_mib']:.1f} MiB | {r['adamw_peak_extra_mib']:.1f} MiB |"
         )
     print()
-    for r in rows:  # kept while the model lives, like optimizer state: not part of the step's peak
-        mib = r["conv_matrices_mib"]
-        print(f"{r['backbone']}: dense matrices of small-map convolutions cached by jacobian(): {mib:.1f} MiB")
+    for r in rows:  # kept while the engine lives, like optimizer state: not part of the step's peak
+        mib = r["engine_cache_mib"]
+        print(f"{r['backbone']}: Jacobian engine caches (dense matrices of small-map convolutions): {mib:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ its own, and nothing here keeps state between calls.
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -190,29 +191,38 @@ def _cached_conv_matrix(module: nn.Conv2d, in_shape: torch.Size, out_shape: torc
     key = (_state(weight), in_shape, out_shape)
     cached = matrices.get(module)
     if cached is None or cached[0] is not weight or cached[1] != key:  # holding the weight keeps `is` reliable
-        dense = _dense_from_index(weight.detach().flatten(2), _conv_index(module, in_shape, out_shape))
+        dense = _conv_matrix(weight.detach(), _conv_links(module, in_shape, out_shape), in_shape, out_shape)
         cached = matrices[module] = (weight, key, dense)
     return cached[2]
 
 
-def _conv_index(module: nn.Conv2d, in_shape: torch.Size, out_shape: torch.Size) -> Tensor:
-    """``index[q, r]``: the kernel tap through which output pixel ``q`` reads input pixel ``r``, or ``kh·kw`` if none.
+def _conv_links(module: nn.Conv2d, in_shape: torch.Size, out_shape: torch.Size) -> list[tuple[int, int, int]]:
+    """``(q, r, t)`` for each output pixel ``q`` and input pixel ``r`` that kernel tap ``t`` links.
 
     Output pixel ``(u, v)`` reads input pixel ``(u·s - p + i·d, v·s - p + j·d)`` through tap ``(i, j)``; two pixels
     are linked by at most one tap.
     """
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = module.kernel_size, module.stride, module.padding, module.dilation
     height, width, rows, cols = *in_shape[-2:], *out_shape[-2:]
-    u, v, i, j = torch.meshgrid(*(torch.arange(n) for n in (rows, cols, kh, kw)), indexing="ij")
-    y, x = u * sh - ph + i * dh, v * sw - pw + j * dw
-    valid = (y >= 0) & (y < height) & (x >= 0) & (x < width)
-    index = torch.full((rows * cols, height * width), kh * kw, dtype=torch.long)
-    index[(u * cols + v)[valid], (y * width + x)[valid]] = (i * kw + j)[valid]
-    return index.to(module.weight.device)
+    links = []
+    for u, v, i, j in itertools.product(range(rows), range(cols), range(kh), range(kw)):
+        y, x = u * sh - ph + i * dh, v * sw - pw + j * dw
+        if 0 <= y < height and 0 <= x < width:
+            links.append((u * cols + v, y * width + x, i * kw + j))
+    return links
 
 
-def _dense_from_index(weight: Tensor, index: Tensor) -> Tensor:
-    """The convolution with ``weight`` (``(out, in, kh·kw)``) as an ``(out·P, in·H·W)`` matrix, by ``index``."""
+def _conv_matrix(
+    weight: Tensor, links: list[tuple[int, int, int]], in_shape: torch.Size, out_shape: torch.Size
+) -> Tensor:
+    """The convolution with ``weight`` as the ``(out·P, in·H·W)`` matrix ``M`` with ``vec(z) = M vec(x)``.
+
+    ``M[(o, q), (c, r)] = weight[o, c, t]`` for every link ``(q, r, t)`` (:func:`_conv_links`), zero elsewhere.
+    """
     out, channels = weight.shape[:2]
-    padded = torch.cat([weight, weight.new_zeros(out, channels, 1)], dim=2)  # tap kh·kw: "no tap", zero
-    return padded[:, :, index].permute(0, 2, 1, 3).reshape(out * index.shape[0], channels * index.shape[1])
+    pixels, area = out_shape[-2] * out_shape[-1], in_shape[-2] * in_shape[-1]
+    dense = weight.new_zeros(out, pixels, channels, area)
+    taps = weight.flatten(2)
+    for q, r, t in links:  # one (out, in) block per link: only the nonzeros are written
+        dense[:, q, :, r] = taps[:, :, t]
+    return dense.view(out * pixels, channels * area)
