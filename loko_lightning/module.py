@@ -31,22 +31,15 @@ warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual op
 class OnlineClassifier(pl.LightningModule):
     """Online (batch size 1) fine-tuning of the trainable part (adapters and head) of a network.
 
-    Each training step sees one sample and first records the prediction made *before* updating on it
-    (prequential, "test-then-train"): the online top-1/top-5 accuracy, the moving averages of the L1 loss
-    ``‖y − ŷ‖₁`` and of the cross-entropy, then updates with the optimizer:
-
-    :class:`~loko_lightning.LoKO` (recognised by type) makes the Kalman update on the softmax output; any other
+    Each training step first scores the prediction made *before* updating on its sample (prequential): online
+    top-1/top-5 accuracy, moving averages of the L1 loss ``‖y − ŷ‖₁`` and of the cross-entropy. Then
+    :class:`~loko_lightning.LoKO` (recognised by type) makes the Kalman update on the softmax output, any other
     ``torch.optim.Optimizer`` (the baselines AdamW, AdaGrad) a cross-entropy step, its scheduler stepped per sample.
-
     Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/loss_avg{window}``,
-    ``train/ce_avg{window}``, ``train/step_time`` (seconds), ``train/skipped`` (non-finite samples),
-    ``train/lr`` (gradient optimizers) and, for LoKO, ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``,
-    ``loko/cond``. Validation and test log ordinary top-1 accuracy on the held-out split (``val/acc``, ``test/acc``).
-
-    The divergence guard and the RNG states in checkpoints are callbacks
-    (:class:`~loko_lightning.callbacks.DivergenceGuard`, :class:`~loko_lightning.callbacks.RNGStateCheckpoint`).
-    Under mixed precision (``trainer.precision="bf16-mixed"``, ...) the forward pass and the Jacobian run under
-    autocast, the Kalman update does not: it stays in LoKO's own dtype.
+    ``train/ce_avg{window}``, ``train/step_time``, ``train/skipped``, ``train/lr`` (gradient optimizers),
+    ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond`` (LoKO); ``val/acc``, ``test/acc``.
+    Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
+    The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.callbacks`).
 
     Args:
         network: factory of the network (called once, after the optimizer's hyperparameters are checked), e.g.
@@ -111,11 +104,7 @@ class OnlineClassifier(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Report the parameter counts once."""
-        trainable, total = count_parameters(self.network)
-        rank_zero_info(
-            f"{getattr(self.network_factory, 'backbone', type(self.network).__name__)}: {trainable:,} trainable "
-            f"parameters of {total:,} ({100 * trainable / total:.3f}%), optimizer {_name(self.optimizer_factory)}"
-        )
+        rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
 
     def teardown(self, stage: str) -> None:
         """Close the Jacobian engine: its hooks live on the network only while training runs."""
@@ -277,6 +266,12 @@ def _optimizer_class(optimizer: OptimizerCallable) -> type | None:
     return target if isinstance(target, type) else None
 
 
-def _name(optimizer: OptimizerCallable) -> str:
+def _describe(factory: NetworkFactory, network: nn.Module, optimizer: OptimizerCallable) -> str:
+    """``backbone: N trainable parameters of M (x%), optimizer Name``."""
+    trainable, total = count_parameters(network)
     cls = _optimizer_class(optimizer)
-    return cls.__name__ if cls is not None else repr(optimizer)
+    name = cls.__name__ if cls is not None else repr(optimizer)
+    return (
+        f"{getattr(factory, 'backbone', type(network).__name__)}: {trainable:,} trainable parameters of {total:,} "
+        f"({100 * trainable / total:.3f}%), optimizer {name}"
+    )

@@ -57,6 +57,10 @@ class LoKO(torch.optim.Optimizer):
     :func:`~loko_lightning.functional.loko_update` is the same step as a function on plain tensors, and
     :func:`~loko_lightning.reference.loko_step_reference` a slow dense float64 version of it.
 
+    Why this is long: like torch's own optimizers it keeps the documented equations, the argument checks, the state
+    (with a flat ``p̂`` and a cached update plan), ``step`` and its input checks in one class; the arithmetic is in
+    :mod:`loko_lightning.functional`.
+
     Args:
         params: parameters or param groups; groups may set their own ``p0``, ``p0_init`` and
             ``process_noise``.

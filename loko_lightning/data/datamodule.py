@@ -43,6 +43,10 @@ class StreamDataModule(pl.LightningDataModule):
     A run resumed with ``ckpt_path`` continues at the next unseen sample; resuming onto another dataset, seed, stream
     length or OOD period is refused. The stream runs on a single device.
 
+    Why this is long: the docstring documents the sixteen arguments of the config's ``data`` section, and the class
+    holds the Lightning hooks that own the stream position; sources, transforms and the stream itself live in their
+    own modules.
+
     Args:
         dataset: which registered source (:data:`~loko_lightning.data.SOURCES`) to stream, e.g. ``cifar10``,
             ``mnist5k``, ``imagefolder``; an unknown name is refused with the list of known ones.
