@@ -1,5 +1,8 @@
+"""Shared fixtures: a seeded global RNG, CIFAR folders in the real on-disk format, GPU-only tests skipped."""
+
 import pytest
 import torch
+from data_files import write_cifar
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +20,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cifar_ok(monkeypatch):
+    """Accept hand-written CIFAR files: torchvision's real loader, without its MD5 check (see OFFLINE.md)."""
+    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)
+
+
+@pytest.fixture
+def cifar10(tmp_path, cifar_ok):
+    """A tiny CIFAR-10 folder (``data_files.N_TRAIN`` training images, each encoding its index) under tmp_path."""
+    write_cifar(tmp_path)
+    return tmp_path

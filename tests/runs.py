@@ -86,3 +86,8 @@ def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True, guard_ev
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(override))
     return ["--config", str(path)]
+
+
+def trainable(state_dict):
+    """The adapters and the head of a checkpoint's ``state_dict`` (LoRA factors and peft's modules_to_save)."""
+    return {k: v for k, v in state_dict.items() if "lora_" in k or "modules_to_save" in k}

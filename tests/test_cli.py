@@ -2,15 +2,14 @@
 torchvision's real loader, evaluation from a checkpoint, and an exact resume."""
 
 import logging
-import pickle
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from runs import outputs
+from data_files import N_TRAIN
+from runs import outputs, trainable
 
 from loko_lightning.cli import main
 
@@ -49,40 +48,18 @@ def test_print_config_shows_the_resolved_configuration():
     assert "class_path: loko_lightning.networks.TimmClassifier" in out
 
 
-def write_cifar10(root, n_train=24, n_test=16, seed=0):
-    """The on-disk format of cifar-10-batches-py: pickled dicts with str keys, (N, 3072) uint8 rows."""
-    rng = np.random.default_rng(seed)
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
 
-    def batch(n):
-        labels = rng.integers(0, 10, n)
-        # Learnable images: the class sets the mean colour.
-        data = np.clip(labels[:, None] * 25 + rng.normal(0, 20, (n, 3072)), 0, 255).astype(np.uint8)
-        return {"data": data, "labels": labels.tolist(), "filenames": [f"{i}.png" for i in range(n)]}
-
-    for i in range(1, 6):
-        with open(folder / f"data_batch_{i}", "wb") as handle:
-            pickle.dump(batch(n_train // 5 + (i <= n_train % 5)), handle)
-    with open(folder / "test_batch", "wb") as handle:
-        pickle.dump(batch(n_test), handle)
-    with open(folder / "batches.meta", "wb") as handle:
-        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, handle)
-
-
-def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, monkeypatch):
-    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)
-    write_cifar10(tmp_path / "data")
+def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, cifar10):
     config = str(ROOT / "configs" / "cifar10_resnet18.yaml")
     main([
-        "fit", "--config", config, "--model.network.pretrained", "false", "--data.root", str(tmp_path / "data"),
-        "--data.download", "false", "--data.image_size", "32", *outputs(tmp_path),
+        "fit", "--config", config, "--model.network.pretrained", "false", "--data.root", str(cifar10),
+        "--data.download", "false", "--data.image_size", "32", *outputs(tmp_path / "out"),
     ])
-    metrics = (tmp_path / "run" / "version_0" / "metrics.csv").read_text()
+    metrics = (tmp_path / "out" / "run" / "version_0" / "metrics.csv").read_text()
     assert "val/acc" in metrics
-    # 24 training images streamed once each; the 16 test images evaluated.
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert ckpt["global_step"] == 24
+    # Every training image streamed once; the test images evaluated.
+    ckpt = torch.load(tmp_path / "out" / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == N_TRAIN
 
 
 def test_missing_data_is_one_line_error(tmp_path, capsys):
@@ -100,7 +77,7 @@ def test_missing_data_is_one_line_error(tmp_path, capsys):
 
 def trainable_state(path):
     ckpt = torch.load(path, weights_only=False)
-    return ckpt, {k: v for k, v in ckpt["state_dict"].items() if "lora_" in k or "modules_to_save" in k}
+    return ckpt, trainable(ckpt["state_dict"])
 
 
 def test_stopped_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):

@@ -39,18 +39,6 @@ from loko_lightning.data.sources import ArrayImageDataset
 from loko_lightning.errors import ConfigError
 
 
-@pytest.fixture
-def cifar_ok(monkeypatch):
-    """Accept the hand-written CIFAR files: the real loader, without its MD5 check (see OFFLINE.md)."""
-    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)
-
-
-@pytest.fixture
-def cifar10(tmp_path, cifar_ok):
-    write_cifar(tmp_path)
-    return tmp_path
-
-
 def assert_gray(image: torch.Tensor, mean, std) -> None:
     """A grayscale source repeated to 3 channels: identical channels once the per-channel normalisation is undone."""
     pixels = image * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]

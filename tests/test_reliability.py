@@ -20,7 +20,7 @@ import pytest
 import runs
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from runs import stream, tiny, trainer
+from runs import stream, tiny, trainable, trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -63,9 +63,6 @@ def run_cli(args, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     return code, (err[-1] if err else ""), sum(line.startswith("loko:") for line in err)
 
-
-def trainable(state_dict):
-    return {k: v for k, v in state_dict.items() if "lora_" in k or "modules_to_save" in k}
 
 
 def assert_same_tensors(a, b, what):

@@ -6,21 +6,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import pytest
+import runs
 import torch
-from data_files import N_TRAIN, decode, make, stream_ids, write_cifar
+from data_files import N_TRAIN, decode, make, stream_ids
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import loko_lightning.data as data_module
 from loko_lightning.data import PeriodicPerturbation, Perturbation, StreamCursor, StreamDataModule, StreamDataset
 from loko_lightning.errors import ConfigError
-
-
-@pytest.fixture
-def cifar10(tmp_path, monkeypatch):
-    """A tiny CIFAR-10 folder, read by torchvision's real loader without its MD5 check (see OFFLINE.md)."""
-    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)
-    write_cifar(tmp_path)
-    return tmp_path
 
 
 # ---------------------------------------------------------------- order
@@ -172,17 +165,8 @@ class Recorder(pl.LightningModule):
 
 
 def trainer(tmp_path, **kwargs) -> pl.Trainer:
-    kwargs.setdefault("max_epochs", 1)
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=bool(kwargs.get("callbacks")),
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
+    """The shared quiet trainer, writing into tmp_path, checkpointing only where a callback asks."""
+    return runs.trainer(default_root_dir=tmp_path, enable_checkpointing=bool(kwargs.get("callbacks")), **kwargs)
 
 
 class SaveAt(pl.Callback):
