@@ -31,6 +31,8 @@ caches the dense matrices of small-map convolutions while their weights do not c
 
 from __future__ import annotations
 
+import math
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,7 +67,10 @@ class JacobianEngine:
       layers), by identity. If one was added, removed or replaced, the engine scans the model again (its hooks move
       with it, its caches are emptied). Module attributes (a convolution's padding, ...) are taken as fixed.
     - normalisation layers with running statistics must be in eval mode (at batch size 1 their batch statistics are
-      meaningless and every call would overwrite the running ones), whenever they were switched.
+      meaningless and every call would overwrite the running ones), whenever they were switched; so must random
+      layers (dropout of any kind, timm's ``DropPath``/``DropBlock2d``, ``nn.RReLU``), whose prediction would differ
+      from call to call. A batch norm without running statistics that sees one value per channel is refused by name.
+    - every parameter differentiated must have ``requires_grad``.
     - autocast: under autocast the hooks stay inert and every parameter goes through the generic batched reverse pass.
     - the caches: a weight or running variance replaced, or changed in place, rebuilds its entry.
 
@@ -78,8 +83,9 @@ class JacobianEngine:
 
     Args:
         model: maps ``inputs`` (batch dimension 1) to ``(1, m)`` logits or regression outputs.
-        params: the parameters to differentiate, default all with ``requires_grad`` when the engine is built.
-            Frozen weights get no gradient and cost nothing beyond the backward pass through them.
+        params: the parameters to differentiate (each with ``requires_grad``), default all with ``requires_grad``
+            when the engine is built. Frozen weights get no gradient and cost nothing beyond the backward pass
+            through them.
         output: ``"softmax"`` (classification, ``ŷ`` = class probabilities) or ``"identity"``
             (regression, ``ŷ`` = the model output).
         chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for
@@ -115,6 +121,7 @@ class JacobianEngine:
         params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
         if not params:
             raise ValueError("Invalid params: no trainable parameters (none has requires_grad=True)")
+        _check_requires_grad(model, params)
         self._model = model
         self._params = params
         self._output = output
@@ -163,13 +170,22 @@ class JacobianEngine:
         if self._structure_changed():
             _remove(self._handles)
             self._scan()
+        if not all(p.requires_grad for p in self._params):
+            _check_requires_grad(self._model, self._params)
         for module in self._norms:
             if module.training and module.track_running_stats:
-                name = next(n for n, mod in self._model.named_modules() if mod is module)
                 raise ValueError(
-                    f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) is in training mode; "
-                    "at batch size 1 put it in eval mode (model.eval() or "
+                    f"Invalid model: normalisation layer {_name(self._model, module)!r} ({type(module).__name__}) "
+                    "is in training mode; at batch size 1 put it in eval mode (model.eval() or "
                     "loko_lightning.adapters.freeze_normalization)"
+                )
+        for module in self._random:
+            if module.training and _randomness(module):
+                name = _name(self._model, module)
+                raise ValueError(
+                    f"Invalid model: {name!r} ({type(module).__name__}, {_randomness(module)}) is random in training "
+                    "mode, so every call would give another prediction and Jacobian; put it in eval mode "
+                    f"(model.eval(), or model.get_submodule({name!r}).eval())"
                 )
         fast = not torch.is_autocast_enabled(inputs.device.type)
         result = self._run(inputs, fast)
@@ -201,6 +217,7 @@ class JacobianEngine:
         hooks.norm_scales.clear()
         layers: dict[nn.Module, _Layer] = {}
         norms: list[nn.Module] = []
+        random: list[nn.Module] = []
         dicts: list[dict] = []  # what the structure check compares: children, parameters, norm buffers
         kinds: dict[type, int] = {}
         for module in _modules(self._model):
@@ -210,11 +227,17 @@ class JacobianEngine:
                 kind = kinds[type(module)] = _kind(type(module))
             if kind == _OTHER:
                 continue
+            if kind == _RANDOM:
+                random.append(module)
+                continue
             if kind == _NORM:
                 norms.append(module)
                 dicts.append(module._buffers)
                 if _backward.is_frozen_norm(module, wanted):
                     handles.append(module.register_forward_hook(_norm_hook(hooks), prepend=True))
+                elif _uses_batch_statistics(module):
+                    hook = _batch_size_hook(hooks, _name(self._model, module))
+                    handles.append(module.register_forward_pre_hook(hook))
                 continue
             if kind == _CONV and _backward.is_frozen_conv(module, wanted):
                 handles.append(module.register_forward_hook(_conv_hook(hooks), prepend=True))
@@ -229,7 +252,7 @@ class JacobianEngine:
             layer = layers[module] = _Layer(module, swap)
             handles.append(module.register_forward_pre_hook(_pre_hook(layer, hooks), with_kwargs=True))
             handles.append(module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
-        self._layers, self._norms, self._dicts = layers, norms, dicts
+        self._layers, self._norms, self._random, self._dicts = layers, norms, random, dicts
         self._structure = list(chain.from_iterable(map(dict.values, dicts)))  # holding them keeps `is` reliable
 
     def _structure_changed(self) -> bool:
@@ -239,13 +262,13 @@ class JacobianEngine:
     def _run(self, inputs: Tensor, fast: bool) -> tuple[Tensor, list[JacobianBlock]] | None:
         """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
         layers = self._layers if fast else {}
-        self._hooks.active = fast
+        self._hooks.calling, self._hooks.fast = True, fast
         try:
             try:
                 with torch.enable_grad():
                     raw = self._model(inputs)
             finally:
-                self._hooks.active = False
+                self._hooks.calling = self._hooks.fast = False
                 for layer in layers.values():  # only left over if the forward pass raised inside the layer
                     layer.module._parameters.update(layer.saved)
                     layer.saved.clear()
@@ -271,10 +294,10 @@ def jacobian(
 
     Args:
         model: maps ``inputs`` (batch dimension 1) to ``(1, m)`` logits or regression outputs.
-            Normalisation layers with running statistics must be in eval mode (at batch size 1 their batch
-            statistics are meaningless and every call would overwrite the running ones).
+            Normalisation layers with running statistics and random layers (dropout, ...) must be in eval mode,
+            see :class:`JacobianEngine`.
         inputs: one sample with a leading batch dimension of 1.
-        params: the parameters to differentiate, default all with ``requires_grad``.
+        params: the parameters to differentiate (each with ``requires_grad``), default all with ``requires_grad``.
         output: ``"softmax"`` (classification) or ``"identity"`` (regression), see :class:`JacobianEngine`.
         chunk_size: at most this many Jacobian rows per batched backward pass; default all ``m`` at once.
         factorize: return fast-path weight Jacobians in exact factored form, see :class:`JacobianEngine`.
@@ -296,10 +319,11 @@ def jacobian(
 
 
 class _Hooks:
-    """What the engine's hooks share with it: whether an engine call is running, and the engine's caches."""
+    """What the engine's hooks share with it: whether an engine call is running (with shortcuts), and its caches."""
 
     def __init__(self) -> None:
-        self.active = False
+        self.calling = False
+        self.fast = False
         self.norm_scales: dict[nn.Module, tuple] = {}
         self.conv_matrices: dict[nn.Module, tuple] = {}
 
@@ -327,7 +351,7 @@ class _Layer:
     saved: dict[str, Any] = field(default_factory=dict)
 
 
-_OTHER, _NORM, _LINEAR, _CONV = range(4)
+_OTHER, _NORM, _LINEAR, _CONV, _RANDOM = range(5)
 
 
 def _kind(cls: type) -> int:
@@ -338,7 +362,45 @@ def _kind(cls: type) -> int:
         return _LINEAR
     if cls.forward is nn.Conv2d.forward:
         return _CONV
+    if issubclass(cls, (nn.modules.dropout._DropoutNd, nn.RReLU, nn.MultiheadAttention)):
+        return _RANDOM
+    drop = sys.modules.get("timm.layers.drop")  # timm's stochastic depth and DropBlock, if timm is in use
+    if drop is not None and issubclass(cls, (drop.DropPath, drop.DropBlock2d)):
+        return _RANDOM
     return _OTHER
+
+
+def _randomness(module: nn.Module) -> str:
+    """What makes a random layer random in training mode (``""`` if nothing: zero drop probability)."""
+    if isinstance(module, nn.RReLU):
+        return f"lower={module.lower}, upper={module.upper}" if module.lower != module.upper else ""
+    for attr in ("p", "drop_prob", "dropout"):  # dropout, timm DropPath/DropBlock2d, nn.MultiheadAttention
+        value = getattr(module, attr, 0.0)
+        if isinstance(value, (int, float)) and value > 0:
+            return f"{attr}={value}"
+    return ""
+
+
+def _uses_batch_statistics(module: nn.Module) -> bool:
+    """A batch norm that normalises with the statistics of its input in eval mode too (no running statistics)."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+        not module.track_running_stats or module._buffers.get("running_mean") is None
+    )
+
+
+def _name(model: nn.Module, module: nn.Module) -> str:
+    return next(n for n, mod in model.named_modules() if mod is module)
+
+
+def _check_requires_grad(model: nn.Module, params: list[Tensor]) -> None:
+    for i, param in enumerate(params):
+        if not param.requires_grad:
+            name = next((n for n, p in model.named_parameters() if p is param), None)
+            what = f"parameter {name!r}" if name is not None else f"params[{i}] (not a parameter of the model)"
+            raise ValueError(
+                f"Invalid params: {what} has requires_grad=False, so the prediction has no derivative with respect "
+                "to it; call requires_grad_(True) on it or leave it out of params"
+            )
 
 
 def _modules(model: nn.Module) -> list[nn.Module]:
@@ -456,7 +518,7 @@ def _pre_hook(layer: _Layer, hooks: _Hooks) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # Outside engine calls, and for any other call signature, the layer runs untouched: its use of the weight
         # reaches the real parameter and is covered by the generic reverse pass.
-        if not hooks.active or len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
+        if not hooks.fast or len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
             return None
         for name in layer.swap:
             param = module._parameters[name]
@@ -488,14 +550,31 @@ def _post_hook(layer: _Layer) -> Callable:
 
 def _norm_hook(hooks: _Hooks) -> Callable:
     def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return _backward.norm_hook(module, args, out, scales=hooks.norm_scales) if hooks.active else None
+        return _backward.norm_hook(module, args, out, scales=hooks.norm_scales) if hooks.fast else None
 
     return hook
 
 
 def _conv_hook(hooks: _Hooks) -> Callable:
     def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return _backward.conv_hook(module, args, out, matrices=hooks.conv_matrices) if hooks.active else None
+        return _backward.conv_hook(module, args, out, matrices=hooks.conv_matrices) if hooks.fast else None
+
+    return hook
+
+
+def _batch_size_hook(hooks: _Hooks, name: str) -> Callable:
+    def hook(module: nn.Module, args: tuple) -> None:
+        x = args[0] if hooks.calling and args else None
+        if not isinstance(x, Tensor) or x.dim() < 2 or not (module.training or _uses_batch_statistics(module)):
+            return
+        if x.shape[0] * math.prod(x.shape[2:]) == 1:  # where torch's batch_norm refuses, with a message naming it
+            raise ValueError(
+                f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) has no running statistics "
+                f"(track_running_stats=False), so it normalises each channel by the statistics of its input, which "
+                f"at batch size 1 has one value per channel (shape {tuple(x.shape)}); give it running statistics "
+                "(track_running_stats=True) and put it in eval mode, or use a per-sample normalisation "
+                "(nn.GroupNorm, nn.LayerNorm)"
+            )
 
     return hook
 

@@ -1,4 +1,5 @@
 import gc
+import re
 import sys
 import weakref
 
@@ -11,6 +12,7 @@ from torch import nn
 
 import loko_lightning.jacobian  # noqa: F401  (the module, for monkeypatching)
 from loko_lightning import JacobianEngine, OuterJacobian, jacobian
+from loko_lightning.adapters import freeze_normalization
 from loko_lightning.blocks import FactoredJacobian, factored_is_cheaper
 
 jacobian_module = sys.modules["loko_lightning.jacobian"]
@@ -624,3 +626,80 @@ def test_engine_under_autocast_uses_the_generic_path(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(jacs, ref_jacs, strict=True))
         engine(x)
         assert kinds
+
+
+# ---------------------------------------------------------------- models the Jacobian cannot serve, refused by name
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Dropout(0.1),
+        nn.Dropout2d(0.5),
+        nn.AlphaDropout(0.2),
+        nn.FeatureAlphaDropout(0.2),
+        nn.RReLU(),
+        timm.layers.DropPath(0.1),
+        timm.layers.DropBlock2d(0.1, block_size=1),
+    ],
+    ids=lambda layer: type(layer).__name__,
+)
+def test_random_layer_in_training_mode_is_refused(layer):
+    """A random layer in training mode would make every call's prediction (and Jacobian) a different draw."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), layer, nn.Flatten(), nn.Linear(16, 3))
+    x = torch.randn(1, 3, 2, 2)
+    with pytest.raises(ValueError, match=rf"'1' \({type(layer).__name__}, .*\) is random in training mode.*eval"):
+        jacobian(model.train(), x)
+    with JacobianEngine(model.eval()) as engine:
+        engine(x)
+        model[1].train()  # switched after building: refused too
+        with pytest.raises(ValueError, match=r"model.get_submodule\('1'\).eval\(\)"):
+            engine(x)
+    assert_jacobians_equal(model.eval(), x)
+
+
+def test_random_layer_with_nothing_to_draw_is_accepted_in_training_mode():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Dropout(0.0), nn.RReLU(0.2, 0.2), nn.Linear(5, 3)).train()
+    assert_jacobians_equal(model, torch.randn(1, 4))
+
+
+def test_lora_dropout_in_training_mode_is_refused():
+    backbone = timm.create_model("resnet18", pretrained=False, num_classes=3)
+    model = get_peft_model(
+        backbone, LoraConfig(r=2, target_modules=["conv1"], lora_dropout=0.1, modules_to_save=["fc"])
+    )
+    freeze_normalization(model.train())
+    with pytest.raises(ValueError, match=r"'base_model.model.conv1.lora_dropout.default' \(Dropout, p=0.1\)"):
+        jacobian(model, torch.randn(1, 3, 32, 32))
+
+
+@pytest.mark.parametrize("shape", [(1, 6), (1, 6, 1, 1)])
+def test_batch_norm_without_running_statistics_at_batch_size_one_is_refused_by_name(shape):
+    norm = (
+        nn.BatchNorm1d(6, track_running_stats=False)
+        if len(shape) == 2
+        else nn.BatchNorm2d(6, affine=False, track_running_stats=False)
+    )
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(6, 6), nn.Unflatten(1, shape[1:]), norm, nn.Flatten(), nn.Linear(6, 3)
+    )
+    model.eval()
+    with pytest.raises(
+        ValueError, match=rf"'3' \({type(norm).__name__}\) has no running statistics.*shape {re.escape(str(shape))}"
+    ):
+        jacobian(model, torch.randn(*shape))
+
+
+def test_params_that_do_not_require_grad_are_refused_by_name():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[2].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter '2.bias' has requires_grad=False"):
+        jacobian(model, torch.randn(1, 4), list(model.parameters()))
+    with pytest.raises(ValueError, match=r"params\[1\] \(not a parameter of the model\) has requires_grad=False"):
+        jacobian(model, torch.randn(1, 4), [model[0].weight, torch.zeros(3)])
+    model[2].bias.requires_grad_(True)
+    with JacobianEngine(model, list(model.parameters())) as engine:
+        engine(torch.randn(1, 4))
+        model[0].weight.requires_grad_(False)  # frozen after building
+        with pytest.raises(ValueError, match=r"parameter '0.weight' has requires_grad=False"):
+            engine(torch.randn(1, 4))
