@@ -46,3 +46,54 @@ def test_readme_shows_docker_run_with_gpus_and_volumes():
 def test_hadolint_passes():
     result = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _base():
+    """The Dockerfile's base image and what it ships: its ``ARG NAME=value`` lines and ``FROM`` tag."""
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE, flags=re.MULTILINE))
+    image = re.search(r"^FROM (\S+)$", DOCKERFILE, flags=re.MULTILINE).group(1)
+    for name, value in args.items():
+        image = image.replace("${" + name + "}", value)
+    return args, image
+
+
+def test_base_image_is_a_pytorch_runtime_image_of_the_recorded_versions():
+    args, image = _base()
+    assert {"TORCH", "TORCHVISION", "CUDA", "PYTHON"} <= set(args)
+    # The tag is built from the recorded versions, so the two cannot drift apart.
+    assert image == f"pytorch/pytorch:{args['TORCH']}-cuda{args['CUDA']}-cudnn9-runtime"
+    # torchvision 0.N pairs with torch 2.(N - 15): 0.21 with 2.6, 0.22 with 2.7, ...
+    torch_minor = int(args["TORCH"].split(".")[1])
+    assert args["TORCHVISION"].startswith(f"0.{torch_minor + 15}."), args
+    # The install keeps the image's torch and torchvision (the check script runs this line as written).
+    assert '"torch==${TORCH}" "torchvision==${TORCHVISION}"' in DOCKERFILE
+
+
+def test_base_image_versions_satisfy_the_package_floors():
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    args, image = _base()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    for name, shipped in (("torch", args["TORCH"]), ("torchvision", args["TORCHVISION"])):
+        assert requirements[name].specifier.contains(Version(shipped)), f"{image} ships {name} {shipped}"
+    python = Version(args["PYTHON"])
+    assert Requirement(f"python{project['requires-python']}").specifier.contains(python), python
+
+
+def test_check_script_reads_the_dockerfile_and_ci_runs_it():
+    script = (ROOT / ".ci" / "docker_base_check.sh").read_text()
+    for name in ("TORCH", "TORCHVISION", "CUDA", "PYTHON"):
+        assert f"arg {name})" in script
+    assert "configs/debug.yaml" in script and '"not slow"' in script
+    assert ".ci/docker_base_check.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_names_the_base_image_and_its_versions():
+    args, image = _base()
+    section = (ROOT / "README.md").read_text().split("## Docker (GPU)")[1].split("\n## ")[0]
+    assert f"`{image}`" in section
+    assert f"torch {args['TORCH']}" in section and f"torchvision {args['TORCHVISION']}" in section
+    assert f"CUDA {args['CUDA']}" in section and f"Python {args['PYTHON']}" in section
+    assert ".ci/docker_base_check.sh" in section
