@@ -31,25 +31,38 @@ caches the dense matrices of small-map convolutions while their weights do not c
 
 from __future__ import annotations
 
-import math
 import sys
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from itertools import chain
 from operator import is_not
-from typing import Any, Literal, get_args
+from typing import get_args
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 from loko_lightning import _backward
-from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
+from loko_lightning._jacobian_pass import (
+    _CONV,
+    _LINEAR,
+    _NORM,
+    _OTHER,
+    _RANDOM,
+    Output,
+    _batch_size_hook,
+    _conv_hook,
+    _Hooks,
+    _jacobian,
+    _Layer,
+    _norm_hook,
+    _post_hook,
+    _pre_hook,
+    _remove,
+    _uses_batch_statistics,
+)
+from loko_lightning.blocks import JacobianBlock
 
-Output = Literal["softmax", "identity"]
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
@@ -80,6 +93,10 @@ class JacobianEngine:
     The caches (dense matrices of small-map frozen convolutions, batch-norm scales) belong to the engine and are
     released with it, or by :meth:`close`, which also removes the hooks; the engine is a context manager that closes
     on exit. One call at a time: the engine is not thread-safe.
+
+    Why this is long: its docstring states what is checked per call and what is fixed at build time, and the class
+    keeps the scan (which layers get which hook) beside the checks that decide when to scan again; the per-call pass
+    itself is in :mod:`loko_lightning._jacobian_pass`.
 
     Args:
         model: maps ``inputs`` (batch dimension 1) to ``(1, m)`` logits or regression outputs.
@@ -318,42 +335,6 @@ def jacobian(
         return engine(inputs)
 
 
-class _Hooks:
-    """What the engine's hooks share with it: whether an engine call is running (with shortcuts), and its caches."""
-
-    def __init__(self) -> None:
-        self.calling = False
-        self.fast = False
-        self.norm_scales: dict[nn.Module, tuple] = {}
-        self.conv_matrices: dict[nn.Module, tuple] = {}
-
-
-def _remove(handles: list[RemovableHandle]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
-@dataclass
-class _Call:
-    """One call of a fast-path layer: its input (as the layer saw it) and the gradient edge of its output."""
-
-    inputs: Tensor
-    version: int
-    edge: GradientEdge
-
-
-@dataclass
-class _Layer:
-    module: nn.Module
-    swap: list[str]  # names of the parameters (weight, maybe bias) swapped for detached aliases
-    calls: list[_Call] = field(default_factory=list)
-    saved: dict[str, Any] = field(default_factory=dict)
-
-
-_OTHER, _NORM, _LINEAR, _CONV, _RANDOM = range(5)
-
-
 def _kind(cls: type) -> int:
     """What the scan looks for in a module of class ``cls``."""
     if issubclass(cls, _BATCH_NORMS):
@@ -381,11 +362,6 @@ def _randomness(module: nn.Module) -> str:
     return ""
 
 
-def _uses_batch_statistics(module: nn.Module) -> bool:
-    """A batch norm that normalises with the statistics of its input in eval mode too (no running statistics)."""
-    return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
-        not module.track_running_stats or module._buffers.get("running_mean") is None
-    )
 
 
 def _name(model: nn.Module, module: nn.Module) -> str:
@@ -414,245 +390,3 @@ def _modules(model: nn.Module) -> list[nn.Module]:
         order.append(module)
         stack.extend(child for child in reversed(module._modules.values()) if child is not None)
     return order
-
-
-def _jacobian(
-    raw: Any,
-    params: list[Tensor],
-    layers: dict[nn.Module, _Layer],
-    output: Output,
-    chunk_size: int | None,
-    factorize: bool,
-) -> tuple[Tensor, list[JacobianBlock]] | None:
-    """The batched reverse pass from the model output ``raw``, and the Jacobian blocks; ``None`` to redo the call."""
-    if not isinstance(raw, Tensor) or raw.shape[0] != 1:
-        got = tuple(raw.shape) if isinstance(raw, Tensor) else type(raw).__name__
-        raise ValueError(f"Invalid model output: expected a tensor of shape (1, m), got {got}")
-    if any(call.inputs._version != call.version for layer in layers.values() for call in layer.calls):
-        return None
-    logits = raw.reshape(-1)
-    with torch.enable_grad():
-        prediction = torch.softmax(logits, dim=0) if output == "softmax" else logits
-    m = prediction.shape[0]
-    dtype, device = prediction.dtype, prediction.device
-
-    # One batched reverse pass: cotangents at every fast-path layer output, and gradients of all parameters
-    # (for fast-path weights these are only their uses outside the layer, usually none).
-    calls = [call for layer in layers.values() for call in layer.calls]
-    targets: list[Tensor | GradientEdge] = [call.edge for call in calls] + params
-    if prediction.requires_grad:
-        grads = _batched_grad(prediction, targets, m, chunk_size, rows_sum_to_zero=output == "softmax")
-    else:
-        grads = [None] * len(targets)
-    call_grads = dict(zip(map(id, calls), grads[: len(calls)], strict=True))
-    param_grads = grads[len(calls) :]
-
-    # Factors per parameter: left (m, rows, k) cotangents, right (cols, k) inputs, summed over calls.
-    weight_of: dict[int, list[_Layer]] = {}
-    bias_of: dict[int, list[_Layer]] = {}
-    for layer in layers.values():
-        weight_of.setdefault(id(layer.module._parameters["weight"]), []).append(layer)
-        if "bias" in layer.swap:
-            bias_of.setdefault(id(layer.module._parameters["bias"]), []).append(layer)
-    blocks: list[Any] = []
-    for param, extra in zip(params, param_grads, strict=True):
-        is_weight = id(param) in weight_of
-        owners = weight_of.get(id(param)) or bias_of.get(id(param)) or []
-        lefts, rights = [], []
-        for layer in owners:
-            for call in layer.calls:
-                grad = call_grads[id(call)]
-                if grad is None:
-                    continue
-                left = _left_factor(layer.module, grad, m)
-                lefts.append(left)
-                if is_weight:
-                    rights.append(_right_factor(layer.module, call.inputs.detach(), left.shape[2]))
-        if lefts and not is_weight:  # a bias: ∂ŷ/∂b = Σ_p ∂ŷ/∂z_p
-            total = sum(left.sum(-1) for left in lefts)
-            blocks.append(("grad", total if extra is None else total + extra))
-            continue
-        if not lefts:
-            blocks.append(("grad", extra))
-            continue
-        left = lefts[0] if len(lefts) == 1 else torch.cat(lefts, -1)
-        right = rights[0] if len(rights) == 1 else torch.cat(rights, -1)
-        rows, cols, k = left.shape[1], right.shape[0], left.shape[2]
-        if extra is None and factorize and k == 1 and param.dim() == 2:
-            blocks.append(("block", OuterJacobian(left[:, :, 0], right[:, 0])))
-        elif extra is None and factorize and factored_is_cheaper(m, rows, cols, k):
-            blocks.append(("block", FactoredJacobian(left, right, param.shape)))
-        else:
-            blocks.append(("factors", (left, right, extra)))
-
-    # Dense blocks are column slices of one (m, n) buffer, i.e. H itself: the Kalman update then needs no copy.
-    sizes = [param.numel() if kind != "block" else 0 for (kind, _), param in zip(blocks, params, strict=True)]
-    buffer = torch.empty(m, sum(sizes), dtype=dtype, device=device)
-    jacobians: list[JacobianBlock] = []
-    start = 0
-    for (kind, value), param, size in zip(blocks, params, sizes, strict=True):
-        if kind == "block":
-            jacobians.append(value)
-            continue
-        block = buffer[:, start : start + size]
-        start += size
-        if kind == "factors":
-            left, right, extra = value
-            rows, k = left.shape[1], left.shape[2]
-            block3 = block.view(m, rows, right.shape[0])
-            if k == 1:
-                torch.mul(left, right.T[None], out=block3)
-            else:
-                block3.copy_(torch.matmul(left, right.T))
-            if extra is not None:
-                block.add_(extra.reshape(m, -1))
-        elif value is None:  # the output does not depend on this parameter
-            block.zero_()
-        else:
-            block.copy_(value.reshape(m, -1))
-        jacobians.append(block.view(m, *param.shape))
-    return prediction.detach(), jacobians
-
-
-def _pre_hook(layer: _Layer, hooks: _Hooks) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        # Outside engine calls, and for any other call signature, the layer runs untouched: its use of the weight
-        # reaches the real parameter and is covered by the generic reverse pass.
-        if not hooks.fast or len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
-            return None
-        for name in layer.swap:
-            param = module._parameters[name]
-            layer.saved[name] = param
-            module._parameters[name] = param.detach()
-        x = args[0]
-        if not x.requires_grad:
-            # Without a graph input the output would have no gradient edge to collect cotangents at.
-            return (x.detach().requires_grad_(True),), kwargs
-        return None
-
-    return hook
-
-
-def _post_hook(layer: _Layer) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
-        if not layer.saved:  # a call the pre-hook left alone (always, outside engine calls)
-            return None
-        module._parameters.update(layer.saved)
-        layer.saved.clear()
-        if not isinstance(out, Tensor) or not out.requires_grad:  # the layer ran without grad: no contribution
-            return None
-        out = _backward.pointwise_hook(module, args[0], out)
-        layer.calls.append(_Call(args[0], args[0]._version, get_gradient_edge(out)))
-        return out
-
-    return hook
-
-
-def _norm_hook(hooks: _Hooks) -> Callable:
-    def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return _backward.norm_hook(module, args, out, scales=hooks.norm_scales) if hooks.fast else None
-
-    return hook
-
-
-def _conv_hook(hooks: _Hooks) -> Callable:
-    def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return _backward.conv_hook(module, args, out, matrices=hooks.conv_matrices) if hooks.fast else None
-
-    return hook
-
-
-def _batch_size_hook(hooks: _Hooks, name: str) -> Callable:
-    def hook(module: nn.Module, args: tuple) -> None:
-        x = args[0] if hooks.calling and args else None
-        if not isinstance(x, Tensor) or x.dim() < 2 or not (module.training or _uses_batch_statistics(module)):
-            return
-        if x.shape[0] * math.prod(x.shape[2:]) == 1:  # where torch's batch_norm refuses, with a message naming it
-            raise ValueError(
-                f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) has no running statistics "
-                f"(track_running_stats=False), so it normalises each channel by the statistics of its input, which "
-                f"at batch size 1 has one value per channel (shape {tuple(x.shape)}); give it running statistics "
-                "(track_running_stats=True) and put it in eval mode, or use a per-sample normalisation "
-                "(nn.GroupNorm, nn.LayerNorm)"
-            )
-
-    return hook
-
-
-def _batched_grad(
-    prediction: Tensor,
-    targets: list[Tensor | GradientEdge],
-    m: int,
-    chunk_size: int | None,
-    *,
-    rows_sum_to_zero: bool,
-) -> list[Tensor | None]:
-    """``∂ŷ_a/∂target`` for every row ``a``, stacked along a new leading dimension (``None`` if unused).
-
-    With ``rows_sum_to_zero`` (softmax: ``Σ_a ŷ_a = 1``, so ``Σ_a ∂ŷ_a/∂θ = 0`` exactly) only the first ``m - 1``
-    rows go through the reverse pass and the last one is minus their sum: one reverse row fewer, the same
-    Jacobian up to rounding.
-    """
-    computed = m - 1 if rows_sum_to_zero and m > 1 else m
-    eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)[:computed]
-    step = computed if chunk_size is None else chunk_size
-    used: list[int] = []  # indices of the targets the prediction depends on (the same for every row)
-
-    def vjp(cotangent: Tensor) -> tuple[Tensor, ...]:
-        grads = torch.autograd.grad(prediction, targets, cotangent, retain_graph=True, allow_unused=True)
-        used[:] = [i for i, g in enumerate(grads) if g is not None]
-        return tuple(grads[i] for i in used)
-
-    chunks: list[tuple[Tensor, ...]] = []
-    for start in range(0, computed, step):
-        rows = eye[start : start + step]
-        try:
-            chunks.append(torch.func.vmap(vjp)(rows))
-        except (RuntimeError, NotImplementedError):  # an op without a vmap rule: the older batching of autograd
-            grads = torch.autograd.grad(
-                prediction, targets, rows, retain_graph=True, is_grads_batched=True, allow_unused=True
-            )
-            used[:] = [i for i, g in enumerate(grads) if g is not None]
-            chunks.append(tuple(grads[i] for i in used))
-    if computed < m:
-        chunks.append(tuple(-sum(chunk[j].sum(0, keepdim=True) for chunk in chunks) for j in range(len(used))))
-    stacked = chunks[0] if len(chunks) == 1 else [torch.cat(parts) for parts in zip(*chunks, strict=True)]
-    result: list[Tensor | None] = [None] * len(targets)
-    for i, grad in zip(used, stacked, strict=True):
-        result[i] = grad
-    return result
-
-
-def _left_factor(module: nn.Module, grad: Tensor, m: int) -> Tensor:
-    """Cotangents at the layer output as ``(m, out, k)``."""
-    if isinstance(module, nn.Conv2d):
-        out = module.out_channels
-        if grad.dim() == 4:  # unbatched (C, H, W) input
-            return grad.reshape(m, out, -1)
-        batch = grad.shape[1]
-        left = grad.reshape(m, batch, out, -1)
-        return left[:, 0] if batch == 1 else left.transpose(1, 2).reshape(m, out, -1)
-    out = module.out_features
-    left = grad.reshape(m, -1, out)
-    return left.transpose(1, 2) if left.shape[1] == 1 else left.transpose(1, 2).contiguous()
-
-
-def _right_factor(module: nn.Module, x: Tensor, k: int) -> Tensor:
-    """The layer input at each of its ``k`` positions as ``(cols, k)``."""
-    if isinstance(module, nn.Linear):
-        return x.reshape(-1, module.in_features).T
-    if x.dim() == 3:
-        x = x[None]
-    padding = module.padding
-    if isinstance(padding, str) or module.padding_mode != "zeros":
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = (0, 0)
-    if module.kernel_size == (1, 1) and module.stride == (1, 1) and tuple(padding) == (0, 0):
-        cols = x.reshape(x.shape[0], x.shape[1], -1)
-    else:
-        cols = F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)
-    right = cols[0] if cols.shape[0] == 1 else cols.transpose(0, 1).reshape(cols.shape[1], -1)
-    if right.shape[1] != k:
-        raise RuntimeError(f"Internal error: conv factor positions {right.shape[1]} != {k}")
-    return right

@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 from timm.layers import BatchNormAct2d
 from torch import nn
 
+import loko_lightning._jacobian_pass as jacobian_pass
 import loko_lightning.jacobian  # noqa: F401  (the module, for monkeypatching)
 from loko_lightning import JacobianEngine, OuterJacobian, jacobian
 from loko_lightning.adapters import freeze_normalization
@@ -173,7 +174,7 @@ def test_bad_inputs():
 
 def force_factored(monkeypatch):
     """Make ``factorize=True`` return every fast-path weight in factored form, whatever the cost model says."""
-    monkeypatch.setattr(jacobian_module, "factored_is_cheaper", lambda *args: True)
+    monkeypatch.setattr(jacobian_pass, "factored_is_cheaper", lambda *args: True)
 
 
 class ConvZoo(nn.Module):
