@@ -84,6 +84,7 @@ def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True, guard_ev
         }
     }
     path = tmp_path / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(override))
     return ["--config", str(path)]
 
