@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, block_key
-from loko_lightning.errors import ConfigError
+from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
 
 P0Init = Literal["uniform", "constant"]
@@ -27,6 +27,13 @@ _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
     "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
 )
+class _ParamGroup(dict):
+    """A LoKO param group: reading ``lr`` says why there is none instead of a bare ``KeyError: 'lr'``."""
+
+    def __missing__(self, key: str) -> Any:
+        if key in ("lr", "initial_lr"):
+            raise NoLearningRateError
+        raise KeyError(key)
 
 
 class LoKO(torch.optim.Optimizer):
@@ -175,6 +182,7 @@ class LoKO(torch.optim.Optimizer):
         if "lr" in param_group:
             raise ValueError(_NO_LR)
         super().add_param_group(param_group)
+        self.param_groups[-1] = _ParamGroup(self.param_groups[-1])
         self._resolve_statistics()
         self._plan = self._plan_key = None
         group = self.param_groups[-1]
@@ -183,6 +191,11 @@ class LoKO(torch.optim.Optimizer):
             if param.is_complex() or not param.is_floating_point():
                 raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
             self.state[param]["cov"] = self._initial_cov(param, group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``."""
+        super().__setstate__(state)
+        self.param_groups = [_ParamGroup(group) for group in self.param_groups]
 
     def _arith_dtype(self, param: Tensor) -> torch.dtype:
         if self._dtype is not None:
