@@ -48,8 +48,11 @@ class DivergenceError(RuntimeError):
 
 
 class NoLearningRateError(KeyError):
-    """Raised when a tool (a torch LR scheduler, Lightning's ``LearningRateMonitor``) reads ``lr`` from a LoKO param
-    group: still the ``KeyError`` those tools would have met, with a message that says why there is none."""
+    """Raised when a tool (a torch LR scheduler, Lightning's ``LearningRateMonitor``) reads ``lr`` from LoKO.
+
+    Still the ``KeyError`` those tools would have met on a LoKO param group, with a message that says why there is
+    no learning rate and what plays its role.
+    """
 
     MESSAGE = (
         "LoKO has no learning rate ('lr') to read or schedule: each parameter's step size is its covariance p-hat, "
