@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
+from loko_lightning.batch import check_batch, stack_observations
 from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, block_key
 from loko_lightning.errors import ConfigError
 from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
@@ -48,6 +49,9 @@ class LoKO(torch.optim.Optimizer):
         (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij}(H_k)_{ji}(\hat p_{k|k-1})_i
 
     Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size.
+    A step may also observe a batch of ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.batch`:
+    stacked :math:`H`, block-diagonal :math:`R`, one ``B·m x B·m`` system, one EMA step of ``R`` with the mean of
+    the ``B`` estimates); ``B = 1`` is the step above.
     With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
     sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
 
@@ -226,14 +230,17 @@ class LoKO(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> tuple[Tensor, Tensor, Sequence[JacobianBlock]]:  # type: ignore[override]
-        """Observe one sample and update the parameters.
+        """Observe one sample, or a batch of samples jointly, and update the parameters.
 
         Args:
             closure: callable evaluated with gradients enabled that returns
                 ``(prediction, target, jacobians)``: ``prediction`` and ``target`` of shape ``(m,)``,
                 ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)``, an
                 :class:`~loko_lightning.OuterJacobian` or a :class:`~loko_lightning.FactoredJacobian` (see
-                :func:`loko_lightning.jacobian`).
+                :func:`loko_lightning.jacobian`). A batch of ``B`` samples: ``prediction`` and ``target`` of shape
+                ``(B, m)`` and every block with a leading batch dimension (see
+                :meth:`loko_lightning.JacobianEngine.batch`); the ``B`` samples make one joint update, the
+                multistream EKF of :mod:`loko_lightning.batch` (``B = 1`` is the single-sample step bit for bit).
 
         Returns:
             What the closure returned. If any of it is non-finite the update is skipped (parameters and
@@ -248,18 +255,26 @@ class LoKO(torch.optim.Optimizer):
             raise ValueError(f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {got}")
         prediction, target, jacobians = result
         params = self._params()
+        samples = 1
+        if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
+            check_batch(prediction, target, jacobians, params)
+            samples = prediction.shape[0]
+            prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
         key = _layout_key(prediction, target, jacobians, process_noise)
+        key = key if key is None else (*key, samples)
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             _check_shapes(prediction, target, jacobians, params)
             if self.defaults["observation"] == "softmax":
-                _check_probabilities(prediction.detach(), target.detach())
+                _check_probabilities(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
-        m = prediction.shape[0]
+        m = prediction.shape[0] // samples
         covs = [self.state[p]["cov"] for p in params]
         shared = self._shared_state(m, prediction.device, covs[0].dtype)
         if self._plan is None:
-            self._plan = UpdatePlan(jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device)
+            self._plan = UpdatePlan(
+                jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device, samples=samples
+            )
             self._plan_key, self._cov_flat = key, None
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(params, covs)
@@ -384,11 +399,15 @@ def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, gener
 
 
 def _check_probabilities(prediction: Tensor, target: Tensor) -> None:
-    """Refuse a prediction that is not a probability vector when the target is one (one host read)."""
-    m = prediction.shape[0]
+    """Refuse predictions (``(B, m)``) that are not probability vectors when the targets are (one host read)."""
+    m = prediction.shape[-1]
     if m == 0:
         return
-    stats = torch.stack([v.double() for v in (target.min(), target.sum(), prediction.min(), prediction.sum())])
+    target_sums, prediction_sums = target.sum(-1), prediction.sum(-1)
+    # The row sum farthest from 1, per side (one row: the sum itself).
+    target_sum = target_sums[(target_sums - 1).abs().argmax()]
+    prediction_sum = prediction_sums[(prediction_sums - 1).abs().argmax()]
+    stats = torch.stack([v.double() for v in (target.min(), target_sum, prediction.min(), prediction_sum)])
     stats = stats.tolist()
     target_min, target_sum, prediction_min, prediction_sum = stats
     if not all(math.isfinite(v) for v in stats):
