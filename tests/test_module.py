@@ -8,7 +8,6 @@ import pytest
 import torch
 from runs import loader, stream, tiny, trainer
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO, jacobian
 from loko_lightning.callbacks import DivergenceGuard
@@ -157,14 +156,6 @@ def test_a_schedule_shorter_or_longer_than_the_stream_is_reported():
     module = tiny(optimizer="adamw", lr_scheduler=partial(torch.optim.lr_scheduler.LinearLR, total_iters=50))
     with pytest.warns(UserWarning, match="total_iters=50 steps but this stream has 6 samples; set total_iters to 6"):
         trainer().fit(module, loader(stream(6)))
-
-
-def test_batches_larger_than_one_are_refused():
-    module = tiny()
-    items = stream(4)
-    t = trainer(max_steps=1)
-    with pytest.raises(ValueError, match="batch size 1"):
-        t.fit(module, DataLoader(items, batch_size=2))
 
 
 @pytest.mark.parametrize("optimizer", ["loko", "adamw", "adagrad"])
