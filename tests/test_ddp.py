@@ -1,13 +1,19 @@
 """Joint LoKO updates under real torch.distributed (gloo, 2 processes on loopback, CPU): ranks stay identical, and W = 2
 processes with B = 1 make the updates of one process with B = 2 on the same interleaved stream."""
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
 from loko_helpers import SmallConvNet, conv_stream
+from runs import outputs
 
 from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
 from loko_lightning.distributed import all_gather_observations, observation_nbytes
@@ -129,3 +135,44 @@ def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
     print(f"W=2 vs B=2 batched: relative error {err.item():.3g}, bound {bound:.3g}, max cond(S) {cond:.3g}")
     assert err < bound, (err.item(), bound)
     assert change > 1e-3  # the parameters moved: the comparison means something
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def loko_ddp(tmp_path, name, *extra, every=6, samples=24):
+    """``loko fit`` on the debug config under DDP (2 CPU processes, gloo) in a subprocess, as a user runs it."""
+    args = outputs(tmp_path, name, every=every, keep_all=True, plot=False)
+    config = yaml.safe_load(Path(args[1]).read_text())
+    checksum = {"class_path": "ddp_checksum.Checksum", "init_args": {"path": str(tmp_path / f"{name}.pt")}}
+    config["trainer"]["callbacks"].append(checksum)
+    Path(args[1]).write_text(yaml.safe_dump(config))
+    command = [
+        sys.executable, "-m", "loko_lightning.cli", "fit", "--config", str(ROOT / "configs" / "debug.yaml"),
+        "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+        "--data.max_samples", str(samples), "--data.eval_max_samples", "8", *args, *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(tmp_path / f"{name}.pt"), tmp_path / name / "checkpoints", done.stderr
+
+
+def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path):
+    """A real `loko fit --trainer.strategy ddp --trainer.devices 2`: 24 samples in 12 joint steps of 2; both ranks end
+    with the same θ̃, p̂ and R; a run resumed under DDP from the step-6 checkpoint ends bit for bit like it."""
+    full, checkpoints, _ = loko_ddp(tmp_path, "full")
+    assert full["world_size"] == 2
+    first, second = full["states"]
+    assert torch.equal(first, second)
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 12
+    assert last["state_dict"]["online_acc.weight"].item() == 24  # every rank's predictions scored once
+    assert last["StreamDataModule"]["position"] == 24
+
+    middle = str(checkpoints / "epoch=0-step=6.ckpt")
+    resumed, resumed_checkpoints, _ = loko_ddp(tmp_path, "resumed", "--ckpt_path", middle)
+    assert torch.equal(resumed["states"][0], first) and torch.equal(resumed["states"][1], first)
+    again = torch.load(resumed_checkpoints / "last.ckpt", weights_only=False)
+    for key in ("online_acc.mean_value", "online_acc.weight", "loss_avg.buffer", "loss_avg.count"):
+        assert torch.equal(again["state_dict"][key], last["state_dict"][key]), key
