@@ -176,3 +176,12 @@ def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path):
     again = torch.load(resumed_checkpoints / "last.ckpt", weights_only=False)
     for key in ("online_acc.mean_value", "online_acc.weight", "loss_avg.buffer", "loss_avg.count"):
         assert torch.equal(again["state_dict"][key], last["state_dict"][key]), key
+
+
+def test_gradient_baseline_under_ddp_all_reduces_and_scores_every_process(tmp_path):
+    """AdamW under DDP: DDP's gradient all-reduce keeps the ranks' parameters equal; the metrics count both ranks."""
+    adamw = ["--config", str(ROOT / "configs" / "baselines" / "adamw.yaml"), "--model.lr_scheduler.total_iters", "6"]
+    result, checkpoints, _ = loko_ddp(tmp_path, "adamw", *adamw, every=3, samples=12)
+    assert torch.equal(result["states"][0], result["states"][1])
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 6 and last["state_dict"]["online_acc.weight"].item() == 12

@@ -46,7 +46,7 @@ class StreamDataModule(pl.LightningDataModule):
     processes are those of the run that saved it); resuming onto another dataset, seed, stream length or OOD period
     is refused.
 
-    Why this is long: the docstring documents the sixteen arguments of the config's ``data`` section, and the class
+    Why this is long: the docstring documents the seventeen arguments of the config's ``data`` section, and the class
     holds the Lightning hooks that own the stream position; sources, transforms and the stream itself live in their
     own modules.
 
