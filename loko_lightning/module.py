@@ -42,6 +42,10 @@ class OnlineClassifier(pl.LightningModule):
     Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
     The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.callbacks`).
 
+    Why this is long: one training step has three paths that share the prequential scoring (one sample per Kalman
+    update, the paper; one joint Kalman update over a batch and over the processes of a DDP run; a gradient step
+    for the baselines), and each stays a few lines beside the others rather than behind an indirection.
+
     Args:
         network: factory of the network (called once, after the optimizer's hyperparameters are checked), e.g.
             :class:`~loko_lightning.networks.TimmClassifier`. The network maps a batch's ``inputs`` to logits.
