@@ -45,3 +45,24 @@ class DivergenceError(RuntimeError):
         super().__init__(message)
         self.field = field
         self.owner = owner if owner is None or isinstance(owner, type) else type(owner)
+
+
+class NoLearningRateError(KeyError):
+    """Raised when a tool (a torch LR scheduler, Lightning's ``LearningRateMonitor``) reads ``lr`` from LoKO.
+
+    Still the ``KeyError`` those tools would have met on a LoKO param group, with a message that says why there is
+    no learning rate and what plays its role.
+    """
+
+    MESSAGE = (
+        "LoKO has no learning rate ('lr') to read or schedule: each parameter's step size is its covariance p-hat, "
+        "which starts at p0 and shrinks as the filter learns (OnlineClassifier logs its mean as loko/p_mean). "
+        "Learning-rate schedulers and LearningRateMonitor do not apply to LoKO: remove them, or use a gradient "
+        "optimizer such as torch.optim.AdamW if you want a schedule"
+    )
+
+    def __init__(self, message: str = MESSAGE) -> None:
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
@@ -53,7 +54,8 @@ class OnlineClassifier(pl.LightningModule):
             hyperparameters. In a config: ``class_path: loko_lightning.LoKO`` (or ``torch.optim.AdamW``) with its
             ``init_args``.
         lr_scheduler: called with the optimizer, stepped once per sample (gradient optimizers; e.g. torch's
-            ``LinearLR`` for the paper's linear decay). ``None``: a constant learning rate.
+            ``LinearLR`` for the paper's linear decay). ``None``: a constant learning rate. LoKO has none: a scheduler
+            or a ``LearningRateMonitor`` with it is a :class:`ConfigError` (watch ``loko/p_mean``).
         window: window of the moving-average losses (paper: 1000).
 
     Example:
@@ -83,6 +85,8 @@ class OnlineClassifier(pl.LightningModule):
                 field="dropout",
                 owner=network,
             )
+        if self.is_kalman:
+            _refuse_learning_rate_tools(lr_scheduler=lr_scheduler)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
@@ -110,7 +114,9 @@ class OnlineClassifier(pl.LightningModule):
         return self
 
     def setup(self, stage: str) -> None:
-        """Report the parameter counts once."""
+        """Report the parameter counts once; refuse a ``LearningRateMonitor`` with LoKO (it has no ``lr``)."""
+        if self.is_kalman and stage == "fit":
+            _refuse_learning_rate_tools(callbacks=self.trainer.callbacks)
         rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
 
     def teardown(self, stage: str) -> None:
@@ -236,10 +242,7 @@ class OnlineClassifier(pl.LightningModule):
             for key in ("innovation_norm", "p_mean", "p_min", "cond"):
                 values[f"loko/{key}"] = diagnostics[key].float()
         else:
-            scheduler = self.lr_schedulers()
-            values["train/lr"] = (
-                scheduler.get_last_lr()[0] if scheduler is not None else optimizer.param_groups[0]["lr"]
-            )
+            values["train/lr"] = optimizer.param_groups[0]["lr"]  # the scheduler's get_last_lr() after its step
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=label.shape[0])
         if self._trainer is not None and self.trainer.progress_bar_callback is not None:
             # Lightning turns progress-bar values into Python numbers after every step: one host sync, only if shown.
@@ -257,6 +260,26 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy on the held-out split."""
         self._eval_step(batch, self.test_acc, "test/acc")
+
+
+def _refuse_learning_rate_tools(lr_scheduler: Any = None, callbacks: list[pl.Callback] = ()) -> None:
+    """LoKO has no learning rate: a scheduler or a ``LearningRateMonitor`` with it is a configuration error."""
+    role = "each parameter's step size is its covariance p-hat, which starts at p0 and shrinks as the filter learns"
+    if lr_scheduler is not None:
+        raise ConfigError(
+            f"LoKO has no learning rate to schedule: {role}; remove lr_scheduler, or use a gradient optimizer "
+            "(configs/baselines/) for a schedule",
+            field="lr_scheduler",
+            owner=OnlineClassifier,
+        )
+    for callback in callbacks:
+        if isinstance(callback, LearningRateMonitor):
+            raise ConfigError(
+                f"LearningRateMonitor has nothing to log with LoKO, which has no learning rate: {role} (logged every "
+                "step as loko/p_mean); remove LearningRateMonitor from the callbacks",
+                field=None,
+                owner=callback,
+            )
 
 
 def _check_schedule_length(scheduler: Any, stream: float) -> None:

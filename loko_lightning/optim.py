@@ -11,7 +11,7 @@ from torch import Tensor
 
 from loko_lightning.batch import check_batch, stack_observations
 from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, block_key
-from loko_lightning.errors import ConfigError
+from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
 
 P0Init = Literal["uniform", "constant"]
@@ -28,6 +28,13 @@ _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
     "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
 )
+class _ParamGroup(dict):
+    """A LoKO param group: reading ``lr`` says why there is none instead of a bare ``KeyError: 'lr'``."""
+
+    def __missing__(self, key: str) -> Any:
+        if key in ("lr", "initial_lr"):
+            raise NoLearningRateError
+        raise KeyError(key)
 
 
 class LoKO(torch.optim.Optimizer):
@@ -49,9 +56,8 @@ class LoKO(torch.optim.Optimizer):
         (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij}(H_k)_{ji}(\hat p_{k|k-1})_i
 
     Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size.
-    A step may also observe a batch of ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.batch`:
-    stacked :math:`H`, block-diagonal :math:`R`, one ``B·m x B·m`` system, one EMA step of ``R`` with the mean of
-    the ``B`` estimates); ``B = 1`` is the step above.
+    A step may also observe ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.batch`: stacked
+    :math:`H`, block-diagonal :math:`R`, one ``B·m x B·m`` system, one EMA step of ``R``); ``B = 1`` is the above.
     With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
     sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
 
@@ -179,6 +185,7 @@ class LoKO(torch.optim.Optimizer):
         if "lr" in param_group:
             raise ValueError(_NO_LR)
         super().add_param_group(param_group)
+        self.param_groups[-1] = _ParamGroup(self.param_groups[-1])
         self._resolve_statistics()
         self._plan = self._plan_key = None
         group = self.param_groups[-1]
@@ -187,6 +194,11 @@ class LoKO(torch.optim.Optimizer):
             if param.is_complex() or not param.is_floating_point():
                 raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
             self.state[param]["cov"] = self._initial_cov(param, group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``."""
+        super().__setstate__(state)
+        self.param_groups = [_ParamGroup(group) for group in self.param_groups]
 
     def _arith_dtype(self, param: Tensor) -> torch.dtype:
         if self._dtype is not None:
@@ -237,10 +249,9 @@ class LoKO(torch.optim.Optimizer):
                 ``(prediction, target, jacobians)``: ``prediction`` and ``target`` of shape ``(m,)``,
                 ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)``, an
                 :class:`~loko_lightning.OuterJacobian` or a :class:`~loko_lightning.FactoredJacobian` (see
-                :func:`loko_lightning.jacobian`). A batch of ``B`` samples: ``prediction`` and ``target`` of shape
-                ``(B, m)`` and every block with a leading batch dimension (see
-                :meth:`loko_lightning.JacobianEngine.batch`); the ``B`` samples make one joint update, the
-                multistream EKF of :mod:`loko_lightning.batch` (``B = 1`` is the single-sample step bit for bit).
+                :func:`loko_lightning.jacobian`). A batch of ``B``: ``(B, m)`` and every block with a leading batch
+                dimension (:meth:`loko_lightning.JacobianEngine.batch`), one joint update (:mod:`loko_lightning.batch`;
+                ``B = 1`` is the single-sample step bit for bit).
 
         Returns:
             What the closure returned. If any of it is non-finite the update is skipped (parameters and
@@ -261,8 +272,7 @@ class LoKO(torch.optim.Optimizer):
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
-        key = _layout_key(prediction, target, jacobians, process_noise)
-        key = key if key is None else (*key, samples)
+        key = _layout_key(prediction, target, jacobians, (*process_noise, samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             _check_shapes(prediction, target, jacobians, params)
             if self.defaults["observation"] == "softmax":
@@ -272,9 +282,8 @@ class LoKO(torch.optim.Optimizer):
         covs = [self.state[p]["cov"] for p in params]
         shared = self._shared_state(m, prediction.device, covs[0].dtype)
         if self._plan is None:
-            self._plan = UpdatePlan(
-                jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device, samples=samples
-            )
+            shapes = [p.shape for p in params]
+            self._plan = UpdatePlan(jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples)
             self._plan_key, self._cov_flat = key, None
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(params, covs)
@@ -404,7 +413,6 @@ def _check_probabilities(prediction: Tensor, target: Tensor) -> None:
     if m == 0:
         return
     target_sums, prediction_sums = target.sum(-1), prediction.sum(-1)
-    # The row sum farthest from 1, per side (one row: the sum itself).
     target_sum = target_sums[(target_sums - 1).abs().argmax()]
     prediction_sum = prediction_sums[(prediction_sums - 1).abs().argmax()]
     stats = torch.stack([v.double() for v in (target.min(), target_sum, prediction.min(), prediction_sum)])

@@ -158,6 +158,27 @@ def test_a_schedule_shorter_or_longer_than_the_stream_is_reported():
         trainer().fit(module, loader(stream(6)))
 
 
+def test_loko_with_a_scheduler_or_lr_monitor_is_a_config_error_naming_p_hat(tmp_path):
+    """LoKO has no learning rate: OnlineClassifier refuses a scheduler at construction (before the network is built)
+    and Lightning's real LearningRateMonitor when the fit starts, naming what plays that role (p-hat, loko/p_mean)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    scheduler = partial(torch.optim.lr_scheduler.LinearLR, total_iters=10)
+    with pytest.raises(ConfigError, match="LoKO has no learning rate to schedule.*p0.*remove lr_scheduler") as err:
+        tiny(lr_scheduler=scheduler)
+    assert err.value.field == "lr_scheduler"
+    tiny(optimizer="adamw", lr_scheduler=scheduler)  # gradient optimizers take one as before
+    t = trainer(logger=CSVLogger(tmp_path), callbacks=[LearningRateMonitor()])
+    with pytest.raises(ConfigError, match="LearningRateMonitor has nothing to log with LoKO.*loko/p_mean") as err:
+        t.fit(tiny(), loader(stream(2)))
+    assert err.value.owner is LearningRateMonitor
+    monitor = LearningRateMonitor()
+    t = trainer(logger=CSVLogger(tmp_path), callbacks=[monitor], log_every_n_steps=1)
+    t.fit(tiny(optimizer="adamw", lr=1e-3), loader(stream(2)))
+    assert list(monitor.lrs) == ["lr-AdamW"] and set(monitor.lrs["lr-AdamW"]) == {1e-3}
+
+
 @pytest.mark.parametrize("optimizer", ["loko", "adamw", "adagrad"])
 def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
     torch.manual_seed(0)

@@ -258,6 +258,54 @@ def test_lr_is_refused_with_p0_named():
         LoKO(model.parameters(), momentum=0.9)
 
 
+def test_schedulers_and_lr_monitor_on_loko_say_there_is_no_learning_rate(tmp_path):
+    """A torch scheduler or Lightning's LearningRateMonitor on LoKO: a KeyError that says why, not ``KeyError: 'lr'``.
+
+    Also after ``load_state_dict`` (which rebuilds the param groups) and a deep copy.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    from loko_lightning.errors import NoLearningRateError
+
+    model = mlp(dtype=torch.float32)
+    opt = LoKO(model.parameters())
+    no_lr = r"LoKO has no learning rate \('lr'\).*p0.*remove them"
+    with pytest.raises(KeyError, match=no_lr):
+        torch.optim.lr_scheduler.LinearLR(opt)
+    restored = LoKO(mlp(dtype=torch.float32).parameters())
+    restored.load_state_dict(opt.state_dict())
+    for optimizer in (restored, copy.deepcopy(opt)):
+        with pytest.raises(NoLearningRateError, match=no_lr):
+            optimizer.param_groups[0]["lr"]
+        assert optimizer.param_groups[0]["p0"] == 0.2  # the other keys read as before
+    with pytest.raises(KeyError, match="^'momentum'$"):
+        opt.param_groups[0]["momentum"]
+
+    class OwnLoop(pl.LightningModule):  # a user's own module with manual optimisation, as in the README
+        def __init__(self):
+            super().__init__()
+            self.net = mlp(dtype=torch.float32)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.optimizers().step(loko_closure(self.net, x[0], y[0]))
+
+        def configure_optimizers(self):
+            return LoKO(self.net.parameters())
+
+    x, y = zip(*teacher_stream(4, dtype=torch.float32), strict=True)
+    data = torch.utils.data.DataLoader(list(zip(x, y, strict=True)), batch_size=1)
+    trainer = pl.Trainer(
+        max_epochs=1, logger=CSVLogger(tmp_path), callbacks=[LearningRateMonitor()], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    with pytest.raises(KeyError, match=no_lr):
+        trainer.fit(OwnLoop(), data)
+
+
 def test_frozen_parameter_in_the_optimizer_names_requires_grad():
     model = mlp(dtype=torch.float32)
     model[0].requires_grad_(False)
