@@ -272,7 +272,7 @@ class LoKO(torch.optim.Optimizer):
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
-        key = _layout_key(prediction, target, jacobians, (*process_noise, samples))
+        key = _layout_key(prediction, target, jacobians, (tuple(process_noise), samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             _check_shapes(prediction, target, jacobians, params)
             if self.defaults["observation"] == "softmax":
@@ -386,15 +386,15 @@ def _check_shapes(prediction: Any, target: Any, jacobians: Any, params: list[Ten
             raise ValueError(f"Invalid jacobians[{index}]: expected shape {expected}, got {got}")
 
 
-def _layout_key(prediction: Any, target: Any, jacobians: Any, process_noise: list[float]) -> tuple | None:
-    """What the cached update plan depends on; ``None`` for input that needs the full checks."""
+def _layout_key(prediction: Any, target: Any, jacobians: Any, extra: tuple) -> tuple | None:
+    """What the cached plan depends on (``extra``: process noise, samples stacked); ``None``: run the full checks."""
     if not isinstance(prediction, Tensor) or not isinstance(target, Tensor):
         return None
     try:
         blocks = tuple(map(block_key, jacobians))
     except TypeError:
         return None
-    return prediction.shape, target.shape, blocks, tuple(process_noise)
+    return prediction.shape, target.shape, blocks, extra
 
 
 def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
