@@ -68,30 +68,82 @@ def _jacobian(
     output: Output,
     chunk_size: int | None,
     factorize: bool,
+    samples: int | None = None,
+    per_sample: bool = False,
 ) -> tuple[Tensor, list[JacobianBlock]] | None:
-    """The batched reverse pass from the model output ``raw``, and the Jacobian blocks; ``None`` to redo the call."""
-    if not isinstance(raw, Tensor) or raw.shape[0] != 1:
+    """The batched reverse pass from the model output ``raw``, and the Jacobian blocks; ``None`` to redo the call.
+
+    ``samples``: ``None`` for one sample (``raw`` of shape ``(1, m)``); ``B`` for a batch (``(B, m)``), whose
+    prediction is ``(B, m)`` and whose blocks get a leading batch dimension. A batch goes through the reverse pass
+    with ``m - 1`` cotangents shared by all samples (the frozen network in eval mode does not couple samples, so
+    sample ``b``'s slice of a cotangent is sample ``b``'s row), which gives every fast-path layer its per-sample
+    factors; a parameter reached any other way gets a gradient summed over the samples, so then (and with
+    ``per_sample``) the pass runs ``B·(m - 1)`` cotangents, one sample each. Returns the string ``"per_sample"``
+    when the shared pass found such a parameter, ``"loop"`` when a fast-path layer saw no batch dimension first.
+    """
+    batched = samples is not None
+    if not isinstance(raw, Tensor) or raw.shape[0] != (samples if batched else 1):
         got = tuple(raw.shape) if isinstance(raw, Tensor) else type(raw).__name__
-        raise ValueError(f"Invalid model output: expected a tensor of shape (1, m), got {got}")
+        expected = f"({samples}, m)" if batched else "(1, m)"
+        raise ValueError(f"Invalid model output: expected a tensor of shape {expected}, got {got}")
     if any(call.inputs._version != call.version for layer in layers.values() for call in layer.calls):
         return None
-    logits = raw.reshape(-1)
+    calls = [call for layer in layers.values() for call in layer.calls]
+    if batched and any(call.inputs.dim() < 2 or call.inputs.shape[0] != samples for call in calls):
+        return "loop"  # type: ignore[return-value]
+    logits = raw.reshape(samples, -1) if batched else raw.reshape(-1)
     with torch.enable_grad():
-        prediction = torch.softmax(logits, dim=0) if output == "softmax" else logits
-    m = prediction.shape[0]
+        prediction = torch.softmax(logits, dim=-1) if output == "softmax" else logits
+    m = prediction.shape[-1]
     dtype, device = prediction.dtype, prediction.device
 
     # One batched reverse pass: cotangents at every fast-path layer output, and gradients of all parameters
     # (for fast-path weights these are only their uses outside the layer, usually none).
-    calls = [call for layer in layers.values() for call in layer.calls]
     targets: list[Tensor | GradientEdge] = [call.edge for call in calls] + params
     if prediction.requires_grad:
-        grads = _batched_grad(prediction, targets, m, chunk_size, rows_sum_to_zero=output == "softmax")
+        grads = _batched_grad(
+            prediction, targets, m, chunk_size, rows_sum_to_zero=output == "softmax", per_sample=per_sample
+        )
     else:
         grads = [None] * len(targets)
-    call_grads = dict(zip(map(id, calls), grads[: len(calls)], strict=True))
-    param_grads = grads[len(calls) :]
+    if not batched:
+        blocks = _blocks(params, layers, dict(zip(map(id, calls), grads[: len(calls)], strict=True)),
+                         grads[len(calls) :], m, factorize, lambda call: call.inputs.detach())  # fmt: skip
+        buffer = torch.empty(m, _dense_size(blocks, params), dtype=dtype, device=device)
+        return prediction.detach(), _fill(blocks, params, buffer)
+    if not per_sample and any(g is not None for g in grads[len(calls) :]):
+        return "per_sample"  # type: ignore[return-value]
+    per_blocks = []
+    for b in range(samples):
+        if per_sample:  # (B·m, B, ...) for call edges, (B·m, *shape) for parameters: sample b's rows
+            call_grads = [
+                None if g is None else g.view(samples, m, *g.shape[1:])[b, :, b : b + 1] for g in grads[: len(calls)]
+            ]
+            param_grads = [None if g is None else g.view(samples, m, *g.shape[1:])[b] for g in grads[len(calls) :]]
+        else:  # (m, B, ...) for call edges: sample b's slice
+            call_grads = [None if g is None else g[:, b : b + 1] for g in grads[: len(calls)]]
+            param_grads = [None] * len(params)
+        call_grads = dict(zip(map(id, calls), call_grads, strict=True))
+        per_blocks.append(_blocks(params, layers, call_grads, param_grads, m, factorize,
+                                  lambda call, b=b: call.inputs.detach()[b : b + 1]))  # fmt: skip
+    kinds = [[kind for kind, _ in blocks] for blocks in per_blocks]
+    if any(k != kinds[0] for k in kinds):
+        return "loop"  # type: ignore[return-value]
+    buffer = torch.empty(samples, m, _dense_size(per_blocks[0], params), dtype=dtype, device=device)
+    per_sample_jacs = [_fill(blocks, params, buffer[b]) for b, blocks in enumerate(per_blocks)]
+    return prediction.detach(), [_stack(jacs, buffer, samples) for jacs in zip(*per_sample_jacs, strict=True)]
 
+
+def _blocks(
+    params: list[Tensor],
+    layers: dict[nn.Module, _Layer],
+    call_grads: dict[int, Tensor | None],
+    param_grads: list[Tensor | None],
+    m: int,
+    factorize: bool,
+    inputs_of: Callable[[_Call], Tensor],
+) -> list[tuple[str, Any]]:
+    """Each parameter's Jacobian for one sample: a factored block, factors to multiply out, or a gradient."""
     # Factors per parameter: left (m, rows, k) cotangents, right (cols, k) inputs, summed over calls.
     weight_of: dict[int, list[_Layer]] = {}
     bias_of: dict[int, list[_Layer]] = {}
@@ -112,7 +164,7 @@ def _jacobian(
                 left = _left_factor(layer.module, grad, m)
                 lefts.append(left)
                 if is_weight:
-                    rights.append(_right_factor(layer.module, call.inputs.detach(), left.shape[2]))
+                    rights.append(_right_factor(layer.module, inputs_of(call), left.shape[2]))
         if lefts and not is_weight:  # a bias: ∂ŷ/∂b = Σ_p ∂ŷ/∂z_p
             total = sum(left.sum(-1) for left in lefts)
             blocks.append(("grad", total if extra is None else total + extra))
@@ -129,16 +181,24 @@ def _jacobian(
             blocks.append(("block", FactoredJacobian(left, right, param.shape)))
         else:
             blocks.append(("factors", (left, right, extra)))
+    return blocks
 
+
+def _dense_size(blocks: list[tuple[str, Any]], params: list[Tensor]) -> int:
+    return sum(param.numel() for (kind, _), param in zip(blocks, params, strict=True) if kind != "block")
+
+
+def _fill(blocks: list[tuple[str, Any]], params: list[Tensor], buffer: Tensor) -> list[JacobianBlock]:
+    """The blocks of one sample; dense ones written into ``buffer`` (``(m, n)``) and returned as views of it."""
     # Dense blocks are column slices of one (m, n) buffer, i.e. H itself: the Kalman update then needs no copy.
-    sizes = [param.numel() if kind != "block" else 0 for (kind, _), param in zip(blocks, params, strict=True)]
-    buffer = torch.empty(m, sum(sizes), dtype=dtype, device=device)
+    m = buffer.shape[0]
     jacobians: list[JacobianBlock] = []
     start = 0
-    for (kind, value), param, size in zip(blocks, params, sizes, strict=True):
+    for (kind, value), param in zip(blocks, params, strict=True):
         if kind == "block":
             jacobians.append(value)
             continue
+        size = param.numel()
         block = buffer[:, start : start + size]
         start += size
         if kind == "factors":
@@ -156,7 +216,34 @@ def _jacobian(
         else:
             block.copy_(value.reshape(m, -1))
         jacobians.append(block.view(m, *param.shape))
-    return prediction.detach(), jacobians
+    return jacobians
+
+
+def _stack(jacs: tuple[JacobianBlock, ...], buffer: Tensor, samples: int) -> JacobianBlock:
+    """One parameter's per-sample blocks as a batched block (dense: a view of the ``(B, m, n)`` buffer)."""
+    first = jacs[0]
+    if isinstance(first, OuterJacobian):
+        return OuterJacobian(torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs]))
+    if isinstance(first, FactoredJacobian):
+        return FactoredJacobian(torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs]),
+                                first.param_shape)  # fmt: skip
+    column = (first.data_ptr() - buffer[0].data_ptr()) // buffer.element_size()
+    return buffer[:, :, column : column + first[0].numel()].view(samples, *first.shape)
+
+
+def _stack_samples(results: list[tuple[Tensor, list[JacobianBlock]]]) -> tuple[Tensor, list[JacobianBlock]]:
+    """Single-sample results as one batch: predictions ``(B, m)``, blocks with a leading batch dimension."""
+    blocks: list[JacobianBlock] = []
+    for jacs in zip(*(jacobians for _, jacobians in results), strict=True):
+        first = jacs[0]
+        if isinstance(first, OuterJacobian):
+            blocks.append(OuterJacobian(torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs])))
+        elif isinstance(first, FactoredJacobian):
+            left, right = torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs])
+            blocks.append(FactoredJacobian(left, right, first.param_shape))
+        else:
+            blocks.append(torch.stack(list(jacs)))
+    return torch.stack([prediction for prediction, _ in results]), blocks
 
 
 def _pre_hook(layer: _Layer, hooks: _Hooks) -> Callable:
@@ -231,16 +318,34 @@ def _batched_grad(
     chunk_size: int | None,
     *,
     rows_sum_to_zero: bool,
+    per_sample: bool = False,
 ) -> list[Tensor | None]:
     """``∂ŷ_a/∂target`` for every row ``a``, stacked along a new leading dimension (``None`` if unused).
 
     With ``rows_sum_to_zero`` (softmax: ``Σ_a ŷ_a = 1``, so ``Σ_a ∂ŷ_a/∂θ = 0`` exactly) only the first ``m - 1``
     rows go through the reverse pass and the last one is minus their sum: one reverse row fewer, the same
     Jacobian up to rounding.
+
+    A batch of predictions ``(B, m)``: row ``a``'s cotangent is ``a`` in every sample (``m`` rows, each ``B``
+    per-sample rows, so a chunk holds ``chunk_size // B`` of them), or with ``per_sample`` ``a`` in one sample
+    (``B·m`` rows, sample-major).
     """
     computed = m - 1 if rows_sum_to_zero and m > 1 else m
     eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)[:computed]
-    step = computed if chunk_size is None else chunk_size
+    groups = 1
+    if prediction.dim() == 1:
+        cotangents, step = eye, computed if chunk_size is None else chunk_size
+    elif not per_sample:
+        samples = prediction.shape[0]
+        cotangents = eye[:, None, :].expand(computed, samples, m)
+        step = computed if chunk_size is None else max(1, chunk_size // samples)
+    else:
+        groups = samples = prediction.shape[0]
+        cotangents = torch.zeros(samples, computed, samples, m, dtype=prediction.dtype, device=prediction.device)
+        index = torch.arange(samples, device=prediction.device)
+        cotangents[index, :, index, :] = eye
+        cotangents = cotangents.view(samples * computed, samples, m)
+        step = samples * computed if chunk_size is None else chunk_size
     used: list[int] = []  # indices of the targets the prediction depends on (the same for every row)
 
     def vjp(cotangent: Tensor) -> tuple[Tensor, ...]:
@@ -249,8 +354,8 @@ def _batched_grad(
         return tuple(grads[i] for i in used)
 
     chunks: list[tuple[Tensor, ...]] = []
-    for start in range(0, computed, step):
-        rows = eye[start : start + step]
+    for start in range(0, cotangents.shape[0], step):
+        rows = cotangents[start : start + step]
         try:
             chunks.append(torch.func.vmap(vjp)(rows))
         except (RuntimeError, NotImplementedError):  # an op without a vmap rule: the older batching of autograd
@@ -259,9 +364,16 @@ def _batched_grad(
             )
             used[:] = [i for i, g in enumerate(grads) if g is not None]
             chunks.append(tuple(grads[i] for i in used))
-    if computed < m:
-        chunks.append(tuple(-sum(chunk[j].sum(0, keepdim=True) for chunk in chunks) for j in range(len(used))))
-    stacked = chunks[0] if len(chunks) == 1 else [torch.cat(parts) for parts in zip(*chunks, strict=True)]
+    if groups > 1:  # per sample: each sample's last row is minus the sum of its others
+        parts = [torch.cat(parts) for parts in zip(*chunks, strict=True)]
+        parts = [p.view(groups, computed, *p.shape[1:]) for p in parts]
+        if computed < m:
+            parts = [torch.cat([p, -p.sum(1, keepdim=True)], 1) for p in parts]
+        stacked = [p.reshape(groups * m, *p.shape[2:]) for p in parts]
+    else:
+        if computed < m:
+            chunks.append(tuple(-sum(chunk[j].sum(0, keepdim=True) for chunk in chunks) for j in range(len(used))))
+        stacked = chunks[0] if len(chunks) == 1 else [torch.cat(parts) for parts in zip(*chunks, strict=True)]
     result: list[Tensor | None] = [None] * len(targets)
     for i, grad in zip(used, stacked, strict=True):
         result[i] = grad

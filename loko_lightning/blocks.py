@@ -22,6 +22,9 @@ class OuterJacobian:
     ``left = ∂ŷ/∂z`` (``m x out``) and ``right = f`` (``in``). Storing the two factors costs
     ``m·out + in`` numbers instead of ``m·out·in``, and every Kalman product on this block has a closed form.
 
+    A batch of ``B`` samples (:meth:`loko_lightning.JacobianEngine.batch`) carries a leading batch dimension on
+    both factors: ``left`` ``(B, m, out)``, ``right`` ``(B, in)``, sample ``b``'s Jacobian ``left[b] ⊗ right[b]``.
+
     Args:
         left: ``∂ŷ/∂z``, shape ``(m, out)``.
         right: the layer's input ``f``, shape ``(in,)``.
@@ -32,12 +35,13 @@ class OuterJacobian:
 
     @property
     def shape(self) -> torch.Size:
-        """Shape of the dense Jacobian this object stands for, ``(m, out, in)``."""
-        return torch.Size((*self.left.shape, *self.right.shape))
+        """Shape of the dense Jacobian this object stands for, ``(m, out, in)`` (``(B, m, out, in)`` for a batch)."""
+        return torch.Size((*self.left.shape, self.right.shape[-1]))
 
     def to_dense(self) -> Tensor:
-        """Materialise the dense ``(m, out, in)`` Jacobian (for tests and debugging)."""
-        return self.left[:, :, None] * self.right[None, None, :]
+        """Materialise the dense ``(m, out, in)`` (or ``(B, m, out, in)``) Jacobian (for tests and debugging)."""
+        right = self.right[..., None, None, :] if self.right.dim() == 2 else self.right[None, None, :]
+        return self.left[..., :, None] * right
 
     def to(self, dtype: torch.dtype) -> OuterJacobian:
         """Return a copy with both factors cast to ``dtype``."""
@@ -57,6 +61,9 @@ class FactoredJacobian:
     instead of ``m·rows·cols`` pays off, and makes the Kalman products cheaper, when ``k`` is small against
     ``m`` (deep layers with few pixels, many classes); see :func:`factored_is_cheaper`.
 
+    A batch of ``B`` samples carries a leading batch dimension on both factors (each sample has its own inputs):
+    ``left`` ``(B, m, rows, k)``, ``right`` ``(B, cols, k)``.
+
     Args:
         left: cotangents at the layer output, shape ``(m, rows, k)``.
         right: the layer input at each position, shape ``(cols, k)`` with ``cols = prod(param_shape[1:])``.
@@ -69,12 +76,15 @@ class FactoredJacobian:
 
     @property
     def shape(self) -> torch.Size:
-        """Shape of the dense Jacobian this object stands for, ``(m, *param_shape)``."""
-        return torch.Size((self.left.shape[0], *self.param_shape))
+        """Shape of the dense Jacobian this object stands for, ``(m, *param_shape)`` (``(B, m, ...)`` for a batch)."""
+        return torch.Size((*self.left.shape[:-2], *self.param_shape))
 
     def to_dense(self) -> Tensor:
-        """Materialise the dense ``(m, *param_shape)`` Jacobian (for tests and debugging)."""
-        return torch.matmul(self.left, self.right.T).reshape(self.shape)
+        """Materialise the dense ``(m, *param_shape)`` (or batched) Jacobian (for tests and debugging)."""
+        right = self.right.transpose(-1, -2)
+        if right.dim() == 3:  # a batch: sample b's inputs for sample b's rows
+            right = right[:, None]
+        return torch.matmul(self.left, right).reshape(self.shape)
 
     def to(self, dtype: torch.dtype) -> FactoredJacobian:
         """Return a copy with both factors cast to ``dtype``."""

@@ -117,6 +117,9 @@ class LoKOCLI(LightningCLI):
         # The learner takes its optimizer and scheduler as arguments (model.optimizer, model.lr_scheduler), so the
         # top-level --optimizer/--lr_scheduler of LightningCLI would only be a second, ignored way to set them.
         kwargs.setdefault("auto_configure_optimizers", False)
+        # Under DDP the stream shards itself (every step's positions split across the processes in stream order);
+        # Lightning's DistributedSampler would reshuffle it.
+        kwargs["trainer_defaults"] = {"use_distributed_sampler": False, **kwargs.get("trainer_defaults", {})}
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from loko_lightning._update_blocks import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks
+from loko_lightning.batch import stacked_observation_noise
 from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
 
 __all__ = [
@@ -167,6 +168,8 @@ class UpdatePlan:
         process_noise: ``q`` per parameter.
         dtype: dtype of the Kalman arithmetic.
         device: device of ``p̂``.
+        samples: ``B``, the number of samples the ``m`` rows of the blocks stack (:mod:`loko_lightning.batch`):
+            ``m / B`` outputs each, with a block-diagonal ``R``. 1: the paper's single observation.
     """
 
     def __init__(
@@ -176,11 +179,15 @@ class UpdatePlan:
         process_noise: Sequence[float],
         dtype: torch.dtype,
         device: torch.device,
+        samples: int = 1,
     ) -> None:
         if not jacobians:
             raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
         self.dtype, self.device = dtype, device
         self.m = m = jacobians[0].shape[0]
+        if samples < 1 or m % samples:
+            raise ValueError(f"Invalid samples: {samples} (must be >= 1 and divide the {m} rows of the Jacobian)")
+        self.samples = samples
         self.shapes = [torch.Size(s) for s in shapes]
         self.dense = DenseBlocks(jacobians, self.shapes, m, dtype, device)
         self.outer = OuterBlocks(jacobians, self.dense.end, m, dtype, device)
@@ -254,11 +261,17 @@ class UpdatePlan:
         prediction = prediction.to(dtype)
         innovation = target.to(dtype) - prediction
         hpht = self.hpht(jacobians, prior)
-        # 4. Observation noise R_k.
-        R_k = observation_noise(r_estimator, R, innovation, hpht, prediction, step + 1, beta)
+        # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
+        if self.samples == 1:
+            R_k = observation_noise(r_estimator, R, innovation, hpht, prediction, step + 1, beta)
+            S = hpht + R_k
+        else:
+            R_k, blocks = stacked_observation_noise(
+                r_estimator, R, innovation, hpht, prediction, step + 1, beta, self.samples
+            )
+            S = hpht + blocks
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
         # softmax outputs). eigh must never see NaN/Inf (LAPACK fails): a step to be skipped decomposes I instead.
-        S = hpht + R_k
         finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
         factor, cond = _pinv_factor(torch.where(finite, S, self._eye), torch.where(finite, innovation, 0.0), rcond)
         # 5. The gain K = P Hᵀ S⁺ is never formed: K e = p̂ ⊙ Hᵀ S⁺ e and (K H)_ii = p̂_i (Hᵀ S⁺ H)_ii, per kind.
@@ -313,6 +326,7 @@ def loko_update(
     plan: UpdatePlan | None = None,
     cov_flat: Tensor | None = None,
     statistics: bool = True,
+    samples: int = 1,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -355,6 +369,10 @@ def loko_update(
             (:meth:`UpdatePlan.views`); then it is updated in place and nothing is copied. Needs ``plan``.
         statistics: also return ``p_mean``, ``p_min``, ``p_max`` and ``gain_norm`` (three passes over ``p̂``); without
             them :meth:`UpdatePlan.statistics` gives them later, until the plan's next update.
+        samples: ``B`` when ``prediction``, ``target`` and the blocks stack ``B`` samples' observations
+            (:func:`loko_lightning.batch.stack_observations`): one joint update with a block-diagonal ``R``
+            (``m x m``, the EMA of one sample's noise, see :func:`~loko_lightning.batch.stacked_observation_noise`).
+            Ignored when ``plan`` is given (the plan's own).
 
     Returns:
         Diagnostics as 0-d tensors: ``applied``, ``innovation_norm``, ``cond`` (of ``S``'s kept spectrum) and, with
@@ -365,7 +383,9 @@ def loko_update(
             raise ValueError("Invalid cov_flat: it is laid out by a plan, so pass the plan as well")
         if isinstance(process_noise, (int, float)):
             process_noise = [float(process_noise)] * len(params)
-        plan = UpdatePlan(jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device)
+        plan = UpdatePlan(
+            jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device, samples=samples
+        )
     kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics)
     if cov_flat is not None:
         return plan.run(params, jacobians, cov_flat, prediction, target, R, step, **kwargs)

@@ -59,6 +59,7 @@ from loko_lightning._jacobian_pass import (
     _post_hook,
     _pre_hook,
     _remove,
+    _stack_samples,
     _uses_batch_statistics,
 )
 from loko_lightning.blocks import JacobianBlock
@@ -179,11 +180,58 @@ class JacobianEngine:
             column blocks of one shared ``(m, n)`` buffer (``H``), which :func:`~loko_lightning.loko_update` uses
             without a copy, so they need not be contiguous.
         """
-        if not self._finalizer.alive:
-            raise RuntimeError("Invalid call: this JacobianEngine is closed (build a new one)")
         if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] != 1:
             got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
             raise ValueError(f"Invalid inputs: expected one sample with batch dimension 1, got shape {got}")
+        fast = self._check_call(inputs)
+        result = self._run(inputs, fast)
+        if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
+            result = self._run(inputs, False)
+        return result
+
+    def batch(self, inputs: Tensor) -> tuple[Tensor, list[JacobianBlock]]:
+        """Predictions and each sample's own Jacobian for a batch of ``B`` samples, in one batched reverse pass.
+
+        The network must not couple the samples of a batch (it is frozen and in eval mode; the engine checks its
+        normalisation and random layers as for one sample), and its ``nn.Linear``/``nn.Conv2d`` layers must see the
+        batch along their input's first dimension. One forward pass of the ``B`` samples; then a reverse pass of
+        ``m - 1`` cotangents (with softmax outputs), each one row for every sample at once: the fast-path layers'
+        per-sample factors come out of it directly. If a parameter is also reached another way (a generic
+        parameter, a weight used outside its layer), its gradient would be summed over the samples: then the pass
+        runs ``B·(m - 1)`` one-sample cotangents instead. If a fast-path layer sees an input whose first dimension
+        is not the batch (a model that folds the batch), the samples go one at a time. ``chunk_size`` bounds the
+        per-sample rows of one reverse pass (a cotangent shared by ``B`` samples counts ``B``), and with it the
+        memory.
+
+        Args:
+            inputs: ``B`` samples along the first dimension.
+
+        Returns:
+            ``(prediction, jacobians)``: ``ŷ`` of shape ``(B, m)`` (detached) and one batched block per parameter:
+            dense ``(B, m, *param.shape)`` (slices of one ``(B, m, n)`` buffer), or
+            :class:`~loko_lightning.OuterJacobian` / :class:`~loko_lightning.FactoredJacobian` with a leading batch
+            dimension on both factors, as :meth:`loko_lightning.LoKO.step` takes them for a joint update.
+        """
+        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] < 1:
+            got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
+            raise ValueError(f"Invalid inputs: expected a batch of samples along the first dimension, got shape {got}")
+        fast = self._check_call(inputs)
+        samples = inputs.shape[0]
+        covered = {id(layer.module._parameters[name]) for layer in self._layers.values() for name in layer.swap}
+        per_sample = not fast or any(id(p) not in covered for p in self._params)
+        result = self._run(inputs, fast, samples, per_sample)
+        if result is None:  # a fast-path layer's input was modified in place: redo it generically
+            result = self._run(inputs, False, samples, True)
+        elif result == "per_sample":  # a fast-path weight is also used elsewhere
+            result = self._run(inputs, fast, samples, True)
+        if isinstance(result, str):  # a fast-path layer saw no batch dimension first: one sample at a time
+            return _stack_samples([self(inputs[b : b + 1]) for b in range(samples)])
+        return result
+
+    def _check_call(self, inputs: Tensor) -> bool:
+        """The per-call checks (see the class docstring); whether the fast path may run."""
+        if not self._finalizer.alive:
+            raise RuntimeError("Invalid call: this JacobianEngine is closed (build a new one)")
         if self._structure_changed():
             _remove(self._handles)
             self._scan()
@@ -204,11 +252,7 @@ class JacobianEngine:
                     "mode, so every call would give another prediction and Jacobian; put it in eval mode "
                     f"(model.eval(), or model.get_submodule({name!r}).eval())"
                 )
-        fast = not torch.is_autocast_enabled(inputs.device.type)
-        result = self._run(inputs, fast)
-        if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
-            result = self._run(inputs, False)
-        return result
+        return not torch.is_autocast_enabled(inputs.device.type)
 
     def close(self) -> None:
         """Remove the hooks from the model and release the caches; the engine cannot be called afterwards."""
@@ -276,7 +320,9 @@ class JacobianEngine:
         now = list(chain.from_iterable(map(dict.values, self._dicts)))
         return len(now) != len(self._structure) or any(map(is_not, now, self._structure))
 
-    def _run(self, inputs: Tensor, fast: bool) -> tuple[Tensor, list[JacobianBlock]] | None:
+    def _run(
+        self, inputs: Tensor, fast: bool, samples: int | None = None, per_sample: bool = False
+    ) -> tuple[Tensor, list[JacobianBlock]] | str | None:
         """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
         layers = self._layers if fast else {}
         self._hooks.calling, self._hooks.fast = True, fast
@@ -289,7 +335,9 @@ class JacobianEngine:
                 for layer in layers.values():  # only left over if the forward pass raised inside the layer
                     layer.module._parameters.update(layer.saved)
                     layer.saved.clear()
-            return _jacobian(raw, self._params, layers, self._output, self._chunk_size, self._factorize)
+            return _jacobian(
+                raw, self._params, layers, self._output, self._chunk_size, self._factorize, samples, per_sample
+            )
         finally:
             for layer in layers.values():  # the calls hold the layers' inputs and graph: not beyond the call
                 layer.calls.clear()

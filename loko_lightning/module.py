@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 from loko_lightning.adapters import count_parameters, freeze_normalization
+from loko_lightning.distributed import all_gather_observations
 from loko_lightning.errors import ConfigError
 from loko_lightning.jacobian import JacobianEngine
 from loko_lightning.metrics import MovingAverage, OnlineAccuracy
@@ -41,6 +42,10 @@ class OnlineClassifier(pl.LightningModule):
     ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond`` (LoKO); ``val/acc``, ``test/acc``.
     Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
     The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.callbacks`).
+
+    Why this is long: one training step has three paths that share the prequential scoring (one sample per Kalman
+    update, the paper; one joint Kalman update over a batch and over the processes of a DDP run; a gradient step
+    for the baselines), and each stays a few lines beside the others rather than behind an indirection.
 
     Args:
         network: factory of the network (called once, after the optimizer's hyperparameters are checked), e.g.
@@ -85,10 +90,12 @@ class OnlineClassifier(pl.LightningModule):
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
-        self.online_acc = OnlineAccuracy(top_k=1)
-        self.online_acc_top5 = OnlineAccuracy(top_k=5)
-        self.loss_avg = MovingAverage(window)
-        self.ce_avg = MovingAverage(window)
+        # Every process scores every process's predictions of a step (they are gathered for the joint update), so the
+        # online metrics are already over all processes and identical on each: no reduction at compute time.
+        self.online_acc = OnlineAccuracy(top_k=1, sync_on_compute=False)
+        self.online_acc_top5 = OnlineAccuracy(top_k=5, sync_on_compute=False)
+        self.loss_avg = MovingAverage(window, sync_on_compute=False)
+        self.ce_avg = MovingAverage(window, sync_on_compute=False)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         self._engine: JacobianEngine | None = None  # built at the first Kalman step, once the network is in place
         self.val_acc = MulticlassAccuracy(self.num_classes, average="micro")
@@ -134,25 +141,30 @@ class OnlineClassifier(pl.LightningModule):
         return self.network(inputs)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Predict on one sample, record the prequential metrics, then update on it.
+        """Predict on the step's samples, record the prequential metrics, then update on them.
 
-        A sample whose prediction or loss is not finite (NaN/Inf in the input) changes nothing: no parameter or
-        filter state is updated, it is left out of the metrics, and it is counted in ``train/skipped``.
+        One sample per step is the paper. A batch of ``B`` (``data.batch_size``), and under DDP the samples of all
+        processes, make one joint LoKO update (:mod:`loko_lightning.batch`) or one gradient step on their mean loss;
+        every prediction is scored before that update. A step whose prediction or loss is not finite (NaN/Inf in
+        the input) changes nothing: no parameter or filter state is updated, its samples are left out of the
+        metrics and counted in ``train/skipped``.
         """
         inputs, label = batch["inputs"], batch["label"]
-        if label.shape[0] != 1:
-            raise ValueError(f"Online training takes one sample per step (batch size 1), got {label.shape[0]}")
         optimizer = self.optimizers()
         start = time.perf_counter()
         if self.is_kalman:
-            prediction, applied = self._kalman_step(optimizer, inputs, label)
+            prediction, label, applied = self._kalman_step(optimizer, inputs, label)
         else:
-            prediction, applied = self._gradient_step(optimizer, inputs, label)
-        self.skipped += (~applied).to(self.skipped.dtype)
+            prediction, label, applied = self._gradient_step(optimizer, inputs, label)
+        self.skipped += (~applied).to(self.skipped.dtype) * label.shape[0]
         elapsed = time.perf_counter() - start
-        self._log_online(prediction, label[0], applied, elapsed)
+        self._log_online(prediction, label, applied, elapsed)
 
-    def _kalman_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor]:
+    @property
+    def _world_size(self) -> int:
+        return self.trainer.world_size if self._trainer is not None else 1
+
+    def _kalman_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self._engine is None:
             self._engine = JacobianEngine(self.network, self.trainable_parameters, factorize=True)
         engine = self._engine
@@ -162,18 +174,29 @@ class OnlineClassifier(pl.LightningModule):
         mixed = torch.is_autocast_enabled(device)
         autocast_dtype = torch.get_autocast_dtype(device) if mixed else None
 
+        world = self._world_size
+        joint = label.shape[0] > 1 or world > 1
+
         def closure() -> tuple[Tensor, Tensor, list]:
             forward = torch.autocast(device, dtype=autocast_dtype) if mixed else contextlib.nullcontext()
             with forward:
-                prediction, jacobians = engine(inputs)
-            target = F.one_hot(label[0], self.num_classes).to(prediction.dtype)
+                prediction, jacobians = engine.batch(inputs) if joint else engine(inputs)
+            if not joint:
+                return prediction, F.one_hot(label[0], self.num_classes).to(prediction.dtype), jacobians
+            target = F.one_hot(label, self.num_classes).to(prediction.dtype)
+            if world > 1:  # every process gets every process's observations and applies the same update
+                return all_gather_observations(prediction, target, jacobians)
             return prediction, target, jacobians
 
         with torch.autocast(device, enabled=False) if mixed else contextlib.nullcontext():
-            prediction, _, _ = optimizer.step(closure=closure)
-        return prediction, optimizer.optimizer.diagnostics["applied"]
+            prediction, target, _ = optimizer.step(closure=closure)
+        if not joint:
+            prediction = prediction[None]
+        elif world > 1:
+            label = target.argmax(-1)
+        return prediction, label, optimizer.optimizer.diagnostics["applied"]
 
-    def _gradient_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor]:
+    def _gradient_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.network(inputs)
         loss = F.cross_entropy(logits, label)
         optimizer.zero_grad(set_to_none=True)
@@ -186,16 +209,24 @@ class OnlineClassifier(pl.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        return logits.detach()[0].softmax(-1), applied
+        prediction = logits.detach().softmax(-1)
+        if self._world_size > 1:  # the metrics score every process's predictions
+            target = F.one_hot(label, self.num_classes).to(prediction.dtype)
+            prediction, target, _ = all_gather_observations(prediction, target, [])
+            label = target.argmax(-1)
+            applied = self.all_gather(applied).all()
+        return prediction, label, applied
 
     def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:
+        """Score the step's predictions ``(N, m)`` against their labels ``(N,)``, one sample after the other."""
         prediction = prediction.float()
         weight = applied.float()
-        self.online_acc.update(prediction, label, weight)
-        self.online_acc_top5.update(prediction, label, weight)
-        one_hot = F.one_hot(label, prediction.shape[0]).to(prediction.dtype)
-        self.loss_avg.update((one_hot - prediction).abs().sum(), applied)
-        self.ce_avg.update(-prediction[label].clamp_min(torch.finfo(prediction.dtype).tiny).log(), applied)
+        for scores, target in zip(prediction, label, strict=True):
+            self.online_acc.update(scores, target, weight)
+            self.online_acc_top5.update(scores, target, weight)
+            one_hot = F.one_hot(target, scores.shape[0]).to(scores.dtype)
+            self.loss_avg.update((one_hot - scores).abs().sum(), applied)
+            self.ce_avg.update(-scores[target].clamp_min(torch.finfo(scores.dtype).tiny).log(), applied)
         window = self.hparams.window
         values = {
             "train/online_acc": self.online_acc.compute(),
@@ -212,7 +243,7 @@ class OnlineClassifier(pl.LightningModule):
                 values[f"loko/{key}"] = diagnostics[key].float()
         else:
             values["train/lr"] = optimizer.param_groups[0]["lr"]  # the scheduler's get_last_lr() after its step
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        self.log_dict(values, on_step=True, on_epoch=False, batch_size=label.shape[0])
         if self._trainer is not None and self.trainer.progress_bar_callback is not None:
             # Lightning turns progress-bar values into Python numbers after every step: one host sync, only if shown.
             self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)

@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
+from loko_lightning.batch import check_batch, stack_observations
 from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, block_key
 from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
@@ -55,6 +56,8 @@ class LoKO(torch.optim.Optimizer):
         (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij}(H_k)_{ji}(\hat p_{k|k-1})_i
 
     Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size.
+    A step may also observe ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.batch`: stacked
+    :math:`H`, block-diagonal :math:`R`, one ``B·m x B·m`` system, one EMA step of ``R``); ``B = 1`` is the above.
     With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
     sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
 
@@ -239,14 +242,16 @@ class LoKO(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> tuple[Tensor, Tensor, Sequence[JacobianBlock]]:  # type: ignore[override]
-        """Observe one sample and update the parameters.
+        """Observe one sample, or a batch of samples jointly, and update the parameters.
 
         Args:
             closure: callable evaluated with gradients enabled that returns
                 ``(prediction, target, jacobians)``: ``prediction`` and ``target`` of shape ``(m,)``,
                 ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)``, an
                 :class:`~loko_lightning.OuterJacobian` or a :class:`~loko_lightning.FactoredJacobian` (see
-                :func:`loko_lightning.jacobian`).
+                :func:`loko_lightning.jacobian`). A batch of ``B``: ``(B, m)`` and every block with a leading batch
+                dimension (:meth:`loko_lightning.JacobianEngine.batch`), one joint update (:mod:`loko_lightning.batch`;
+                ``B = 1`` is the single-sample step bit for bit).
 
         Returns:
             What the closure returned. If any of it is non-finite the update is skipped (parameters and
@@ -261,18 +266,24 @@ class LoKO(torch.optim.Optimizer):
             raise ValueError(f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {got}")
         prediction, target, jacobians = result
         params = self._params()
+        samples = 1
+        if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
+            check_batch(prediction, target, jacobians, params)
+            samples = prediction.shape[0]
+            prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
-        key = _layout_key(prediction, target, jacobians, process_noise)
+        key = _layout_key(prediction, target, jacobians, (tuple(process_noise), samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             _check_shapes(prediction, target, jacobians, params)
             if self.defaults["observation"] == "softmax":
-                _check_probabilities(prediction.detach(), target.detach())
+                _check_probabilities(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
-        m = prediction.shape[0]
+        m = prediction.shape[0] // samples
         covs = [self.state[p]["cov"] for p in params]
         shared = self._shared_state(m, prediction.device, covs[0].dtype)
         if self._plan is None:
-            self._plan = UpdatePlan(jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device)
+            shapes = [p.shape for p in params]
+            self._plan = UpdatePlan(jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples)
             self._plan_key, self._cov_flat = key, None
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(params, covs)
@@ -375,15 +386,15 @@ def _check_shapes(prediction: Any, target: Any, jacobians: Any, params: list[Ten
             raise ValueError(f"Invalid jacobians[{index}]: expected shape {expected}, got {got}")
 
 
-def _layout_key(prediction: Any, target: Any, jacobians: Any, process_noise: list[float]) -> tuple | None:
-    """What the cached update plan depends on; ``None`` for input that needs the full checks."""
+def _layout_key(prediction: Any, target: Any, jacobians: Any, extra: tuple) -> tuple | None:
+    """What the cached plan depends on (``extra``: process noise, samples stacked); ``None``: run the full checks."""
     if not isinstance(prediction, Tensor) or not isinstance(target, Tensor):
         return None
     try:
         blocks = tuple(map(block_key, jacobians))
     except TypeError:
         return None
-    return prediction.shape, target.shape, blocks, tuple(process_noise)
+    return prediction.shape, target.shape, blocks, extra
 
 
 def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
@@ -397,11 +408,14 @@ def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, gener
 
 
 def _check_probabilities(prediction: Tensor, target: Tensor) -> None:
-    """Refuse a prediction that is not a probability vector when the target is one (one host read)."""
-    m = prediction.shape[0]
+    """Refuse predictions (``(B, m)``) that are not probability vectors when the targets are (one host read)."""
+    m = prediction.shape[-1]
     if m == 0:
         return
-    stats = torch.stack([v.double() for v in (target.min(), target.sum(), prediction.min(), prediction.sum())])
+    target_sums, prediction_sums = target.sum(-1), prediction.sum(-1)
+    target_sum = target_sums[(target_sums - 1).abs().argmax()]
+    prediction_sum = prediction_sums[(prediction_sums - 1).abs().argmax()]
+    stats = torch.stack([v.double() for v in (target.min(), target_sum, prediction.min(), prediction_sum)])
     stats = stats.tolist()
     target_min, target_sum, prediction_min, prediction_sum = stats
     if not all(math.isfinite(v) for v in stats):

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from loko_lightning.functional import R_ESTIMATORS, REstimator
 
-__all__ = ["loko_step_reference", "pinv_reference"]
+__all__ = ["loko_step_reference", "loko_step_reference_batch", "pinv_reference"]
 
 
 def pinv_reference(S: Tensor, rcond: float | None = None) -> Tensor:
@@ -117,4 +117,80 @@ def loko_step_reference(
     # 6. Update: θ̃_k = θ̃_{k|k-1} + K e and p̂_k,i = p̂_i - (Σ_j K_ij H_ji) p̂_i, the diagonal of P - K H P.
     theta = theta + K @ e
     p = p - (K * H.T).sum(1) * p
+    return theta, p, R
+
+
+def loko_step_reference_batch(
+    theta: Tensor,
+    p: Tensor,
+    R: Tensor,
+    H: Tensor,
+    prediction: Tensor,
+    target: Tensor,
+    k: int,
+    *,
+    beta: float,
+    r_estimator: REstimator,
+    process_noise: float | Tensor = 0.0,
+    rcond: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One joint LoKO step on ``B`` samples (the multistream EKF, :mod:`loko_lightning.batch`), dense and in float64.
+
+    The ``B`` observations are one of ``B·m`` outputs: ``H`` stacked (``B·m x ñ``), ``e`` stacked, ``R``
+    block-diagonal (``R_k`` on every block; ``"softmax"``: each sample's own ``diag(ŷ_b) - ŷ_b ŷ_bᵀ``),
+    ``S`` (``B·m x B·m``) and one gain. The EMA estimators take one step with the mean of the per-sample estimates
+    ``R̂_b = e_b e_bᵀ (+ H_b P H_bᵀ)``; the returned ``R`` is that EMA (``"softmax"``: the mean of the blocks).
+
+    Args:
+        theta: ``θ̃_{k-1}``, shape ``(ñ,)``.
+        p: ``p̂_{k-1}``, shape ``(ñ,)``.
+        R: ``R_{k-1}``, ``m x m``.
+        H: the ``B`` Jacobians at ``θ̃_{k-1}``, shape ``(B, m, ñ)``.
+        prediction: ``ŷ`` of each sample, shape ``(B, m)``.
+        target: ``y`` of each sample, shape ``(B, m)``.
+        k: the 1-based index of this joint update (used by ``r_estimator="decay"``).
+        beta: forgetting factor of the ``R`` EMA.
+        r_estimator: as in :func:`loko_step_reference`.
+        process_noise: ``q`` added to ``p̂`` in the predict step.
+        rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
+
+    Returns:
+        ``(θ̃_k, p̂_k, R_k)``, float64.
+    """
+    theta, p, R, H = theta.double(), p.double(), R.double(), H.double()
+    y_hat, y = prediction.double(), target.double()
+    B, m = y.shape
+    q = process_noise.double() if isinstance(process_noise, Tensor) else process_noise
+
+    p = p + q
+    Hs = H.reshape(B * m, -1)  # sample b's rows are b·m ... b·m + m - 1
+    e = (y - y_hat).reshape(B * m)
+    PHt = p[:, None] * Hs.T
+    HPHt = Hs @ PHt
+    eye = torch.eye(m, dtype=torch.float64)
+    if r_estimator in ("taylor", "residual"):
+        estimates = []
+        for b in range(B):
+            rows = slice(b * m, (b + 1) * m)
+            estimate = torch.outer(e[rows], e[rows])
+            if r_estimator == "taylor":
+                estimate = estimate + HPHt[rows, rows]
+            estimates.append(estimate)
+        R = beta * R + (1 - beta) * sum(estimates) / B
+        blocks = [R] * B
+    elif r_estimator == "identity":
+        R = eye
+        blocks = [R] * B
+    elif r_estimator == "decay":
+        R = eye * math.exp(-k / 50)
+        blocks = [R] * B
+    elif r_estimator == "softmax":
+        blocks = [torch.diag(y_hat[b]) - torch.outer(y_hat[b], y_hat[b]) for b in range(B)]
+        R = sum(blocks) / B
+    else:
+        raise ValueError(f"Invalid r_estimator: {r_estimator!r} (expected one of {R_ESTIMATORS})")
+    S = HPHt + torch.block_diag(*blocks)
+    K = PHt @ pinv_reference(S, rcond)
+    theta = theta + K @ e
+    p = p - (K * Hs.T).sum(1) * p
     return theta, p, R

@@ -34,8 +34,9 @@ def scripts():
         import common
         import compare
         import p0_range
+        import scale
 
-    return SimpleNamespace(common=common, compare=compare, p0_range=p0_range)
+    return SimpleNamespace(common=common, compare=compare, p0_range=p0_range, scale=scale)
 
 
 @pytest.fixture(autouse=True)
@@ -279,3 +280,12 @@ def test_p0_range_correctness_and_range(scripts):
     assert p0_range.admissible_range(grid[:1]) == "No admissible p0 on this grid."
     gap = [{"p0": p, "class": c} for p, c in [(1e-3, "admissible"), (1e-2, "no-learning"), (0.1, "admissible")]]
     assert p0_range.admissible_range(gap).endswith("not contiguous: 0.01 inside it failed.")
+
+
+def test_scale_measures_a_joint_step(scripts):
+    """benchmarks/scale.py's measurement on a batch of 2: a step time, samples per second and the bytes one process
+    would contribute to the all-gather (prediction, target and Jacobian factors of its 2 samples)."""
+    row = scripts.scale.run(batch=2, m=4, steps=1, warmup=1, threads=1)
+    assert row["step_s"] > 0 and row["samples_per_s"] == pytest.approx(2 / row["step_s"])
+    assert row["bytes_per_step_per_process"] > 2 * 2 * 4 * 4  # more than the predictions and targets alone
+    assert row["peak_mib"] > 0

@@ -8,7 +8,6 @@ import pytest
 import torch
 from runs import loader, stream, tiny, trainer
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO, jacobian
 from loko_lightning.callbacks import DivergenceGuard
@@ -178,14 +177,6 @@ def test_loko_with_a_scheduler_or_lr_monitor_is_a_config_error_naming_p_hat(tmp_
     t = trainer(logger=CSVLogger(tmp_path), callbacks=[monitor], log_every_n_steps=1)
     t.fit(tiny(optimizer="adamw", lr=1e-3), loader(stream(2)))
     assert list(monitor.lrs) == ["lr-AdamW"] and set(monitor.lrs["lr-AdamW"]) == {1e-3}
-
-
-def test_batches_larger_than_one_are_refused():
-    module = tiny()
-    items = stream(4)
-    t = trainer(max_steps=1)
-    with pytest.raises(ValueError, match="batch size 1"):
-        t.fit(module, DataLoader(items, batch_size=2))
 
 
 @pytest.mark.parametrize("optimizer", ["loko", "adamw", "adagrad"])

@@ -117,8 +117,11 @@ def test_wrong_shapes_raise():
     prediction, jacobians = jacobian(model, x)
     with pytest.raises(ValueError, match=r"Invalid target: expected shape \(4,\).*got \(3,\)"):
         opt.step(lambda: (prediction, y[:3], jacobians))
-    with pytest.raises(ValueError, match=r"Invalid prediction: expected shape \(m,\), got \(1, 4\)"):
+    # A 2-d prediction is a batch (B, m): its target must be one too.
+    with pytest.raises(ValueError, match=r"Invalid target: expected shape \(1, 4\) like the prediction, got \(4,\)"):
         opt.step(lambda: (prediction[None], y, jacobians))
+    with pytest.raises(ValueError, match=r"Invalid prediction: expected shape \(m,\), got \(\)"):
+        opt.step(lambda: (prediction[0], y, jacobians))
     with pytest.raises(ValueError, match=r"expected 4 \(one per parameter\), got 3"):
         opt.step(lambda: (prediction, y, jacobians[:3]))
     with pytest.raises(ValueError, match=r"Invalid jacobians\[0\]: expected shape \(4, 7, 5\), got \(4, 5, 7\)"):

@@ -334,7 +334,11 @@ def _closure_cases(m=3):
     return model, params, {
         "not a tuple": (lambda: prediction, "Invalid closure result"),
         "two values": (lambda: (prediction, y), "Invalid closure result"),
-        "batched prediction": (lambda: (prediction[None], y, jacobians), r"Invalid prediction: expected shape \(m,\)"),
+        # A 2-d prediction is a batch (B, m): then the target and the blocks must be batched too.
+        "batched prediction": (lambda: (prediction[None], y, jacobians), r"Invalid target: expected shape \(1, 3\)"),
+        "batch with unbatched jacobians": (
+            lambda: (prediction[None], y[None], jacobians), r"Invalid jacobians\[0\]: expected shape \(1, 3, 3, 4\)"
+        ),
         "target of another size": (lambda: (prediction, y[:2], jacobians), r"Invalid target: expected shape \(3,\)"),
         "a jacobian missing": (lambda: (prediction, y, jacobians[:1]), r"Invalid jacobians: expected 2"),
         "jacobian of another shape": (

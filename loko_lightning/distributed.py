@@ -1,0 +1,99 @@
+"""Joint LoKO updates across processes: every process gathers every process's observations and applies the same update.
+
+Under data parallelism each of ``W`` processes predicts on its own ``B`` samples and computes their Jacobians; then
+:func:`all_gather_observations` gives every process the ``W·B`` predictions, targets and Jacobian blocks (factored
+blocks as their factors, never materialised), in rank order, and every process applies the same joint update
+(:mod:`loko_lightning.batch`). All-gather delivers bit-identical copies, and the update is a deterministic function
+of its inputs and of the filter state, so the parameters, ``p̂`` and ``R`` stay identical on every process without a
+broadcast, as long as the processes run the same kernels (same device type and library versions; on GPUs with
+``torch.use_deterministic_algorithms(True)`` where a kernel would otherwise be non-deterministic).
+
+Communication per step: one all-gather of the count of samples per process, and one of a flat buffer holding each
+process's predictions, targets and Jacobian factors (:func:`observation_nbytes`): it grows with ``W·B·m`` times the
+size of the Jacobian factors, not with the number of parameters for factored blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+
+__all__ = ["all_gather_observations", "observation_nbytes"]
+
+
+def _parts(prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock]) -> list[Tensor]:
+    """The tensors of one process's observation, each with the batch as its first dimension."""
+    parts = [prediction, target]
+    for jac in jacobians:
+        if isinstance(jac, (OuterJacobian, FactoredJacobian)):
+            parts += [jac.left, jac.right]
+        else:
+            parts.append(jac)
+    return parts
+
+
+def _rebuild(parts: list[Tensor], jacobians: Sequence[JacobianBlock]) -> tuple[Tensor, Tensor, list[JacobianBlock]]:
+    prediction, target, rest = parts[0], parts[1], iter(parts[2:])
+    blocks: list[JacobianBlock] = []
+    for jac in jacobians:
+        if isinstance(jac, OuterJacobian):
+            blocks.append(OuterJacobian(next(rest), next(rest)))
+        elif isinstance(jac, FactoredJacobian):
+            blocks.append(FactoredJacobian(next(rest), next(rest), jac.param_shape))
+        else:
+            blocks.append(next(rest))
+    return prediction, target, blocks
+
+
+def observation_nbytes(prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock]) -> int:
+    """Bytes one process contributes to the gather of a step (the same ``B`` on every process)."""
+    return sum(part.numel() for part in _parts(prediction, target, jacobians)) * prediction.element_size()
+
+
+def all_gather_observations(
+    prediction: Tensor,
+    target: Tensor,
+    jacobians: Sequence[JacobianBlock],
+    group: dist.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor, list[JacobianBlock]]:
+    """Every process's batch of observations, concatenated in rank order, on every process.
+
+    Args:
+        prediction: this process's ``(B_r, m)`` predictions.
+        target: its ``(B_r, m)`` targets.
+        jacobians: its batched blocks (leading dimension ``B_r``; see :meth:`loko_lightning.JacobianEngine.batch`).
+            Every process must pass blocks of the same kinds and per-sample shapes; ``B_r`` may differ (the stream's
+            short last step), the gather pads and trims.
+        group: the process group (default: the world).
+
+    Returns:
+        ``(prediction, target, jacobians)`` with ``Σ_r B_r`` samples, in the dtype of ``prediction``.
+    """
+    world = dist.get_world_size(group)
+    device, dtype = prediction.device, prediction.dtype
+    count = torch.tensor([prediction.shape[0]], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = torch.cat(counts).tolist()  # one host read: the ranks' batch sizes (equal except at the stream's end)
+    top = max(sizes)
+    parts = _parts(prediction, target, jacobians)
+    # One flat buffer per process (each part padded to `top` samples), one collective for all of them.
+    per_sample = [part[0].numel() if part.shape[0] else part.shape[1:].numel() for part in parts]
+    local = torch.zeros(top * sum(per_sample), dtype=dtype, device=device)
+    offset = 0
+    for part, numel in zip(parts, per_sample, strict=True):
+        local[offset : offset + part.numel()] = part.reshape(-1).to(dtype)
+        offset += top * numel
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    joined, offset = [], 0
+    for part, numel in zip(parts, per_sample, strict=True):
+        pieces = [buffer[offset : offset + size * numel] for buffer, size in zip(gathered, sizes, strict=True)]
+        joined.append(torch.cat(pieces).view(sum(sizes), *part.shape[1:]))
+        offset += top * numel
+    return _rebuild(joined, jacobians)

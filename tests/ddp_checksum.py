@@ -1,0 +1,22 @@
+"""A callback for the DDP CLI test, loaded by class path in the ``loko`` processes (tests/ is on their PYTHONPATH)."""
+
+import lightning.pytorch as pl
+import torch
+
+
+class Checksum(pl.Callback):
+    """At the end of training, every rank's θ̃ and LoKO's p̂ and R (float64, one vector), gathered and saved by rank 0."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        opt = trainer.optimizers[0]
+        params = pl_module.trainable_parameters
+        parts = [p.detach().reshape(-1) for p in params]
+        if "cov" in opt.state[params[0]]:  # LoKO's filter state
+            parts += [opt.state[p]["cov"].reshape(-1) for p in params] + [opt.state[params[0]]["R"].reshape(-1)]
+        mine = torch.cat(parts).double()
+        gathered = pl_module.all_gather(mine)
+        if trainer.is_global_zero:
+            torch.save({"states": gathered.cpu(), "world_size": trainer.world_size}, self.path)

@@ -1,0 +1,124 @@
+"""``data.batch_size`` B in the learner and the stream: joint updates, prequential counting, exact resume."""
+
+import copy
+
+import pytest
+import torch
+from data_files import N_TRAIN
+from runs import loader, stream, tiny
+from runs import trainer as quiet
+from test_stream import Recorder, SaveAt, quiet_trainer, trainer
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+from loko_lightning import JacobianEngine, LoKO
+from loko_lightning.data import StreamDataModule
+from loko_lightning.data.stream import _StreamBatchSampler
+
+
+def test_batches_of_the_learner_are_joint_loko_steps_scored_before_the_update():
+    """B = 3: the module equals LoKO.step on engine.batch closures, bit for bit, and its online accuracy counts all
+    six predictions, each made before the update of its step."""
+    torch.manual_seed(0)
+    module = tiny(p0=0.05, p0_init="constant")
+    reference = copy.deepcopy(module.network)
+    items = stream(6)
+    t = quiet()
+    t.fit(module, DataLoader(items, batch_size=3))
+    assert t.global_step == 2
+
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = LoKO(params, p0=0.05, p0_init="constant")
+    correct, l1 = [], []
+    with JacobianEngine(reference, params, factorize=True) as engine:
+        for start in (0, 3):
+            chunk = items[start : start + 3]
+            x = torch.stack([item["inputs"] for item in chunk])
+            y = F.one_hot(torch.stack([item["label"] for item in chunk]), 4).float()
+
+            def closure(x=x, y=y):
+                prediction, jacobians = engine.batch(x)
+                return prediction, y, jacobians
+
+            prediction, _, _ = opt.step(closure)
+            correct += (prediction.argmax(-1) == y.argmax(-1)).tolist()
+            l1 += (y - prediction).abs().sum(-1).tolist()
+    for p, q in zip(params, module.trainable_parameters, strict=True):
+        assert torch.equal(p, q)
+    assert module.online_acc.weight.item() == 6
+    assert module.online_acc.compute().item() == pytest.approx(sum(correct) / 6, abs=1e-7)
+    # Float32 sums of the same six values in the same order: equal up to one rounding of the last digit.
+    assert module.loss_avg.compute().item() == pytest.approx(sum(l1) / 6, rel=1e-6)
+
+
+def test_batch_of_one_learner_is_unchanged():
+    """batch_size 1 takes the single-sample path: the same parameters as LoKO.step on single samples."""
+    torch.manual_seed(0)
+    module = tiny(p0=0.05, p0_init="constant")
+    reference = copy.deepcopy(module.network)
+    items = stream(3)
+    quiet().fit(module, loader(items))
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = LoKO(params, p0=0.05, p0_init="constant")
+    with JacobianEngine(reference, params, factorize=True) as engine:
+        for item in items:
+            y = F.one_hot(item["label"], 4).float()
+
+            def closure(x=item["inputs"][None], y=y):
+                prediction, jacobians = engine(x)
+                return prediction, y, jacobians
+
+            opt.step(closure)
+    for p, q in zip(params, module.trainable_parameters, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw"])
+def test_gradient_baseline_takes_the_mean_loss_of_a_batch(optimizer):
+    torch.manual_seed(0)
+    module = tiny(optimizer=optimizer, lr=1e-3)
+    t = quiet()
+    t.fit(module, DataLoader(stream(8), batch_size=4))
+    assert t.global_step == 2 and module.online_acc.weight.item() == 8
+
+
+@pytest.mark.parametrize(("length", "batch", "world"), [(20, 3, 2), (21, 2, 2), (7, 1, 2), (10, 4, 1), (9, 2, 3)])
+def test_ranks_take_disjoint_chunks_of_every_step_in_stream_order(length, batch, world):
+    samplers = [_StreamBatchSampler(length, 0, batch, world, rank) for rank in range(world)]
+    steps = [list(s) for s in samplers]
+    assert len({len(s) for s in steps}) == 1 and all(len(s) == len(steps[0]) for s in samplers)
+    order = [p for step in zip(*steps, strict=True) for chunk in step for p in chunk]
+    assert all(chunk for s in steps for chunk in s)  # every rank has a sample in every step
+    tail = length % (batch * world)
+    dropped = tail if tail < world else 0  # a last step that cannot give every rank a sample is left out
+    assert order == list(range(length - dropped))
+    for step in zip(*steps, strict=True):  # every rank knows where the whole step ends
+        end = max(p for chunk in step for p in chunk) + 1
+        assert all(s.step_end(p) == end for s, chunk in zip(samplers, step, strict=True) for p in chunk)
+
+
+@quiet_trainer
+def test_batched_stream_resumes_mid_stream_exactly(cifar10, tmp_path):
+    """batch_size 3: a checkpoint after step 2 resumes at position 6; together the runs see every position once."""
+
+    class BatchRecorder(Recorder):
+        def training_step(self, batch, batch_idx):
+            pairs = zip(batch["position"], batch["inputs"], strict=True)
+            self.seen += [(int(p), False, float(x.double().sum())) for p, x in pairs]
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward((self.weight * batch["inputs"].mean()).sum())
+            optimizer.step()
+
+    def datamodule():
+        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3, batch_size=3)
+
+    ckpt = tmp_path / "mid.ckpt"
+    full = BatchRecorder()
+    trainer(tmp_path, callbacks=[SaveAt(ckpt, 2)]).fit(full, datamodule=datamodule())
+    assert [p for p, _, _ in full.seen] == list(range(N_TRAIN))
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["StreamDataModule"]["position"] == 6
+    resumed = BatchRecorder()
+    trainer(tmp_path).fit(resumed, datamodule=datamodule(), ckpt_path=ckpt)
+    assert resumed.seen == full.seen[6:]

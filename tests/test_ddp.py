@@ -1,0 +1,187 @@
+"""Joint LoKO updates under real torch.distributed (gloo, 2 processes on loopback, CPU): ranks stay identical, and W = 2
+processes with B = 1 make the updates of one process with B = 2 on the same interleaved stream."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from loko_helpers import SmallConvNet, conv_stream
+from runs import outputs
+
+from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
+from loko_lightning.distributed import all_gather_observations, observation_nbytes
+
+STEPS = 30
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup():
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    return model, LoKO(model.parameters(), p0=0.2, seed=1), [(x.float(), y.float()) for x, y in conv_stream(2 * STEPS)]
+
+
+def state(model, opt):
+    """θ̃, p̂ and R as one float64 vector (the checksum compares it whole)."""
+    params = list(model.parameters())
+    parts = [p.detach().reshape(-1) for p in params] + [opt.state[p]["cov"].reshape(-1) for p in params]
+    return torch.cat([*parts, opt.state[params[0]]["R"].reshape(-1)]).double()
+
+
+def worker(rank, world, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, opt, items = setup()
+        nbytes = []
+        with JacobianEngine(model, factorize=True) as engine:
+            for step in range(STEPS):
+                x, y = items[world * step + rank]  # the interleaved stream: rank r takes positions W·s + r
+
+                def closure(x=x, y=y):
+                    prediction, jacobians = engine.batch(x)
+                    nbytes.append(observation_nbytes(prediction, y[None], jacobians))
+                    return all_gather_observations(prediction, y[None], jacobians)
+
+                opt.step(closure)
+        mine = state(model, opt)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        if rank == 0:
+            torch.save({"states": gathered, "nbytes": nbytes[0], "step": int(opt.diagnostics["step"])}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "result.pt"
+    mp.start_processes(worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    return torch.load(out)
+
+
+def test_ranks_hold_identical_parameters_and_filter_state_after_many_steps(ddp_run):
+    """No broadcast: both ranks apply the same update to bit-identical gathered observations, so θ̃, p̂ and R agree
+    to the last bit after 30 joint updates (60 samples)."""
+    first, second = ddp_run["states"]
+    assert ddp_run["step"] == STEPS
+    assert torch.equal(first, second)
+    # Every rank sends its prediction, target and Jacobian factors: far fewer bytes than the dense Jacobian.
+    model, _, _ = setup()
+    dense = 4 * 4 * sum(p.numel() for p in model.parameters())
+    assert 0 < ddp_run["nbytes"] < dense
+
+
+def single_process(gather_like_ranks):
+    """One process with B = 2 on the same stream: the joint update of positions 2s and 2s + 1."""
+    model, opt, items = setup()
+    conds = []
+    with JacobianEngine(model, factorize=True) as engine:
+        for step in range(STEPS):
+            (x0, y0), (x1, y1) = items[2 * step : 2 * step + 2]
+            y = torch.stack([y0, y1])
+
+            def closure(x0=x0, x1=x1, y=y):
+                if not gather_like_ranks:
+                    prediction, jacobians = engine.batch(torch.cat([x0, x1]))
+                    return prediction, y, jacobians
+                # Each sample through its own batch of one, as each rank computes it, then concatenated.
+                (p0, j0), (p1, j1) = engine.batch(x0), engine.batch(x1)
+                return torch.cat([p0, p1]), y, [_cat(a, b) for a, b in zip(j0, j1, strict=True)]
+
+            opt.step(closure)
+            conds.append(opt.diagnostics["cond"].item())
+    return state(model, opt), max(conds)
+
+
+def _cat(a, b):
+    if isinstance(a, OuterJacobian):
+        return OuterJacobian(torch.cat([a.left, b.left]), torch.cat([a.right, b.right]))
+    if isinstance(a, FactoredJacobian):
+        return FactoredJacobian(torch.cat([a.left, b.left]), torch.cat([a.right, b.right]), a.param_shape)
+    return torch.cat([a, b])
+
+
+def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
+    """W = 2, B = 1 against one process with B = 2 on the same interleaved stream.
+
+    With each sample's Jacobian computed in a batch of one, as on the ranks, the observations are the same bits,
+    and so is every update. With both samples in one batch of two, the batched kernels round differently (float32,
+    a few ulps per Jacobian entry); the update amplifies a relative input error by at most cond(S), and 30 steps
+    compound it: the bound is 30 · max cond(S) · 16 eps32 relative to the parameters' total change.
+    """
+    rank0 = ddp_run["states"][0]
+    same_inputs, _ = single_process(gather_like_ranks=True)
+    assert torch.equal(same_inputs, rank0)
+
+    batched, cond = single_process(gather_like_ranks=False)
+    model, _, _ = setup()
+    n = sum(p.numel() for p in model.parameters())
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    change = (rank0[:n] - start).abs().max()
+    err = (batched[:n] - rank0[:n]).abs().max() / change
+    bound = STEPS * cond * 16 * torch.finfo(torch.float32).eps
+    print(f"W=2 vs B=2 batched: relative error {err.item():.3g}, bound {bound:.3g}, max cond(S) {cond:.3g}")
+    assert err < bound, (err.item(), bound)
+    assert change > 1e-3  # the parameters moved: the comparison means something
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def loko_ddp(tmp_path, name, *extra, every=6, samples=24):
+    """``loko fit`` on the debug config under DDP (2 CPU processes, gloo) in a subprocess, as a user runs it."""
+    args = outputs(tmp_path, name, every=every, keep_all=True, plot=False)
+    config = yaml.safe_load(Path(args[1]).read_text())
+    checksum = {"class_path": "ddp_checksum.Checksum", "init_args": {"path": str(tmp_path / f"{name}.pt")}}
+    config["trainer"]["callbacks"].append(checksum)
+    Path(args[1]).write_text(yaml.safe_dump(config))
+    command = [
+        sys.executable, "-m", "loko_lightning.cli", "fit", "--config", str(ROOT / "configs" / "debug.yaml"),
+        "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+        "--data.max_samples", str(samples), "--data.eval_max_samples", "8", *args, *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(tmp_path / f"{name}.pt"), tmp_path / name / "checkpoints", done.stderr
+
+
+def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path):
+    """A real `loko fit --trainer.strategy ddp --trainer.devices 2`: 24 samples in 12 joint steps of 2; both ranks end
+    with the same θ̃, p̂ and R; a run resumed under DDP from the step-6 checkpoint ends bit for bit like it."""
+    full, checkpoints, _ = loko_ddp(tmp_path, "full")
+    assert full["world_size"] == 2
+    first, second = full["states"]
+    assert torch.equal(first, second)
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 12
+    assert last["state_dict"]["online_acc.weight"].item() == 24  # every rank's predictions scored once
+    assert last["StreamDataModule"]["position"] == 24
+
+    middle = str(checkpoints / "epoch=0-step=6.ckpt")
+    resumed, resumed_checkpoints, _ = loko_ddp(tmp_path, "resumed", "--ckpt_path", middle)
+    assert torch.equal(resumed["states"][0], first) and torch.equal(resumed["states"][1], first)
+    again = torch.load(resumed_checkpoints / "last.ckpt", weights_only=False)
+    for key in ("online_acc.mean_value", "online_acc.weight", "loss_avg.buffer", "loss_avg.count"):
+        assert torch.equal(again["state_dict"][key], last["state_dict"][key]), key
+
+
+def test_gradient_baseline_under_ddp_all_reduces_and_scores_every_process(tmp_path):
+    """AdamW under DDP: DDP's gradient all-reduce keeps the ranks' parameters equal; the metrics count both ranks."""
+    adamw = ["--config", str(ROOT / "configs" / "baselines" / "adamw.yaml"), "--model.lr_scheduler.total_iters", "6"]
+    result, checkpoints, _ = loko_ddp(tmp_path, "adamw", *adamw, every=3, samples=12)
+    assert torch.equal(result["states"][0], result["states"][1])
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 6 and last["state_dict"]["online_acc.weight"].item() == 12

@@ -1,0 +1,166 @@
+"""The engine's batched pass (``JacobianEngine.batch``): each sample's own rows, against row-by-row autograd."""
+
+import pytest
+import timm
+import torch
+from peft import LoraConfig, get_peft_model
+from test_jacobian import ConvZoo, TinyConvNet, dense, row_by_row
+from torch import nn
+
+import loko_lightning._jacobian_pass as jacobian_pass
+from loko_lightning import JacobianEngine, OuterJacobian
+from loko_lightning.blocks import FactoredJacobian
+
+
+def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax"):
+    """``engine.batch(xs)`` gives, for every sample b, the Jacobian of sample b alone (one backward pass per row)."""
+    prediction, jacs = engine.batch(xs)
+    B = xs.shape[0]
+    assert prediction.shape[0] == B and len(jacs) == len(params)
+    for b in range(B):
+        ref_prediction, ref_jacs = row_by_row(model, xs[b : b + 1], params, output)
+        # Same float32 arithmetic as the reference, summed in another order (torch's float32 defaults: rtol
+        # 1.3e-6, atol 1e-5, a few ulps of the largest entry).
+        torch.testing.assert_close(prediction[b], ref_prediction)
+        for jac, ref, p in zip(jacs, ref_jacs, params, strict=True):
+            assert tuple(jac.shape) == (B, prediction.shape[1], *p.shape)
+            torch.testing.assert_close(dense(jac)[b], ref)
+    return jacs
+
+
+@pytest.mark.parametrize("output", ["softmax", "identity"])
+@pytest.mark.parametrize("factorize", [False, True])
+def test_conv_zoo_batch(output, factorize, monkeypatch):
+    """Every fast-path configuration (and the generic grouped conv) with B = 3, factored and dense."""
+    if factorize:
+        monkeypatch.setattr(jacobian_pass, "factored_is_cheaper", lambda *args: True)
+    torch.manual_seed(0)
+    model = ConvZoo()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with JacobianEngine(model, output=output, factorize=factorize) as engine:
+        jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(3, 3, 13, 11), params, output)
+        assert_batch_equals_row_by_row(engine, model, torch.randn(2, 3, 13, 11), params, output)  # another B
+    kinds = {type(j).__name__ for j in jacs}
+    assert kinds == ({"FactoredJacobian", "OuterJacobian", "Tensor"} if factorize else {"Tensor"})
+
+
+def test_fast_path_only_model_uses_the_shared_pass(monkeypatch):
+    """Only fast-path parameters: m - 1 cotangents shared by the B samples (not B·(m - 1)), still exact."""
+    seen = []
+    original = jacobian_pass._batched_grad
+
+    def spy(prediction, targets, m, chunk_size, **kwargs):
+        seen.append(kwargs["per_sample"])
+        return original(prediction, targets, m, chunk_size, **kwargs)
+
+    monkeypatch.setattr(jacobian_pass, "_batched_grad", spy)
+    torch.manual_seed(1)
+    model = TinyConvNet(m=5)
+    model.train()
+    model(torch.randn(16, 3, 8, 8) * 2 + 1)  # non-trivial running statistics
+    model.eval()
+    params = [p for n, p in model.named_parameters() if "bn" not in n]
+    for p in model.parameters():
+        p.requires_grad_(any(p is q for q in params))
+    with JacobianEngine(model, params, factorize=True) as engine:
+        assert_batch_equals_row_by_row(engine, model, torch.randn(4, 3, 8, 8), params)
+    assert seen == [False]
+
+
+def test_generic_parameters_and_weights_used_outside_their_layer_get_per_sample_rows(monkeypatch):
+    """A layer-norm weight (generic) and a Linear weight also used directly: B·(m - 1) one-sample cotangents."""
+    seen = []
+    original = jacobian_pass._batched_grad
+
+    def spy(prediction, targets, m, chunk_size, **kwargs):
+        seen.append(kwargs["per_sample"])
+        return original(prediction, targets, m, chunk_size, **kwargs)
+
+    monkeypatch.setattr(jacobian_pass, "_batched_grad", spy)
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+            self.norm = nn.LayerNorm(6)
+            self.head = nn.Linear(6, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            h = h + torch.tanh(h @ self.fc.weight.T)  # the weight outside its layer
+            return self.head(self.norm(h))
+
+    torch.manual_seed(2)
+    model = Tied()
+    params = list(model.parameters())
+    with JacobianEngine(model, factorize=True) as engine:
+        assert_batch_equals_row_by_row(engine, model, torch.randn(3, 6), params)
+    assert seen == [True]  # generic parameters: per-sample rows from the start
+    with JacobianEngine(model, [model.fc.weight, model.head.weight], factorize=True) as engine:
+        assert_batch_equals_row_by_row(engine, model, torch.randn(3, 6), [model.fc.weight, model.head.weight])
+    assert seen == [True, False, True]  # the shared pass found fc.weight used outside its layer: redone per sample
+
+
+def test_model_that_folds_the_batch_goes_one_sample_at_a_time():
+    """A Linear that sees (B·T, C) rather than the batch first: the engine falls back to one pass per sample."""
+
+    class Folded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = nn.Linear(3, 5)
+            self.head = nn.Linear(5, 4)
+
+        def forward(self, x):  # x: (B, T, 3)
+            B, T, C = x.shape
+            h = torch.tanh(self.tokens(x.reshape(B * T, C))).reshape(B, T, -1).mean(1)
+            return self.head(h)
+
+    torch.manual_seed(3)
+    model = Folded()
+    params = list(model.parameters())
+    with JacobianEngine(model, factorize=True) as engine:
+        assert_batch_equals_row_by_row(engine, model, torch.randn(3, 7, 3), params)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7])
+def test_chunks_bound_the_rows_and_change_nothing(chunk_size):
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.LayerNorm(9), nn.Linear(9, 7))
+    xs = torch.randn(3, 6)
+    with JacobianEngine(model) as engine:
+        _, full = engine.batch(xs)
+    with JacobianEngine(model, chunk_size=chunk_size) as engine:
+        _, chunked = engine.batch(xs)
+    for a, b in zip(full, chunked, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_peft_lora_resnet_batch(monkeypatch):
+    """The peft/timm case (LoRA on every conv of a ResNet, frozen batch norms, new head) with B = 2."""
+    monkeypatch.setattr(jacobian_pass, "factored_is_cheaper", lambda *args: True)
+    backbone = timm.create_model("resnet10t", pretrained=False, num_classes=5)
+    convs = [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d)]
+    model = get_peft_model(backbone, LoraConfig(r=2, lora_alpha=4, target_modules=convs, modules_to_save=["fc"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.05)
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with JacobianEngine(model, params, factorize=True, chunk_size=4) as engine:
+        jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(2, 3, 32, 32), params)
+    assert any(isinstance(j, FactoredJacobian) for j in jacs) and isinstance(jacs[-2], OuterJacobian)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_dense_batch_blocks_share_one_buffer():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    with JacobianEngine(model) as engine:
+        _, jacs = engine.batch(torch.randn(2, 4))
+    base = jacs[0].untyped_storage().data_ptr()
+    assert all(j.untyped_storage().data_ptr() == base for j in jacs)
+
+
+def test_bad_batch_inputs():
+    model = nn.Sequential(nn.Linear(4, 3))
+    with JacobianEngine(model) as engine, pytest.raises(ValueError, match="expected a batch of samples"):
+        engine.batch(torch.randn(0, 4))
