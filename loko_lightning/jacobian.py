@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from operator import is_not
-from typing import get_args
+from typing import Any, get_args
 
 import torch
 from torch import Tensor, nn
@@ -167,11 +167,12 @@ class JacobianEngine:
         entries = chain(self._hooks.conv_matrices.values(), self._hooks.norm_scales.values())
         return sum(entry[-1].numel() * entry[-1].element_size() for entry in entries)
 
-    def __call__(self, inputs: Tensor) -> tuple[Tensor, list[JacobianBlock]]:
+    def __call__(self, inputs: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, list[JacobianBlock]]:
         """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for one sample.
 
         Args:
-            inputs: one sample with a leading batch dimension of 1.
+            inputs: one sample with a leading batch dimension of 1: a tensor, or a dict of tensors (a text model's
+                ``input_ids``, ``attention_mask``, ...), passed to the model as one argument.
 
         Returns:
             ``(prediction, jacobians)``: ``ŷ`` of shape ``(m,)`` (detached) and one Jacobian per parameter, each of
@@ -181,9 +182,7 @@ class JacobianEngine:
         """
         if not self._finalizer.alive:
             raise RuntimeError("Invalid call: this JacobianEngine is closed (build a new one)")
-        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] != 1:
-            got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
-            raise ValueError(f"Invalid inputs: expected one sample with batch dimension 1, got shape {got}")
+        first = _check_inputs(inputs)
         if self._structure_changed():
             _remove(self._handles)
             self._scan()
@@ -204,7 +203,7 @@ class JacobianEngine:
                     "mode, so every call would give another prediction and Jacobian; put it in eval mode "
                     f"(model.eval(), or model.get_submodule({name!r}).eval())"
                 )
-        fast = not torch.is_autocast_enabled(inputs.device.type)
+        fast = not torch.is_autocast_enabled(first.device.type)
         result = self._run(inputs, fast)
         if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
             result = self._run(inputs, False)
@@ -276,7 +275,7 @@ class JacobianEngine:
         now = list(chain.from_iterable(map(dict.values, self._dicts)))
         return len(now) != len(self._structure) or any(map(is_not, now, self._structure))
 
-    def _run(self, inputs: Tensor, fast: bool) -> tuple[Tensor, list[JacobianBlock]] | None:
+    def _run(self, inputs: Tensor | Mapping[str, Tensor], fast: bool) -> tuple[Tensor, list[JacobianBlock]] | None:
         """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
         layers = self._layers if fast else {}
         self._hooks.calling, self._hooks.fast = True, fast
@@ -333,6 +332,18 @@ def jacobian(
     """
     with JacobianEngine(model, params, output=output, chunk_size=chunk_size, factorize=factorize) as engine:
         return engine(inputs)
+
+
+def _check_inputs(inputs: Any) -> Tensor:
+    """The first tensor of ``inputs`` (a tensor or a dict of tensors), each with batch dimension 1."""
+    tensors = list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
+    for tensor in tensors:
+        if not isinstance(tensor, Tensor) or tensor.dim() == 0 or tensor.shape[0] != 1:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"Invalid inputs: expected one sample with batch dimension 1, got shape {got}")
+    if not tensors:
+        raise ValueError("Invalid inputs: an empty dict")
+    return tensors[0]
 
 
 def _kind(cls: type) -> int:
