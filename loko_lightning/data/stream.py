@@ -208,11 +208,16 @@ class StreamDataLoader(DataLoader):
         dataset: the stream.
         start: first stream position of the first pass.
         num_workers: DataLoader worker processes.
+        collate_fn: how samples are batched (text: :meth:`~loko_lightning.data.TextTransform.collate`); default
+            torch's.
     """
 
-    def __init__(self, dataset: StreamDataset, start: int = 0, num_workers: int = 0) -> None:
+    def __init__(
+        self, dataset: StreamDataset, start: int = 0, num_workers: int = 0, collate_fn: Callable | None = None
+    ) -> None:
         start = start if start < len(dataset) else 0
-        super().__init__(dataset, batch_size=1, sampler=_StreamSampler(len(dataset), start), num_workers=num_workers)
+        sampler = _StreamSampler(len(dataset), start)
+        super().__init__(dataset, batch_size=1, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the stream position is saved with the cursor, by the loader's owner."""
