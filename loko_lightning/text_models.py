@@ -230,8 +230,9 @@ def build_text_model(
     if pretrained:
         try:
             with _quiet_transformers():  # its load report lists the new head as "MISSING", which is expected
+                # A directory fine-tuned for another number of classes: its head is replaced by the new one.
                 model = AutoModelForSequenceClassification.from_pretrained(
-                    source, config=config, attn_implementation=ATTENTION
+                    source, config=config, attn_implementation=ATTENTION, ignore_mismatched_sizes=True
                 )
         except (OSError, ValueError) as err:
             raise unreachable("weights", backbone, err, "weights" if weights is not None else "backbone") from err
