@@ -279,3 +279,23 @@ def test_p0_range_correctness_and_range(scripts):
     assert p0_range.admissible_range(grid[:1]) == "No admissible p0 on this grid."
     gap = [{"p0": p, "class": c} for p, c in [(1e-3, "admissible"), (1e-2, "no-learning"), (0.1, "admissible")]]
     assert p0_range.admissible_range(gap).endswith("not contiguous: 0.01 inside it failed.")
+
+
+def test_compare_on_a_text_config_reports_cross_entropy(scripts, tmp_path):
+    """The text quick-start config on a local CSV and a tiny local BERT: the comparison plots and tables CE."""
+    from text_helpers import sentiment_rows, tiny_bert_dir, write_text_file
+
+    model = tiny_bert_dir(tmp_path / "model")
+    data = write_text_file(tmp_path / "reviews.csv", sentiment_rows(30))
+    text = ["--config", str(ROOT / "configs" / "text_quickstart.yaml"), "--samples", "12", "--threads", "1"]
+    overrides = ["--model.network.backbone", str(model), "--model.network.weights", "null", "--model.window", "5",
+                 "--data.dataset", "textfile", "--data.root", str(data), "--data.max_length", "16"]  # fmt: skip
+    summary = scripts.compare.main([*text, "--seeds", "0", "--warmup", "2", "--out", str(tmp_path / "out"), "--",
+                                    *overrides])  # fmt: skip
+    assert set(summary) == {"loko", "adamw", "adagrad"}
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert saved["loss"] == "ce" and "max 16 tokens" in saved["setting"]
+    assert "moving-average cross-entropy" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    table = scripts.compare.curve_table(tmp_path / "out" / "metrics.csv", [6, 12], loss="ce")
+    assert "(CE " in table and "cross-entropy then" in table
