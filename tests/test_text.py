@@ -119,3 +119,22 @@ def test_factory_arguments_are_checked_before_anything_is_built(kwargs, field):
     with pytest.raises(ConfigError) as err:
         TransformersClassifier(**{"backbone": "roberta-base", **kwargs})
     assert err.value.field == field
+
+
+def test_lengths_changing_from_sample_to_sample_do_not_replan_the_update(monkeypatch):
+    """With m = 2 every LoRA block is dense (its shape is the weight's) and the head's is an outer product (one
+    position), so the Jacobian's layout, and LoKO's update plan with it, does not depend on the sequence length."""
+    from loko_lightning import LoKO
+
+    network = tiny_text_network(monkeypatch, "tiny-roberta", num_classes=2)
+    params = [p for p in network.parameters() if p.requires_grad]
+    optimizer = LoKO(params, p0=0.1, seed=0)
+    plans = []
+    with JacobianEngine(network, params, factorize=True) as engine:
+        for step, length in enumerate([5, 17, 9, 30, 3]):
+            prediction, jacobians = engine(tokens(length, "tiny-roberta", seed=step))
+            target = torch.nn.functional.one_hot(torch.tensor(step % 2), 2).float()
+            optimizer.step(lambda p=prediction, j=jacobians, t=target: (p, t, j))
+            plans.append(optimizer._plan)
+    assert all(plan is plans[0] for plan in plans)
+    assert bool(optimizer.diagnostics["applied"])
