@@ -57,9 +57,7 @@ class OnlineClassifier(pl.LightningModule):
         lr_scheduler: called with the optimizer, stepped once per sample (gradient optimizers; e.g. torch's
             ``LinearLR`` for the paper's linear decay). ``None``: a constant learning rate.
         window: window of the moving-average losses (paper: 1000).
-        held_out_metrics: GLUE's own metrics on the held-out split besides accuracy: ``"mcc"`` (Matthews
-            correlation, CoLA's) and ``"f1"`` (F1 of class 1 for two classes, MRPC's; macro F1 otherwise), logged as
-            ``val/mcc``, ``test/f1``, ...
+        held_out_metrics: GLUE's held-out metrics besides accuracy, ``"mcc"`` (CoLA's), ``"f1"`` (MRPC's).
 
     Example:
         >>> from functools import partial
@@ -98,10 +96,7 @@ class OnlineClassifier(pl.LightningModule):
         self.ce_avg = MovingAverage(window)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         self._engine: JacobianEngine | None = None  # built at the first Kalman step, once the network is in place
-        self.val_acc = MulticlassAccuracy(self.num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(self.num_classes, average="micro")
-        self.val_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
-        self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
+        self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -227,38 +222,41 @@ class OnlineClassifier(pl.LightningModule):
             # Lightning turns progress-bar values into Python numbers after every step: one host sync, only if shown.
             self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)
 
-    def _eval_step(self, batch: dict[str, Any], metric: MulticlassAccuracy, name: str, extra: nn.ModuleDict) -> None:
-        logits = self.network(batch["inputs"])
-        size = batch["label"].shape[0]
-        metric.update(logits, batch["label"])
-        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=size)
-        stage = name.partition("/")[0]
-        for key, glue_metric in extra.items():
-            glue_metric.update(logits.argmax(-1), batch["label"])
-            self.log(f"{stage}/{key}", glue_metric, on_step=False, on_epoch=True, batch_size=size)
+    def _eval_step(self, batch: dict[str, Any], stage: str, metrics: nn.ModuleDict) -> None:
+        predicted = self.network(batch["inputs"]).argmax(-1)
+        for key, metric in metrics.items():
+            metric.update(predicted, batch["label"])
+            self.log(f"{stage}/{key}", metric, prog_bar=key == "acc", batch_size=predicted.shape[0])
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
-        self._eval_step(batch, self.val_acc, "val/acc", self.val_metrics)
+        self._eval_step(batch, "val", self.val_metrics)
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
-        self._eval_step(batch, self.test_acc, "test/acc", self.test_metrics)
+        self._eval_step(batch, "test", self.test_metrics)
 
 
-def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> nn.ModuleDict:
-    """The metrics for GLUE's held-out metrics by name (see ``OnlineClassifier(held_out_metrics=...)``)."""
-    metrics = nn.ModuleDict()
-    for name in names:
-        if name == "mcc":
-            metrics[name] = MulticlassMatthewsCorrCoef(num_classes)
-        elif name == "f1":
-            metrics[name] = BinaryF1Score() if num_classes == 2 else MulticlassF1Score(num_classes, average="macro")
-        else:
-            known = ", ".join(get_args(HeldOutMetric))
-            message = f"unknown held-out metric {name!r}; known: {known}"
-            raise ConfigError(message, field="held_out_metrics", owner=owner)
-    return metrics
+def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[nn.ModuleDict, nn.ModuleDict]:
+    """Validation and test metrics, logged as ``val/<name>``, ``test/<name>``: top-1 accuracy (``acc``) and GLUE's.
+
+    ``"mcc"``: Matthews correlation (CoLA's metric); ``"f1"``: F1 of class 1 for two classes (MRPC's), macro F1
+    otherwise.
+    """
+    pair = []
+    for _ in range(2):
+        metrics = nn.ModuleDict({"acc": MulticlassAccuracy(num_classes, average="micro")})
+        for name in names:
+            if name == "mcc":
+                metrics[name] = MulticlassMatthewsCorrCoef(num_classes)
+            elif name == "f1":
+                metrics[name] = BinaryF1Score() if num_classes == 2 else MulticlassF1Score(num_classes, average="macro")
+            else:
+                known = ", ".join(get_args(HeldOutMetric))
+                message = f"unknown held-out metric {name!r}; known: {known}"
+                raise ConfigError(message, field="held_out_metrics", owner=owner)
+        pair.append(metrics)
+    return pair[0], pair[1]
 
 
 def _check_schedule_length(scheduler: Any, stream: float) -> None:

