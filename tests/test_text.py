@@ -138,3 +138,19 @@ def test_lengths_changing_from_sample_to_sample_do_not_replan_the_update(monkeyp
             plans.append(optimizer._plan)
     assert all(plan is plans[0] for plan in plans)
     assert bool(optimizer.diagnostics["applied"])
+
+
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-roberta"])
+def test_right_padding_with_the_mask_changes_no_logit(monkeypatch, name):
+    """A held-out batch is right-padded to its longest sample: each sample's logits are those it has alone."""
+    from loko_lightning.data import TextTransform
+
+    network = tiny_text_network(monkeypatch, name, dtype=torch.float64)
+    samples = [{k: v[0] for k, v in tokens(length, name, seed=length).items()} for length in (4, 11, 7)]
+    pad = type("Pad", (), {"pad_values": {"input_ids": 1 if "roberta" in name else 0}})()  # no tokenizer needed
+    collate = TextTransform.collate.__get__(pad)
+    batch = collate([{"inputs": s} for s in samples])["inputs"]
+    assert batch["input_ids"].shape == (3, 11) and batch["attention_mask"].sum().item() == 4 + 11 + 7
+    alone = torch.cat([network({k: v[None] for k, v in s.items()}) for s in samples])
+    # float64; padding only adds masked keys (exp(-inf) = 0 weights), so the sums differ by rounding at most.
+    torch.testing.assert_close(network(batch), alone, rtol=1e-10, atol=1e-12)
