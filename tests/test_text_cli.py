@@ -91,7 +91,8 @@ def test_bad_text_input_is_one_line_naming_the_flag(local, tmp_path, capsys):
     line = one_line_error(capsys, [*text_args(local), "--data.max_length", "0", *out])
     assert line.startswith("loko: error: --data.max_length: max_length must be a positive")
     three = write_text_file(tmp_path / "three.csv", [(f"text {i}", i % 3) for i in range(12)])
-    line = one_line_error(capsys, [*text_args(local), "--data.root", str(three), *out])  # a 2-class head, label 2
+    too_small = ["--data.root", str(three), "--model.network.num_classes", "2"]  # a 2-class head, label 2
+    line = one_line_error(capsys, [*text_args(local), *too_small, *out])
     assert line.startswith("loko: error: --model.network.num_classes: ") and "has label 2" in line
 
 
