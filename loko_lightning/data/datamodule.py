@@ -53,7 +53,7 @@ class StreamDataModule(pl.LightningDataModule):
     A run resumed with ``ckpt_path`` continues at the next unseen sample; resuming onto another dataset, seed, stream
     length or OOD period is refused. The stream runs on a single device.
 
-    Why this is long: the docstring documents the sixteen arguments of the config's ``data`` section, and the class
+    Why this is long: the docstring documents the twenty-one arguments of the config's ``data`` section, and the class
     holds the Lightning hooks that own the stream position; sources, transforms and the stream itself live in their
     own modules.
 
