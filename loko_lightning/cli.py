@@ -41,7 +41,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from loko_lightning.data import StreamDataModule
+from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.module import OnlineClassifier
 
@@ -156,7 +156,28 @@ class LoKOCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """Instantiate; a bad argument's error learns its configuration key."""
         with self._naming_errors():
+            self._check_modalities()
             super().instantiate_classes()
+
+    def _check_modalities(self) -> None:
+        """The network takes the kind of sample the dataset holds (images or text), checked before building either."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        network, dataset = config.get("model.network"), config.get("data.dataset")
+        class_path = getattr(network, "class_path", None)
+        if not isinstance(class_path, str) or dataset not in SOURCES:
+            return  # unknown names are refused by the classes themselves
+        module, _, name = class_path.rpartition(".")
+        network_modality = getattr(getattr(importlib.import_module(module), name, None), "modality", None)
+        data_modality = SOURCES[dataset].modality
+        if network_modality is not None and network_modality != data_modality:
+            fits = "TransformersClassifier" if data_modality == "text" else "TimmClassifier"
+            raise ConfigError(
+                f"dataset={dataset!r} holds {data_modality} samples but model.network is {name}, a {network_modality} "
+                f"model. To fix it: choose a {network_modality} dataset, or a network for {data_modality} "
+                f"(loko_lightning.networks.{fits}).",
+                field="dataset",
+                owner=StreamDataModule,
+            )
 
     def _run_subcommand(self, subcommand: str) -> None:
         with self._naming_errors():

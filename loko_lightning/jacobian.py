@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
 from operator import is_not
-from typing import get_args
+from typing import Any, get_args
 
 import torch
 from torch import Tensor, nn
@@ -168,11 +168,12 @@ class JacobianEngine:
         entries = chain(self._hooks.conv_matrices.values(), self._hooks.norm_scales.values())
         return sum(entry[-1].numel() * entry[-1].element_size() for entry in entries)
 
-    def __call__(self, inputs: Tensor) -> tuple[Tensor, list[JacobianBlock]]:
+    def __call__(self, inputs: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, list[JacobianBlock]]:
         """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for one sample.
 
         Args:
-            inputs: one sample with a leading batch dimension of 1.
+            inputs: one sample with a leading batch dimension of 1: a tensor, or a dict of tensors (a text model's
+                ``input_ids``, ``attention_mask``, ...), passed to the model as one argument.
 
         Returns:
             ``(prediction, jacobians)``: ``ŷ`` of shape ``(m,)`` (detached) and one Jacobian per parameter, each of
@@ -180,10 +181,8 @@ class JacobianEngine:
             column blocks of one shared ``(m, n)`` buffer (``H``), which :func:`~loko_lightning.loko_update` uses
             without a copy, so they need not be contiguous.
         """
-        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] != 1:
-            got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
-            raise ValueError(f"Invalid inputs: expected one sample with batch dimension 1, got shape {got}")
-        fast = self._check_call(inputs)
+        first = _check_inputs(inputs, batch=False)
+        fast = self._check_call(first)
         result = self._run(inputs, fast)
         if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
             result = self._run(inputs, False)
@@ -212,11 +211,9 @@ class JacobianEngine:
             :class:`~loko_lightning.OuterJacobian` / :class:`~loko_lightning.FactoredJacobian` with a leading batch
             dimension on both factors, as :meth:`loko_lightning.LoKO.step` takes them for a joint update.
         """
-        if not isinstance(inputs, Tensor) or inputs.dim() == 0 or inputs.shape[0] < 1:
-            got = tuple(inputs.shape) if isinstance(inputs, Tensor) else type(inputs).__name__
-            raise ValueError(f"Invalid inputs: expected a batch of samples along the first dimension, got shape {got}")
-        fast = self._check_call(inputs)
-        samples = inputs.shape[0]
+        first = _check_inputs(inputs, batch=True)
+        fast = self._check_call(first)
+        samples = first.shape[0]
         covered = {id(layer.module._parameters[name]) for layer in self._layers.values() for name in layer.swap}
         per_sample = not fast or any(id(p) not in covered for p in self._params)
         result = self._run(inputs, fast, samples, per_sample)
@@ -225,11 +222,11 @@ class JacobianEngine:
         elif result == "per_sample":  # a fast-path weight is also used elsewhere
             result = self._run(inputs, fast, samples, True)
         if isinstance(result, str):  # a fast-path layer saw no batch dimension first: one sample at a time
-            return _stack_samples([self(inputs[b : b + 1]) for b in range(samples)])
+            return _stack_samples([self(_sample(inputs, b)) for b in range(samples)])
         return result
 
-    def _check_call(self, inputs: Tensor) -> bool:
-        """The per-call checks (see the class docstring); whether the fast path may run."""
+    def _check_call(self, first: Tensor) -> bool:
+        """The per-call checks (see the class docstring); whether the fast path may run (``first``: an input)."""
         if not self._finalizer.alive:
             raise RuntimeError("Invalid call: this JacobianEngine is closed (build a new one)")
         if self._structure_changed():
@@ -252,7 +249,7 @@ class JacobianEngine:
                     "mode, so every call would give another prediction and Jacobian; put it in eval mode "
                     f"(model.eval(), or model.get_submodule({name!r}).eval())"
                 )
-        return not torch.is_autocast_enabled(inputs.device.type)
+        return not torch.is_autocast_enabled(first.device.type)
 
     def close(self) -> None:
         """Remove the hooks from the model and release the caches; the engine cannot be called afterwards."""
@@ -321,7 +318,7 @@ class JacobianEngine:
         return len(now) != len(self._structure) or any(map(is_not, now, self._structure))
 
     def _run(
-        self, inputs: Tensor, fast: bool, samples: int | None = None, per_sample: bool = False
+        self, inputs: Tensor | Mapping[str, Tensor], fast: bool, samples: int | None = None, per_sample: bool = False
     ) -> tuple[Tensor, list[JacobianBlock]] | str | None:
         """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
         layers = self._layers if fast else {}
@@ -381,6 +378,28 @@ def jacobian(
     """
     with JacobianEngine(model, params, output=output, chunk_size=chunk_size, factorize=factorize) as engine:
         return engine(inputs)
+
+
+def _check_inputs(inputs: Any, batch: bool) -> Tensor:
+    """The first tensor of ``inputs`` (a tensor or a dict of tensors), each with batch dimension 1 (``batch``: the
+    same number ``B >= 1`` of samples along the first dimension of every tensor)."""
+    tensors = list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
+    if not tensors:
+        raise ValueError("Invalid inputs: an empty dict")
+    expected = "a batch of samples along the first dimension" if batch else "one sample with batch dimension 1"
+    for tensor in tensors:
+        size = tensors[0].shape[0] if batch and isinstance(tensors[0], Tensor) and tensors[0].dim() else 1
+        if not isinstance(tensor, Tensor) or tensor.dim() == 0 or tensor.shape[0] != size or size < 1:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"Invalid inputs: expected {expected}, got shape {got}")
+    return tensors[0]
+
+
+def _sample(inputs: Tensor | Mapping[str, Tensor], index: int) -> Tensor | dict[str, Tensor]:
+    """Sample ``index`` of a batch (a tensor or a dict of tensors), keeping its batch dimension of 1."""
+    if isinstance(inputs, Mapping):
+        return {key: value[index : index + 1] for key, value in inputs.items()}
+    return inputs[index : index + 1]
 
 
 def _kind(cls: type) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import Any
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -14,7 +14,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import (
+    BinaryF1Score,
+    MulticlassAccuracy,
+    MulticlassF1Score,
+    MulticlassMatthewsCorrCoef,
+)
 
 from loko_lightning.adapters import count_parameters, freeze_normalization
 from loko_lightning.distributed import all_gather_observations
@@ -23,6 +28,8 @@ from loko_lightning.jacobian import JacobianEngine
 from loko_lightning.metrics import MovingAverage, OnlineAccuracy
 from loko_lightning.networks import NetworkFactory
 from loko_lightning.optim import LoKO
+
+HeldOutMetric = Literal["mcc", "f1"]
 
 # The frozen backbone's normalisation layers are in eval mode on purpose (batch size 1); Lightning warns about it.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -57,6 +64,7 @@ class OnlineClassifier(pl.LightningModule):
             ``LinearLR`` for the paper's linear decay). ``None``: a constant learning rate. LoKO has none: a scheduler
             or a ``LearningRateMonitor`` with it is a :class:`ConfigError` (watch ``loko/p_mean``).
         window: window of the moving-average losses (paper: 1000).
+        held_out_metrics: GLUE's held-out metrics besides accuracy, ``"mcc"`` (CoLA's), ``"f1"`` (MRPC's).
 
     Example:
         >>> from functools import partial
@@ -70,6 +78,7 @@ class OnlineClassifier(pl.LightningModule):
         optimizer: OptimizerCallable = LoKO,
         lr_scheduler: LRSchedulerCallable | None = None,
         window: int = 1000,
+        held_out_metrics: list[HeldOutMetric] | None = None,
     ) -> None:
         super().__init__()
         # The factories are objects (the CLI saves their configuration in config.yaml); checkpoints keep plain values.
@@ -98,8 +107,7 @@ class OnlineClassifier(pl.LightningModule):
         self.ce_avg = MovingAverage(window, sync_on_compute=False)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         self._engine: JacobianEngine | None = None  # built at the first Kalman step, once the network is in place
-        self.val_acc = MulticlassAccuracy(self.num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(self.num_classes, average="micro")
+        self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
 
     # ------------------------------------------------------------------ setup
     @property
@@ -248,18 +256,41 @@ class OnlineClassifier(pl.LightningModule):
             # Lightning turns progress-bar values into Python numbers after every step: one host sync, only if shown.
             self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)
 
-    def _eval_step(self, batch: dict[str, Any], metric: MulticlassAccuracy, name: str) -> None:
-        logits = self.network(batch["inputs"])
-        metric.update(logits, batch["label"])
-        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch["label"].shape[0])
+    def _eval_step(self, batch: dict[str, Any], stage: str, metrics: nn.ModuleDict) -> None:
+        predicted = self.network(batch["inputs"]).argmax(-1)
+        for key, metric in metrics.items():
+            metric.update(predicted, batch["label"])
+            self.log(f"{stage}/{key}", metric, prog_bar=key == "acc", batch_size=predicted.shape[0])
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Top-1 accuracy on the held-out split."""
-        self._eval_step(batch, self.val_acc, "val/acc")
+        """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
+        self._eval_step(batch, "val", self.val_metrics)
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Top-1 accuracy on the held-out split."""
-        self._eval_step(batch, self.test_acc, "test/acc")
+        """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
+        self._eval_step(batch, "test", self.test_metrics)
+
+
+def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[nn.ModuleDict, nn.ModuleDict]:
+    """Validation and test metrics, logged as ``val/<name>``, ``test/<name>``: top-1 accuracy (``acc``) and GLUE's.
+
+    ``"mcc"``: Matthews correlation (CoLA's metric); ``"f1"``: F1 of class 1 for two classes (MRPC's), macro F1
+    otherwise.
+    """
+    pair = []
+    for _ in range(2):
+        metrics = nn.ModuleDict({"acc": MulticlassAccuracy(num_classes, average="micro")})
+        for name in names:
+            if name == "mcc":
+                metrics[name] = MulticlassMatthewsCorrCoef(num_classes)
+            elif name == "f1":
+                metrics[name] = BinaryF1Score() if num_classes == 2 else MulticlassF1Score(num_classes, average="macro")
+            else:
+                known = ", ".join(get_args(HeldOutMetric))
+                message = f"unknown held-out metric {name!r}; known: {known}"
+                raise ConfigError(message, field="held_out_metrics", owner=owner)
+        pair.append(metrics)
+    return pair[0], pair[1]
 
 
 def _refuse_learning_rate_tools(lr_scheduler: Any = None, callbacks: list[pl.Callback] = ()) -> None:

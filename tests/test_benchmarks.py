@@ -289,3 +289,23 @@ def test_scale_measures_a_joint_step(scripts):
     assert row["step_s"] > 0 and row["samples_per_s"] == pytest.approx(2 / row["step_s"])
     assert row["bytes_per_step_per_process"] > 2 * 2 * 4 * 4  # more than the predictions and targets alone
     assert row["peak_mib"] > 0
+
+
+def test_compare_on_a_text_config_reports_cross_entropy(scripts, tmp_path):
+    """The text quick-start config on a local CSV and a tiny local BERT: the comparison plots and tables CE."""
+    from text_helpers import sentiment_rows, tiny_bert_dir, write_text_file
+
+    model = tiny_bert_dir(tmp_path / "model")
+    data = write_text_file(tmp_path / "reviews.csv", sentiment_rows(30))
+    text = ["--config", str(ROOT / "configs" / "text_quickstart.yaml"), "--samples", "12", "--threads", "1"]
+    overrides = ["--model.network.backbone", str(model), "--model.network.weights", "null", "--model.window", "5",
+                 "--data.dataset", "textfile", "--data.root", str(data), "--data.max_length", "16"]  # fmt: skip
+    summary = scripts.compare.main([*text, "--seeds", "0", "--warmup", "2", "--out", str(tmp_path / "out"), "--",
+                                    *overrides])  # fmt: skip
+    assert set(summary) == {"loko", "adamw", "adagrad"}
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert saved["loss"] == "ce" and "max 16 tokens" in saved["setting"]
+    assert "moving-average cross-entropy" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    table = scripts.compare.curve_table(tmp_path / "out" / "metrics.csv", [6, 12], loss="ce")
+    assert "(CE " in table and "cross-entropy then" in table

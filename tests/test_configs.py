@@ -20,6 +20,9 @@ PAPER_COUNTS = {
     "cifar100_resnet50": 520_000,
     "cifar100_vit_b16": 155_000,
     "imagenet100_vit_l16": 400_000,
+    # Language (RoBERTa with LoRA on the queries; "Result Language" table).
+    **{f"{task}_roberta_base": 666_000 for task in ("sst2", "cola", "mrpc")},
+    **{f"{task}_roberta_large": 1_248_000 for task in ("sst2", "cola", "mrpc")},
 }
 
 

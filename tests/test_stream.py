@@ -91,7 +91,8 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
     dm.load_state_dict(state)
     loader = dm.train_dataloader()
     assert len(loader) == N_TRAIN and [int(b["position"]) for b in loader] == list(range(13, N_TRAIN))
-    assert dm.state_dict() == state  # only samples that reach training advance it (on_before_batch_transfer)
+    # Only samples that reach training advance it (on_before_batch_transfer); the class names (label ids) come too.
+    assert dm.state_dict() == {**state, "classes": dm.classes}
     assert [int(b["position"]) for b in loader] == list(range(N_TRAIN))  # the next pass is the whole stream
     assert loader.state_dict() == {}  # the position is saved once, by the DataModule
     assert int(next(iter(dm.train_dataloader()))["position"]) == 0  # a fresh fit starts over
@@ -99,6 +100,9 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
     assert int(next(iter(dm.train_dataloader()))["position"]) == 0
     with pytest.raises(ValueError, match=r"position 21 is outside \[0, 20\]"):
         dm.load_state_dict({**state, "position": 21})
+    with pytest.raises(ConfigError, match=r"trained with classes \['cat', 'dog'\]") as err:
+        dm.load_state_dict({**state, "classes": ["cat", "dog"]})  # resuming would mix up the label ids
+    assert err.value.field == "dataset"
 
     with pytest.raises(ConfigError, match=r"the checkpoint's stream has seed=0 .*seed=1.*resume with seed=0") as err:
         make(cifar10, dataset="cifar10", seed=1).load_state_dict(state)

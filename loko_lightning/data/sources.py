@@ -76,7 +76,8 @@ class Source:
 
     Attributes:
         name: the dataset name, as passed to :class:`~loko_lightning.data.StreamDataModule`.
-        modality: what a raw sample is, which picks the transform: ``"image"`` (a PIL image).
+        modality: what a raw sample is, which picks the transform: ``"image"`` (a PIL image) or ``"text"`` (a string
+            or a pair of strings, :mod:`loko_lightning.data.text_sources`).
         num_classes: number of classes if known before loading, else ``None``.
     """
 
@@ -91,6 +92,14 @@ class Source:
             root: the data root.
         """
         return str(root)
+
+    def configured(self, **options: Any) -> Source:
+        """This source with the data module's source options (text sources: the column names); default: itself.
+
+        Args:
+            options: ``text_column``, ``text_pair_column``, ``label_column``.
+        """
+        return self
 
     def prepare(self, root: Path, download: bool) -> None:
         """Fetch the files if asked to (runs in ``prepare_data``, once per machine); the default fetches nothing.
@@ -379,6 +388,3 @@ register_source(TorchvisionSource("mnist", datasets.MNIST, 10, "MNIST/raw"))
 register_source(FashionMNISTSource())
 register_source(MNIST5kSource())
 register_source(ImageFolderSource())
-
-# The built-in dataset names (``SOURCES`` also holds any registered later).
-DATASETS: tuple[str, ...] = tuple(SOURCES)

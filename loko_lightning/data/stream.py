@@ -263,6 +263,8 @@ class StreamDataLoader(DataLoader):
         batch_size: samples per step and rank.
         world_size: number of ranks sharing the stream.
         rank: this rank.
+        collate_fn: how samples are batched (text: :meth:`~loko_lightning.data.TextTransform.collate`); default
+            torch's.
     """
 
     def __init__(
@@ -273,14 +275,15 @@ class StreamDataLoader(DataLoader):
         batch_size: int = 1,
         world_size: int = 1,
         rank: int = 0,
+        collate_fn: Callable | None = None,
     ) -> None:
         start = start if start < len(dataset) else 0
         if batch_size == 1 and world_size == 1:
             sampler = _StreamSampler(len(dataset), start)
-            super().__init__(dataset, batch_size=1, sampler=sampler, num_workers=num_workers)
+            super().__init__(dataset, batch_size=1, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
         else:
             batches = _StreamBatchSampler(len(dataset), start, batch_size, world_size, rank)
-            super().__init__(dataset, batch_sampler=batches, num_workers=num_workers)
+            super().__init__(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn)
 
     def step_end(self, position: int) -> int:
         """The first stream position after the (global) step that trains on ``position``."""

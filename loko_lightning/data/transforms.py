@@ -1,8 +1,8 @@
 """Preprocessing of a raw sample into the model's inputs, one transform per modality.
 
 Images: timm's evaluation transform for the backbone (resize, centre crop, normalisation from its pretrained
-config), with grayscale images repeated to three channels. :func:`build_transform` picks the transform for a
-source's modality.
+config), with grayscale images repeated to three channels. Text: the backbone's Hugging Face tokenizer
+(:class:`TextTransform`). :func:`build_transform` picks the transform for a source's modality.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform, resolve_data_config
 
+from loko_lightning.data.text import TextTransform
 from loko_lightning.errors import ConfigError
 
 Transform = Callable[[Any], Any]
@@ -115,20 +116,28 @@ def build_transform(
     image_size: int | None = None,
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
+    max_length: int = 128,
 ) -> Transform:
     """The transform for a source's modality, configured from the backbone.
 
     Args:
         modality: the source's :attr:`~loko_lightning.data.sources.Source.modality`.
-        backbone: the model name whose preprocessing to use.
+        backbone: the model name whose preprocessing to use (text: whose tokenizer).
         image_size: square input size of images, overriding the backbone's.
         mean: image normalisation mean, overriding the backbone's.
         std: image normalisation std, overriding the backbone's.
+        max_length: text: at most this many tokens per sample (longer texts are truncated).
 
     Raises:
         ConfigError: no transform for ``modality`` (``field="dataset"``), or a bad argument of the transform.
     """
     if modality == "image":
         return ImageTransform(backbone, image_size, mean, std)
-    # Text sources get the backbone's tokenizer here (a transform from a string to the model's input tensors).
-    raise ConfigError(f"no transform for {modality!r} samples; known: 'image'.", field="dataset")
+    if modality == "text":
+        for name, value in {"image_size": image_size, "mean": mean, "std": std}.items():
+            if value is not None:
+                raise ConfigError(f"{name} is an image setting; a text stream takes max_length instead.", field=name)
+        if backbone is None:
+            raise ConfigError("a text stream needs the backbone whose tokenizer to use.", field="backbone")
+        return TextTransform(backbone, max_length)
+    raise ConfigError(f"no transform for {modality!r} samples; known: 'image', 'text'.", field="dataset")

