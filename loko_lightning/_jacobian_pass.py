@@ -9,7 +9,7 @@ Jacobian as the product of its factors, or in that exact factored form.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -419,3 +419,28 @@ def _uses_batch_statistics(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
         not module.track_running_stats or module._buffers.get("running_mean") is None
     )
+
+
+def _check_inputs(inputs: Any, batch: bool) -> Tensor:
+    """The first tensor of ``inputs`` (a tensor or a dict of tensors), after checking their batch dimension.
+
+    One sample: each tensor has batch dimension 1; ``batch``: the same number ``B >= 1`` of samples along the first
+    dimension of every tensor.
+    """
+    tensors = list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
+    if not tensors:
+        raise ValueError("Invalid inputs: an empty dict")
+    expected = "a batch of samples along the first dimension" if batch else "one sample with batch dimension 1"
+    for tensor in tensors:
+        size = tensors[0].shape[0] if batch and isinstance(tensors[0], Tensor) and tensors[0].dim() else 1
+        if not isinstance(tensor, Tensor) or tensor.dim() == 0 or tensor.shape[0] != size or size < 1:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"Invalid inputs: expected {expected}, got shape {got}")
+    return tensors[0]
+
+
+def _sample(inputs: Tensor | Mapping[str, Tensor], index: int) -> Tensor | dict[str, Tensor]:
+    """Sample ``index`` of a batch (a tensor or a dict of tensors), keeping its batch dimension of 1."""
+    if isinstance(inputs, Mapping):
+        return {key: value[index : index + 1] for key, value in inputs.items()}
+    return inputs[index : index + 1]

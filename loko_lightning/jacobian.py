@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from itertools import chain
 from operator import is_not
-from typing import Any, get_args
+from typing import get_args
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +51,7 @@ from loko_lightning._jacobian_pass import (
     _RANDOM,
     Output,
     _batch_size_hook,
+    _check_inputs,
     _conv_hook,
     _Hooks,
     _jacobian,
@@ -59,6 +60,7 @@ from loko_lightning._jacobian_pass import (
     _post_hook,
     _pre_hook,
     _remove,
+    _sample,
     _stack_samples,
     _uses_batch_statistics,
 )
@@ -378,28 +380,6 @@ def jacobian(
     """
     with JacobianEngine(model, params, output=output, chunk_size=chunk_size, factorize=factorize) as engine:
         return engine(inputs)
-
-
-def _check_inputs(inputs: Any, batch: bool) -> Tensor:
-    """The first tensor of ``inputs`` (a tensor or a dict of tensors), each with batch dimension 1 (``batch``: the
-    same number ``B >= 1`` of samples along the first dimension of every tensor)."""
-    tensors = list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
-    if not tensors:
-        raise ValueError("Invalid inputs: an empty dict")
-    expected = "a batch of samples along the first dimension" if batch else "one sample with batch dimension 1"
-    for tensor in tensors:
-        size = tensors[0].shape[0] if batch and isinstance(tensors[0], Tensor) and tensors[0].dim() else 1
-        if not isinstance(tensor, Tensor) or tensor.dim() == 0 or tensor.shape[0] != size or size < 1:
-            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-            raise ValueError(f"Invalid inputs: expected {expected}, got shape {got}")
-    return tensors[0]
-
-
-def _sample(inputs: Tensor | Mapping[str, Tensor], index: int) -> Tensor | dict[str, Tensor]:
-    """Sample ``index`` of a batch (a tensor or a dict of tensors), keeping its batch dimension of 1."""
-    if isinstance(inputs, Mapping):
-        return {key: value[index : index + 1] for key, value in inputs.items()}
-    return inputs[index : index + 1]
 
 
 def _kind(cls: type) -> int:

@@ -29,10 +29,10 @@ class StreamDataModule(pl.LightningDataModule):
     process a disjoint, deterministic chunk of them (rank order = stream order). For text, ``inputs`` is a dict of
     ``(B, L)`` token tensors (``input_ids``, ``attention_mask`` and, where the tokenizer makes them,
     ``token_type_ids``), right-padded to the batch's longest text with the padding masked. Validation and test
-    batches are ``{"inputs": (B, 3, H, W), "label": (B,)}`` from the held-out split: the dataset's test split, ``root/val`` for
-    an ImageFolder that has one, otherwise a fixed :data:`~loko_lightning.data.HOLDOUT_FRACTION` (10 %) of the
-    training split drawn with :data:`~loko_lightning.data.HOLDOUT_SEED` (the same for every stream seed) and excluded
-    from the stream.
+    batches are ``{"inputs": (B, 3, H, W), "label": (B,)}`` from the held-out split: the dataset's test split,
+    ``root/val`` for an ImageFolder that has one, otherwise a fixed :data:`~loko_lightning.data.HOLDOUT_FRACTION`
+    (10 %) of the training split drawn with :data:`~loko_lightning.data.HOLDOUT_SEED` (the same for every stream
+    seed) and excluded from the stream.
 
     Images are preprocessed with timm's evaluation transform for the backbone
     (:class:`~loko_lightning.data.ImageTransform`). Sources (:data:`~loko_lightning.data.SOURCES`; ``root`` is the
