@@ -154,3 +154,28 @@ def test_right_padding_with_the_mask_changes_no_logit(monkeypatch, name):
     alone = torch.cat([network({k: v[None] for k, v in s.items()}) for s in samples])
     # float64; padding only adds masked keys (exp(-inf) = 0 weights), so the sums differ by rounding at most.
     torch.testing.assert_close(network(batch), alone, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tiny-bert", "tiny-roberta"])
+def test_batched_jacobian_of_a_right_padded_text_batch_is_each_samples_own(monkeypatch, name):
+    """``data.batch_size`` B > 1 on text: the stream pads the batch to its longest sample; the engine's batched pass
+    gives every sample the prediction and Jacobian it has alone (the padded positions are masked keys, so their
+    cotangents are zero)."""
+    from loko_lightning.data import TextTransform
+
+    network = tiny_text_network(monkeypatch, name, dtype=torch.float64)
+    samples = [{k: v[0] for k, v in tokens(length, name, seed=length).items()} for length in (4, 11, 7)]
+    pad = type("Pad", (), {"pad_values": {"input_ids": 1 if "roberta" in name else 0}})()  # no tokenizer needed
+    batch = TextTransform.collate.__get__(pad)([{"inputs": s} for s in samples])["inputs"]
+    params = [p for p in network.parameters() if p.requires_grad]
+    with JacobianEngine(network, params, factorize=True) as engine:
+        predictions, blocks = engine.batch(batch)
+        for b, sample in enumerate(samples):
+            prediction, alone = engine({k: v[None] for k, v in sample.items()})
+            # float64 on both sides; the batch adds masked keys (zero weights) and sums in another order.
+            torch.testing.assert_close(predictions[b], prediction, rtol=1e-10, atol=1e-12)
+            for jac, ref in zip(blocks, alone, strict=True):
+                dense = jac.to_dense()[b] if hasattr(jac, "to_dense") else jac[b]
+                ref = ref.to_dense() if hasattr(ref, "to_dense") else ref
+                assert ref.abs().max() > 0
+                torch.testing.assert_close(dense, ref, rtol=1e-10, atol=1e-12)
