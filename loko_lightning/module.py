@@ -208,8 +208,11 @@ class OnlineClassifier(pl.LightningModule):
         logits = self.network(inputs)
         loss = F.cross_entropy(logits, label)
         optimizer.zero_grad(set_to_none=True)
-        # One host sync per step, for gradient optimizers only: a NaN loss must not reach AdamW's moments.
+        # One host sync per step, for gradient optimizers only: a NaN loss must not reach AdamW's moments. Under DDP
+        # the processes agree first (a process skipping backward alone would leave the others waiting in all-reduce).
         applied = torch.isfinite(loss)
+        if self._world_size > 1:
+            applied = self.all_gather(applied).all()
         if applied:
             self.manual_backward(loss)
         # With no gradients the torch optimizers leave every parameter alone; the step still counts a sample.
@@ -222,7 +225,6 @@ class OnlineClassifier(pl.LightningModule):
             target = F.one_hot(label, self.num_classes).to(prediction.dtype)
             prediction, target, _ = all_gather_observations(prediction, target, [])
             label = target.argmax(-1)
-            applied = self.all_gather(applied).all()
         return prediction, label, applied
 
     def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:

@@ -20,3 +20,14 @@ class Checksum(pl.Callback):
         gathered = pl_module.all_gather(mine)
         if trainer.is_global_zero:
             torch.save({"states": gathered.cpu(), "world_size": trainer.world_size}, self.path)
+
+
+class PoisonOneRank(pl.Callback):
+    """Puts a NaN into the input of one process's batch at one step (the other processes' inputs stay finite)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and batch_idx == self.step:
+            batch["inputs"].view(-1)[0] = float("nan")

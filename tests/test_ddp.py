@@ -140,12 +140,12 @@ def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def loko_ddp(tmp_path, name, *extra, every=6, samples=24):
+def loko_ddp(tmp_path, name, *extra, every=6, samples=24, callbacks=()):
     """``loko fit`` on the debug config under DDP (2 CPU processes, gloo) in a subprocess, as a user runs it."""
     args = outputs(tmp_path, name, every=every, keep_all=True, plot=False)
     config = yaml.safe_load(Path(args[1]).read_text())
     checksum = {"class_path": "ddp_checksum.Checksum", "init_args": {"path": str(tmp_path / f"{name}.pt")}}
-    config["trainer"]["callbacks"].append(checksum)
+    config["trainer"]["callbacks"] += [checksum, *callbacks]
     Path(args[1]).write_text(yaml.safe_dump(config))
     command = [
         sys.executable, "-m", "loko_lightning.cli", "fit", "--config", str(ROOT / "configs" / "debug.yaml"),
@@ -185,3 +185,15 @@ def test_gradient_baseline_under_ddp_all_reduces_and_scores_every_process(tmp_pa
     assert torch.equal(result["states"][0], result["states"][1])
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert last["global_step"] == 6 and last["state_dict"]["online_acc.weight"].item() == 12
+
+
+def test_a_nan_on_one_process_skips_the_joint_step_everywhere(tmp_path):
+    """AdamW under DDP with a NaN input on rank 1 at step 2: the processes agree to skip that step (no process waits
+    alone in DDP's all-reduce), stay in sync, and count both samples of the step as skipped."""
+    adamw = ["--config", str(ROOT / "configs" / "baselines" / "adamw.yaml"), "--model.lr_scheduler.total_iters", "6"]
+    poison = {"class_path": "ddp_checksum.PoisonOneRank", "init_args": {"rank": 1, "step": 2}}
+    result, checkpoints, _ = loko_ddp(tmp_path, "nan", *adamw, every=3, samples=12, callbacks=[poison])
+    assert torch.equal(result["states"][0], result["states"][1])
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 6 and last["state_dict"]["skipped"].item() == 2
+    assert last["state_dict"]["online_acc.weight"].item() == 10
