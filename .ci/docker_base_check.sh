@@ -11,8 +11,9 @@
 #   .ci/docker_base_check.sh            the base image's torch/torchvision, newest everything else (CI runs this)
 #   .ci/docker_base_check.sh --oldest   the oldest supported set: every dependency pinned to its pyproject floor
 #
-# Environment: BASE_CHECK_PYTEST_ARGS (pytest arguments, split on spaces; default: -m "not slow"), BASE_CHECK_KEEP=1 keeps the scratch directory
-# (venv included, several GB) for a look afterwards.
+# Environment: BASE_CHECK_PYTEST_ARGS (pytest arguments, split on spaces; default: -m "not slow" without
+# tests/test_readme.py and tests/test_benchmarks.py), BASE_CHECK_KEEP=1 keeps the scratch directory (venv included,
+# several GB) for a look afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -156,7 +157,8 @@ python -m pip install -q -r "$SCRATCH/test-requirements.txt" "torch==$TORCH" "to
 
 # `pytest` (not `python -m pytest`) puts tests/ on sys.path, not the repository root: the tests import the
 # installed package, as in the image.
-PYTEST_ARGS=(-m "not slow")
+# The fast tests; the README's snippets and the benchmark scripts run in the main suite only (CI time).
+PYTEST_ARGS=(-m "not slow" --ignore=tests/test_readme.py --ignore=tests/test_benchmarks.py)
 if [ -n "${BASE_CHECK_PYTEST_ARGS:-}" ]; then read -r -a PYTEST_ARGS <<<"$BASE_CHECK_PYTEST_ARGS"; fi
 step "tests: pytest -q ${PYTEST_ARGS[*]}"
 pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}" || status=$?
