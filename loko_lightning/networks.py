@@ -13,7 +13,7 @@ a Hugging Face sequence classifier with LoRA on the attention queries (text); ot
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -29,7 +29,9 @@ class NetworkFactory:
     """Base class of the network factories a learner accepts.
 
     Subclasses set :attr:`backbone` (the name the data layer's preprocessing follows) and :attr:`num_classes` (the
-    size of the output, ``m``), check their arguments in ``__init__`` and build the network in :meth:`__call__`.
+    size of the output, ``m``), check their arguments in ``__init__`` (the adapter factories through
+    :meth:`_keep_adapter_arguments`) and build the network in :meth:`_build`; calling the factory builds it and
+    names the factory in the :class:`ConfigError` of a bad argument.
 
     Attributes:
         backbone: name of the pretrained backbone.
@@ -44,7 +46,39 @@ class NetworkFactory:
 
     def __call__(self) -> nn.Module:
         """Build the network (weights are loaded here, not at configuration time)."""
+        try:
+            return self._build()
+        except ConfigError as err:  # raised by the builders, about one of this factory's arguments
+            err.owner = err.owner or type(self)
+            raise
+
+    def _build(self) -> nn.Module:
         raise NotImplementedError
+
+    def _keep_adapter_arguments(self, arguments: dict[str, Any], head_inits: tuple[str, ...]) -> None:
+        """Check the arguments the adapter factories share (a :class:`ConfigError` names the bad one) and keep them.
+
+        ``arguments``: the factory's ``__init__`` arguments (``backbone``, ``num_classes``, ``pretrained``,
+        ``weights``, ``target``, ``r``, ``alpha``, ``dropout``, ``use_dora``, ``head_init``).
+        """
+        num_classes, r, dropout, head_init = (arguments[k] for k in ("num_classes", "r", "dropout", "head_init"))
+        if not isinstance(num_classes, int) or num_classes < 1:
+            message = f"num_classes must be a positive integer, got {num_classes}"
+            raise ConfigError(message, field="num_classes", owner=self)
+        if not isinstance(r, int) or r < 1:
+            raise ConfigError(f"r (the adapter rank) must be a positive integer, got {r}", field="r", owner=self)
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout must lie in [0, 1), got {dropout}", field="dropout", owner=self)
+        if head_init not in head_inits:
+            choices = " or ".join(repr(choice) for choice in head_inits)
+            raise ConfigError(f"head_init must be {choices}, got {head_init!r}", field="head_init", owner=self)
+        self.backbone, self.num_classes = arguments["backbone"], num_classes
+        self.pretrained, self.weights = arguments["pretrained"], arguments["weights"]
+        self.weights = None if self.weights is None else str(self.weights)
+        target = arguments["target"]
+        self.target = target if isinstance(target, str) else list(target)
+        self.r, self.alpha, self.dropout, self.use_dora = r, arguments["alpha"], dropout, arguments["use_dora"]
+        self.head_init = head_init
 
 
 class TimmClassifier(NetworkFactory):
@@ -87,34 +121,15 @@ class TimmClassifier(NetworkFactory):
         use_dora: bool = False,
         head_init: HeadInit = "zeros",
     ) -> None:
-        if not isinstance(num_classes, int) or num_classes < 1:
-            message = f"num_classes must be a positive integer, got {num_classes}"
-            raise ConfigError(message, field="num_classes", owner=self)
-        if not isinstance(r, int) or r < 1:
-            raise ConfigError(f"r (the adapter rank) must be a positive integer, got {r}", field="r", owner=self)
-        if not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"dropout must lie in [0, 1), got {dropout}", field="dropout", owner=self)
-        if head_init not in ("zeros", "timm"):
-            raise ConfigError(f"head_init must be 'zeros' or 'timm', got {head_init!r}", field="head_init", owner=self)
+        self._keep_adapter_arguments(dict(locals()), head_inits=("zeros", "timm"))
         try:
             check_backbone(backbone)
         except ConfigError as err:
             err.owner = type(self)
             raise
-        self.backbone, self.num_classes = backbone, num_classes
-        self.pretrained, self.weights = pretrained, None if weights is None else str(weights)
-        self.target = target if isinstance(target, str) else list(target)
-        self.r, self.alpha, self.dropout, self.use_dora, self.head_init = r, alpha, dropout, use_dora, head_init
-
-    def __call__(self) -> nn.Module:
-        """Create the backbone, its new head and the adapters (see :func:`~loko_lightning.adapters.build_model`)."""
-        try:
-            return self._build()
-        except ConfigError as err:  # raised by the builders, about one of this factory's arguments
-            err.owner = err.owner or type(self)
-            raise
 
     def _build(self) -> nn.Module:
+        """Create the backbone, its new head and the adapters (see :func:`~loko_lightning.adapters.build_model`)."""
         return build_model(
             self.backbone,
             self.num_classes,
@@ -180,39 +195,22 @@ class TransformersClassifier(NetworkFactory):
         if not isinstance(backbone, str) or not backbone:
             message = f"backbone must be a model name or directory, got {backbone!r}"
             raise ConfigError(message, field="backbone", owner=self)
-        if not isinstance(num_classes, int) or num_classes < 1:
-            message = f"num_classes must be a positive integer, got {num_classes}"
-            raise ConfigError(message, field="num_classes", owner=self)
-        if not isinstance(r, int) or r < 1:
-            raise ConfigError(f"r (the adapter rank) must be a positive integer, got {r}", field="r", owner=self)
-        if not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"dropout must lie in [0, 1), got {dropout}", field="dropout", owner=self)
-        if head_init not in ("zeros", "transformers"):
-            message = f"head_init must be 'zeros' or 'transformers', got {head_init!r}"
-            raise ConfigError(message, field="head_init", owner=self)
-        self.backbone, self.num_classes = backbone, num_classes
-        self.pretrained, self.weights = pretrained, None if weights is None else str(weights)
-        self.target = target if isinstance(target, str) else list(target)
-        self.r, self.alpha, self.dropout, self.use_dora, self.head_init = r, alpha, dropout, use_dora, head_init
+        self._keep_adapter_arguments(dict(locals()), head_inits=("zeros", "transformers"))
 
-    def __call__(self) -> nn.Module:
+    def _build(self) -> nn.Module:
         """Load (or create) the model, its head and adapters (:func:`~loko_lightning.text_models.build_text_model`)."""
-        try:
-            return build_text_model(
-                self.backbone,
-                self.num_classes,
-                pretrained=self.pretrained,
-                weights=self.weights,
-                target=self.target,
-                r=self.r,
-                alpha=self.alpha,
-                dropout=self.dropout,
-                use_dora=self.use_dora,
-                head_init=self.head_init,
-            )
-        except ConfigError as err:
-            err.owner = err.owner or type(self)
-            raise
+        return build_text_model(
+            self.backbone,
+            self.num_classes,
+            pretrained=self.pretrained,
+            weights=self.weights,
+            target=self.target,
+            r=self.r,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            use_dora=self.use_dora,
+            head_init=self.head_init,
+        )
 
     def __repr__(self) -> str:
         source = self.weights if self.weights is not None else ("hub" if self.pretrained else "random")
