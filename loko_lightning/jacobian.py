@@ -216,8 +216,7 @@ class JacobianEngine:
         first = _check_inputs(inputs, batch=True)
         fast = self._check_call(first)
         samples = first.shape[0]
-        covered = {id(layer.module._parameters[name]) for layer in self._layers.values() for name in layer.swap}
-        per_sample = not fast or any(id(p) not in covered for p in self._params)
+        per_sample = not fast or self._uncovered
         result = self._run(inputs, fast, samples, per_sample)
         if result is None:  # a fast-path layer's input was modified in place: redo it generically
             result = self._run(inputs, False, samples, True)
@@ -313,6 +312,9 @@ class JacobianEngine:
             handles.append(module.register_forward_pre_hook(_pre_hook(layer, hooks), with_kwargs=True))
             handles.append(module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
         self._layers, self._norms, self._random, self._dicts = layers, norms, random, dicts
+        # Whether a parameter is reached outside the fast-path layers (a batch then needs one-sample cotangents).
+        covered = {id(layer.module._parameters[name]) for layer in layers.values() for name in layer.swap}
+        self._uncovered = any(id(p) not in covered for p in self._params)
         self._structure = list(chain.from_iterable(map(dict.values, dicts)))  # holding them keeps `is` reliable
 
     def _structure_changed(self) -> bool:
