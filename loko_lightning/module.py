@@ -38,7 +38,7 @@ warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual op
 
 
 class OnlineClassifier(pl.LightningModule):
-    """Online (batch size 1) fine-tuning of the trainable part (adapters and head) of a network.
+    """Online fine-tuning (one sample a step, or a joint step over a batch) of the adapters and head of a network.
 
     Each training step first scores the prediction made *before* updating on its sample (prequential): online
     top-1/top-5 accuracy, moving averages of the L1 loss ``‖y − ŷ‖₁`` and of the cross-entropy. Then
