@@ -8,7 +8,7 @@ A run is the training of ``loko fit`` with the same configs and overrides, built
 - callbacks: only the config's :class:`~loko_lightning.callbacks.DivergenceGuard` is kept (checkpoints and the
   end-of-run report have no use here), and :class:`StepRecorder` is added;
 - a learning-rate scheduler with a ``total_iters`` argument (the AdamW baseline's ``LinearLR``) runs over the
-  stream's length, so the paper's linear decay ends with the stream;
+  stream's length in steps (samples / ``data.batch_size``), so the paper's linear decay ends with the stream;
 - :class:`~loko_lightning.LoKO` draws ``p̂₀`` from its own generator seeded with the run's seed (unless the config
   sets ``seed``). The learner checks its optimizer on a stand-in parameter before it builds the network; from the
   global RNG, LoKO's draw in that check would shift the network's initialisation. With its own generator nothing
@@ -162,7 +162,8 @@ class BenchmarkCLI(LoKOCLI):
             self._set_up = StreamDataModule(**config.data.as_dict())
             self._set_up.prepare_data()
             self._set_up.setup("fit")
-            scheduler.init_args.total_iters = self._set_up.stream_length
+            # One scheduler step per training step: B samples (data.batch_size) make one step.
+            scheduler.init_args.total_iters = math.ceil(self._set_up.stream_length / self._set_up.batch_size)
             self.resolved["model.lr_scheduler.total_iters"] = scheduler.init_args.total_iters
         super().before_instantiate_classes()
 
@@ -218,7 +219,7 @@ class StepRecorder(pl.Callback):
         label: prefix of the progress lines.
     """
 
-    FIELDS = ("online_acc", "loss_avg", "ce_avg", "step_time")
+    FIELDS = ("online_acc", "recent_acc", "loss_avg", "ce_avg", "step_time")
 
     def __init__(self, print_every: int = 0, label: str = "") -> None:
         self.print_every = print_every
@@ -226,6 +227,7 @@ class StepRecorder(pl.Callback):
         self.window = 0
         self.keys: dict[str, str] = {}
         self.rows: dict[str, list[float]] = {name: [] for name in self.FIELDS}
+        self.samples: list[int] = []
         self.started = time.perf_counter()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -233,6 +235,7 @@ class StepRecorder(pl.Callback):
         self.window = pl_module.hparams.window
         self.keys = {
             "online_acc": "train/online_acc",
+            "recent_acc": f"train/online_acc_recent{pl_module.hparams.recent_window}",
             "loss_avg": f"train/loss_avg{self.window}",
             "ce_avg": f"train/ce_avg{self.window}",
             "step_time": "train/step_time",
@@ -247,6 +250,7 @@ class StepRecorder(pl.Callback):
         for name, key in self.keys.items():
             value = metrics.get(key)
             self.rows[name].append(float(value) if value is not None else math.nan)
+        self.samples.append((self.samples[-1] if self.samples else 0) + len(batch["label"]) * trainer.world_size)
         step = len(self.rows["online_acc"])
         if self.print_every and step % self.print_every == 0:
             print(
@@ -271,6 +275,8 @@ class RunResult:
         num_classes: the network's number of classes.
         command: the ``loko fit`` arguments whose training this run is (the trainer settings aside).
         setting: what was run, in words.
+        recent_acc: online accuracy of the last ``recent_window`` predictions (the learner's) after each step.
+        samples: samples seen after each step (a step takes ``data.batch_size`` samples per process).
     """
 
     online_acc: list[float]
@@ -283,6 +289,8 @@ class RunResult:
     num_classes: int = 0
     command: list[str] = field(default_factory=list)
     setting: dict[str, str] = field(default_factory=dict)
+    recent_acc: list[float] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -332,6 +340,8 @@ def fit(args: Sequence[str], *, print_every: int = 0, label: str = "", guard_eve
         num_classes=model.num_classes,
         command=command,
         setting=describe(cli),
+        recent_acc=rows["recent_acc"],
+        samples=recorder.samples,
     )
 
 

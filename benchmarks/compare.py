@@ -68,7 +68,7 @@ import common
 OPTIMIZERS = ("loko", "adamw", "adagrad")
 LABELS = {"loko": "LoKO", "adamw": "LoRA/AdamW", "adagrad": "LoRA/AdaGrad"}
 COLORS = {"loko": "tab:red", "adamw": "tab:blue", "adagrad": "tab:green"}
-CSV_FIELDS = ("optimizer", "seed", "step", "online_acc", "loss_avg", "ce_avg", "step_time")
+CSV_FIELDS = ("optimizer", "seed", "step", "samples", "online_acc", "recent_acc", "loss_avg", "ce_avg", "step_time")
 # Overrides of these keys configure one optimizer: they go to the config's own (the loko runs), not to the baselines.
 OPTIMIZER_KEYS = ("--model.optimizer", "--model.lr_scheduler")
 
@@ -193,50 +193,76 @@ def csv_rows(runs: list[Run], every: int) -> list[list[Any]]:
             step = i + 1
             if step % every and step != r.steps:
                 continue
-            values = (r.online_acc[i], r.loss_avg[i], r.ce_avg[i], r.step_time[i])
-            rows.append([run.optimizer, run.seed, step, *(f"{v:.6g}" for v in values)])
+            samples = r.samples[i] if r.samples else step
+            recent = r.recent_acc[i] if r.recent_acc else math.nan
+            values = (r.online_acc[i], recent, r.loss_avg[i], r.ce_avg[i], r.step_time[i])
+            rows.append([run.optimizer, run.seed, step, samples, *(f"{v:.6g}" for v in values)])
     return rows
 
 
 def curve_table(path: Path, at: list[int], loss: str = "l1") -> str:
     """The accuracy-after-N-samples table of a ``metrics.csv`` written by this script.
 
-    Average online accuracy and moving-average loss (``loss``: ``"l1"`` or ``"ce"``) after each of ``at`` samples,
-    mean ± sample std over seeds, one row per optimizer; a step the CSV lacks (thinned by ``--csv-every``) is an error.
+    Average online accuracy, the recent-window accuracy (the last ``recent_window`` predictions; a CSV without that
+    column, from before it existed, gives none) and the moving-average loss (``loss``: ``"l1"`` or ``"ce"``) after
+    each of ``at`` samples, mean ± sample std over seeds, one row per optimizer. A run's value after ``N`` samples
+    is its first recorded step with at least ``N`` samples (``N`` itself with one sample a step; with ``B`` samples a
+    step, the step that reaches ``N``); a run whose CSV has no such step within one ``--csv-every`` of ``N``
+    (thinned, or shorter) is an error.
     """
     field, loss_name = LOSSES[loss]
-    values: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    seen: set[str] = set()
+    rows: dict[tuple[str, int], list[dict[str, str]]] = {}
     with path.open(newline="") as handle:
         for row in csv.DictReader(handle):
-            seen.add(row["optimizer"])
-            step = int(row["step"])
-            if step in at:
-                values.setdefault((row["optimizer"], step), []).append(
-                    (100 * float(row["online_acc"]), float(row[field]))
-                )
-    optimizers = [o for o in OPTIMIZERS if o in seen]
-    missing = [f"{o}@{step}" for o in optimizers for step in at if (o, step) not in values]
+            rows.setdefault((row["optimizer"], int(row["seed"])), []).append(row)
+    seen = {optimizer for optimizer, _ in rows}
+    optimizers = [o for o in OPTIMIZERS if o in seen] + sorted(seen - set(OPTIMIZERS))
+    values: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    missing = []
+    for (optimizer, _seed), run in rows.items():
+        per_step = max(int(run[0].get("samples") or run[0]["step"]) // int(run[0]["step"]), 1)
+        for n in at:
+            row = next((r for r in run if int(r.get("samples") or r["step"]) >= n), None)
+            reached = int(row.get("samples") or row["step"]) if row is not None else None
+            if reached is None or reached - n >= per_step:
+                missing.append(f"{optimizer}@{n}")
+                continue
+            recent = float(row["recent_acc"]) if row.get("recent_acc") else math.nan
+            values.setdefault((optimizer, n), []).append(
+                (100 * float(row["online_acc"]), 100 * recent, float(row[field]))
+            )
     if not optimizers or missing:
-        raise SystemExit(f"compare.py: {path} has no rows for {', '.join(missing) or 'any optimizer'} (--csv-every?)")
-    header = " | ".join(f"after {step:,}" for step in at)
+        missing_text = ", ".join(dict.fromkeys(missing)) or "any optimizer"
+        raise SystemExit(f"compare.py: {path} has no rows for {missing_text} (--csv-every?)")
+    header = " | ".join(f"after {n:,}" for n in at)
     lines = [
         f"| optimizer | {header} |",
         "|---|" + "---|" * len(at),
     ]
+    has_recent = False
     for optimizer in optimizers:
         cells = []
-        for step in at:
-            accs, losses = zip(*values[optimizer, step], strict=True)
+        for n in at:
+            accs, recents, losses = zip(*values[optimizer, n], strict=True)
             acc_mean, acc_std = _mean_std(list(accs))
             loss_mean, _ = _mean_std(list(losses))
-            cells.append(f"{acc_mean:.1f} ± {acc_std:.1f} % ({'L1' if loss == 'l1' else 'CE'} {loss_mean:.3f})")
-        lines.append(f"| {LABELS[optimizer]} | {' | '.join(cells)} |")
+            cell = f"{acc_mean:.1f} ± {acc_std:.1f} %"
+            if all(math.isfinite(r) for r in recents):
+                has_recent = True
+                recent_mean, recent_std = _mean_std(list(recents))
+                cell += f", recent {recent_mean:.1f} ± {recent_std:.1f} %"
+            cells.append(f"{cell} ({'L1' if loss == 'l1' else 'CE'} {loss_mean:.3f})")
+        lines.append(f"| {LABELS.get(optimizer, optimizer)} | {' | '.join(cells)} |")
     seeds = len(values[optimizers[0], at[0]])
     lines.append("")
+    recent_text = (
+        "; recent: the accuracy of the last predictions (the learner's recent_window) then, mean ± std"
+        if has_recent
+        else ""
+    )
     lines.append(
-        f"Average online accuracy after that many samples, mean ± sample std over {seeds} seeds, and the mean "
-        f"moving-average {loss_name} then."
+        f"Average online accuracy after that many samples, mean ± sample std over {seeds} seeds{recent_text}; and "
+        f"the mean moving-average {loss_name} then."
     )
     return "\n".join(lines)
 
@@ -249,7 +275,9 @@ def plot(runs: list[Run], optimizers: Sequence[str], path: Path, title: str, los
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    recent = all(run.result.recent_acc for run in runs)
+    fig, axes = plt.subplots(1, 3 if recent else 2, figsize=(16 if recent else 11, 4))
+    ax_loss, ax_acc = axes[0], axes[1]
     seeds = sorted({run.seed for run in runs})
     window = next((run.result.window for run in runs), 0)
     for optimizer in optimizers:
@@ -257,15 +285,20 @@ def plot(runs: list[Run], optimizers: Sequence[str], path: Path, title: str, los
         if not results:
             continue
         length = min(r.steps for r in results)
-        x = np.arange(1, length + 1)
-        for axis, name, scale in ((ax_loss, LOSSES[loss][0], 1.0), (ax_acc, "online_acc", 100.0)):
+        x = np.array(results[0].samples[:length]) if results[0].samples else np.arange(1, length + 1)
+        panels = [(ax_loss, LOSSES[loss][0], 1.0), (ax_acc, "online_acc", 100.0)]
+        if recent:
+            panels.append((axes[2], "recent_acc", 100.0))
+        for axis, name, scale in panels:
             curves = scale * np.array([getattr(r, name)[:length] for r in results], dtype=float)
             axis.plot(x, curves.mean(0), color=COLORS[optimizer], label=LABELS[optimizer], lw=1.4)
             if len(results) > 1:
                 axis.fill_between(x, curves.min(0), curves.max(0), color=COLORS[optimizer], alpha=0.2, lw=0)
     ax_loss.set(xlabel="samples", ylabel=f"{LOSSES[loss][1]}, moving average ({window})", title="Loss")
     ax_acc.set(xlabel="samples", ylabel="average online accuracy (%)", title="Online accuracy")
-    for axis in (ax_loss, ax_acc):
+    if recent:
+        axes[2].set(xlabel="samples", ylabel="online accuracy of the last predictions (%)", title="Recent accuracy")
+    for axis in axes:
         axis.grid(alpha=0.3)
         axis.legend()
     band = "min–max band over seeds" if len(seeds) > 1 else "one seed"

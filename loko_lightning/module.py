@@ -44,8 +44,9 @@ class OnlineClassifier(pl.LightningModule):
     top-1/top-5 accuracy, moving averages of the L1 loss ``‖y − ŷ‖₁`` and of the cross-entropy. Then
     :class:`~loko_lightning.LoKO` (recognised by type) makes the Kalman update on the softmax output, any other
     ``torch.optim.Optimizer`` (the baselines AdamW, AdaGrad) a cross-entropy step, its scheduler stepped per sample.
-    Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/loss_avg{window}``,
-    ``train/ce_avg{window}``, ``train/step_time``, ``train/skipped``, ``train/lr`` (gradient optimizers),
+    Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/online_acc_recent{recent_window}``
+    (the accuracy of the last ``recent_window`` predictions: is the learner still improving?),
+    ``train/loss_avg{window}``, ``train/ce_avg{window}``, ``train/step_time``, ``train/skipped``, ``train/lr`` (gradient optimizers),
     ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond`` (LoKO); ``val/acc``, ``test/acc``.
     Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
     The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.callbacks`).
@@ -64,6 +65,8 @@ class OnlineClassifier(pl.LightningModule):
             ``LinearLR`` for the paper's linear decay). ``None``: a constant learning rate. LoKO has none: a scheduler
             or a ``LearningRateMonitor`` with it is a :class:`ConfigError` (watch ``loko/p_mean``).
         window: window of the moving-average losses (paper: 1000).
+        recent_window: window of the recent online accuracy (the cumulative average barely moves late in a long
+            stream; this one shows whether the learner still improves).
         held_out_metrics: GLUE's held-out metrics besides accuracy, ``"mcc"`` (CoLA's), ``"f1"`` (MRPC's).
 
     Example:
@@ -78,6 +81,7 @@ class OnlineClassifier(pl.LightningModule):
         optimizer: OptimizerCallable = LoKO,
         lr_scheduler: LRSchedulerCallable | None = None,
         window: int = 1000,
+        recent_window: int = 500,
         held_out_metrics: list[HeldOutMetric] | None = None,
     ) -> None:
         super().__init__()
@@ -86,6 +90,10 @@ class OnlineClassifier(pl.LightningModule):
         self.automatic_optimization = False
         if not isinstance(window, int) or window < 1:
             raise ConfigError(f"window must be a positive integer, got {window}", field="window", owner=self)
+        if not isinstance(recent_window, int) or recent_window < 1:
+            raise ConfigError(
+                f"recent_window must be a positive integer, got {recent_window}", field="recent_window", owner=self
+            )
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
         self.is_kalman = isinstance(_probe(optimizer), LoKO)
         if self.is_kalman and getattr(network, "dropout", 0.0):
@@ -103,6 +111,7 @@ class OnlineClassifier(pl.LightningModule):
         # online metrics are already over all processes and identical on each: no reduction at compute time.
         self.online_acc = OnlineAccuracy(top_k=1, sync_on_compute=False)
         self.online_acc_top5 = OnlineAccuracy(top_k=5, sync_on_compute=False)
+        self.online_acc_recent = MovingAverage(recent_window, sync_on_compute=False)
         self.loss_avg = MovingAverage(window, sync_on_compute=False)
         self.ce_avg = MovingAverage(window, sync_on_compute=False)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
@@ -167,6 +176,13 @@ class OnlineClassifier(pl.LightningModule):
         self.skipped += (~applied).to(self.skipped.dtype) * label.shape[0]
         elapsed = time.perf_counter() - start
         self._log_online(prediction, label, applied, elapsed)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint saved before the recent-window accuracy existed resumes with that window empty."""
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            for key, value in self.online_acc_recent.state_dict(prefix="online_acc_recent.").items():
+                state.setdefault(key, value)
 
     @property
     def _world_size(self) -> int:
@@ -234,6 +250,7 @@ class OnlineClassifier(pl.LightningModule):
         for scores, target in zip(prediction, label, strict=True):
             self.online_acc.update(scores, target, weight)
             self.online_acc_top5.update(scores, target, weight)
+            self.online_acc_recent.update((scores.argmax() == target).to(scores.dtype), applied)
             one_hot = F.one_hot(target, scores.shape[0]).to(scores.dtype)
             self.loss_avg.update((one_hot - scores).abs().sum(), applied)
             self.ce_avg.update(-scores[target].clamp_min(torch.finfo(scores.dtype).tiny).log(), applied)
@@ -241,6 +258,7 @@ class OnlineClassifier(pl.LightningModule):
         values = {
             "train/online_acc": self.online_acc.compute(),
             "train/online_acc_top5": self.online_acc_top5.compute(),
+            f"train/online_acc_recent{self.hparams.recent_window}": self.online_acc_recent.compute(),
             f"train/loss_avg{window}": self.loss_avg.compute(),
             f"train/ce_avg{window}": self.ce_avg.compute(),
             "train/step_time": elapsed,

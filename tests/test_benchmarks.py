@@ -165,13 +165,15 @@ def test_compare_table_marks_diverged_runs_and_late_convergence(scripts):
 
 
 def test_curve_table_from_a_written_csv(scripts, tmp_path, capsys):
-    """--table-from recomputes mean ± std over seeds at the given steps from metrics.csv, running nothing."""
+    """--table-from recomputes mean ± std over seeds at the given samples from metrics.csv, running nothing."""
     compare = scripts.compare
+    # A CSV from before the samples and recent_acc columns: step = samples, no recent accuracy.
+    old_fields = ("optimizer", "seed", "step", "online_acc", "loss_avg", "ce_avg", "step_time")
     rows = [("loko", 0, 10, 0.5, 1.0), ("loko", 1, 10, 0.7, 0.8)]
     rows += [("adamw", 0, 10, 0.4, 1.2), ("adamw", 1, 10, 0.4, 1.0)]
     with (tmp_path / "metrics.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(compare.CSV_FIELDS)
+        writer.writerow(old_fields)
         for optimizer, seed, step, acc, loss in rows:
             writer.writerow([optimizer, seed, step, acc, loss, 1.0, 0.01])
     compare.main(["--table-from", str(tmp_path), "--at", "10"])
@@ -181,6 +183,29 @@ def test_curve_table_from_a_written_csv(scripts, tmp_path, capsys):
     assert lines[3] == "| LoRA/AdamW | 40.0 ± 0.0 % (L1 1.100) |"
     with pytest.raises(SystemExit, match="no rows for loko@20, adamw@20"):
         compare.main(["--table-from", str(tmp_path), "--at", "20"])
+
+
+def test_curve_table_counts_samples_with_batches(scripts, tmp_path, capsys):
+    """With B samples a step, 'after N samples' is the step that reaches N; the recent accuracy is tabled too."""
+    compare = scripts.compare
+    with (tmp_path / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, compare.CSV_FIELDS)
+        writer.writeheader()
+        for seed, accs in ((0, (0.25, 0.5, 0.75)), (1, (0.5, 0.5, 0.5))):
+            for step, acc in enumerate(accs, start=1):  # B = 4: 4, 8, 12 samples
+                writer.writerow(
+                    dict(optimizer="loko", seed=seed, step=step, samples=4 * step, online_acc=acc,
+                         recent_acc=acc / 2, loss_avg=1.0, ce_avg=2.0, step_time=0.1)
+                )
+    compare.main(["--table-from", str(tmp_path), "--at", "4", "6", "12"])
+    lines = capsys.readouterr().out.splitlines()
+    # After 6 samples: the step that reaches 8 (seed 0: 50%, seed 1: 50%); recent = half of it.
+    assert lines[2] == (
+        "| LoKO | 37.5 ± 17.7 %, recent 18.8 ± 8.8 % (L1 1.000) | 50.0 ± 0.0 %, recent 25.0 ± 0.0 % (L1 1.000) | "
+        "62.5 ± 17.7 %, recent 31.2 ± 8.8 % (L1 1.000) |"
+    )
+    with pytest.raises(SystemExit, match="no rows for loko@13"):
+        compare.main(["--table-from", str(tmp_path), "--at", "13"])
 
 
 def test_compare_help_documents_options(scripts, capsys):

@@ -170,7 +170,7 @@ class StreamDataModule(pl.LightningDataModule):
 
     @property
     def stream_length(self) -> int:
-        """Number of training steps of the stream (normal plus OOD samples); known after :meth:`setup`."""
+        """Number of training samples of the stream (normal plus OOD samples); known after :meth:`setup`."""
         if self.train_stream is None:
             raise RuntimeError("call setup() before asking for the stream length.")
         return len(self.train_stream)
