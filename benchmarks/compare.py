@@ -448,9 +448,7 @@ def _main(args: argparse.Namespace, command: str) -> dict[str, dict[str, Any]]:
         f"({total / 60:.1f} min wall). The runs of seed {args.seeds[0]} train as:\n\n{reproduce}\n"
     )
     (args.out / "results.md").write_text(text)
-    (args.out / "summary.json").write_text(
-        json.dumps({"setting": setting, "loss": loss, "results": summary}, indent=2)
-    )
+    (args.out / "summary.json").write_text(json.dumps({"setting": setting, "loss": loss, "results": summary}, indent=2))
     print(table)
     print(f"[compare] wrote {args.out}/metrics.csv, compare.png, results.md, summary.json ({total / 60:.1f} min)")
     return summary

@@ -58,8 +58,14 @@ def time_case(name: str, m: int, steps: int, warmup: int) -> dict:
         for a, b in zip(copies["factorized"].parameters(), copies["dense"].parameters(), strict=True)
     )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"case": name, "m": m, "trainable": trainable, "ratio": medians["factorized"] / medians["dense"],
-            "dense_seconds": medians["dense"], "max_param_diff": diff}
+    return {
+        "case": name,
+        "m": m,
+        "trainable": trainable,
+        "ratio": medians["factorized"] / medians["dense"],
+        "dense_seconds": medians["dense"],
+        "max_param_diff": diff,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

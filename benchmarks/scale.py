@@ -136,7 +136,8 @@ def main() -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--rank", str(r), "--world", str(args.world), "--port", str(port), *common],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for r in range(args.world)
     ]

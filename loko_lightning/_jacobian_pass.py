@@ -24,6 +24,7 @@ from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
 
 Output = Literal["softmax", "identity"]
 
+
 class _Hooks:
     """What the engine's hooks share with it: whether an engine call is running (with shortcuts), and its caches."""
 
@@ -58,7 +59,6 @@ class _Layer:
 
 
 _OTHER, _NORM, _LINEAR, _CONV, _RANDOM = range(5)
-
 
 
 def _jacobian(
@@ -413,6 +413,7 @@ def _right_factor(module: nn.Module, x: Tensor, k: int) -> Tensor:
     if right.shape[1] != k:
         raise RuntimeError(f"Internal error: conv factor positions {right.shape[1]} != {k}")
     return right
+
 
 def _uses_batch_statistics(module: nn.Module) -> bool:
     """A batch norm that normalises with the statistics of its input in eval mode too (no running statistics)."""

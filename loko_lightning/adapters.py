@@ -158,6 +158,7 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
     Raises:
         ConfigError: no module matches, a name is unknown or not adaptable, or a grouped conv is targeted.
     """
+
     def allowed(name: str) -> bool:
         return not exclude or (name != exclude and not name.startswith(exclude + "."))
 

@@ -411,8 +411,6 @@ def _randomness(module: nn.Module) -> str:
     return ""
 
 
-
-
 def _name(model: nn.Module, module: nn.Module) -> str:
     return next(n for n, mod in model.named_modules() if mod is module)
 

@@ -46,7 +46,8 @@ class OnlineClassifier(pl.LightningModule):
     ``torch.optim.Optimizer`` (the baselines AdamW, AdaGrad) a cross-entropy step, its scheduler stepped per sample.
     Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/online_acc_recent{recent_window}``
     (the accuracy of the last ``recent_window`` predictions: is the learner still improving?),
-    ``train/loss_avg{window}``, ``train/ce_avg{window}``, ``train/step_time``, ``train/skipped``, ``train/lr`` (gradient optimizers),
+    ``train/loss_avg{window}``, ``train/ce_avg{window}``, ``train/step_time``, ``train/skipped``, ``train/lr``
+    (gradient optimizers),
     ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond`` (LoKO); ``val/acc``, ``test/acc``.
     Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
     The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.callbacks`).

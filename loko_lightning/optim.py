@@ -28,6 +28,8 @@ _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
     "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
 )
+
+
 class _ParamGroup(dict):
     """A LoKO param group: reading ``lr`` says why there is none instead of a bare ``KeyError: 'lr'``."""
 

@@ -52,8 +52,15 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         _ROBERTA, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096
     ),
     "bert-base-uncased": dict(
-        model_type="bert", vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0,
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        model_type="bert",
+        vocab_size=30522,
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        pad_token_id=0,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
     ),  # fmt: skip
 }
 for _name in ("roberta-base", "roberta-large"):
@@ -297,4 +304,3 @@ def _head_output(model: nn.Module) -> nn.Linear:
         if isinstance(module, nn.Linear):
             return module
     raise ValueError(f"Cannot find the classification head of {type(model).__name__}")
-

@@ -12,8 +12,18 @@ from loko_lightning import LoKO
 from loko_lightning.module import OnlineClassifier
 from loko_lightning.networks import TimmClassifier
 
-NETWORK_ARGS = {"backbone", "num_classes", "pretrained", "weights", "target", "r", "alpha", "dropout", "use_dora",
-                "head_init"}
+NETWORK_ARGS = {
+    "backbone",
+    "num_classes",
+    "pretrained",
+    "weights",
+    "target",
+    "r",
+    "alpha",
+    "dropout",
+    "use_dora",
+    "head_init",
+}
 GRADIENT = {"adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad}
 
 

@@ -31,8 +31,10 @@ def test_convs_preset_is_every_groups1_conv_and_keeps_function():
     x = torch.randn(1, 3, 32, 32)
     torch.testing.assert_close(model(x), base(x))
     head = [n for n, p in model.named_parameters() if p.requires_grad and "lora" not in n]
-    assert head == ["base_model.model.classifier.modules_to_save.default.weight",
-                    "base_model.model.classifier.modules_to_save.default.bias"]
+    assert head == [
+        "base_model.model.classifier.modules_to_save.default.weight",
+        "base_model.model.classifier.modules_to_save.default.bias",
+    ]
 
 
 def test_query_preset_adapts_only_the_query_rows_of_fused_qkv():
@@ -74,8 +76,9 @@ def test_head_starts_at_zero_unless_asked_for_timms_init():
     base = timm.create_model("test_efficientnet", num_classes=10)
     torch.manual_seed(0)
     timm_head = build_model("test_efficientnet", 10, target="convs", r=2, head_init="timm")
-    torch.testing.assert_close(timm_head.base_model.model.classifier.modules_to_save.default.weight,
-                               base.classifier.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        timm_head.base_model.model.classifier.modules_to_save.default.weight, base.classifier.weight, rtol=0, atol=0
+    )
     with pytest.raises(ConfigError, match=r"head_init='ones'.*zeros, timm"):
         build_model("test_efficientnet", 10, head_init="ones")
 
@@ -144,10 +147,7 @@ def test_local_weights_file(tmp_path):
 
 
 def test_offline_hub_weights_fail_with_actionable_message():
-    code = (
-        "from loko_lightning.adapters import build_model\n"
-        "build_model('test_resnet', 3, pretrained=True)\n"
-    )
+    code = "from loko_lightning.adapters import build_model\nbuild_model('test_resnet', 3, pretrained=True)\n"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

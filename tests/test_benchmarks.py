@@ -194,8 +194,17 @@ def test_curve_table_counts_samples_with_batches(scripts, tmp_path, capsys):
         for seed, accs in ((0, (0.25, 0.5, 0.75)), (1, (0.5, 0.5, 0.5))):
             for step, acc in enumerate(accs, start=1):  # B = 4: 4, 8, 12 samples
                 writer.writerow(
-                    dict(optimizer="loko", seed=seed, step=step, samples=4 * step, online_acc=acc,
-                         recent_acc=acc / 2, loss_avg=1.0, ce_avg=2.0, step_time=0.1)
+                    dict(
+                        optimizer="loko",
+                        seed=seed,
+                        step=step,
+                        samples=4 * step,
+                        online_acc=acc,
+                        recent_acc=acc / 2,
+                        loss_avg=1.0,
+                        ce_avg=2.0,
+                        step_time=0.1,
+                    )
                 )
     compare.main(["--table-from", str(tmp_path), "--at", "4", "6", "12"])
     lines = capsys.readouterr().out.splitlines()

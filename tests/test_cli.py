@@ -39,7 +39,10 @@ def test_debug_config_end_to_end(tmp_path, caplog):
 def test_print_config_shows_the_resolved_configuration():
     out = subprocess.run(
         [sys.executable, "-m", "loko_lightning.cli", "fit", "--config", DEBUG, "--print_config"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
     ).stdout
     assert "backbone: tf_efficientnet_lite0" in out
     assert "dataset: mnist5k" in out
@@ -48,13 +51,24 @@ def test_print_config_shows_the_resolved_configuration():
     assert "class_path: loko_lightning.networks.TimmClassifier" in out
 
 
-
 def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, cifar10):
     config = str(ROOT / "configs" / "cifar10_resnet18.yaml")
-    main([
-        "fit", "--config", config, "--model.network.pretrained", "false", "--data.root", str(cifar10),
-        "--data.download", "false", "--data.image_size", "32", *outputs(tmp_path / "out"),
-    ])
+    main(
+        [
+            "fit",
+            "--config",
+            config,
+            "--model.network.pretrained",
+            "false",
+            "--data.root",
+            str(cifar10),
+            "--data.download",
+            "false",
+            "--data.image_size",
+            "32",
+            *outputs(tmp_path / "out"),
+        ]
+    )
     metrics = (tmp_path / "out" / "run" / "version_0" / "metrics.csv").read_text()
     assert "val/acc" in metrics
     # Every training image streamed once; the test images evaluated.
@@ -65,10 +79,20 @@ def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, cifar10)
 def test_missing_data_is_one_line_error(tmp_path, capsys):
     config = str(ROOT / "configs" / "cifar10_resnet18.yaml")
     with pytest.raises(SystemExit) as exit_info:
-        main([
-            "fit", "--config", config, "--model.network.pretrained", "false", "--data.root", str(tmp_path / "nothing"),
-            "--data.download", "false", *outputs(tmp_path),
-        ])
+        main(
+            [
+                "fit",
+                "--config",
+                config,
+                "--model.network.pretrained",
+                "false",
+                "--data.root",
+                str(tmp_path / "nothing"),
+                "--data.download",
+                "false",
+                *outputs(tmp_path),
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("loko: error: --data.")

@@ -10,7 +10,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "loko_lightning"
 # Plain PyTorch: usable in any training loop, so none of it may import Lightning or the layers above it.
 CORE = {
-    "errors", "blocks", "reference", "functional", "_update_blocks", "optim", "jacobian", "_jacobian_pass", "_backward"
+    "errors",
+    "blocks",
+    "reference",
+    "functional",
+    "_update_blocks",
+    "optim",
+    "jacobian",
+    "_jacobian_pass",
+    "_backward",
 }
 # What each layer must not import (loko_lightning submodules by their first name, or third-party packages).
 FORBIDDEN = {

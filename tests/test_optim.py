@@ -299,8 +299,12 @@ def test_schedulers_and_lr_monitor_on_loko_say_there_is_no_learning_rate(tmp_pat
     x, y = zip(*teacher_stream(4, dtype=torch.float32), strict=True)
     data = torch.utils.data.DataLoader(list(zip(x, y, strict=True)), batch_size=1)
     trainer = pl.Trainer(
-        max_epochs=1, logger=CSVLogger(tmp_path), callbacks=[LearningRateMonitor()], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        callbacks=[LearningRateMonitor()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     with pytest.raises(KeyError, match=no_lr):
         trainer.fit(OwnLoop(), data)

@@ -64,7 +64,6 @@ def run_cli(args, capsys):
     return code, (err[-1] if err else ""), sum(line.startswith("loko:") for line in err)
 
 
-
 def assert_same_tensors(a, b, what):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), what
@@ -87,15 +86,20 @@ def assert_checkpoints_match(full, resumed):
     full_params, resumed_params = trainable(full["state_dict"]), trainable(resumed["state_dict"])
     assert full_params and full_params.keys() == resumed_params.keys()
     assert_same_tensors(full_params, resumed_params, "parameters")
-    metrics = [k for k in full["state_dict"] if k.split(".")[0] in ("online_acc", "online_acc_top5", "loss_avg",
-                                                                    "ce_avg", "skipped")]
+    metrics = [
+        k
+        for k in full["state_dict"]
+        if k.split(".")[0] in ("online_acc", "online_acc_top5", "loss_avg", "ce_avg", "skipped")
+    ]
     assert len(metrics) == 9
     for key in metrics:
         assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
     assert_same_tensors(full["optimizer_states"], resumed["optimizer_states"], "optimizer")
     assert_same_tensors(full["callbacks"]["RNGStateCheckpoint"], resumed["callbacks"]["RNGStateCheckpoint"], "rng")
-    assert full["loops"]["fit_loop"]["state_dict"]["combined_loader"] == \
-        resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert (
+        full["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        == resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    )
 
 
 @pytest.mark.slow
@@ -104,8 +108,18 @@ def test_sigkilled_run_resumes_exactly(tmp_path):
     just after), restarted with the same command plus `--ckpt_path last`, ends bit for bit like an uninterrupted run:
     on the CPU every operation is deterministic, so exactness (torch.equal), not a tolerance, is the right check."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # all three runs: same threads, same sums
-    common = [sys.executable, "-m", "loko_lightning.cli", "fit", "--config", DEBUG,
-              "--data.max_samples", "60", "--data.eval_max_samples", "8"]
+    common = [
+        sys.executable,
+        "-m",
+        "loko_lightning.cli",
+        "fit",
+        "--config",
+        DEBUG,
+        "--data.max_samples",
+        "60",
+        "--data.eval_max_samples",
+        "8",
+    ]
     subprocess.run([*common, *outputs(tmp_path, "full")], cwd=ROOT, env=env, check=True, capture_output=True)
 
     crash = [*common, *outputs(tmp_path, "crash", keep_all=True)]
@@ -168,8 +182,9 @@ def test_resume_restores_the_rng_states_for_lora_dropout(tmp_path):
 
     # Control: resumed without the callback, the dropout masks differ.
     unrestored = run("unrestored", ckpt_path=middle, restore=False)
-    assert not all(torch.equal(v, trainable(unrestored["state_dict"])[k])
-                   for k, v in trainable(full["state_dict"]).items())
+    assert not all(
+        torch.equal(v, trainable(unrestored["state_dict"])[k]) for k, v in trainable(full["state_dict"]).items()
+    )
 
 
 def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
@@ -205,8 +220,9 @@ def test_truncated_checkpoint_is_a_one_line_error(tmp_path, capsys):
     torch.save({"global_step": 3, "state_dict": {}}, tmp_path / "torn.ckpt")
     data = (tmp_path / "torn.ckpt").read_bytes()
     (tmp_path / "torn.ckpt").write_bytes(data[: len(data) // 2])
-    code, last, count = run_cli(["fit", "--config", DEBUG, "--ckpt_path", str(tmp_path / "torn.ckpt"),
-                                 *outputs(tmp_path)], capsys)
+    code, last, count = run_cli(
+        ["fit", "--config", DEBUG, "--ckpt_path", str(tmp_path / "torn.ckpt"), *outputs(tmp_path)], capsys
+    )
     assert code == 2 and count == 1
     assert last.startswith(f"loko: error: --ckpt_path: {tmp_path / 'torn.ckpt'} is not a readable checkpoint")
     assert "pass an earlier checkpoint of that folder" in last
@@ -313,8 +329,12 @@ def test_nonfinite_sample_is_skipped_counted_and_checkpointed(bad, tmp_path):
     class Snapshot(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             optimizer = trainer.optimizers[0]
-            seen.append(([p.detach().clone() for p in pl_module.trainable_parameters],
-                         [optimizer.state[p]["cov"].clone() for p in pl_module.trainable_parameters]))
+            seen.append(
+                (
+                    [p.detach().clone() for p in pl_module.trainable_parameters],
+                    [optimizer.state[p]["cov"].clone() for p in pl_module.trainable_parameters],
+                )
+            )
 
     fit = trainer(callbacks=[Snapshot()], default_root_dir=tmp_path)
     fit.fit(model, DataLoader(items, batch_size=1))
@@ -331,27 +351,40 @@ def _closure_cases(m=3):
     params = list(model.parameters())
     x, y = torch.randn(1, 4), F.one_hot(torch.tensor(1), m).float()
     prediction, jacobians = jacobian(model, x, params)
-    return model, params, {
-        "not a tuple": (lambda: prediction, "Invalid closure result"),
-        "two values": (lambda: (prediction, y), "Invalid closure result"),
-        # A 2-d prediction is a batch (B, m): then the target and the blocks must be batched too.
-        "batched prediction": (lambda: (prediction[None], y, jacobians), r"Invalid target: expected shape \(1, 3\)"),
-        "batch with unbatched jacobians": (
-            lambda: (prediction[None], y[None], jacobians), r"Invalid jacobians\[0\]: expected shape \(1, 3, 3, 4\)"
-        ),
-        "target of another size": (lambda: (prediction, y[:2], jacobians), r"Invalid target: expected shape \(3,\)"),
-        "a jacobian missing": (lambda: (prediction, y, jacobians[:1]), r"Invalid jacobians: expected 2"),
-        "jacobian of another shape": (
-            lambda: (prediction, y, [jacobians[0][:, :2], jacobians[1]]), r"Invalid jacobians\[0\]: expected shape"
-        ),
-        "transposed jacobian": (
-            lambda: (prediction, y, [jacobians[0].transpose(1, 2), jacobians[1]]), r"Invalid jacobians\[0\]"
-        ),
-        "outer jacobian of another shape": (
-            lambda: (prediction, y, [OuterJacobian(torch.zeros(m, 2), torch.zeros(4)), jacobians[1]]),
-            r"Invalid jacobians\[0\]",
-        ),
-    }
+    return (
+        model,
+        params,
+        {
+            "not a tuple": (lambda: prediction, "Invalid closure result"),
+            "two values": (lambda: (prediction, y), "Invalid closure result"),
+            # A 2-d prediction is a batch (B, m): then the target and the blocks must be batched too.
+            "batched prediction": (
+                lambda: (prediction[None], y, jacobians),
+                r"Invalid target: expected shape \(1, 3\)",
+            ),
+            "batch with unbatched jacobians": (
+                lambda: (prediction[None], y[None], jacobians),
+                r"Invalid jacobians\[0\]: expected shape \(1, 3, 3, 4\)",
+            ),
+            "target of another size": (
+                lambda: (prediction, y[:2], jacobians),
+                r"Invalid target: expected shape \(3,\)",
+            ),
+            "a jacobian missing": (lambda: (prediction, y, jacobians[:1]), r"Invalid jacobians: expected 2"),
+            "jacobian of another shape": (
+                lambda: (prediction, y, [jacobians[0][:, :2], jacobians[1]]),
+                r"Invalid jacobians\[0\]: expected shape",
+            ),
+            "transposed jacobian": (
+                lambda: (prediction, y, [jacobians[0].transpose(1, 2), jacobians[1]]),
+                r"Invalid jacobians\[0\]",
+            ),
+            "outer jacobian of another shape": (
+                lambda: (prediction, y, [OuterJacobian(torch.zeros(m, 2), torch.zeros(4)), jacobians[1]]),
+                r"Invalid jacobians\[0\]",
+            ),
+        },
+    )
 
 
 @pytest.mark.parametrize("case", list(_closure_cases()[2]))
@@ -379,8 +412,18 @@ def test_closure_changing_the_number_of_outputs_is_refused():
 
 # ================================================================ 3. divergence guard
 def test_divergence_from_the_cli_is_one_line_with_the_p0_to_try(tmp_path, capsys):
-    args = ["fit", "--config", DEBUG, "--data.max_samples", "40", "--model.optimizer.p0", "1e6",
-            "--model.optimizer.p0_init", "constant", *runs.outputs(tmp_path, every=10, plot=False, guard_every=10)]
+    args = [
+        "fit",
+        "--config",
+        DEBUG,
+        "--data.max_samples",
+        "40",
+        "--model.optimizer.p0",
+        "1e6",
+        "--model.optimizer.p0_init",
+        "constant",
+        *runs.outputs(tmp_path, every=10, plot=False, guard_every=10),
+    ]
     code, last, count = run_cli(args, capsys)
     assert code == 3 and count == 1
     assert last.startswith("loko: error: --model.optimizer.p0: LoKO diverged by sample 10: the cross-entropy")
@@ -407,8 +450,11 @@ def test_divergence_guard_catches_nonfinite_baseline_parameters(tmp_path):
                 with torch.no_grad():
                     pl_module.trainable_parameters[-1].fill_(float("nan"))
 
-    with pytest.raises(DivergenceError, match=r"^AdamW diverged by sample 8: a trainable parameter is NaN .*"
-                                              r"lr = 1e-05\. .*after sample 4 are saved") as info:
+    with pytest.raises(
+        DivergenceError,
+        match=r"^AdamW diverged by sample 8: a trainable parameter is NaN .*"
+        r"lr = 1e-05\. .*after sample 4 are saved",
+    ) as info:
         fit = trainer(callbacks=[Poison(), DivergenceGuard(check_every=4)], default_root_dir=tmp_path)
         fit.fit(model, DataLoader(stream(12), batch_size=1))
     assert (info.value.field, info.value.owner) == ("lr", torch.optim.AdamW)
@@ -452,9 +498,11 @@ def test_float32_soak_of_20000_steps_on_a_100_class_head():
     assert torch.isfinite(state["R"]).all() and state["R"].dtype == torch.float32
     assert torch.isfinite(cond).all() and (p_min > 0).all()
     assert (top > 1 - 1e-6).float().mean() > 0.1, "the stream should hold many near-one-hot predictions"
-    print(f"soak: {steps} steps in {elapsed:.0f} s; worst kept-spectrum condition number of S {cond.max():.3g} "
-          f"(cut-off 1/rcond = {1 / (10 * m * torch.finfo(torch.float32).eps):.3g}); min p̂ {p_min.min():.3g}; "
-          f"{100 * (top > 1 - 1e-6).float().mean():.0f}% predictions within 1e-6 of one-hot")
+    print(
+        f"soak: {steps} steps in {elapsed:.0f} s; worst kept-spectrum condition number of S {cond.max():.3g} "
+        f"(cut-off 1/rcond = {1 / (10 * m * torch.finfo(torch.float32).eps):.3g}); min p̂ {p_min.min():.3g}; "
+        f"{100 * (top > 1 - 1e-6).float().mean():.0f}% predictions within 1e-6 of one-hot"
+    )
 
 
 # ================================================================ 5. device hygiene

@@ -326,7 +326,13 @@ def _check_arguments(values: dict[str, Any]) -> None:
         ConfigError: naming the first bad argument.
     """
     for name in (
-        "num_classes", "max_samples", "ood_every", "eval_max_samples", "eval_batch_size", "batch_size", "epochs"
+        "num_classes",
+        "max_samples",
+        "ood_every",
+        "eval_max_samples",
+        "eval_batch_size",
+        "batch_size",
+        "epochs",
     ):
         value = values[name]
         if value is not None and value <= 0:
