@@ -228,6 +228,7 @@ class StepRecorder(pl.Callback):
         self.keys: dict[str, str] = {}
         self.rows: dict[str, list[float]] = {name: [] for name in self.FIELDS}
         self.samples: list[int] = []
+        self.selection: str | None = None
         self.started = time.perf_counter()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -241,6 +242,12 @@ class StepRecorder(pl.Callback):
             "step_time": "train/step_time",
         }
         self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep what an online selection (``select``, ``p0: auto``) chose."""
+        states = getattr(pl_module, "_selection", None)
+        if states is not None:
+            self.selection = states.summary()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -277,6 +284,7 @@ class RunResult:
         setting: what was run, in words.
         recent_acc: online accuracy of the last ``recent_window`` predictions (the learner's) after each step.
         samples: samples seen after each step (a step takes ``data.batch_size`` samples per process).
+        selection: what an online selection (``select``, ``p0: auto``) chose and the candidates' scores, else None.
     """
 
     online_acc: list[float]
@@ -291,6 +299,7 @@ class RunResult:
     setting: dict[str, str] = field(default_factory=dict)
     recent_acc: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
+    selection: str | None = None
 
     @property
     def steps(self) -> int:
@@ -342,6 +351,7 @@ def fit(args: Sequence[str], *, print_every: int = 0, label: str = "", guard_eve
         setting=describe(cli),
         recent_acc=rows["recent_acc"],
         samples=recorder.samples,
+        selection=recorder.selection,
     )
 
 
@@ -367,7 +377,13 @@ def describe(cli: LoKOCLI) -> dict[str, str]:
         else f"{data.image_size or 'native'} px",
         "network": repr(factory),
         "adapters": _arguments(config.network, ("r", "alpha", "use_dora", "head_init", "dropout")),
-        "optimizer": _configured(config.optimizer),
+        "optimizer": _configured(config.optimizer)
+        + (
+            f", {cli.model.select.name} chosen online among {list(cli.model.select.values)} on the first "
+            f"{cli.model.select.samples} samples"
+            if cli.model.select is not None
+            else ""
+        ),
         "lr_scheduler": _configured(config.lr_scheduler) if config.lr_scheduler is not None else "none",
         "window": str(cli.model.hparams.window),
     }

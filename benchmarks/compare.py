@@ -7,9 +7,12 @@ Usage:
 Every run is the training of ``loko fit`` on the given config(s), built by the package's CLI (``benchmarks/common.py``
 says what a benchmark run changes: no logger, checkpoints or validation; only the config's divergence guard kept):
 
-- ``loko``: the config's own optimizer (LoKO), with the overrides after ``--``;
-- ``adamw``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml`` (``--baseline-dir``), the
-  AdamW schedule's ``total_iters`` set to the stream length. Overrides of ``model.optimizer`` and
+- ``loko``: the config's own optimizer (LoKO), with the overrides after ``--``; ``loko_auto``: the same with
+  ``p0: auto`` (:mod:`loko_lightning.selection`);
+- ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
+  (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
+  learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
+  ``--select-samples`` for both). Overrides of ``model.optimizer`` and
   ``model.lr_scheduler`` go to the ``loko`` runs only (a baseline's optimizer has other arguments); the other
   overrides go to every run.
 
@@ -65,9 +68,25 @@ from typing import Any
 
 import common
 
-OPTIMIZERS = ("loko", "adamw", "adagrad")
-LABELS = {"loko": "LoKO", "adamw": "LoRA/AdamW", "adagrad": "LoRA/AdaGrad"}
-COLORS = {"loko": "tab:red", "adamw": "tab:blue", "adagrad": "tab:green"}
+OPTIMIZERS = ("loko", "loko_auto", "adamw", "adamw_tuned", "adagrad")
+LABELS = {
+    "loko": "LoKO",
+    "loko_auto": "LoKO (p0: auto)",
+    "adamw": "LoRA/AdamW",
+    "adamw_tuned": "LoRA/AdamW (lr tuned)",
+    "adagrad": "LoRA/AdaGrad",
+}
+COLORS = {
+    "loko": "tab:red",
+    "loko_auto": "tab:orange",
+    "adamw": "tab:blue",
+    "adamw_tuned": "tab:purple",
+    "adagrad": "tab:green",
+}
+# The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it.
+LOKO_RUNS = {"loko": [], "loko_auto": ["--model.optimizer.p0=auto"]}
+# The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
+SELECTING = ("loko_auto", "adamw_tuned")
 CSV_FIELDS = ("optimizer", "seed", "step", "samples", "online_acc", "recent_acc", "loss_avg", "ce_avg", "step_time")
 # Overrides of these keys configure one optimizer: they go to the config's own (the loko runs), not to the baselines.
 OPTIMIZER_KEYS = ("--model.optimizer", "--model.lr_scheduler")
@@ -85,15 +104,17 @@ class Run:
 def run_args(args: argparse.Namespace, optimizer: str, seed: int) -> list[str]:
     """The ``loko fit`` arguments of one run (see the module docstring)."""
     overrides = common.option_groups(args.overrides)
-    if optimizer != "loko":
+    if optimizer not in LOKO_RUNS:
         overrides = [group for group in overrides if not group[0].startswith(OPTIMIZER_KEYS)]
-    overlay = [] if optimizer == "loko" else [args.baseline_dir / f"{optimizer}.yaml"]
+    overlay = [] if optimizer in LOKO_RUNS else [args.baseline_dir / f"{optimizer}.yaml"]
     return [
         *common.config_args([*args.config, *overlay]),
         f"--seed_everything={seed}",
         f"--data.seed={seed}",
         f"--data.max_samples={args.samples}",
         *(token for group in overrides for token in group),
+        *LOKO_RUNS.get(optimizer, []),
+        *([f"--model.select.samples={args.select_samples}"] if args.select_samples and optimizer in SELECTING else []),
     ]
 
 
@@ -153,6 +174,7 @@ def summarize(
             "median_step_time_s": medians[optimizer],
             "steps": {run.seed: run.result.steps for run in mine},
             "wall_s": {run.seed: run.result.wall_s for run in mine},
+            "selection": {run.seed: run.result.selection for run in mine if run.result.selection},
         }
     reference = medians.get("adamw", math.nan)
     for optimizer in optimizers:
@@ -350,9 +372,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     runs.add_argument("--samples", type=int, default=1000, help="samples per run (data.max_samples)")
     runs.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="stream and initialisation seeds")
-    runs.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS, help="to compare")
+    runs.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=["loko", "adamw", "adagrad"],
+        choices=OPTIMIZERS,
+        help="to compare: loko (the config's own), loko_auto (the same with p0: auto), and the baselines, each the "
+        "overlay configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: auto's budget)",
+    )
     runs.add_argument(
         "--baseline-dir", type=Path, default=common.BASELINES, help="where the baselines' <name>.yaml overlays are"
+    )
+    runs.add_argument(
+        "--select-samples",
+        type=int,
+        default=None,
+        help="samples the candidates of loko_auto and adamw_tuned run side by side on (default: their configs', 500)",
     )
     runs.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     runs.add_argument("--verbose", action="store_true", help="Lightning's info messages")
@@ -414,6 +449,8 @@ def _main(args: argparse.Namespace, command: str) -> dict[str, dict[str, Any]]:
             result = common.fit(run_args(args, optimizer, seed), print_every=args.print_every, label=label)
             runs.append(Run(optimizer, seed, result))
             status = f" DIVERGED: {result.diverged}" if result.diverged else ""
+            if result.selection:
+                status += f"; {result.selection}"
             acc = result.online_acc[-1] if result.steps else math.nan
             print(
                 f"[compare] {optimizer:8s} seed {seed}: {result.steps} steps, online acc {100 * acc:.2f}%, "

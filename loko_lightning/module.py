@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from typing import Any, Literal, get_args
@@ -28,6 +29,7 @@ from loko_lightning.jacobian import JacobianEngine
 from loko_lightning.metrics import MovingAverage, OnlineAccuracy
 from loko_lightning.networks import NetworkFactory
 from loko_lightning.optim import LoKO
+from loko_lightning.selection import Candidates, CandidateStates
 
 HeldOutMetric = Literal["mcc", "f1"]
 
@@ -69,6 +71,10 @@ class OnlineClassifier(pl.LightningModule):
         recent_window: window of the recent online accuracy (the cumulative average barely moves late in a long
             stream; this one shows whether the learner still improves).
         held_out_metrics: GLUE's held-out metrics besides accuracy, ``"mcc"`` (CoLA's), ``"f1"`` (MRPC's).
+        select: choose one optimizer argument online among candidates (:mod:`loko_lightning.selection`): e.g.
+            AdamW's ``lr`` among 1e-4 ... 3e-3 on the first 500 samples. ``p0: auto`` in a LoKO optimizer is
+            ``Candidates()`` (p0 among ``AUTO_P0`` on ``AUTO_SAMPLES`` samples; ``select.samples`` or
+            ``select.values`` change them). Logged while it runs: ``select/<name>``, the leader's value.
 
     Example:
         >>> from functools import partial
@@ -84,10 +90,11 @@ class OnlineClassifier(pl.LightningModule):
         window: int = 1000,
         recent_window: int = 500,
         held_out_metrics: list[HeldOutMetric] | None = None,
+        select: Candidates | None = None,
     ) -> None:
         super().__init__()
         # The factories are objects (the CLI saves their configuration in config.yaml); checkpoints keep plain values.
-        self.save_hyperparameters(ignore=["network", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["network", "optimizer", "lr_scheduler", "select"])
         self.automatic_optimization = False
         if not isinstance(window, int) or window < 1:
             raise ConfigError(f"window must be a positive integer, got {window}", field="window", owner=self)
@@ -95,6 +102,7 @@ class OnlineClassifier(pl.LightningModule):
             raise ConfigError(
                 f"recent_window must be a positive integer, got {recent_window}", field="recent_window", owner=self
             )
+        optimizer, self.select = _resolve_selection(optimizer, select)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
         self.is_kalman = isinstance(_probe(optimizer), LoKO)
         if self.is_kalman and getattr(network, "dropout", 0.0):
@@ -117,6 +125,8 @@ class OnlineClassifier(pl.LightningModule):
         self.ce_avg = MovingAverage(window, sync_on_compute=False)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         self._engine: JacobianEngine | None = None  # built at the first Kalman step, once the network is in place
+        self._selection: CandidateStates | None = None  # built when training starts (see select)
+        self._selection_state: dict[str, Any] | None = None  # from a checkpoint, until then
         self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
 
     # ------------------------------------------------------------------ setup
@@ -135,6 +145,8 @@ class OnlineClassifier(pl.LightningModule):
         """Report the parameter counts once; refuse a ``LearningRateMonitor`` with LoKO (it has no ``lr``)."""
         if self.is_kalman and stage == "fit":
             _refuse_learning_rate_tools(callbacks=self.trainer.callbacks)
+        if self.select is not None and stage == "fit":
+            _check_selection_trainer(self.trainer)
         rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
 
     def teardown(self, stage: str) -> None:
@@ -170,7 +182,9 @@ class OnlineClassifier(pl.LightningModule):
         inputs, label = batch["inputs"], batch["label"]
         optimizer = self.optimizers()
         start = time.perf_counter()
-        if self.is_kalman:
+        if self._selection is not None and not self._selection.done:
+            prediction, label, applied = self._selection_step(optimizer, inputs, label)
+        elif self.is_kalman:
             prediction, label, applied = self._kalman_step(optimizer, inputs, label)
         else:
             prediction, label, applied = self._gradient_step(optimizer, inputs, label)
@@ -178,8 +192,25 @@ class OnlineClassifier(pl.LightningModule):
         elapsed = time.perf_counter() - start
         self._log_online(prediction, label, applied, elapsed)
 
+    def on_train_start(self) -> None:
+        """Set up the candidates of ``select`` (from the checkpoint when resuming)."""
+        if self.select is None:
+            return
+        self._selection = CandidateStates(
+            self.select, self.trainable_parameters, self.optimizer_factory, self.lr_scheduler_factory
+        )
+        if self._selection_state is not None:
+            self._selection.load_state_dict(self._selection_state)
+            self._selection_state = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the selection's candidates and scores: a run resumes exactly mid-selection."""
+        if self._selection is not None:
+            checkpoint["loko_selection"] = self._selection.state_dict()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint saved before the recent-window accuracy existed resumes with that window empty."""
+        """Read the selection's state; resume with an empty recent window from a checkpoint saved without one."""
+        self._selection_state = checkpoint.get("loko_selection")
         state = checkpoint.get("state_dict")
         if state is not None:
             for key, value in self.online_acc_recent.state_dict(prefix="online_acc_recent.").items():
@@ -188,6 +219,25 @@ class OnlineClassifier(pl.LightningModule):
     @property
     def _world_size(self) -> int:
         return self.trainer.world_size if self._trainer is not None else 1
+
+    def _selection_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Every candidate of ``select`` predicts and updates on the step's samples; the leader's prediction counts."""
+        states, live, scheduler = self._selection, optimizer.optimizer, self.lr_schedulers()
+        step = self._kalman_step if self.is_kalman else self._gradient_step
+        leader = states.leader  # from the samples before this step: no look-ahead
+        results = []
+        for index in range(len(states)):
+            states.load(index, live, scheduler)
+            # Lightning counts a step per call of its optimizer wrapper: one candidate goes through it, the others
+            # through the torch optimizer itself (the trainer checks that no precision plugin needs the wrapper).
+            results.append(step(optimizer if index == len(states) - 1 else live, inputs, label))
+            states.save(index, live, scheduler)
+        states.record(results)
+        if states.advance(len(results[0][1]), live, scheduler):
+            rank_zero_info(f"select: {states.summary()}")
+        name = self.select.name
+        self.log(f"select/{name}", self.select.values[states.leader], on_step=True, on_epoch=False, batch_size=1)
+        return results[leader]
 
     def _kalman_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self._engine is None:
@@ -219,7 +269,7 @@ class OnlineClassifier(pl.LightningModule):
             prediction = prediction[None]
         elif world > 1:
             label = target.argmax(-1)
-        return prediction, label, optimizer.optimizer.diagnostics["applied"]
+        return prediction, label, getattr(optimizer, "optimizer", optimizer).diagnostics["applied"]
 
     def _gradient_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.network(inputs)
@@ -332,6 +382,52 @@ def _refuse_learning_rate_tools(lr_scheduler: Any = None, callbacks: list[pl.Cal
                 field=None,
                 owner=callback,
             )
+
+
+def _resolve_selection(optimizer: OptimizerCallable, select: Candidates | None) -> tuple[Any, Candidates | None]:
+    """``p0: auto`` becomes ``select``; with a selection the optimizer is built with the first candidate's value."""
+    keywords = getattr(optimizer, "keywords", None) or {}
+    if keywords.get("p0") == "auto":
+        select = select or Candidates()
+        if select.name != "p0":
+            raise ConfigError(
+                f"p0: auto chooses p0 among candidates, and select chooses {select.name}: one selection at a time; "
+                "give p0 a number, or select p0",
+                field="select.name",
+                owner=OnlineClassifier,
+            )
+    if select is None:
+        return optimizer, None
+    for value in select.values:
+        try:
+            _probe(functools.partial(optimizer, **{select.name: value}))
+        except TypeError as err:
+            raise ConfigError(
+                f"select.name={select.name!r} is not an argument of the optimizer ({err}); choose one it takes, "
+                "e.g. 'p0' for LoKO or 'lr' for AdamW",
+                field="select.name",
+                owner=OnlineClassifier,
+            ) from None
+    return functools.partial(optimizer, **{select.name: select.values[0]}), select
+
+
+def _check_selection_trainer(trainer: pl.Trainer) -> None:
+    """The candidates run one after another in one process, each stepped by the torch optimizer itself."""
+    if trainer.world_size > 1:
+        raise ConfigError(
+            "select (or p0: auto) runs its candidates in one process; it does not support several processes (DDP) "
+            "yet: choose the value in a single-process run, then set it",
+            field="select",
+            owner=OnlineClassifier,
+        )
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        raise ConfigError(
+            f"select (or p0: auto) steps its candidates with the torch optimizer, which skips the gradient scaler of "
+            f"precision {trainer.precision!r}; use precision bf16-mixed or 32",
+            field="select",
+            owner=OnlineClassifier,
+        )
 
 
 def _check_schedule_length(scheduler: Any, stream: float) -> None:
