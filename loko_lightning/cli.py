@@ -262,6 +262,14 @@ def _nested_argument_message(text: str) -> str | None:
         name, expected, value = typed.groups()
         expected = re.sub(r"<class '(\w+)'>", r"\1", expected)
         return f"--{key}.{name}: {expected[0].lower()}{expected[1:]}, got {value!r}. See `loko fit --help`."
+    union = re.search(
+        r'Parser key "(\w+)": Does not validate .*?Subtypes: \[(.*?)\] Errors:.*?Given value: (.*?)\. Got', text
+    )
+    if union:  # e.g. LoKO's p0: a float or 'auto'
+        name, subtypes, value = union.groups()
+        kinds = [re.sub(r"<class '(\w+)'>", r"a \1", kind) for kind in re.split(r",\s*(?![^\[]*\])", subtypes)]
+        kinds = [re.sub(r"typing\.Literal\[(.*)\]", r"\1", kind) for kind in kinds]
+        return f"--{key}.{name}: expected {' or '.join(kinds)}, got {value!r}. See `loko fit --help`."
     return None
 
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import warnings
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torchmetrics.classification import (
@@ -22,6 +20,14 @@ from torchmetrics.classification import (
     MulticlassMatthewsCorrCoef,
 )
 
+from loko_lightning._learner_checks import (
+    check_schedule_length,
+    check_selection_trainer,
+    optimizer_class,
+    probe,
+    refuse_learning_rate_tools,
+    resolve_selection,
+)
 from loko_lightning.adapters import count_parameters, freeze_normalization
 from loko_lightning.distributed import all_gather_observations
 from loko_lightning.errors import ConfigError
@@ -102,9 +108,9 @@ class OnlineClassifier(pl.LightningModule):
             raise ConfigError(
                 f"recent_window must be a positive integer, got {recent_window}", field="recent_window", owner=self
             )
-        optimizer, self.select = _resolve_selection(optimizer, select)
+        optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
-        self.is_kalman = isinstance(_probe(optimizer), LoKO)
+        self.is_kalman = isinstance(probe(optimizer), LoKO)
         if self.is_kalman and getattr(network, "dropout", 0.0):
             raise ConfigError(
                 f"dropout={network.dropout} with LoKO: the Kalman Jacobian needs a deterministic network; set it to 0",
@@ -112,7 +118,7 @@ class OnlineClassifier(pl.LightningModule):
                 owner=network,
             )
         if self.is_kalman:
-            _refuse_learning_rate_tools(lr_scheduler=lr_scheduler)
+            refuse_learning_rate_tools(OnlineClassifier, lr_scheduler=lr_scheduler)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
@@ -144,9 +150,9 @@ class OnlineClassifier(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Report the parameter counts once; refuse a ``LearningRateMonitor`` with LoKO (it has no ``lr``)."""
         if self.is_kalman and stage == "fit":
-            _refuse_learning_rate_tools(callbacks=self.trainer.callbacks)
+            refuse_learning_rate_tools(OnlineClassifier, callbacks=self.trainer.callbacks)
         if self.select is not None and stage == "fit":
-            _check_selection_trainer(self.trainer)
+            check_selection_trainer(self.trainer, owner=OnlineClassifier)
         rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
 
     def teardown(self, stage: str) -> None:
@@ -162,7 +168,7 @@ class OnlineClassifier(pl.LightningModule):
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
         if self._trainer is not None:
-            _check_schedule_length(scheduler, self.trainer.estimated_stepping_batches)
+            check_schedule_length(scheduler, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------ steps
@@ -364,114 +370,10 @@ def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[n
     return pair[0], pair[1]
 
 
-def _refuse_learning_rate_tools(lr_scheduler: Any = None, callbacks: list[pl.Callback] = ()) -> None:
-    """LoKO has no learning rate: a scheduler or a ``LearningRateMonitor`` with it is a configuration error."""
-    role = "each parameter's step size is its covariance p-hat, which starts at p0 and shrinks as the filter learns"
-    if lr_scheduler is not None:
-        raise ConfigError(
-            f"LoKO has no learning rate to schedule: {role}; remove lr_scheduler, or use a gradient optimizer "
-            "(configs/baselines/) for a schedule",
-            field="lr_scheduler",
-            owner=OnlineClassifier,
-        )
-    for callback in callbacks:
-        if isinstance(callback, LearningRateMonitor):
-            raise ConfigError(
-                f"LearningRateMonitor has nothing to log with LoKO, which has no learning rate: {role} (logged every "
-                "step as loko/p_mean); remove LearningRateMonitor from the callbacks",
-                field=None,
-                owner=callback,
-            )
-
-
-def _resolve_selection(optimizer: OptimizerCallable, select: Candidates | None) -> tuple[Any, Candidates | None]:
-    """``p0: auto`` becomes ``select``; with a selection the optimizer is built with the first candidate's value."""
-    keywords = getattr(optimizer, "keywords", None) or {}
-    if keywords.get("p0") == "auto":
-        select = select or Candidates()
-        if select.name != "p0":
-            raise ConfigError(
-                f"p0: auto chooses p0 among candidates, and select chooses {select.name}: one selection at a time; "
-                "give p0 a number, or select p0",
-                field="select.name",
-                owner=OnlineClassifier,
-            )
-    if select is None:
-        return optimizer, None
-    for value in select.values:
-        try:
-            _probe(functools.partial(optimizer, **{select.name: value}))
-        except TypeError as err:
-            raise ConfigError(
-                f"select.name={select.name!r} is not an argument of the optimizer ({err}); choose one it takes, "
-                "e.g. 'p0' for LoKO or 'lr' for AdamW",
-                field="select.name",
-                owner=OnlineClassifier,
-            ) from None
-    return functools.partial(optimizer, **{select.name: select.values[0]}), select
-
-
-def _check_selection_trainer(trainer: pl.Trainer) -> None:
-    """The candidates run one after another in one process, each stepped by the torch optimizer itself."""
-    if trainer.world_size > 1:
-        raise ConfigError(
-            "select (or p0: auto) runs its candidates in one process; it does not support several processes (DDP) "
-            "yet: choose the value in a single-process run, then set it",
-            field="select",
-            owner=OnlineClassifier,
-        )
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None:
-        raise ConfigError(
-            f"select (or p0: auto) steps its candidates with the torch optimizer, which skips the gradient scaler of "
-            f"precision {trainer.precision!r}; use precision bf16-mixed or 32",
-            field="select",
-            owner=OnlineClassifier,
-        )
-
-
-def _check_schedule_length(scheduler: Any, stream: float) -> None:
-    """Warn when a scheduler with a fixed length (``LinearLR``'s ``total_iters``) does not end with the stream."""
-    total = getattr(scheduler, "total_iters", None)
-    if total is not None and stream != float("inf") and total != stream:
-        rank_zero_warn(
-            f"lr_scheduler: {type(scheduler).__name__} runs over total_iters={total} steps but this stream has "
-            f"{int(stream)} samples; set total_iters to {int(stream)} for a schedule that ends with the stream"
-        )
-
-
-def _probe(optimizer: OptimizerCallable) -> torch.optim.Optimizer:
-    """The optimizer built over a stand-in parameter: checks its hyperparameters without building the network.
-
-    Raises:
-        ConfigError: the optimizer refused a hyperparameter (its own message, with the argument when it names one).
-    """
-    try:
-        # LoKO draws p̂0 for the stand-in from the global RNG: the probe must leave it as it was, so that the network
-        # and the real optimizer get the random numbers of a seeded run.
-        with torch.random.fork_rng(devices=[]):
-            return optimizer([nn.Parameter(torch.zeros(1))])
-    except ConfigError as err:
-        err.owner = err.owner or _optimizer_class(optimizer)
-        raise
-    except ValueError as err:  # torch's optimizers: "Invalid learning rate: -1"
-        raise ConfigError(str(err), field=None, owner=_optimizer_class(optimizer)) from None
-
-
-def _optimizer_class(optimizer: OptimizerCallable) -> type | None:
-    """The class an optimizer callable builds (a class, or a ``functools.partial`` of one, as the CLI makes)."""
-    target = optimizer
-    while hasattr(target, "func"):  # functools.partial, possibly nested
-        target = target.args[-1] if target.args and isinstance(target.args[-1], type) else target.func
-        if isinstance(target, type):
-            break
-    return target if isinstance(target, type) else None
-
-
 def _describe(factory: NetworkFactory, network: nn.Module, optimizer: OptimizerCallable) -> str:
     """``backbone: N trainable parameters of M (x%), optimizer Name``."""
     trainable, total = count_parameters(network)
-    cls = _optimizer_class(optimizer)
+    cls = optimizer_class(optimizer)
     name = cls.__name__ if cls is not None else repr(optimizer)
     return (
         f"{getattr(factory, 'backbone', type(network).__name__)}: {trainable:,} trainable parameters of {total:,} "

@@ -74,12 +74,9 @@ class LoKO(torch.optim.Optimizer):
     :mod:`loko_lightning.functional`.
 
     Args:
-        params: parameters or param groups; groups may set their own ``p0``, ``p0_init`` and
-            ``process_noise``.
+        params: parameters or param groups; groups may set their own ``p0``, ``p0_init`` and ``process_noise``.
         p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
-            constant. The paper's default is ``0.2``; too large diverges, too small does not learn. ``"auto"``
-            (in :class:`~loko_lightning.module.OnlineClassifier`, e.g. ``loko fit``): chosen online among
-            candidates (:mod:`loko_lightning.selection`); LoKO itself needs a number.
+            constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
         p0_init: ``"uniform"`` (paper method 2, default) or ``"constant"`` (method 1).
         beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95; good range 0.9-0.98).
         r_estimator: ``"taylor"`` (method 2, default), ``"residual"`` (method 1, :math:`\hat R = e e^\top`),
@@ -439,24 +436,15 @@ def _check_probabilities(prediction: Tensor, target: Tensor) -> None:
 
 def _check_group(group: dict[str, Any]) -> None:
     p0 = group["p0"]
-    if p0 == "auto":
-        raise ConfigError(
-            "p0='auto' chooses p0 by running candidate filters side by side, which needs the model: it is for "
-            "OnlineClassifier (loko fit); for LoKO itself give a number, or run loko_lightning.selection."
-            "CandidateStates in your loop",
-            field="p0",
-            owner=LoKO,
-        )
     if not (isinstance(p0, (int, float)) and p0 > 0 and p0 < float("inf")):
-        raise ConfigError(
-            f"Invalid p0: {p0} (must be a finite number > 0; the paper's default is 0.2)", field="p0", owner=LoKO
-        )
+        auto = "; p0: auto is for OnlineClassifier (loko fit) or loko_lightning.selection" if p0 == "auto" else ""
+        message = f"Invalid p0: {p0} (must be a finite number > 0; the paper's default is 0.2{auto})"
+        raise ConfigError(message, field="p0", owner=LoKO)
     if group["p0_init"] not in P0_INITS:
         raise ConfigError(
             f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=LoKO
         )
     q = group["process_noise"]
     if not (isinstance(q, (int, float)) and 0 <= q < float("inf")):
-        raise ConfigError(
-            f"Invalid process_noise: {q} (must be a finite number >= 0)", field="process_noise", owner=LoKO
-        )
+        message = f"Invalid process_noise: {q} (must be a finite number >= 0)"
+        raise ConfigError(message, field="process_noise", owner=LoKO)

@@ -251,7 +251,14 @@ CATALOGUE = {
         ["--model.optimizer.p00 is not an option of loko_lightning.LoKO; did you mean 'p0'?"],
     ),
     "unknown key in a config file": (_bad_key_file, ["--model.optimizer.bet is not an option", "did you mean 'beta'"]),
-    "ill-typed option": (["--model.optimizer.p0", "big"], ["--model.optimizer.p0: expected a float, got 'big'"]),
+    "ill-typed option": (
+        ["--model.optimizer.p0", "big"],
+        ["--model.optimizer.p0: expected a float or 'auto', got 'big'"],
+    ),
+    "ill-typed option (float)": (
+        ["--model.optimizer.beta", "big"],
+        ["--model.optimizer.beta: expected a float, got 'big'"],
+    ),
     "unknown adapter target": (
         ["--model.network.target", "[blocks.0.0.conv_dww]"],
         ["--model.network.target: unknown module(s)", "'blocks.0.0.conv_dw'"],

@@ -1,0 +1,123 @@
+"""The learner's checks of its configuration: optimizer, scheduler, selection and trainer, before anything is built."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.selection import Candidates
+
+
+def refuse_learning_rate_tools(owner: Any, lr_scheduler: Any = None, callbacks: Sequence[pl.Callback] = ()) -> None:
+    """LoKO has no learning rate: a scheduler or a ``LearningRateMonitor`` with it is a configuration error."""
+    role = "each parameter's step size is its covariance p-hat, which starts at p0 and shrinks as the filter learns"
+    if lr_scheduler is not None:
+        raise ConfigError(
+            f"LoKO has no learning rate to schedule: {role}; remove lr_scheduler, or use a gradient optimizer "
+            "(configs/baselines/) for a schedule",
+            field="lr_scheduler",
+            owner=owner,
+        )
+    for callback in callbacks:
+        if isinstance(callback, LearningRateMonitor):
+            raise ConfigError(
+                f"LearningRateMonitor has nothing to log with LoKO, which has no learning rate: {role} (logged every "
+                "step as loko/p_mean); remove LearningRateMonitor from the callbacks",
+                field=None,
+                owner=callback,
+            )
+
+
+def resolve_selection(
+    optimizer: OptimizerCallable, select: Candidates | None, owner: Any
+) -> tuple[Any, Candidates | None]:
+    """``p0: auto`` becomes ``select``; with a selection the optimizer is built with the first candidate's value."""
+    keywords = getattr(optimizer, "keywords", None) or {}
+    if keywords.get("p0") == "auto":
+        select = select or Candidates()
+        if select.name != "p0":
+            raise ConfigError(
+                f"p0: auto chooses p0 among candidates, and select chooses {select.name}: one selection at a time; "
+                "give p0 a number, or select p0",
+                field="select.name",
+                owner=owner,
+            )
+    if select is None:
+        return optimizer, None
+    for value in select.values:
+        try:
+            probe(functools.partial(optimizer, **{select.name: value}))
+        except TypeError as err:
+            raise ConfigError(
+                f"select.name={select.name!r} is not an argument of the optimizer ({err}); choose one it takes, "
+                "e.g. 'p0' for LoKO or 'lr' for AdamW",
+                field="select.name",
+                owner=owner,
+            ) from None
+    return functools.partial(optimizer, **{select.name: select.values[0]}), select
+
+
+def check_selection_trainer(trainer: pl.Trainer, owner: Any) -> None:
+    """The candidates run one after another in one process, each stepped by the torch optimizer itself."""
+    if trainer.world_size > 1:
+        raise ConfigError(
+            "select (or p0: auto) runs its candidates in one process; it does not support several processes (DDP) "
+            "yet: choose the value in a single-process run, then set it",
+            field="select",
+            owner=owner,
+        )
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        raise ConfigError(
+            f"select (or p0: auto) steps its candidates with the torch optimizer, which skips the gradient scaler of "
+            f"precision {trainer.precision!r}; use precision bf16-mixed or 32",
+            field="select",
+            owner=owner,
+        )
+
+
+def check_schedule_length(scheduler: Any, stream: float) -> None:
+    """Warn when a scheduler with a fixed length (``LinearLR``'s ``total_iters``) does not end with the stream."""
+    total = getattr(scheduler, "total_iters", None)
+    if total is not None and stream != float("inf") and total != stream:
+        rank_zero_warn(
+            f"lr_scheduler: {type(scheduler).__name__} runs over total_iters={total} steps but this stream has "
+            f"{int(stream)} samples; set total_iters to {int(stream)} for a schedule that ends with the stream"
+        )
+
+
+def probe(optimizer: OptimizerCallable) -> torch.optim.Optimizer:
+    """The optimizer built over a stand-in parameter: checks its hyperparameters without building the network.
+
+    Raises:
+        ConfigError: the optimizer refused a hyperparameter (its own message, with the argument when it names one).
+    """
+    try:
+        # LoKO draws p̂0 for the stand-in from the global RNG: the probe must leave it as it was, so that the network
+        # and the real optimizer get the random numbers of a seeded run.
+        with torch.random.fork_rng(devices=[]):
+            return optimizer([nn.Parameter(torch.zeros(1))])
+    except ConfigError as err:
+        err.owner = err.owner or optimizer_class(optimizer)
+        raise
+    except ValueError as err:  # torch's optimizers: "Invalid learning rate: -1"
+        raise ConfigError(str(err), field=None, owner=optimizer_class(optimizer)) from None
+
+
+def optimizer_class(optimizer: OptimizerCallable) -> type | None:
+    """The class an optimizer callable builds (a class, or a ``functools.partial`` of one, as the CLI makes)."""
+    target = optimizer
+    while hasattr(target, "func"):  # functools.partial, possibly nested
+        target = target.args[-1] if target.args and isinstance(target.args[-1], type) else target.func
+        if isinstance(target, type):
+            break
+    return target if isinstance(target, type) else None
