@@ -250,3 +250,25 @@ def test_recent_accuracy_is_the_accuracy_of_the_last_predictions(monkeypatch):
     assert history[:6] == [0.0] * 6 and history[6:9] == pytest.approx([1 / 5, 2 / 5, 3 / 5])
     module._log_online(wrong, label, torch.tensor(False), 0.0)  # skipped: no change
     assert float(logged["train/online_acc_recent5"]) == pytest.approx(4 / 5)
+
+
+@pytest.mark.parametrize(
+    ("trainer_state", "message"),
+    [
+        ({"world_size": 2, "precision_plugin": SimpleNamespace(), "precision": "32-true"}, "several processes"),
+        (
+            {"world_size": 1, "precision_plugin": SimpleNamespace(scaler=object()), "precision": "16-mixed"},
+            "gradient scaler",
+        ),
+    ],
+)
+def test_a_selection_refuses_what_it_cannot_run_exactly(trainer_state, message):
+    """The candidates step one after another in one process through the torch optimizer: no DDP, no grad scaler."""
+    from loko_lightning._learner_checks import check_selection_trainer
+
+    with pytest.raises(ConfigError, match=message) as info:
+        check_selection_trainer(SimpleNamespace(**trainer_state), owner=OnlineClassifier)
+    assert info.value.field == "select"
+    check_selection_trainer(
+        SimpleNamespace(world_size=1, precision_plugin=SimpleNamespace(), precision="bf16-mixed"), owner=None
+    )
