@@ -8,7 +8,8 @@ of its inputs and of the filter state, so the parameters, ``p̂`` and ``R`` stay
 broadcast, as long as the processes run the same kernels (same device type and library versions; on GPUs with
 ``torch.use_deterministic_algorithms(True)`` where a kernel would otherwise be non-deterministic).
 
-Communication per step: one all-gather of the count of samples per process, and one of a flat buffer holding each
+Communication per step: one all-gather of the count of samples per process (and of each factored block's positions),
+and one of a flat buffer holding each
 process's predictions, targets and Jacobian factors (:func:`observation_nbytes`): it grows with ``W·B·m`` times the
 size of the Jacobian factors, not with the number of parameters for factored blocks.
 """
@@ -67,8 +68,10 @@ def all_gather_observations(
         prediction: this process's ``(B_r, m)`` predictions.
         target: its ``(B_r, m)`` targets.
         jacobians: its batched blocks (leading dimension ``B_r``; see :meth:`loko_lightning.JacobianEngine.batch`).
-            Every process must pass blocks of the same kinds and per-sample shapes; ``B_r`` may differ (the stream's
-            short last step), the gather pads and trims.
+            Every process must pass blocks of the same kinds and per-sample shapes, except the number ``k`` of
+            positions of a factored block (texts padded to different lengths on different processes): a block with
+            fewer positions is padded with zero positions, which add nothing to its Jacobian. ``B_r`` may differ too
+            (the stream's short last step), the gather pads and trims.
         group: the process group (default: the world).
 
     Returns:
@@ -76,11 +79,15 @@ def all_gather_observations(
     """
     world = dist.get_world_size(group)
     device, dtype = prediction.device, prediction.dtype
-    count = torch.tensor([prediction.shape[0]], dtype=torch.int64, device=device)
+    positions = [jac.left.shape[-1] for jac in jacobians if isinstance(jac, FactoredJacobian)]
+    count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
-    sizes = torch.cat(counts).tolist()  # one host read: the ranks' batch sizes (equal except at the stream's end)
+    # One host read: the ranks' batch sizes (equal except at the stream's end) and factored blocks' positions.
+    table = torch.stack(counts).tolist()
+    sizes = [row[0] for row in table]
     top = max(sizes)
+    jacobians = _pad_positions(jacobians, [max(column) for column in zip(*(row[1:] for row in table), strict=True)])
     parts = _parts(prediction, target, jacobians)
     # One flat buffer per process (each part padded to `top` samples), one collective for all of them.
     per_sample = [part[0].numel() if part.shape[0] else part.shape[1:].numel() for part in parts]
@@ -97,3 +104,16 @@ def all_gather_observations(
         joined.append(torch.cat(pieces).view(sum(sizes), *part.shape[1:]))
         offset += top * numel
     return _rebuild(joined, jacobians)
+
+
+def _pad_positions(jacobians: Sequence[JacobianBlock], positions: list[int]) -> list[JacobianBlock]:
+    """Factored blocks padded with zero positions up to ``positions`` (one count per factored block, in order)."""
+    padded, wanted = [], iter(positions)
+    for jac in jacobians:
+        if isinstance(jac, FactoredJacobian):
+            extra = next(wanted) - jac.left.shape[-1]
+            if extra:
+                left = torch.nn.functional.pad(jac.left, (0, extra))
+                jac = FactoredJacobian(left, torch.nn.functional.pad(jac.right, (0, extra)), jac.param_shape)
+        padded.append(jac)
+    return padded

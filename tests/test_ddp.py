@@ -137,6 +137,45 @@ def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
     assert change > 1e-3  # the parameters moved: the comparison means something
 
 
+def ragged_blocks(rank):
+    """Rank ``rank``'s observation: texts padded to ``3 + rank`` positions, so its factored block has that many."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    k, m = 3 + rank, 4
+    prediction, target = torch.rand(2, m, generator=gen), torch.rand(2, m, generator=gen)
+    factored = FactoredJacobian(torch.randn(2, m, 5, k, generator=gen), torch.randn(2, 6, k, generator=gen), (5, 6))
+    outer = OuterJacobian(torch.randn(2, m, 3, generator=gen), torch.randn(2, 7, generator=gen))
+    return prediction, target, [factored, outer, torch.randn(2, m, 2, generator=gen)]
+
+
+def ragged_worker(rank, world, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        prediction, target, jacobians = all_gather_observations(*ragged_blocks(rank))
+        if rank == 0:
+            dense = [jac.to_dense() if hasattr(jac, "to_dense") else jac for jac in jacobians]
+            torch.save(
+                {"prediction": prediction, "target": target, "dense": dense, "k": jacobians[0].left.shape[-1]}, out
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_factored_blocks_with_different_positions_per_process_are_gathered_zero_padded(tmp_path):
+    """Text batches padded to different lengths on different processes: a factored block's positions differ; the
+    gather pads the shorter with zero positions (which add exactly nothing) instead of failing on the shapes."""
+    out = tmp_path / "ragged.pt"
+    mp.start_processes(ragged_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    got = torch.load(out)
+    mine = [ragged_blocks(rank) for rank in range(2)]
+    assert got["k"] == 4
+    assert torch.equal(got["prediction"], torch.cat([m[0] for m in mine]))
+    assert torch.equal(got["target"], torch.cat([m[1] for m in mine]))
+    for index, dense in enumerate(got["dense"]):
+        expected = [m[2][index] for m in mine]
+        expected = torch.cat([e.to_dense() if hasattr(e, "to_dense") else e for e in expected])
+        assert torch.equal(dense, expected), index
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
