@@ -222,23 +222,36 @@ def csv_rows(runs: list[Run], every: int) -> list[list[Any]]:
     return rows
 
 
-def curve_table(path: Path, at: list[int], loss: str = "l1") -> str:
-    """The accuracy-after-N-samples table of a ``metrics.csv`` written by this script.
+def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1") -> str:
+    """The accuracy-after-N-samples table of ``metrics.csv`` files written by this script (several: one table).
 
     Average online accuracy, the recent-window accuracy (the last ``recent_window`` predictions; a CSV without that
     column, from before it existed, gives none) and the moving-average loss (``loss``: ``"l1"`` or ``"ce"``) after
-    each of ``at`` samples, mean ± sample std over seeds, one row per optimizer. A run's value after ``N`` samples
+    each of ``at`` samples, mean ± sample std over seeds, one row per optimizer (and per file, named after its folder
+    and that folder's parent, when there are several). A run's value after ``N`` samples
     is its first recorded step with at least ``N`` samples (``N`` itself with one sample a step; with ``B`` samples a
     step, the step that reaches ``N``); a run whose CSV has no such step within one ``--csv-every`` of ``N``
     (thinned, or shorter) is an error.
     """
     field, loss_name = LOSSES[loss]
+    paths = [paths] if isinstance(paths, Path) else list(paths)
     rows: dict[tuple[str, int], list[dict[str, str]]] = {}
-    with path.open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            rows.setdefault((row["optimizer"], int(row["seed"])), []).append(row)
-    seen = {optimizer for optimizer, _ in rows}
-    optimizers = [o for o in OPTIMIZERS if o in seen] + sorted(seen - set(OPTIMIZERS))
+    names: dict[str, str] = {}  # row key -> its label
+    optimizers = []
+    for path in paths:
+        keys = {}
+        with path.open(newline="") as handle:
+            for row in csv.DictReader(handle):
+                key = row["optimizer"] if len(paths) == 1 else f"{row['optimizer']}@{_where(path)}"
+                keys[key] = row["optimizer"]
+                rows.setdefault((key, int(row["seed"])), []).append(row)
+        for optimizer in [o for o in OPTIMIZERS if o in keys.values()] + sorted(set(keys.values()) - set(OPTIMIZERS)):
+            for key, name in keys.items():
+                if name == optimizer:
+                    optimizers.append(key)
+                    label = LABELS.get(optimizer, optimizer)
+                    names[key] = label if len(paths) == 1 else f"{label} ({_where(path)})"
+    path = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
     values: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     missing = []
     for (optimizer, _seed), run in rows.items():
@@ -274,8 +287,8 @@ def curve_table(path: Path, at: list[int], loss: str = "l1") -> str:
                 recent_mean, recent_std = _mean_std(list(recents))
                 cell += f", recent {recent_mean:.1f} ± {recent_std:.1f} %"
             cells.append(f"{cell} ({'L1' if loss == 'l1' else 'CE'} {loss_mean:.3f})")
-        lines.append(f"| {LABELS.get(optimizer, optimizer)} | {' | '.join(cells)} |")
-    seeds = len(values[optimizers[0], at[0]])
+        lines.append(f"| {names[optimizer]} | {' | '.join(cells)} |")
+    seeds = ", ".join(sorted({str(len(values[o, at[0]])) for o in optimizers}))
     lines.append("")
     recent_text = (
         "; recent: the accuracy of the last predictions (the learner's recent_window) then, mean ± std"
@@ -287,6 +300,11 @@ def curve_table(path: Path, at: list[int], loss: str = "l1") -> str:
         f"the mean moving-average {loss_name} then."
     )
     return "\n".join(lines)
+
+
+def _where(path: Path) -> str:
+    """A ``metrics.csv``'s folder and its parent (``fmnist32/p0_0.05``): the row name in a table of several."""
+    return f"{path.parent.parent.name}/{path.parent.name}"
 
 
 def plot(runs: list[Run], optimizers: Sequence[str], path: Path, title: str, loss: str = "l1") -> None:
@@ -408,9 +426,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     output.add_argument(
         "--table-from",
         type=Path,
+        nargs="+",
         default=None,
         metavar="DIR",
-        help="run nothing: print the accuracy/loss-after-N-samples table of DIR/metrics.csv (see --at)",
+        help="run nothing: print the accuracy/loss-after-N-samples table of DIR/metrics.csv (see --at); several DIRs "
+        "make one table, each row named after its DIR too",
     )
     output.add_argument("--at", type=int, nargs="+", default=[500, 1000, 2000, 5000], help="samples for --table-from")
     args = parser.parse_args(own)
@@ -427,10 +447,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     args = parse_args(argv)
     if args.table_from is not None:
         loss = args.loss
-        if loss == "auto":  # the loss the comparison itself reported (summary.json), else L1
-            summary_file = args.table_from / "summary.json"
+        if loss == "auto":  # the loss the (first) comparison itself reported (summary.json), else L1
+            summary_file = args.table_from[0] / "summary.json"
             loss = json.loads(summary_file.read_text()).get("loss", "l1") if summary_file.is_file() else "l1"
-        print(curve_table(args.table_from / "metrics.csv", args.at, loss))
+        print(curve_table([directory / "metrics.csv" for directory in args.table_from], args.at, loss))
         return {}
     command = " ".join(sys.argv[1:] if argv is None else argv)
     with common.quiet(args.verbose):

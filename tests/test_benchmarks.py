@@ -343,3 +343,32 @@ def test_compare_on_a_text_config_reports_cross_entropy(scripts, tmp_path):
     assert (tmp_path / "out" / "compare.png").read_bytes()[:8] == PNG_MAGIC
     table = scripts.compare.curve_table(tmp_path / "out" / "metrics.csv", [6, 12], loss="ce")
     assert "(CE " in table and "cross-entropy then" in table
+
+
+def test_curve_table_of_several_comparisons_names_each_row_after_its_folder(scripts, tmp_path, capsys):
+    compare = scripts.compare
+    for name, acc in (("p0_0.05", 0.75), ("paper", 0.5)):
+        folder = tmp_path / "stream" / name
+        folder.mkdir(parents=True)
+        with (folder / "metrics.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, compare.CSV_FIELDS)
+            writer.writeheader()
+            writer.writerow(
+                dict(
+                    optimizer="loko",
+                    seed=0,
+                    step=10,
+                    samples=10,
+                    online_acc=acc,
+                    recent_acc=acc,
+                    loss_avg=1.0,
+                    ce_avg=2.0,
+                    step_time=0.1,
+                )
+            )
+    compare.main(
+        ["--table-from", str(tmp_path / "stream" / "p0_0.05"), str(tmp_path / "stream" / "paper"), "--at", "10"]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("| LoKO (stream/p0_0.05) | 75.0 ± 0.0 %")
+    assert lines[3].startswith("| LoKO (stream/paper) | 50.0 ± 0.0 %")
