@@ -80,6 +80,11 @@ class NetworkFactory:
         self.r, self.alpha, self.dropout, self.use_dora = r, arguments["alpha"], dropout, arguments["use_dora"]
         self.head_init = head_init
 
+    def _builder_arguments(self) -> dict[str, Any]:
+        """The kept arguments as the model builders take them (after ``backbone`` and ``num_classes``)."""
+        names = ("pretrained", "weights", "target", "r", "alpha", "dropout", "use_dora", "head_init")
+        return {name: getattr(self, name) for name in names}
+
 
 class TimmClassifier(NetworkFactory):
     """A timm backbone with a new ``num_classes`` head and peft LoRA (or DoRA) adapters; backbone frozen.
@@ -130,18 +135,7 @@ class TimmClassifier(NetworkFactory):
 
     def _build(self) -> nn.Module:
         """Create the backbone, its new head and the adapters (see :func:`~loko_lightning.adapters.build_model`)."""
-        return build_model(
-            self.backbone,
-            self.num_classes,
-            pretrained=self.pretrained,
-            weights=self.weights,
-            target=self.target,
-            r=self.r,
-            alpha=self.alpha,
-            dropout=self.dropout,
-            use_dora=self.use_dora,
-            head_init=self.head_init,
-        )
+        return build_model(self.backbone, self.num_classes, **self._builder_arguments())
 
     def __repr__(self) -> str:
         source = self.weights if self.weights is not None else ("hub" if self.pretrained else "random")
@@ -199,18 +193,7 @@ class TransformersClassifier(NetworkFactory):
 
     def _build(self) -> nn.Module:
         """Load (or create) the model, its head and adapters (:func:`~loko_lightning.text_models.build_text_model`)."""
-        return build_text_model(
-            self.backbone,
-            self.num_classes,
-            pretrained=self.pretrained,
-            weights=self.weights,
-            target=self.target,
-            r=self.r,
-            alpha=self.alpha,
-            dropout=self.dropout,
-            use_dora=self.use_dora,
-            head_init=self.head_init,
-        )
+        return build_text_model(self.backbone, self.num_classes, **self._builder_arguments())
 
     def __repr__(self) -> str:
         source = self.weights if self.weights is not None else ("hub" if self.pretrained else "random")
