@@ -9,6 +9,7 @@ Jacobian as the product of its factors, or in that exact factored form.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,6 +32,7 @@ class _Hooks:
     def __init__(self) -> None:
         self.calling = False
         self.fast = False
+        self.batched = False
         self.norm_scales: dict[nn.Module, tuple] = {}
         self.conv_matrices: dict[nn.Module, tuple] = {}
 
@@ -54,11 +56,15 @@ class _Call:
 class _Layer:
     module: nn.Module
     swap: list[str]  # names of the parameters (weight, maybe bias) swapped for detached aliases
+    # On the fast path only in batches (timm's Conv2dSame): for one sample autograd's weight gradient is as cheap and
+    # gives the rounding of the numbers measured before this layer had a fast path (LoKO's first steps amplify it).
+    batch_only: bool = False
     calls: list[_Call] = field(default_factory=list)
     saved: dict[str, Any] = field(default_factory=dict)
 
 
-_OTHER, _NORM, _LINEAR, _CONV, _RANDOM = range(5)
+# _CONV_SAME: timm's Conv2dSame (TensorFlow's "SAME" padding, worked out from each input's size in its forward).
+_OTHER, _NORM, _LINEAR, _CONV, _RANDOM, _CONV_SAME = range(6)
 
 
 def _jacobian(
@@ -69,17 +75,16 @@ def _jacobian(
     chunk_size: int | None,
     factorize: bool,
     samples: int | None = None,
-    per_sample: bool = False,
-) -> tuple[Tensor, list[JacobianBlock]] | None:
+) -> tuple[Tensor, list[JacobianBlock]] | str | None:
     """The batched reverse pass from the model output ``raw``, and the Jacobian blocks; ``None`` to redo the call.
 
     ``samples``: ``None`` for one sample (``raw`` of shape ``(1, m)``); ``B`` for a batch (``(B, m)``), whose
     prediction is ``(B, m)`` and whose blocks get a leading batch dimension. A batch goes through the reverse pass
     with ``m - 1`` cotangents shared by all samples (the frozen network in eval mode does not couple samples, so
     sample ``b``'s slice of a cotangent is sample ``b``'s row), which gives every fast-path layer its per-sample
-    factors; a parameter reached any other way gets a gradient summed over the samples, so then (and with
-    ``per_sample``) the pass runs ``B·(m - 1)`` cotangents, one sample each. Returns the string ``"per_sample"``
-    when the shared pass found such a parameter, ``"loop"`` when a fast-path layer saw no batch dimension first.
+    factors. Returns the string ``"loop"`` (the caller then takes the samples one at a time) when that cannot give
+    every sample's rows: a parameter reached another way (its gradient is summed over the samples), or a fast-path
+    layer that saw no batch dimension first.
     """
     batched = samples is not None
     if not isinstance(raw, Tensor) or raw.shape[0] != (samples if batched else 1):
@@ -101,9 +106,7 @@ def _jacobian(
     # (for fast-path weights these are only their uses outside the layer, usually none).
     targets: list[Tensor | GradientEdge] = [call.edge for call in calls] + params
     if prediction.requires_grad:
-        grads = _batched_grad(
-            prediction, targets, m, chunk_size, rows_sum_to_zero=output == "softmax", per_sample=per_sample
-        )
+        grads = _batched_grad(prediction, targets, m, chunk_size, rows_sum_to_zero=output == "softmax")
     else:
         grads = [None] * len(targets)
     if not batched:
@@ -111,20 +114,13 @@ def _jacobian(
                          grads[len(calls) :], m, factorize, lambda call: call.inputs.detach())  # fmt: skip
         buffer = torch.empty(m, _dense_size(blocks, params), dtype=dtype, device=device)
         return prediction.detach(), _fill(blocks, params, buffer)
-    if not per_sample and any(g is not None for g in grads[len(calls) :]):
-        return "per_sample"  # type: ignore[return-value]
+    if any(g is not None for g in grads[len(calls) :]):
+        return "loop"  # type: ignore[return-value]
     per_blocks = []
     for b in range(samples):
-        if per_sample:  # (B·m, B, ...) for call edges, (B·m, *shape) for parameters: sample b's rows
-            call_grads = [
-                None if g is None else g.view(samples, m, *g.shape[1:])[b, :, b : b + 1] for g in grads[: len(calls)]
-            ]
-            param_grads = [None if g is None else g.view(samples, m, *g.shape[1:])[b] for g in grads[len(calls) :]]
-        else:  # (m, B, ...) for call edges: sample b's slice
-            call_grads = [None if g is None else g[:, b : b + 1] for g in grads[: len(calls)]]
-            param_grads = [None] * len(params)
+        call_grads = [None if g is None else g[:, b : b + 1] for g in grads[: len(calls)]]  # (m, B, ...): b's slice
         call_grads = dict(zip(map(id, calls), call_grads, strict=True))
-        per_blocks.append(_blocks(params, layers, call_grads, param_grads, m, factorize,
+        per_blocks.append(_blocks(params, layers, call_grads, [None] * len(params), m, factorize,
                                   lambda call, b=b: call.inputs.detach()[b : b + 1]))  # fmt: skip
     kinds = [[kind for kind, _ in blocks] for blocks in per_blocks]
     if any(k != kinds[0] for k in kinds):
@@ -252,6 +248,8 @@ def _pre_hook(layer: _Layer, hooks: _Hooks) -> Callable:
         # reaches the real parameter and is covered by the generic reverse pass.
         if not hooks.fast or len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
             return None
+        if layer.batch_only and not hooks.batched:
+            return None
         for name in layer.swap:
             param = module._parameters[name]
             layer.saved[name] = param
@@ -318,7 +316,6 @@ def _batched_grad(
     chunk_size: int | None,
     *,
     rows_sum_to_zero: bool,
-    per_sample: bool = False,
 ) -> list[Tensor | None]:
     """``∂ŷ_a/∂target`` for every row ``a``, stacked along a new leading dimension (``None`` if unused).
 
@@ -327,25 +324,16 @@ def _batched_grad(
     Jacobian up to rounding.
 
     A batch of predictions ``(B, m)``: row ``a``'s cotangent is ``a`` in every sample (``m`` rows, each ``B``
-    per-sample rows, so a chunk holds ``chunk_size // B`` of them), or with ``per_sample`` ``a`` in one sample
-    (``B·m`` rows, sample-major).
+    per-sample rows, so a chunk holds ``chunk_size // B`` of them).
     """
     computed = m - 1 if rows_sum_to_zero and m > 1 else m
     eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)[:computed]
-    groups = 1
     if prediction.dim() == 1:
         cotangents, step = eye, computed if chunk_size is None else chunk_size
-    elif not per_sample:
+    else:
         samples = prediction.shape[0]
         cotangents = eye[:, None, :].expand(computed, samples, m)
         step = computed if chunk_size is None else max(1, chunk_size // samples)
-    else:
-        groups = samples = prediction.shape[0]
-        cotangents = torch.zeros(samples, computed, samples, m, dtype=prediction.dtype, device=prediction.device)
-        index = torch.arange(samples, device=prediction.device)
-        cotangents[index, :, index, :] = eye
-        cotangents = cotangents.view(samples * computed, samples, m)
-        step = samples * computed if chunk_size is None else chunk_size
     used: list[int] = []  # indices of the targets the prediction depends on (the same for every row)
 
     def vjp(cotangent: Tensor) -> tuple[Tensor, ...]:
@@ -364,16 +352,9 @@ def _batched_grad(
             )
             used[:] = [i for i, g in enumerate(grads) if g is not None]
             chunks.append(tuple(grads[i] for i in used))
-    if groups > 1:  # per sample: each sample's last row is minus the sum of its others
-        parts = [torch.cat(parts) for parts in zip(*chunks, strict=True)]
-        parts = [p.view(groups, computed, *p.shape[1:]) for p in parts]
-        if computed < m:
-            parts = [torch.cat([p, -p.sum(1, keepdim=True)], 1) for p in parts]
-        stacked = [p.reshape(groups * m, *p.shape[2:]) for p in parts]
-    else:
-        if computed < m:
-            chunks.append(tuple(-sum(chunk[j].sum(0, keepdim=True) for chunk in chunks) for j in range(len(used))))
-        stacked = chunks[0] if len(chunks) == 1 else [torch.cat(parts) for parts in zip(*chunks, strict=True)]
+    if computed < m:
+        chunks.append(tuple(-sum(chunk[j].sum(0, keepdim=True) for chunk in chunks) for j in range(len(used))))
+    stacked = chunks[0] if len(chunks) == 1 else [torch.cat(parts) for parts in zip(*chunks, strict=True)]
     result: list[Tensor | None] = [None] * len(targets)
     for i, grad in zip(used, stacked, strict=True):
         result[i] = grad
@@ -401,7 +382,9 @@ def _right_factor(module: nn.Module, x: Tensor, k: int) -> Tensor:
     if x.dim() == 3:
         x = x[None]
     padding = module.padding
-    if isinstance(padding, str) or module.padding_mode != "zeros":
+    if _is_conv_same(type(module)):  # its forward pads the input, then convolves without padding
+        x = sys.modules["timm.layers.padding"].pad_same(x, module.kernel_size, module.stride, module.dilation)
+    elif isinstance(padding, str) or module.padding_mode != "zeros":
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
         padding = (0, 0)
@@ -413,6 +396,12 @@ def _right_factor(module: nn.Module, x: Tensor, k: int) -> Tensor:
     if right.shape[1] != k:
         raise RuntimeError(f"Internal error: conv factor positions {right.shape[1]} != {k}")
     return right
+
+
+def _is_conv_same(cls: type) -> bool:
+    """Whether ``cls`` convolves like timm's ``Conv2dSame`` (its ``forward``), if timm is in use."""
+    same = sys.modules.get("timm.layers.conv2d_same")
+    return same is not None and getattr(cls, "forward", None) is same.Conv2dSame.forward
 
 
 def _uses_batch_statistics(module: nn.Module) -> bool:

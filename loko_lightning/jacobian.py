@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from loko_lightning import _backward
 from loko_lightning._jacobian_pass import (
     _CONV,
+    _CONV_SAME,
     _LINEAR,
     _NORM,
     _OTHER,
@@ -54,6 +55,7 @@ from loko_lightning._jacobian_pass import (
     _check_inputs,
     _conv_hook,
     _Hooks,
+    _is_conv_same,
     _jacobian,
     _Layer,
     _norm_hook,
@@ -197,12 +199,15 @@ class JacobianEngine:
         normalisation and random layers as for one sample), and its ``nn.Linear``/``nn.Conv2d`` layers must see the
         batch along their input's first dimension. One forward pass of the ``B`` samples; then a reverse pass of
         ``m - 1`` cotangents (with softmax outputs), each one row for every sample at once: the fast-path layers'
-        per-sample factors come out of it directly. If a parameter is also reached another way (a generic
-        parameter, a weight used outside its layer), its gradient would be summed over the samples: then the pass
-        runs ``B·(m - 1)`` one-sample cotangents instead. If a fast-path layer sees an input whose first dimension
-        is not the batch (a model that folds the batch), the samples go one at a time. ``chunk_size`` bounds the
-        per-sample rows of one reverse pass (a cotangent shared by ``B`` samples counts ``B``), and with it the
-        memory.
+        per-sample factors come out of it directly. ``chunk_size`` bounds the per-sample rows of one reverse pass (a
+        cotangent shared by ``B`` samples counts ``B``), and with it the memory.
+
+        The samples go one at a time instead (each as :meth:`__call__`, exact, at ``B`` times one sample's cost) when
+        a parameter is also reached another way (a generic parameter, a weight used outside its layer: its gradient
+        would be summed over the samples), when a fast-path layer sees an input whose first dimension is not the
+        batch (a model that folds the batch), and without the fast path (autocast). Separating the samples inside
+        one reverse pass of the batch would cost ``B`` times more: every one-sample cotangent runs backward through
+        all ``B`` samples.
 
         Args:
             inputs: ``B`` samples along the first dimension.
@@ -216,13 +221,8 @@ class JacobianEngine:
         first = _check_inputs(inputs, batch=True)
         fast = self._check_call(first)
         samples = first.shape[0]
-        per_sample = not fast or self._uncovered
-        result = self._run(inputs, fast, samples, per_sample)
-        if result is None:  # a fast-path layer's input was modified in place: redo it generically
-            result = self._run(inputs, False, samples, True)
-        elif result == "per_sample":  # a fast-path weight is also used elsewhere
-            result = self._run(inputs, fast, samples, True)
-        if isinstance(result, str):  # a fast-path layer saw no batch dimension first: one sample at a time
+        result = self._run(inputs, True, samples) if fast and not self._uncovered else "loop"
+        if not isinstance(result, tuple):  # see above; None: a fast-path layer's input was modified in place
             return _stack_samples([self(_sample(inputs, b)) for b in range(samples)])
         return result
 
@@ -268,8 +268,9 @@ class JacobianEngine:
         """Find and hook the fast-path layers, frozen batch norms and frozen convolutions; record the structure.
 
         Fast path: ``nn.Linear`` and ``nn.Conv2d`` (``groups == 1``, the plain ``forward``) whose weight is
-        differentiated, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw. Frozen batch
-        norms and convolutions get a cheaper backward where one exists (:mod:`loko_lightning._backward`).
+        differentiated, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw; in batches
+        also timm's ``Conv2dSame`` (the ``tf_*`` EfficientNets' stems, and the LoRA factors peft gives them).
+        Frozen batch norms and convolutions get a cheaper backward where one exists (:mod:`loko_lightning._backward`).
         """
         hooks, wanted, handles = self._hooks, self._wanted, self._handles
         hooks.conv_matrices.clear()
@@ -301,18 +302,19 @@ class JacobianEngine:
             if kind == _CONV and _backward.is_frozen_conv(module, wanted):
                 handles.append(module.register_forward_hook(_conv_hook(hooks), prepend=True))
                 continue
-            if kind == _CONV and module.groups != 1:
+            grouped = kind in (_CONV, _CONV_SAME) and module.groups != 1
+            if grouped or (kind == _CONV_SAME and module.padding != (0, 0)):
                 continue
             weight = module._parameters.get("weight")
             if not isinstance(weight, Tensor) or id(weight) not in wanted:
                 continue
             bias = module._parameters.get("bias")
             swap = ["weight", "bias"] if isinstance(bias, Tensor) and id(bias) in wanted else ["weight"]
-            layer = layers[module] = _Layer(module, swap)
+            layer = layers[module] = _Layer(module, swap, batch_only=kind == _CONV_SAME)
             handles.append(module.register_forward_pre_hook(_pre_hook(layer, hooks), with_kwargs=True))
             handles.append(module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
         self._layers, self._norms, self._random, self._dicts = layers, norms, random, dicts
-        # Whether a parameter is reached outside the fast-path layers (a batch then needs one-sample cotangents).
+        # Whether a parameter is reached outside the fast-path layers (a batch then goes one sample at a time).
         covered = {id(layer.module._parameters[name]) for layer in layers.values() for name in layer.swap}
         self._uncovered = any(id(p) not in covered for p in self._params)
         self._structure = list(chain.from_iterable(map(dict.values, dicts)))  # holding them keeps `is` reliable
@@ -322,23 +324,21 @@ class JacobianEngine:
         return len(now) != len(self._structure) or any(map(is_not, now, self._structure))
 
     def _run(
-        self, inputs: Tensor | Mapping[str, Tensor], fast: bool, samples: int | None = None, per_sample: bool = False
+        self, inputs: Tensor | Mapping[str, Tensor], fast: bool, samples: int | None = None
     ) -> tuple[Tensor, list[JacobianBlock]] | str | None:
         """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
         layers = self._layers if fast else {}
-        self._hooks.calling, self._hooks.fast = True, fast
+        self._hooks.calling, self._hooks.fast, self._hooks.batched = True, fast, samples is not None
         try:
             try:
                 with torch.enable_grad():
                     raw = self._model(inputs)
             finally:
-                self._hooks.calling = self._hooks.fast = False
+                self._hooks.calling = self._hooks.fast = self._hooks.batched = False
                 for layer in layers.values():  # only left over if the forward pass raised inside the layer
                     layer.module._parameters.update(layer.saved)
                     layer.saved.clear()
-            return _jacobian(
-                raw, self._params, layers, self._output, self._chunk_size, self._factorize, samples, per_sample
-            )
+            return _jacobian(raw, self._params, layers, self._output, self._chunk_size, self._factorize, samples)
         finally:
             for layer in layers.values():  # the calls hold the layers' inputs and graph: not beyond the call
                 layer.calls.clear()
@@ -392,6 +392,8 @@ def _kind(cls: type) -> int:
         return _LINEAR
     if cls.forward is nn.Conv2d.forward:
         return _CONV
+    if _is_conv_same(cls):
+        return _CONV_SAME
     if issubclass(cls, (nn.modules.dropout._DropoutNd, nn.RReLU, nn.MultiheadAttention)):
         return _RANDOM
     drop = sys.modules.get("timm.layers.drop")  # timm's stochastic depth and DropBlock, if timm is in use

@@ -5,6 +5,7 @@ import timm
 import torch
 from peft import LoraConfig, get_peft_model
 from test_jacobian import ConvZoo, TinyConvNet, dense, row_by_row
+from timm.layers import Conv2dSame
 from torch import nn
 
 import loko_lightning._jacobian_pass as jacobian_pass
@@ -44,16 +45,22 @@ def test_conv_zoo_batch(output, factorize, monkeypatch):
     assert kinds == ({"FactoredJacobian", "OuterJacobian", "Tensor"} if factorize else {"Tensor"})
 
 
-def test_fast_path_only_model_uses_the_shared_pass(monkeypatch):
-    """Only fast-path parameters: m - 1 cotangents shared by the B samples (not B·(m - 1)), still exact."""
+def spy_on_reverse_passes(monkeypatch):
+    """The reverse passes the engine runs, each as the number of samples its prediction holds (1: one sample)."""
     seen = []
     original = jacobian_pass._batched_grad
 
     def spy(prediction, targets, m, chunk_size, **kwargs):
-        seen.append(kwargs["per_sample"])
+        seen.append(prediction.shape[0] if prediction.dim() == 2 else 1)
         return original(prediction, targets, m, chunk_size, **kwargs)
 
     monkeypatch.setattr(jacobian_pass, "_batched_grad", spy)
+    return seen
+
+
+def test_fast_path_only_model_uses_the_shared_pass(monkeypatch):
+    """Only fast-path parameters: m - 1 cotangents shared by the B samples (not B·(m - 1)), still exact."""
+    seen = spy_on_reverse_passes(monkeypatch)
     torch.manual_seed(1)
     model = TinyConvNet(m=5)
     model.train()
@@ -64,19 +71,15 @@ def test_fast_path_only_model_uses_the_shared_pass(monkeypatch):
         p.requires_grad_(any(p is q for q in params))
     with JacobianEngine(model, params, factorize=True) as engine:
         assert_batch_equals_row_by_row(engine, model, torch.randn(4, 3, 8, 8), params)
-    assert seen == [False]
+    assert seen == [4]
 
 
-def test_generic_parameters_and_weights_used_outside_their_layer_get_per_sample_rows(monkeypatch):
-    """A layer-norm weight (generic) and a Linear weight also used directly: B·(m - 1) one-sample cotangents."""
-    seen = []
-    original = jacobian_pass._batched_grad
+def test_generic_parameters_and_weights_used_outside_their_layer_go_one_sample_at_a_time(monkeypatch):
+    """A layer-norm weight (generic) and a Linear weight also used directly: one pass per sample, exact.
 
-    def spy(prediction, targets, m, chunk_size, **kwargs):
-        seen.append(kwargs["per_sample"])
-        return original(prediction, targets, m, chunk_size, **kwargs)
-
-    monkeypatch.setattr(jacobian_pass, "_batched_grad", spy)
+    (One-sample cotangents through the batch's graph would cost B times more: each runs back through all B samples.)
+    """
+    seen = spy_on_reverse_passes(monkeypatch)
 
     class Tied(nn.Module):
         def __init__(self):
@@ -95,10 +98,11 @@ def test_generic_parameters_and_weights_used_outside_their_layer_get_per_sample_
     params = list(model.parameters())
     with JacobianEngine(model, factorize=True) as engine:
         assert_batch_equals_row_by_row(engine, model, torch.randn(3, 6), params)
-    assert seen == [True]  # generic parameters: per-sample rows from the start
+    assert seen == [1, 1, 1]  # generic parameters: one sample at a time from the start
     with JacobianEngine(model, [model.fc.weight, model.head.weight], factorize=True) as engine:
         assert_batch_equals_row_by_row(engine, model, torch.randn(3, 6), [model.fc.weight, model.head.weight])
-    assert seen == [True, False, True]  # the shared pass found fc.weight used outside its layer: redone per sample
+    # The shared pass found fc.weight used outside its layer: redone one sample at a time.
+    assert seen == [1, 1, 1, 3, 1, 1, 1]
 
 
 def test_model_that_folds_the_batch_goes_one_sample_at_a_time():
@@ -150,6 +154,56 @@ def test_peft_lora_resnet_batch(monkeypatch):
         jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(2, 3, 32, 32), params)
     assert any(isinstance(j, FactoredJacobian) for j in jacs) and isinstance(jacs[-2], OuterJacobian)
     assert all(p.grad is None for p in model.parameters())
+
+
+class TFSame(nn.Module):
+    """timm's ``Conv2dSame`` (TensorFlow's "SAME" padding, worked out from each input's size; asymmetric at these
+    sizes), as the ``tf_*`` EfficientNets' stems use it."""
+
+    def __init__(self, m=5):
+        super().__init__()
+        self.stem = Conv2dSame(3, 6, 3, stride=2, bias=False)
+        self.down = Conv2dSame(6, 4, (2, 3), stride=(2, 1), dilation=(1, 2))
+        self.pointwise = Conv2dSame(4, 8, 1)
+        self.head = nn.Linear(8, m)
+
+    def forward(self, x):
+        x = torch.tanh(self.stem(x))
+        x = torch.tanh(self.down(x))
+        return self.head(torch.tanh(self.pointwise(x)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_timm_same_padding_convolutions_take_the_fast_path(lora, monkeypatch):
+    """In a batch their weights (or the LoRA factors peft gives them, which are Conv2dSame too) come out of the shared
+    batched pass in factored form, exact, with the padding of each input's size; one sample keeps autograd's weight
+    gradient for them (dense blocks: the rounding of the numbers measured before)."""
+    monkeypatch.setattr(jacobian_pass, "factored_is_cheaper", lambda *args: True)
+    seen = spy_on_reverse_passes(monkeypatch)
+    torch.manual_seed(5)
+    model = TFSame()
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["stem", "down", "pointwise"]))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                nn.init.normal_(p, std=0.3)
+        assert isinstance(model.base_model.model.stem.lora_A["default"], Conv2dSame)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with JacobianEngine(model, params, factorize=True) as engine:
+        for shape in [(1, 3, 13, 11), (1, 3, 12, 10)]:
+            x = torch.randn(shape)
+            prediction, jacs = engine(x)
+            ref_prediction, ref_jacs = row_by_row(model, x, params)
+            torch.testing.assert_close(prediction, ref_prediction)  # float32 defaults, see above
+            for jac, ref in zip(jacs, ref_jacs, strict=True):
+                torch.testing.assert_close(dense(jac), ref)
+            assert all(isinstance(j, torch.Tensor) for j in jacs[:-2])
+        jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(3, 3, 13, 11), params)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    conv_weights = [n for n in names if n.endswith("weight") and "head" not in n]
+    assert len(conv_weights) == (6 if lora else 3)
+    assert all(isinstance(j, FactoredJacobian) for n, j in zip(names, jacs, strict=True) if n in conv_weights)
+    assert seen == [1, 1, 3]  # one reverse pass per call: none went one sample at a time
 
 
 def test_dense_batch_blocks_share_one_buffer():
