@@ -222,13 +222,14 @@ def csv_rows(runs: list[Run], every: int) -> list[list[Any]]:
     return rows
 
 
-def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1") -> str:
+def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", pool: bool = False) -> str:
     """The accuracy-after-N-samples table of ``metrics.csv`` files written by this script (several: one table).
 
     Average online accuracy, the recent-window accuracy (the last ``recent_window`` predictions; a CSV without that
     column, from before it existed, gives none) and the moving-average loss (``loss``: ``"l1"`` or ``"ce"``) after
     each of ``at`` samples, mean ± sample std over seeds, one row per optimizer (and per file, named after its folder
-    and that folder's parent, when there are several). A run's value after ``N`` samples
+    and that folder's parent, when there are several; with ``pool``, one row per optimizer over all the files: the
+    same comparison run again for more seeds, a seed in two files is an error). A run's value after ``N`` samples
     is its first recorded step with at least ``N`` samples (``N`` itself with one sample a step; with ``B`` samples a
     step, the step that reaches ``N``); a run whose CSV has no such step within one ``--csv-every`` of ``N``
     (thinned, or shorter) is an error.
@@ -237,20 +238,27 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1") -
     paths = [paths] if isinstance(paths, Path) else list(paths)
     rows: dict[tuple[str, int], list[dict[str, str]]] = {}
     names: dict[str, str] = {}  # row key -> its label
+    owners: dict[tuple[str, int], Path] = {}  # (row key, seed) -> the file it came from
     optimizers = []
     for path in paths:
         keys = {}
         with path.open(newline="") as handle:
             for row in csv.DictReader(handle):
-                key = row["optimizer"] if len(paths) == 1 else f"{row['optimizer']}@{_where(path)}"
+                key = row["optimizer"] if len(paths) == 1 or pool else f"{row['optimizer']}@{_where(path)}"
                 keys[key] = row["optimizer"]
+                owner = owners.setdefault((key, int(row["seed"])), path)
+                if owner != path:
+                    raise SystemExit(
+                        f"compare.py: --pool: {row['optimizer']} seed {row['seed']} is in both {owner} and {path} "
+                        "(pool only runs of one setting over different seeds)"
+                    )
                 rows.setdefault((key, int(row["seed"])), []).append(row)
         for optimizer in [o for o in OPTIMIZERS if o in keys.values()] + sorted(set(keys.values()) - set(OPTIMIZERS)):
             for key, name in keys.items():
-                if name == optimizer:
+                if name == optimizer and key not in names:
                     optimizers.append(key)
                     label = LABELS.get(optimizer, optimizer)
-                    names[key] = label if len(paths) == 1 else f"{label} ({_where(path)})"
+                    names[key] = label if len(paths) == 1 or pool else f"{label} ({_where(path)})"
     path = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
     values: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     missing = []
@@ -430,7 +438,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="DIR",
         help="run nothing: print the accuracy/loss-after-N-samples table of DIR/metrics.csv (see --at); several DIRs "
-        "make one table, each row named after its DIR too",
+        "make one table, each row named after its DIR too (see --pool)",
+    )
+    output.add_argument(
+        "--pool",
+        action="store_true",
+        help="with several --table-from DIRs: one row per optimizer over all of them (the same setting run again for "
+        "other seeds)",
     )
     output.add_argument("--at", type=int, nargs="+", default=[500, 1000, 2000, 5000], help="samples for --table-from")
     args = parser.parse_args(own)
@@ -450,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         if loss == "auto":  # the loss the (first) comparison itself reported (summary.json), else L1
             summary_file = args.table_from[0] / "summary.json"
             loss = json.loads(summary_file.read_text()).get("loss", "l1") if summary_file.is_file() else "l1"
-        print(curve_table([directory / "metrics.csv" for directory in args.table_from], args.at, loss))
+        print(curve_table([directory / "metrics.csv" for directory in args.table_from], args.at, loss, args.pool))
         return {}
     command = " ".join(sys.argv[1:] if argv is None else argv)
     with common.quiet(args.verbose):

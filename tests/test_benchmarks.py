@@ -372,3 +372,22 @@ def test_curve_table_of_several_comparisons_names_each_row_after_its_folder(scri
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].startswith("| LoKO (stream/p0_0.05) | 75.0 ± 0.0 %")
     assert lines[3].startswith("| LoKO (stream/paper) | 50.0 ± 0.0 %")
+
+
+def test_curve_table_pools_the_seeds_of_one_setting_run_twice(scripts, tmp_path, capsys):
+    """--pool: seed 0 in one folder, seeds 1 and 2 in another give one row over 3 seeds; a seed twice is refused."""
+    compare = scripts.compare
+    folders = {"seed0": [(0, 0.5)], "seeds12": [(1, 0.6), (2, 0.7)], "again": [(2, 0.9)]}
+    for name, runs in folders.items():
+        (tmp_path / name).mkdir()
+        with (tmp_path / name / "metrics.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, compare.CSV_FIELDS)
+            writer.writeheader()
+            for seed, acc in runs:
+                row = dict(optimizer="loko", seed=seed, step=10, samples=10, online_acc=acc, recent_acc=acc)
+                writer.writerow(dict(row, loss_avg=1.0, ce_avg=2.0, step_time=0.1))
+    compare.main(["--table-from", str(tmp_path / "seed0"), str(tmp_path / "seeds12"), "--pool", "--at", "10"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("| LoKO | 60.0 ± 10.0 %") and len(lines) == 5 and "over 3 seeds" in lines[4]
+    with pytest.raises(SystemExit, match="loko seed 2 is in both"):
+        compare.main(["--table-from", str(tmp_path / "seeds12"), str(tmp_path / "again"), "--pool", "--at", "10"])
