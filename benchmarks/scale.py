@@ -3,15 +3,17 @@
 Usage:
     python benchmarks/scale.py                              # resnet18, m = 10, B in 1 4 16, W = 2
     python benchmarks/scale.py --batches 1 4 --steps 10 --world 2 --threads 1
+    python benchmarks/scale.py --backbone tf_efficientnet_lite0 --world 1  # the accuracy study's model, no DDP
 
-Model: timm ``resnet18`` (random init; weights do not change the cost) with LoRA rank 4 on every conv with
-``groups == 1`` and a new ``m``-class head, 32 x 32 inputs, float32 on the CPU, as ``benchmarks/step_time.py``.
+Model: timm ``resnet18`` (``--backbone``; random init: weights do not change the cost) with LoRA rank 4 on every conv
+with ``groups == 1`` and a new ``m``-class head, 32 x 32 inputs, float32 on the CPU, as ``benchmarks/step_time.py``.
 One step is ``JacobianEngine.batch`` (``engine(x)`` for B = 1, the paper's path) on B random inputs plus one joint
 ``LoKO.step``. Each configuration runs in a fresh process (so its peak resident memory is its own): a warm-up,
-then the median step time over ``--steps`` steps; samples per second = samples per step / median step time.
+then the median step time over ``--steps`` steps (and, separately, the median time of its Jacobian pass); samples per
+second = samples per step / median step time.
 
-DDP: ``--world`` processes on this machine (gloo over loopback, one thread each, as Lightning's CPU DDP gives every
-process its share of the cores), each with B = 1 and the same model, exchanging their observations with
+DDP (``--world`` > 1): that many processes on this machine (gloo over loopback, one thread each, as Lightning's CPU
+DDP gives every process its share of the cores), each with B = 1 and the same model, exchanging their observations with
 :func:`loko_lightning.distributed.all_gather_observations` every step; compared with one process at the same
 thread count. Bytes per step: what one process contributes to the all-gather (prediction, target and Jacobian
 factors of its B samples); every process receives that from each of the others.
@@ -44,16 +46,18 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def run(batch: int, m: int, steps: int, warmup: int, threads: int, rank: int = 0, world: int = 1) -> dict:
+def run(
+    batch: int, m: int, steps: int, warmup: int, threads: int, rank: int = 0, world: int = 1, backbone: str = "resnet18"
+) -> dict:
     """Time ``steps`` joint steps of ``batch`` samples per process; under ``world > 1`` the group is initialised."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = build_model("resnet18", m, pretrained=False, target="convs", r=4, head_init="timm").eval()
+    model = build_model(backbone, m, pretrained=False, target="convs", r=4, head_init="timm").eval()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = LoKO(params, p0=0.2, seed=0)
     engine = JacobianEngine(model, params, factorize=True)
     gen = torch.Generator().manual_seed(rank)
-    times, nbytes = [], 0
+    times, jacobian_times, nbytes = [], [], 0
     for i in range(warmup + steps):
         if i == warmup:
             warm_peak = peak_mib()
@@ -64,9 +68,11 @@ def run(batch: int, m: int, steps: int, warmup: int, threads: int, rank: int = 0
         start = time.perf_counter()
         if batch == 1 and world == 1:
             prediction, jacobians = engine(x)
+            jacobian_times.append(time.perf_counter() - start)
             opt.step(lambda prediction=prediction, jacobians=jacobians, y=y: (prediction, y[0], jacobians))
         else:
             prediction, jacobians = engine.batch(x)
+            jacobian_times.append(time.perf_counter() - start)
             nbytes = observation_nbytes(prediction, y, jacobians)
             observation = (prediction, y, jacobians)
             if world > 1:
@@ -79,6 +85,7 @@ def run(batch: int, m: int, steps: int, warmup: int, threads: int, rank: int = 0
         "world": world,
         "threads": threads,
         "step_s": step,
+        "jacobian_s": statistics.median(jacobian_times[warmup:]),
         "samples_per_s": batch * world / step,
         "bytes_per_step_per_process": nbytes,
         "peak_mib": peak_mib(),
@@ -89,7 +96,7 @@ def run(batch: int, m: int, steps: int, warmup: int, threads: int, rank: int = 0
 def ddp_worker(rank: int, world: int, port: int, args: argparse.Namespace) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        return run(1, args.m, args.steps, args.warmup, 1, rank, world)
+        return run(1, args.m, args.steps, args.warmup, 1, rank, world, args.backbone)
     finally:
         dist.destroy_process_group()
 
@@ -102,7 +109,8 @@ def in_subprocess(argv: list[str]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--backbone", default="resnet18", help="timm model name")
+    parser.add_argument("--world", type=int, default=2, help="DDP processes (1: no DDP run)")
     parser.add_argument("--m", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -112,7 +120,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(run(args.one, args.m, args.steps, args.warmup, args.threads)))
+        print(json.dumps(run(args.one, args.m, args.steps, args.warmup, args.threads, backbone=args.backbone)))
         return
     if args.rank is not None:
         result = ddp_worker(args.rank, args.world, args.port, args)
@@ -120,16 +128,32 @@ def main() -> None:
             print(json.dumps(result))
         return
 
-    common = ["--m", str(args.m), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    common = ["--m", str(args.m), "--steps", str(args.steps), "--warmup", str(args.warmup), "--backbone", args.backbone]
     load = os.getloadavg()
-    print(f"resnet18, m = {args.m}, LoRA r = 4 on convs, 32 x 32, CPU, {args.steps} timed steps; load before {load}")
-    print("| B | W | threads | step (s) | samples/s | bytes per step and process | peak RSS (MiB) | added (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{args.backbone}, m = {args.m}, LoRA r = 4 on convs, 32 x 32, CPU, {args.steps} timed steps; load {load}")
+    print(
+        "| B | W | threads | step (s) | of which Jacobian (s) | samples/s | bytes per step and process "
+        "| peak RSS (MiB) | added (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for batch in args.batches:
         rows += in_subprocess(["--one", str(batch), "--threads", str(args.threads), *common])
-    if 1 not in args.batches or args.threads != 1:  # DDP against one process with the same threads per process
+    if args.world > 1 and (1 not in args.batches or args.threads != 1):  # DDP against one process, same threads
         rows += in_subprocess(["--one", "1", "--threads", "1", *common])
+    if args.world > 1:
+        rows += ddp_rows(args, common)
+    for r in rows:
+        print(
+            f"| {r['batch']} | {r['world']} | {r['threads']} | {r['step_s']:.3f} | {r['jacobian_s']:.3f} | "
+            f"{r['samples_per_s']:.1f} | {r['bytes_per_step_per_process']:,} | {r['peak_mib']:.0f} | "
+            f"{r['added_after_warmup_mib']:.0f} |"
+        )
+    print(f"load after: {os.getloadavg()}")
+
+
+def ddp_rows(args: argparse.Namespace, common: list[str]) -> list[dict]:
+    """Rank 0's row of a DDP run with ``args.world`` processes, each with B = 1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -142,13 +166,7 @@ def main() -> None:
         for r in range(args.world)
     ]
     outputs = [p.communicate()[0] for p in procs]
-    rows += [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
-    for r in rows:
-        print(
-            f"| {r['batch']} | {r['world']} | {r['threads']} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | "
-            f"{r['bytes_per_step_per_process']:,} | {r['peak_mib']:.0f} | {r['added_after_warmup_mib']:.0f} |"
-        )
-    print(f"load after: {os.getloadavg()}")
+    return [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
 
 
 if __name__ == "__main__":

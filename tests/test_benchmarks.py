@@ -321,6 +321,7 @@ def test_scale_measures_a_joint_step(scripts):
     would contribute to the all-gather (prediction, target and Jacobian factors of its 2 samples)."""
     row = scripts.scale.run(batch=2, m=4, steps=1, warmup=1, threads=1)
     assert row["step_s"] > 0 and row["samples_per_s"] == pytest.approx(2 / row["step_s"])
+    assert 0 < row["jacobian_s"] < row["step_s"]
     assert row["bytes_per_step_per_process"] > 2 * 2 * 4 * 4  # more than the predictions and targets alone
     assert row["peak_mib"] > 0
 
