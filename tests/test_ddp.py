@@ -60,6 +60,7 @@ def worker(rank, world, port, out):
         dist.all_gather(gathered, mine)
         if rank == 0:
             torch.save({"states": gathered, "nbytes": nbytes[0], "step": int(opt.diagnostics["step"])}, out)
+        dist.barrier()  # both ranks leave together (see ragged_worker)
     finally:
         dist.destroy_process_group()
 
@@ -156,6 +157,9 @@ def ragged_worker(rank, world, port, out):
             torch.save(
                 {"prediction": prediction, "target": target, "dense": dense, "k": jacobians[0].left.shape[-1]}, out
             )
+        # Both ranks leave together: rank 0 (the store's host) once hung in destroy_process_group under torch 2.6
+        # after rank 1 had exited while it was still saving.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
