@@ -170,6 +170,7 @@ class UpdatePlan:
         device: device of ``p̂``.
         samples: ``B``, the number of samples the ``m`` rows of the blocks stack (:mod:`loko_lightning.batch`):
             ``m / B`` outputs each, with a block-diagonal ``R``. 1: the paper's single observation.
+        p_floor: the floor on ``p̂`` per parameter (the updated ``p̂`` is at least this); default: none (0).
     """
 
     def __init__(
@@ -180,6 +181,7 @@ class UpdatePlan:
         dtype: torch.dtype,
         device: torch.device,
         samples: int = 1,
+        p_floor: Sequence[float] | None = None,
     ) -> None:
         if not jacobians:
             raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
@@ -201,14 +203,8 @@ class UpdatePlan:
         for i in self.order:
             self.offsets[i] = position
             position += numels[i]
-        qs = [float(process_noise[i]) for i in self.order]
-        if not any(qs):
-            self.q: Tensor | float | None = None
-        elif len(set(qs)) == 1:
-            self.q = qs[0]
-        else:
-            fills = zip(self.order, qs, strict=True)
-            self.q = torch.cat([torch.full((numels[i],), q, dtype=dtype, device=device) for i, q in fills])
+        self.q = self._per_entry(process_noise, numels)
+        self.floor = None if p_floor is None else self._per_entry(p_floor, numels)
         # Work vectors of every step: the update K e and diag(Hᵀ S⁺ H) (then the new p̂).
         self._update = torch.empty(self.n, dtype=dtype, device=device)
         self._quad = torch.empty(self.n, dtype=dtype, device=device)
@@ -217,6 +213,16 @@ class UpdatePlan:
         self._eye = torch.eye(m, dtype=dtype, device=device)
         self._one = torch.ones((), dtype=dtype, device=device)
         self._zero = torch.zeros((), dtype=dtype, device=device)
+
+    def _per_entry(self, values: Sequence[float], numels: Sequence[int]) -> Tensor | float | None:
+        """One value per parameter, as the flat arithmetic uses it: None (all 0), a float (all equal) or a vector."""
+        ordered = [float(values[i]) for i in self.order]
+        if not any(ordered):
+            return None
+        if len(set(ordered)) == 1:
+            return ordered[0]
+        fills = zip(self.order, ordered, strict=True)
+        return torch.cat([torch.full((numels[i],), v, dtype=self.dtype, device=self.device) for i, v in fills])
 
     def views(self, flat: Tensor) -> list[Tensor]:
         """Per-parameter views of a flat vector in this plan's order, shaped like the parameters, in parameter order."""
@@ -282,6 +288,11 @@ class UpdatePlan:
         # 6. p̂_k,i = p̂_i - (K H)_ii p̂_i; (K H)_ii lies in [0, 1] in exact arithmetic, the floor keeps p̂ > 0.
         posterior = torch.addcmul(self._one, prior, quad, value=-1.0, out=quad)
         posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
+        # A floor on p̂ (not the paper): keeps every step size above a minimum however many samples were seen.
+        if isinstance(self.floor, Tensor):
+            torch.maximum(posterior, self.floor, out=posterior)
+        elif self.floor is not None:
+            posterior.clamp_min_(self.floor)
         # Skip if non-finite: a NaN or Inf anywhere makes a sum non-finite (so does an overflowing sum, skipped too).
         applied = finite & torch.isfinite(update.sum() + posterior.sum())
         torch.where(applied, update, self._zero, out=update)
@@ -327,6 +338,7 @@ def loko_update(
     cov_flat: Tensor | None = None,
     statistics: bool = True,
     samples: int = 1,
+    p_floor: Sequence[float] | float = 0.0,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -373,6 +385,8 @@ def loko_update(
             (:func:`loko_lightning.batch.stack_observations`): one joint update with a block-diagonal ``R``
             (``m x m``, the EMA of one sample's noise, see :func:`~loko_lightning.batch.stacked_observation_noise`).
             Ignored when ``plan`` is given (the plan's own).
+        p_floor: a floor on ``p̂`` (not the paper; 0: none): after the update, :math:`\hat p_k \leftarrow
+            \max(\hat p_k, \text{p\_floor})`, one value or one per parameter. Ignored when ``plan`` is given.
 
     Returns:
         Diagnostics as 0-d tensors: ``applied``, ``innovation_norm``, ``cond`` (of ``S``'s kept spectrum) and, with
@@ -383,8 +397,11 @@ def loko_update(
             raise ValueError("Invalid cov_flat: it is laid out by a plan, so pass the plan as well")
         if isinstance(process_noise, (int, float)):
             process_noise = [float(process_noise)] * len(params)
+        if isinstance(p_floor, (int, float)):
+            p_floor = [float(p_floor)] * len(params)
+        shapes = [p.shape for p in params]
         plan = UpdatePlan(
-            jacobians, [p.shape for p in params], process_noise, covs[0].dtype, covs[0].device, samples=samples
+            jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor
         )
     kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics)
     if cov_flat is not None:

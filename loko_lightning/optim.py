@@ -74,7 +74,8 @@ class LoKO(torch.optim.Optimizer):
     :mod:`loko_lightning.functional`.
 
     Args:
-        params: parameters or param groups; groups may set their own ``p0``, ``p0_init`` and ``process_noise``.
+        params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise`` and
+            ``p_floor``.
         p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
             constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
         p0_init: ``"uniform"`` (paper method 2, default) or ``"constant"`` (method 1).
@@ -85,6 +86,10 @@ class LoKO(torch.optim.Optimizer):
             (:math:`R = \mathrm{diag}(\hat y) - \hat y \hat y^\top`).
         process_noise: ``q`` added to every :math:`\hat p` in the predict step; 0 is the paper, a small
             positive value keeps learning alive on non-stationary streams.
+        p_floor: a floor on :math:`\hat p` (not the paper; 0, the default, is none): after every update
+            :math:`\hat p_k \leftarrow \max(\hat p_k, \text{p\_floor})`, so the steps never shrink below a
+            minimum however long the stream. Unlike ``process_noise`` it leaves :math:`\hat p` alone while it is
+            above the floor.
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
         observation: what the prediction is. ``"softmax"`` (default): class probabilities, the paper's
             classification setting; when the target is a probability vector (e.g. one-hot) and the prediction is
@@ -121,6 +126,7 @@ class LoKO(torch.optim.Optimizer):
         beta: float = 0.95,
         r_estimator: REstimator = "taylor",
         process_noise: float = 0.0,
+        p_floor: float = 0.0,
         rcond: float | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
@@ -161,6 +167,7 @@ class LoKO(torch.optim.Optimizer):
             beta=beta,
             r_estimator=r_estimator,
             process_noise=process_noise,
+            p_floor=p_floor,
             rcond=rcond,
             observation=observation,
         )
@@ -273,7 +280,8 @@ class LoKO(torch.optim.Optimizer):
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
-        key = _layout_key(prediction, target, jacobians, (tuple(process_noise), samples))
+        p_floor = [g.get("p_floor", 0.0) for g in self.param_groups for _ in g["params"]]
+        key = _layout_key(prediction, target, jacobians, (tuple(process_noise), tuple(p_floor), samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             _check_shapes(prediction, target, jacobians, params)
             if self.defaults["observation"] == "softmax":
@@ -284,7 +292,9 @@ class LoKO(torch.optim.Optimizer):
         shared = self._shared_state(m, prediction.device, covs[0].dtype)
         if self._plan is None:
             shapes = [p.shape for p in params]
-            self._plan = UpdatePlan(jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples)
+            self._plan = UpdatePlan(
+                jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor
+            )
             self._plan_key, self._cov_flat = key, None
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(params, covs)
@@ -448,3 +458,7 @@ def _check_group(group: dict[str, Any]) -> None:
     if not (isinstance(q, (int, float)) and 0 <= q < float("inf")):
         message = f"Invalid process_noise: {q} (must be a finite number >= 0)"
         raise ConfigError(message, field="process_noise", owner=LoKO)
+    floor = group["p_floor"]
+    if not (isinstance(floor, (int, float)) and 0 <= floor < float("inf")):
+        message = f"Invalid p_floor: {floor} (must be a finite number >= 0; 0 is no floor, the paper)"
+        raise ConfigError(message, field="p_floor", owner=LoKO)

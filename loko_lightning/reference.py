@@ -67,6 +67,7 @@ def loko_step_reference(
     r_estimator: REstimator,
     process_noise: float | Tensor = 0.0,
     rcond: float | None = None,
+    p_floor: float | Tensor = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One LoKO step (Algorithm 1), dense and in float64.
 
@@ -83,6 +84,7 @@ def loko_step_reference(
             ``"softmax"`` (see :class:`loko_lightning.LoKO`).
         process_noise: ``q`` added to ``p̂`` in the predict step, one value or one per entry of ``θ̃``.
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S`` (see :func:`pinv_reference`).
+        p_floor: a floor on ``p̂_k`` (not the paper), one value or one per entry of ``θ̃``.
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -117,7 +119,7 @@ def loko_step_reference(
     # 6. Update: θ̃_k = θ̃_{k|k-1} + K e and p̂_k,i = p̂_i - (Σ_j K_ij H_ji) p̂_i, the diagonal of P - K H P.
     theta = theta + K @ e
     p = p - (K * H.T).sum(1) * p
-    return theta, p, R
+    return theta, _floored(p, p_floor), R
 
 
 def loko_step_reference_batch(
@@ -133,6 +135,7 @@ def loko_step_reference_batch(
     r_estimator: REstimator,
     process_noise: float | Tensor = 0.0,
     rcond: float | None = None,
+    p_floor: float | Tensor = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One joint LoKO step on ``B`` samples (the multistream EKF, :mod:`loko_lightning.batch`), dense and in float64.
 
@@ -153,6 +156,7 @@ def loko_step_reference_batch(
         r_estimator: as in :func:`loko_step_reference`.
         process_noise: ``q`` added to ``p̂`` in the predict step.
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
+        p_floor: a floor on ``p̂_k``.
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -193,4 +197,11 @@ def loko_step_reference_batch(
     K = PHt @ pinv_reference(S, rcond)
     theta = theta + K @ e
     p = p - (K * Hs.T).sum(1) * p
-    return theta, p, R
+    return theta, _floored(p, p_floor), R
+
+
+def _floored(p: Tensor, p_floor: float | Tensor) -> Tensor:
+    """``max(p̂, p_floor)`` entrywise; no floor (``0``): ``p̂`` as it is."""
+    if isinstance(p_floor, Tensor):
+        return torch.maximum(p, p_floor.double())
+    return p.clamp_min(float(p_floor)) if p_floor else p

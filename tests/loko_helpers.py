@@ -21,7 +21,7 @@ class DenseModelFilter:
     """LoKO on a model the slow way: θ̃ one flat float64 vector, H from ``jacrev``, each step
     :func:`~loko_lightning.reference.loko_step_reference`. Shares no code with the fast path but the reference."""
 
-    def __init__(self, model, p0, *, beta, r_estimator, process_noise=0.0, output="softmax"):
+    def __init__(self, model, p0, *, beta, r_estimator, process_noise=0.0, output="softmax", p_floor=0.0):
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
@@ -31,6 +31,7 @@ class DenseModelFilter:
         self.R = None
         self.k = 0
         self.beta, self.r_estimator, self.q, self.output = beta, r_estimator, process_noise, output
+        self.p_floor = p_floor
 
     def unflatten(self, theta):
         out, start = {}, 0
@@ -54,7 +55,7 @@ class DenseModelFilter:
         p_prior = self.p + self.q
         self.theta, self.p, self.R = loko_step_reference(
             self.theta, self.p, self.R, H, y_hat, y, self.k,
-            beta=self.beta, r_estimator=self.r_estimator, process_noise=self.q, rcond=RTOL,
+            beta=self.beta, r_estimator=self.r_estimator, process_noise=self.q, rcond=RTOL, p_floor=self.p_floor,
         )  # fmt: skip
         eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + self.R)  # S
         rel = eig.abs() / eig.abs().max()

@@ -53,6 +53,39 @@ def test_matches_float64_reference(r_estimator, p0_init):
     assert (cov < 0.3 + 120 * 1e-4).all()
 
 
+@pytest.mark.parametrize("per_group", [False, True], ids=["one floor", "a floor per group"])
+def test_p_floor_matches_float64_reference(per_group):
+    """A floor on p̂ holds p̂ at the floor once the update would take it below, the same as the dense reference."""
+    model = mlp()
+    first, second = [*model[0].parameters()], [*model[2].parameters()]
+    n_first, n_second = sum(p.numel() for p in first), sum(p.numel() for p in second)
+    groups = [{"params": first, "p_floor": 0.05} if per_group else {"params": first}, {"params": second}]
+    high = 0.05 if per_group else 0.02
+    floor = torch.cat(
+        [torch.full((n_first,), high, dtype=torch.float64), torch.full((n_second,), 0.02, dtype=torch.float64)]
+    )
+    opt = LoKO(groups, p0=0.3, beta=0.9, p_floor=0.02, seed=3)
+    p0 = flat_cov(opt, model.parameters())
+    reference = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor", p_floor=floor)
+    unfloored = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor")
+    for x, y in teacher_stream(120):
+        y_ref = reference.step(x, y)
+        unfloored.step(x, y)
+        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    cov = torch.cat([opt.state[p]["cov"].reshape(-1) for p in model.parameters()])
+    # The same float64 arithmetic in another order, as in test_matches_float64_reference.
+    torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(cov, reference.p, rtol=1e-9, atol=1e-15)
+    # The floor binds for some entries and not for others, and it changed the run.
+    assert (cov >= floor).all()
+    at_floor = cov == floor
+    assert at_floor.any() and not at_floor.all()
+    assert (unfloored.p < floor).any()
+    assert not torch.allclose(theta, unfloored.theta, rtol=1e-6, atol=0)
+
+
 def test_float32_step_matches_float64_reference():
     """One float32 step from the same state as the float64 reference: error at the level of cond(S)·eps32."""
     model64 = mlp()

@@ -139,6 +139,8 @@ def test_wrong_shapes_raise():
         ({"beta": 1.0}, "Invalid beta"),
         ({"beta": 0.0}, "Invalid beta"),
         ({"process_noise": -1e-3}, "Invalid process_noise"),
+        ({"p_floor": -1e-3}, "Invalid p_floor"),
+        ({"p_floor": float("inf")}, "Invalid p_floor"),
         ({"r_estimator": "kalman"}, "Invalid r_estimator"),
         ({"p0_init": "normal"}, "Invalid p0_init"),
         ({"dtype": torch.float16}, "Invalid dtype"),

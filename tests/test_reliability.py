@@ -281,6 +281,7 @@ CATALOGUE = {
         ["--model.optimizer.process_noise=-1e-4"],
         ["--model.optimizer.process_noise: Invalid process_noise"],
     ),
+    "negative p floor": (["--model.optimizer.p_floor=-0.01"], ["--model.optimizer.p_floor: Invalid p_floor"]),
     "dropout with LoKO": (
         ["--model.network.dropout", "0.1"],
         ["--model.network.dropout: dropout=0.1 with LoKO", "set it to 0"],
