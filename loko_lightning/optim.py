@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
+from loko_lightning._optim_checks import check_probabilities, check_shapes, layout_key
 from loko_lightning.batch import check_batch, stack_observations
-from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, block_key
+from loko_lightning.blocks import JacobianBlock
 from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
 
@@ -281,11 +281,11 @@ class LoKO(torch.optim.Optimizer):
             prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
         p_floor = [g.get("p_floor", 0.0) for g in self.param_groups for _ in g["params"]]
-        key = _layout_key(prediction, target, jacobians, (tuple(process_noise), tuple(p_floor), samples))
+        key = layout_key(prediction, target, jacobians, (tuple(process_noise), tuple(p_floor), samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
-            _check_shapes(prediction, target, jacobians, params)
+            check_shapes(prediction, target, jacobians, params)
             if self.defaults["observation"] == "softmax":
-                _check_probabilities(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
+                check_probabilities(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
         m = prediction.shape[0] // samples
         covs = [self.state[p]["cov"] for p in params]
@@ -357,57 +357,6 @@ class LoKO(torch.optim.Optimizer):
             self.state[param]["cov"] = view
 
 
-def _check_shapes(prediction: Any, target: Any, jacobians: Any, params: list[Tensor]) -> None:
-    """Refuse a closure result whose shapes do not fit the parameters."""
-    if not isinstance(prediction, Tensor) or prediction.dim() != 1:
-        got = tuple(prediction.shape) if isinstance(prediction, Tensor) else type(prediction).__name__
-        raise ValueError(f"Invalid prediction: expected shape (m,), got {got}")
-    m = prediction.shape[0]
-    if not isinstance(target, Tensor) or tuple(target.shape) != (m,):
-        got = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
-        raise ValueError(f"Invalid target: expected shape ({m},) like the prediction, got {got}")
-    if len(jacobians) != len(params):
-        message = f"Invalid jacobians: expected {len(params)} (one per parameter), got {len(jacobians)}"
-        frozen = sum(not p.requires_grad for p in params)
-        if frozen:
-            message += (
-                f"; {frozen} of the optimizer's parameters have requires_grad=False, and jacobian() "
-                "differentiates only parameters with requires_grad unless it is given params: give LoKO only the "
-                "trainable ones ([p for p in model.parameters() if p.requires_grad]), or give jacobian() the "
-                "optimizer's parameters"
-            )
-        raise ValueError(message)
-    for index, (jac, param) in enumerate(zip(jacobians, params, strict=True)):
-        expected = (m, *param.shape)
-        if isinstance(jac, OuterJacobian):
-            ok = jac.left.dim() == 2 and jac.right.dim() == 1 and tuple(jac.shape) == expected
-        elif isinstance(jac, FactoredJacobian):
-            ok = (
-                tuple(jac.shape) == expected
-                and param.dim() >= 1
-                and jac.left.dim() == 3
-                and jac.right.dim() == 2
-                and jac.left.shape[:2] == (m, param.shape[0])
-                and jac.right.shape == (param[0].numel(), jac.left.shape[2])
-            )
-        else:
-            ok = isinstance(jac, Tensor) and tuple(jac.shape) == expected
-        if not ok:
-            got = tuple(jac.shape) if hasattr(jac, "shape") else type(jac).__name__
-            raise ValueError(f"Invalid jacobians[{index}]: expected shape {expected}, got {got}")
-
-
-def _layout_key(prediction: Any, target: Any, jacobians: Any, extra: tuple) -> tuple | None:
-    """What the cached plan depends on (``extra``: process noise, samples stacked); ``None``: run the full checks."""
-    if not isinstance(prediction, Tensor) or not isinstance(target, Tensor):
-        return None
-    try:
-        blocks = tuple(map(block_key, jacobians))
-    except TypeError:
-        return None
-    return prediction.shape, target.shape, blocks, extra
-
-
 def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
     """``p̂_0`` of one parameter: the constant ``p0`` or a draw from ``U(0, p0]``."""
     if group["p0_init"] == "constant":
@@ -416,32 +365,6 @@ def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, gener
     # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
     draw = (1.0 - draw) * float(group["p0"])
     return draw.to(dtype=dtype, device=param.device)
-
-
-def _check_probabilities(prediction: Tensor, target: Tensor) -> None:
-    """Refuse predictions (``(B, m)``) that are not probability vectors when the targets are (one host read)."""
-    m = prediction.shape[-1]
-    if m == 0:
-        return
-    target_sums, prediction_sums = target.sum(-1), prediction.sum(-1)
-    target_sum = target_sums[(target_sums - 1).abs().argmax()]
-    prediction_sum = prediction_sums[(prediction_sums - 1).abs().argmax()]
-    stats = torch.stack([v.double() for v in (target.min(), target_sum, prediction.min(), prediction_sum)])
-    stats = stats.tolist()
-    target_min, target_sum, prediction_min, prediction_sum = stats
-    if not all(math.isfinite(v) for v in stats):
-        return  # the step is skipped on the device
-    # Softmax sums to 1 up to ~m roundings; 10 m eps of each dtype is far from the sum of any logits by chance.
-    target_tol = 10 * m * torch.finfo(target.dtype).eps
-    tol = 10 * m * torch.finfo(prediction.dtype).eps
-    target_is_probability = target_min >= 0.0 and abs(target_sum - 1.0) <= target_tol
-    if target_is_probability and (prediction_min < 0.0 or abs(prediction_sum - 1.0) > tol):
-        raise ValueError(
-            "Invalid prediction: the target is a probability vector (e.g. one-hot) but the prediction is not "
-            f"(smallest entry {prediction_min:.4g}, sum {prediction_sum:.6g}): LoKO observes class probabilities, so "
-            'compute the prediction with jacobian(..., output="softmax") (the default), not logits; for a '
-            'regression on such targets, create the optimizer with LoKO(..., observation="regression")'
-        )
 
 
 def _check_group(group: dict[str, Any]) -> None:
