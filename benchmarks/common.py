@@ -307,7 +307,14 @@ class RunResult:
         return len(self.online_acc)
 
 
-def fit(args: Sequence[str], *, print_every: int = 0, label: str = "", guard_every: int | None = None) -> RunResult:
+def fit(
+    args: Sequence[str],
+    *,
+    print_every: int = 0,
+    label: str = "",
+    guard_every: int | None = None,
+    callbacks: Sequence[pl.Callback] = (),
+) -> RunResult:
     """Build one run with :func:`build` and train it for one online pass, recording every step.
 
     Args:
@@ -315,6 +322,7 @@ def fit(args: Sequence[str], *, print_every: int = 0, label: str = "", guard_eve
         print_every: progress line every this many steps (0: none).
         label: prefix of the progress lines.
         guard_every: see :class:`BenchmarkCLI`.
+        callbacks: more callbacks for the trainer (after the recorder), e.g. to measure something else per step.
 
     Returns:
         The recorded metrics; ``diverged`` says why the run stopped if the divergence guard stopped it or a metric
@@ -323,7 +331,9 @@ def fit(args: Sequence[str], *, print_every: int = 0, label: str = "", guard_eve
     recorder = StepRecorder(print_every, label)
     scratch = tempfile.mkdtemp(prefix="loko-benchmark-")
     try:
-        cli = build([*args, f"--trainer.default_root_dir={scratch}"], callbacks=[recorder], guard_every=guard_every)
+        cli = build(
+            [*args, f"--trainer.default_root_dir={scratch}"], callbacks=[recorder, *callbacks], guard_every=guard_every
+        )
         model, trainer = cli.model, cli.trainer
         command = [*args, *(f"--{key}={value}" for key, value in cli.resolved.items())]
         start = time.perf_counter()

@@ -392,3 +392,63 @@ def test_curve_table_pools_the_seeds_of_one_setting_run_twice(scripts, tmp_path,
     assert lines[2].startswith("| LoKO | 60.0 ± 10.0 %") and len(lines) == 5 and "over 3 seeds" in lines[4]
     with pytest.raises(SystemExit, match="loko seed 2 is in both"):
         compare.main(["--table-from", str(tmp_path / "seeds12"), str(tmp_path / "again"), "--pool", "--at", "10"])
+
+
+def test_step_size_measures_each_step_and_the_shrinking_p_hat(scripts, tmp_path):
+    """benchmarks/step_size.py: one size per step (LoKO's equals its own ‖K e‖), p̂ quantiles that only shrink."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import step_size
+
+    class GainNorms(scripts.common.pl.Callback):
+        """LoKO's own ‖K e‖ of every step (its diagnostics), to check the measured parameter change against."""
+
+        def __init__(self):
+            self.norms = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            optimizer = pl_module.optimizers().optimizer
+            if isinstance(optimizer, step_size.LoKO):
+                self.norms.append(float(optimizer.diagnostics["gain_norm"]))
+
+    argv = [*SCRIPT, "--optimizers", "loko", "adamw", "--at", "10", "20", "--window", "5", "--out", str(tmp_path)]
+    args = step_size.parse_args([*argv, "--", *TINY])
+    sizes, gains = step_size.StepSizes(args.at), GainNorms()
+    scripts.common.fit(scripts.compare.run_args(args, "loko", args.seed), callbacks=[sizes, gains])
+    assert len(sizes.sizes) == len(gains.norms) == 20
+    # float32 parameters θ ~ 0.1-1 and steps ~ 1e-3: the difference θ_k − θ_(k-1) carries ~ eps32 · |θ| / |Δθ|
+    # ~ 1e-4 relative error; the filter's ‖K e‖ is computed from the update itself.
+    torch.testing.assert_close(
+        torch.tensor(sizes.sizes, dtype=torch.float64),
+        torch.tensor(gains.norms, dtype=torch.float64),
+        rtol=1e-3,
+        atol=0,
+    )
+    steps = {row["step"] for row in sizes.p_hat}
+    assert steps == {0, 10, 20}
+    by = {(row["step"], row["kind"]): row for row in sizes.p_hat}
+    kinds = {kind for _, kind in by}
+    assert {"lora_A", "lora_B", "head"} <= kinds
+    for kind in kinds:
+        start, end = by[(0, kind)], by[(20, kind)]
+        assert start["count"] == end["count"] > 0
+        # Without process noise every entry of p̂ only shrinks (the update subtracts a product of non-negative
+        # factors, and rounding is monotone), so every quantile and the mean do, exactly; the initial draw is U(0, 0.2].
+        for name in ("mean", "q01", "q10", "q50", "q90", "min"):
+            assert end[name] <= start[name], (kind, name)
+        assert start["min"] > 0 and start["q90"] <= 0.2
+
+    recorded = step_size.main([*argv, "--", *TINY])
+    assert set(recorded) == {"loko", "adamw"}
+    assert recorded["adamw"]["p_hat"] == [] and len(recorded["adamw"]["sizes"]) == 20
+    assert all(size > 0 and math.isfinite(size) for size in recorded["adamw"]["sizes"])
+    text = (tmp_path / "step_size.md").read_text()
+    assert "| LoKO | " in text and "| LoRA/AdamW | " in text and "steps 16-20" in text
+    assert (tmp_path / "step_size.png").read_bytes()[:8] == PNG_MAGIC
+    with (tmp_path / "step_size.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["optimizer"], row["first_step"], row["last_step"]) for row in rows][:4] == [
+        ("loko", "1", "5"), ("loko", "6", "10"), ("loko", "11", "15"), ("loko", "16", "20")
+    ]  # fmt: skip
+    loko = recorded["loko"]["sizes"]
+    assert float(rows[0]["mean_step_size"]) == pytest.approx(sum(loko[:5]) / 5, rel=1e-12)
