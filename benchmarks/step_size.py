@@ -178,7 +178,10 @@ def report(recorded: dict[str, Any], args: argparse.Namespace, command: str, wal
     """The markdown: mean step size over the first window and around each checkpoint, and ``p̂``'s quantiles."""
     first = next(iter(recorded.values()))["result"]
     setting = first.setting
-    marks = sorted({min(a, len(run["sizes"])) for run in recorded.values() for a in args.at})
+    # A checkpoint within the first window would repeat the first column.
+    marks = sorted(
+        {min(a, len(run["sizes"])) for run in recorded.values() for a in args.at} - {*range(args.window + 1)}
+    )
     header = " | ".join(f"steps {max(1, a - args.window + 1)}-{a}" for a in marks)
     lines = [f"| optimizer | steps 1-{args.window} | {header} | last / first |", "|---" * (len(marks) + 3) + "|"]
     for name, run in recorded.items():
@@ -193,8 +196,8 @@ def report(recorded: dict[str, Any], args: argparse.Namespace, command: str, wal
         f"Setting: {setting['network']} ({setting['adapters']}), {setting['dataset']} at {setting['image_size']}, "
         f"{args.samples} samples, seed {args.seed}.",
         "",
-        f"Mean step size ‖θ_k − θ_(k-1)‖ (adapters and head) over {args.window} steps, at the start and up to each "
-        "checkpoint:",
+        f"Mean step size ‖θ_k − θ_(k-1)‖ (adapters and head) over the first {args.window} steps and over the "
+        f"{args.window} steps that end at each checkpoint:",
         "",
         *lines,
     ]
