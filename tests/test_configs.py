@@ -63,3 +63,38 @@ def test_every_config_is_commented_yaml_with_the_four_sections(path):
     config = yaml.safe_load(text)
     assert {"seed_everything", "trainer", "model", "data"} <= set(config)
     assert text.lstrip().startswith("#"), "each config starts with a comment saying what it runs"
+
+
+PAPER_LOKO = {"p0": 0.2, "p0_init": "uniform", "beta": 0.95, "r_estimator": "taylor", "process_noise": 0.0}
+
+
+@pytest.mark.parametrize("name", ["fashion_mnist_lite0", "cifar10_resnet18", "sst2_roberta_base"])
+def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tmp_path):
+    """configs/presets/loko_paper.yaml, layered last, gives the paper's LoKO even after flags that changed it."""
+    changed = [
+        "--model.optimizer.p0",
+        "0.05",
+        "--model.optimizer.process_noise",
+        "1e-5",
+        "--model.optimizer.beta",
+        "0.9",
+    ]
+    preset = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
+    extra = ["--trainer.logger", "false", "--data.root", str(tmp_path)]
+    with torch.device("meta"):
+        plain = build(CONFIGS / f"{name}.yaml", *extra)
+        pinned = build(CONFIGS / f"{name}.yaml", *extra, *changed, *preset)
+        unpinned = build(CONFIGS / f"{name}.yaml", *extra, *preset, *changed)
+    param = torch.nn.Parameter(torch.zeros(3))
+    groups = {
+        key: cli.model.optimizer_factory([param]).param_groups[0]
+        for key, cli in (("plain", plain), ("pinned", pinned), ("unpinned", unpinned))
+    }
+    for key in ("plain", "pinned"):
+        assert {k: groups[key][k] for k in PAPER_LOKO} == PAPER_LOKO, key
+        assert groups[key]["p_floor"] == 0.0
+    assert (groups["unpinned"]["p0"], groups["unpinned"]["process_noise"], groups["unpinned"]["beta"]) == (
+        0.05,
+        1e-5,
+        0.9,
+    )
