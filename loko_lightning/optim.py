@@ -204,9 +204,12 @@ class LoKO(torch.optim.Optimizer):
             self.state[param]["cov"] = self._initial_cov(param, group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``."""
+        """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``.
+
+        Groups saved before ``p_floor`` existed get its default, 0 (no floor).
+        """
         super().__setstate__(state)
-        self.param_groups = [_ParamGroup(group) for group in self.param_groups]
+        self.param_groups = [_ParamGroup({"p_floor": 0.0, **group}) for group in self.param_groups]
 
     def _arith_dtype(self, param: Tensor) -> torch.dtype:
         if self._dtype is not None:
@@ -280,7 +283,7 @@ class LoKO(torch.optim.Optimizer):
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
-        p_floor = [g.get("p_floor", 0.0) for g in self.param_groups for _ in g["params"]]
+        p_floor = [g["p_floor"] for g in self.param_groups for _ in g["params"]]
         key = layout_key(prediction, target, jacobians, (tuple(process_noise), tuple(p_floor), samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             check_shapes(prediction, target, jacobians, params)

@@ -52,7 +52,8 @@ def test_float64_state_survives_checkpoint_of_float32_model():
 
 
 def test_checkpoint_with_r_under_its_former_key_noise_loads():
-    """Checkpoints that store R as "noise" (loko-lightning 0.1.0) resume exactly like ones that store "R"."""
+    """Checkpoints that store R as "noise" (loko-lightning 0.1.0), and groups without p_floor (saved before it existed),
+    resume exactly like current ones."""
     stream = list(teacher_stream(6, dtype=torch.float32))
     model = mlp(dtype=torch.float32)
     opt = LoKO(model.parameters(), seed=0)
@@ -61,11 +62,12 @@ def test_checkpoint_with_r_under_its_former_key_noise_loads():
     saved = copy.deepcopy(opt.state_dict())
     assert "R" in saved["state"][0] and "noise" not in saved["state"][0]
     saved["state"][0]["noise"] = saved["state"][0].pop("R")
+    del saved["param_groups"][0]["p_floor"]
     restored = copy.deepcopy(model)
     opt2 = LoKO(restored.parameters(), seed=1)
     opt2.load_state_dict(saved)
     first2 = next(restored.parameters())
-    assert "noise" not in opt2.state[first2]
+    assert "noise" not in opt2.state[first2] and opt2.param_groups[0]["p_floor"] == 0.0
     assert torch.equal(opt2.state[first2]["R"], opt.state[next(model.parameters())]["R"])
     for x, y in stream[3:]:
         opt.step(loko_closure(model, x, y))
