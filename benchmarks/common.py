@@ -5,7 +5,7 @@ A run is the training of ``loko fit`` with the same configs and overrides, built
 
 - trainer: no logger, no checkpoints, no progress bar, no model summary, no validation, one epoch on one device,
   scratch ``default_root_dir`` (where the divergence guard saves its last good state);
-- callbacks: only the config's :class:`~loko_lightning.callbacks.DivergenceGuard` is kept (checkpoints and the
+- callbacks: only the config's :class:`~loko_lightning.learner.DivergenceGuard` is kept (checkpoints and the
   end-of-run report have no use here), and :class:`StepRecorder` is added;
 - a learning-rate scheduler with a ``total_iters`` argument (the AdamW baseline's ``LinearLR``) runs over the
   stream's length in steps (samples / ``data.batch_size``), so the paper's linear decay ends with the stream;
@@ -43,11 +43,11 @@ import torch
 from jsonargparse import Namespace
 
 from loko_lightning import LoKO
-from loko_lightning.callbacks import DivergenceGuard
 from loko_lightning.cli import LoKOCLI
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import DivergenceError
-from loko_lightning.module import OnlineClassifier
+from loko_lightning.learner.callbacks import DivergenceGuard
+from loko_lightning.learner.module import OnlineClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ROOT / "configs" / "baselines"

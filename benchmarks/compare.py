@@ -8,7 +8,7 @@ Every run is the training of ``loko fit`` on the given config(s), built by the p
 says what a benchmark run changes: no logger, checkpoints or validation; only the config's divergence guard kept):
 
 - ``loko``: the config's own optimizer (LoKO), with the overrides after ``--``; ``loko_auto``: the same with
-  ``p0: auto`` (:mod:`loko_lightning.selection`);
+  ``p0: auto`` (:mod:`loko_lightning.learner.selection`);
 - ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
   (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
   learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,

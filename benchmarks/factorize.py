@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import JacobianEngine, LoKO
-from loko_lightning.adapters import build_model
+from loko_lightning.models.adapters import build_model
 
 
 def build(name: str, m: int) -> tuple[nn.Module, tuple[int, ...]]:

@@ -14,7 +14,7 @@ second = samples per step / median step time.
 
 DDP (``--world`` > 1): that many processes on this machine (gloo over loopback, one thread each, as Lightning's CPU
 DDP gives every process its share of the cores), each with B = 1 and the same model, exchanging their observations with
-:func:`loko_lightning.distributed.all_gather_observations` every step; compared with one process at the same
+:func:`loko_lightning.kalman.distributed.all_gather_observations` every step; compared with one process at the same
 thread count. Bytes per step: what one process contributes to the all-gather (prediction, target and Jacobian
 factors of its B samples); every process receives that from each of the others.
 
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from loko_lightning import JacobianEngine, LoKO
-from loko_lightning.adapters import build_model
-from loko_lightning.distributed import all_gather_observations, observation_nbytes
+from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes
+from loko_lightning.models.adapters import build_model
 
 
 def peak_mib() -> float:

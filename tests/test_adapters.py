@@ -8,10 +8,16 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from loko_lightning.adapters import SplitQKV, build_model, count_parameters, freeze_normalization, resolve_targets
 from loko_lightning.errors import ConfigError
-from loko_lightning.networks import TimmClassifier
-from loko_lightning.weights import pypi_weights
+from loko_lightning.models.adapters import (
+    SplitQKV,
+    build_model,
+    count_parameters,
+    freeze_normalization,
+    resolve_targets,
+)
+from loko_lightning.models.networks import TimmClassifier
+from loko_lightning.models.weights import pypi_weights
 
 
 def adapted(model):
@@ -147,7 +153,7 @@ def test_local_weights_file(tmp_path):
 
 
 def test_offline_hub_weights_fail_with_actionable_message():
-    code = "from loko_lightning.adapters import build_model\nbuild_model('test_resnet', 3, pretrained=True)\n"
+    code = "from loko_lightning.models.adapters import build_model\nbuild_model('test_resnet', 3, pretrained=True)\n"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

@@ -10,8 +10,8 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
-from loko_lightning.blocks import FactoredJacobian
-from loko_lightning.reference import loko_step_reference_batch
+from loko_lightning.jacobians.blocks import FactoredJacobian
+from loko_lightning.kalman.reference import loko_step_reference_batch
 
 ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
 
@@ -117,8 +117,8 @@ def test_joint_update_matches_float64_stacked_reference(r_estimator):
 @pytest.mark.parametrize("r_estimator", ["taylor", "softmax"])
 def test_factored_batches_match_float64_stacked_reference(r_estimator, monkeypatch):
     """Every block kind in a batch (factored k > 1 and k = 1, outer, dense): block-diagonal factors are exact."""
-    monkeypatch.setattr(sys.modules["loko_lightning._jacobian_pass"], "factored_is_cheaper", lambda *args: True)
-    monkeypatch.setattr(sys.modules["loko_lightning.batch"], "factored_is_cheaper", lambda *args: True)
+    monkeypatch.setattr(sys.modules["loko_lightning.jacobians.reverse"], "factored_is_cheaper", lambda *args: True)
+    monkeypatch.setattr(sys.modules["loko_lightning.kalman.multistream"], "factored_is_cheaper", lambda *args: True)
     torch.manual_seed(3)
     model = SmallConvNet().double()
     opt = LoKO(model.parameters(), p0=0.3, beta=0.9, r_estimator=r_estimator, seed=3)
@@ -143,7 +143,7 @@ def test_dense_and_factored_stacking_agree(monkeypatch):
     model = SmallConvNet().double()
     models = [copy.deepcopy(model) for _ in range(2)]
     opts = [LoKO(m.parameters(), seed=0) for m in models]
-    stacking = sys.modules["loko_lightning.batch"]
+    stacking = sys.modules["loko_lightning.kalman.multistream"]
     for xs, ys in batches(conv_stream(12), 3):
         for choice, net, opt in zip((True, False), models, opts, strict=True):
             monkeypatch.setattr(stacking, "factored_is_cheaper", lambda *args, choice=choice: choice)

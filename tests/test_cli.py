@@ -48,7 +48,7 @@ def test_print_config_shows_the_resolved_configuration():
     assert "dataset: mnist5k" in out
     assert "p0: 0.2" in out
     assert "class_path: loko_lightning.LoKO" in out
-    assert "class_path: loko_lightning.networks.TimmClassifier" in out
+    assert "class_path: loko_lightning.models.TimmClassifier" in out
 
 
 def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, cifar10):

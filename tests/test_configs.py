@@ -6,10 +6,10 @@ import pytest
 import torch
 import yaml
 
-from loko_lightning.adapters import count_parameters
 from loko_lightning.cli import LoKOCLI
 from loko_lightning.data import StreamDataModule
-from loko_lightning.module import OnlineClassifier
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models.adapters import count_parameters
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Trainable parameters in the paper's table (Appendix, "Total and trainable parameters") per experiment.

@@ -16,7 +16,7 @@ from loko_helpers import SmallConvNet, conv_stream
 from runs import outputs
 
 from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
-from loko_lightning.distributed import all_gather_observations, observation_nbytes
+from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes
 
 STEPS = 30
 

@@ -1,4 +1,5 @@
-"""The fast Kalman update against the dense float64 reference (:mod:`loko_lightning.reference`) and closed forms."""
+"""The fast Kalman update against the dense float64 reference (:mod:`loko_lightning.kalman.reference`) and closed
+forms."""
 
 import copy
 import math
@@ -20,9 +21,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
-from loko_lightning.blocks import FactoredJacobian
-from loko_lightning.functional import innovation_covariance, loko_update, psd_pinv
-from loko_lightning.reference import loko_step_reference, pinv_reference
+from loko_lightning.jacobians.blocks import FactoredJacobian
+from loko_lightning.kalman.reference import loko_step_reference, pinv_reference
+from loko_lightning.kalman.update import innovation_covariance, loko_update, psd_pinv
 
 ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
 
@@ -190,7 +191,7 @@ def test_outer_jacobian_equals_dense():
 @pytest.mark.parametrize("r_estimator", ["taylor", "identity"])
 def test_factored_blocks_match_float64_reference(r_estimator, monkeypatch):
     """FactoredJacobian (k > 1), k = 1 blocks and dense blocks together reproduce the dense reference."""
-    monkeypatch.setattr(sys.modules["loko_lightning._jacobian_pass"], "factored_is_cheaper", lambda *args: True)
+    monkeypatch.setattr(sys.modules["loko_lightning.jacobians.reverse"], "factored_is_cheaper", lambda *args: True)
     torch.manual_seed(3)
     model = SmallConvNet().double()
     groups = [

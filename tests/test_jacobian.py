@@ -10,13 +10,13 @@ from peft import LoraConfig, get_peft_model
 from timm.layers import BatchNormAct2d
 from torch import nn
 
-import loko_lightning._jacobian_pass as jacobian_pass
-import loko_lightning.jacobian  # noqa: F401  (the module, for monkeypatching)
+import loko_lightning.jacobians.engine  # noqa: F401  (the module, for monkeypatching)
+import loko_lightning.jacobians.reverse as jacobian_pass
 from loko_lightning import JacobianEngine, OuterJacobian, jacobian
-from loko_lightning.adapters import freeze_normalization
-from loko_lightning.blocks import FactoredJacobian, factored_is_cheaper
+from loko_lightning.jacobians.blocks import FactoredJacobian, factored_is_cheaper
+from loko_lightning.models.adapters import freeze_normalization
 
-jacobian_module = sys.modules["loko_lightning.jacobian"]
+jacobian_module = sys.modules["loko_lightning.jacobians.engine"]
 
 
 def row_by_row(model, x, params, output="softmax"):
@@ -332,7 +332,7 @@ def test_peft_lora_resnet18_factorized(factorize, via, monkeypatch):
 
 def test_dense_blocks_share_one_buffer():
     """Dense Jacobians are column blocks of one (m, n) matrix, which the Kalman update uses without a copy."""
-    from loko_lightning.functional import UpdatePlan
+    from loko_lightning.kalman.update import UpdatePlan
 
     model = TinyConvNet()
     model.eval()
@@ -433,8 +433,8 @@ class FrozenZoo(nn.Module):
 
 
 def count_shortcuts(monkeypatch):
-    """Record the kind of every backward substituted by loko_lightning._backward."""
-    backward = sys.modules["loko_lightning._backward"]
+    """Record the kind of every backward substituted by loko_lightning.jacobians.frozen."""
+    backward = sys.modules["loko_lightning.jacobians.frozen"]
     kinds = []
 
     def substitute(x, out, grad_input):

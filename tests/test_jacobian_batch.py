@@ -8,9 +8,9 @@ from test_jacobian import ConvZoo, TinyConvNet, dense, row_by_row
 from timm.layers import Conv2dSame
 from torch import nn
 
-import loko_lightning._jacobian_pass as jacobian_pass
+import loko_lightning.jacobians.reverse as jacobian_pass
 from loko_lightning import JacobianEngine, OuterJacobian
-from loko_lightning.blocks import FactoredJacobian
+from loko_lightning.jacobians.blocks import FactoredJacobian
 
 
 def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax"):

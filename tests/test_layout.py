@@ -1,4 +1,4 @@
-"""The package's shape: imports point one way, the optimizer never needs Lightning, files and classes stay small."""
+"""The package's shape by concept: each folder is one layer, imports point one way, the filter needs only torch."""
 
 import ast
 import subprocess
@@ -8,29 +8,21 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "loko_lightning"
-# Plain PyTorch: usable in any training loop, so none of it may import Lightning or the layers above it.
-CORE = {
-    "errors",
-    "blocks",
-    "reference",
-    "functional",
-    "_update_blocks",
-    "optim",
-    "jacobian",
-    "_jacobian_pass",
-    "_backward",
+# The loko_lightning layers each layer may import (itself included). Direction:
+# errors <- observation <- jacobians <- kalman <- learner <- cli; models <- learner; data <- cli.
+ALLOWED = {
+    "__init__": {"errors", "observation", "jacobians", "kalman"},
+    "errors": set(),
+    "observation": {"errors"},
+    "jacobians": {"errors", "observation", "jacobians"},
+    "kalman": {"errors", "observation", "jacobians", "kalman"},
+    "models": {"errors", "models"},
+    "data": {"errors", "data", "models"},
+    "learner": {"errors", "observation", "jacobians", "kalman", "models", "learner"},
+    "cli": {"errors", "observation", "jacobians", "kalman", "models", "learner", "data", "cli"},
 }
-# What each layer must not import (loko_lightning submodules by their first name, or third-party packages).
-FORBIDDEN = {
-    "core": {"lightning", "module", "callbacks", "cli", "data", "networks", "adapters", "weights", "metrics"},
-    "data": {"module", "callbacks", "cli", "optim", "functional", "jacobian", "networks"},
-    "networks": {"module", "callbacks", "cli", "data", "lightning"},
-    "module": {"cli", "data"},
-    "callbacks": {"cli", "data"},
-}
-MAX_FILE_LINES, MAX_CLASS_LINES = 450, 200
-# A unit over the limit must say why in its docstring, after this phrase.
-WHY_LONG = "Why this is long:"
+# Plain PyTorch: usable in any training loop, so these import nothing beyond torch and the standard library.
+TORCH_ONLY = {"errors", "observation", "jacobians", "kalman"}
 
 
 def sources():
@@ -38,51 +30,65 @@ def sources():
 
 
 def layer(path):
-    name = path.relative_to(PACKAGE).with_suffix("").parts[0]
-    return "core" if name in CORE else name
+    return path.relative_to(PACKAGE).with_suffix("").parts[0]
 
 
-def imported(path):
-    """First names of the loko_lightning submodules and the third-party packages ``path`` imports."""
-    names = set()
+def imports(path):
+    """``(module, names)`` for every absolute import in ``path`` (``names`` empty for ``import x``)."""
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
+            found += [(alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):  # relative: within data/
-            modules = []
-        else:
-            continue
-        for module in modules:
-            parts = module.split(".")
-            names.add(parts[1] if parts[0] == "loko_lightning" and len(parts) > 1 else parts[0])
-    return names
+            found.append((node.module, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def own_layers(module, names):
+    """The loko_lightning layers an import reaches (``from loko_lightning import x`` reaches layer ``x``)."""
+    parts = module.split(".")
+    if parts[0] != "loko_lightning":
+        return set()
+    if len(parts) > 1:
+        return {parts[1]}
+    return {name for name in names if (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").exists()} or {"__init__"}
+
+
+def test_every_file_belongs_to_a_known_layer():
+    assert {layer(path) for path in sources()} <= set(ALLOWED)
 
 
 @pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_point_one_way(path):
-    forbidden = FORBIDDEN.get(layer(path), set()) & imported(path)
-    assert not forbidden, f"{path.name} ({layer(path)}) imports {sorted(forbidden)}"
+    reached = set().union(*(own_layers(module, names) for module, names in imports(path)))
+    assert reached <= ALLOWED[layer(path)], f"{layer(path)} imports {sorted(reached - ALLOWED[layer(path)])}"
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in sources() if layer(p) in TORCH_ONLY], ids=lambda p: str(p.relative_to(PACKAGE))
+)
+def test_the_filter_and_the_jacobians_import_only_torch(path):
+    third_party = {module.split(".")[0] for module, _ in imports(path)} - set(sys.stdlib_module_names)
+    assert third_party <= {"torch", "loko_lightning"}, f"{path.name} imports {sorted(third_party)}"
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_private_name_crosses_a_layer(path):
+    own = layer(path)
+    for module, names in imports(path):
+        parts = module.split(".")
+        if parts[0] != "loko_lightning" or own_layers(module, names) == {own}:
+            continue
+        private = [p for p in parts[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
+        assert not private, f"{path.name} imports private {private} from {module}"
 
 
 def test_the_torch_api_imports_no_lightning():
     code = (
         "import sys\n"
-        "import loko_lightning, loko_lightning.reference, loko_lightning.functional, loko_lightning.jacobian\n"
+        "import loko_lightning, loko_lightning.kalman, loko_lightning.jacobians\n"
         "from loko_lightning import LoKO, jacobian\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')], 'lightning'\n"
-        "assert 'loko_lightning.module' not in sys.modules\n"
+        "assert not [m for m in sys.modules if m.startswith(('loko_lightning.learner', 'loko_lightning.models'))]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_files_and_classes_are_small_or_say_why(path):
-    text = path.read_text()
-    tree = ast.parse(text)
-    if len(text.splitlines()) > MAX_FILE_LINES:
-        assert WHY_LONG in (ast.get_docstring(tree) or ""), f"{path.name}: {len(text.splitlines())} lines"
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
-            assert WHY_LONG in (ast.get_docstring(node) or ""), f"{path.name}: class {node.name} is too long"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from loko_lightning.metrics import MovingAverage, OnlineAccuracy
+from loko_lightning.learner.metrics import MovingAverage, OnlineAccuracy
 
 
 def test_online_accuracy_top_k_and_weights_on_a_known_stream():

@@ -10,12 +10,12 @@ from runs import loader, stream, tiny, trainer
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, jacobian
-from loko_lightning.callbacks import DivergenceGuard
 from loko_lightning.cli import LoKOCLI
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
-from loko_lightning.module import OnlineClassifier
-from loko_lightning.networks import TimmClassifier
+from loko_lightning.learner.callbacks import DivergenceGuard
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models.networks import TimmClassifier
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -9,8 +9,8 @@ import torch
 from loko_helpers import SmallConvNet, conv_stream, factor_dense, loko_closure, mlp, teacher_stream
 
 from loko_lightning import LoKO, jacobian
-from loko_lightning.blocks import FactoredJacobian
-from loko_lightning.functional import loko_update
+from loko_lightning.jacobians.blocks import FactoredJacobian
+from loko_lightning.kalman.update import loko_update
 
 
 def test_state_dict_round_trip_continues_bit_identically():
@@ -179,8 +179,9 @@ def test_seed_makes_p0_reproducible():
 
 def test_torch_only_import_pulls_no_lightning():
     code = (
-        "import sys, loko_lightning, loko_lightning.optim, loko_lightning.jacobian, loko_lightning.functional\n"
-        "import loko_lightning.reference\n"
+        "import sys, loko_lightning, loko_lightning.kalman.optimizer, loko_lightning.jacobians.engine\n"
+        "import loko_lightning.kalman.update\n"
+        "import loko_lightning.kalman.reference\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric')]\n"
         "assert not bad, bad\n"
     )

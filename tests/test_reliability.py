@@ -25,13 +25,13 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-import loko_lightning.optim as optim_lib
+import loko_lightning.kalman.optimizer as optim_lib
 from loko_lightning import JacobianEngine, LoKO, jacobian
-from loko_lightning.blocks import OuterJacobian
-from loko_lightning.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
 from loko_lightning.cli import AtomicCheckpointIO, main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import DivergenceError
+from loko_lightning.jacobians.blocks import OuterJacobian
+from loko_lightning.learner.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
@@ -288,7 +288,7 @@ CATALOGUE = {
     ),
     "label >= num_classes": (["--model.network.num_classes", "5"], ["--model.network.num_classes:", "has label 9"]),
     "guard check_every negative": (
-        ["--trainer.callbacks+=loko_lightning.callbacks.DivergenceGuard", "--trainer.callbacks.check_every=-1"],
+        ["--trainer.callbacks+=loko_lightning.learner.DivergenceGuard", "--trainer.callbacks.check_every=-1"],
         ["check_every must be >= 0"],
     ),
     "empty dataset": (_empty_imagefolder, ["--data.", "is empty"]),

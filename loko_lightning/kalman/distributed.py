@@ -3,7 +3,8 @@
 Under data parallelism each of ``W`` processes predicts on its own ``B`` samples and computes their Jacobians; then
 :func:`all_gather_observations` gives every process the ``W·B`` predictions, targets and Jacobian blocks (factored
 blocks as their factors, never materialised), in rank order, and every process applies the same joint update
-(:mod:`loko_lightning.batch`). All-gather delivers bit-identical copies, and the update is a deterministic function
+(:mod:`loko_lightning.kalman.multistream`). All-gather delivers bit-identical copies, and the update is a deterministic
+function
 of its inputs and of the filter state, so the parameters, ``p̂`` and ``R`` stay identical on every process without a
 broadcast, as long as the processes run the same kernels (same device type and library versions; on GPUs with
 ``torch.use_deterministic_algorithms(True)`` where a kernel would otherwise be non-deterministic).
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
 
 __all__ = ["all_gather_observations", "observation_nbytes"]
 

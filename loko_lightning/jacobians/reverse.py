@@ -1,4 +1,4 @@
-"""One Jacobian pass of :class:`~loko_lightning.jacobian.JacobianEngine`: the hooks, the batched backward, the factors.
+"""One Jacobian pass of :class:`~loko_lightning.JacobianEngine`: the hooks, the batched backward, the factors.
 
 The engine scans the model and registers these hooks once; each call runs :func:`_jacobian`: one forward pass in
 which the fast-path layers' weights are swapped for detached aliases and their inputs captured, one ``vmap``-batched
@@ -20,8 +20,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
-from loko_lightning import _backward
-from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
+from loko_lightning.jacobians import frozen as _backward
+from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
 
 Output = Literal["softmax", "identity"]
 

@@ -2,7 +2,8 @@
 
 A block is a dense tensor of shape ``(m, *param.shape)``, an :class:`OuterJacobian` (the exact factored form of a
 Linear layer's weight Jacobian for one input vector) or a :class:`FactoredJacobian` (the same for a Linear/Conv2d
-layer that saw ``k`` positions). :mod:`loko_lightning.jacobian` produces them, :mod:`loko_lightning.functional`
+layer that saw ``k`` positions). :mod:`loko_lightning.jacobians.engine` produces them,
+:mod:`loko_lightning.kalman.update`
 consumes them; neither imports the other's internals.
 """
 

@@ -8,11 +8,11 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
-from loko_lightning._optim_checks import check_probabilities, check_shapes, layout_key
-from loko_lightning.batch import check_batch, stack_observations
-from loko_lightning.blocks import JacobianBlock
 from loko_lightning.errors import ConfigError, NoLearningRateError
-from loko_lightning.functional import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
+from loko_lightning.jacobians.blocks import JacobianBlock
+from loko_lightning.kalman.checks import check_probabilities, check_shapes, layout_key
+from loko_lightning.kalman.multistream import check_batch, stack_observations
+from loko_lightning.kalman.update import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
 
 P0Init = Literal["uniform", "constant"]
 P0_INITS: tuple[str, ...] = get_args(P0Init)
@@ -58,7 +58,8 @@ class LoKO(torch.optim.Optimizer):
         (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij}(H_k)_{ji}(\hat p_{k|k-1})_i
 
     Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size.
-    A step may also observe ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.batch`: stacked
+    A step may also observe ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.kalman.multistream`:
+    stacked
     :math:`H`, block-diagonal :math:`R`, one ``B·m x B·m`` system, one EMA step of ``R``); ``B = 1`` is the above.
     With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
     sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
@@ -66,12 +67,8 @@ class LoKO(torch.optim.Optimizer):
     The filter state is in :attr:`state`, so it round-trips through :meth:`state_dict`: ``state[param]["cov"]`` is
     :math:`\hat p` of that parameter; the first parameter's state also holds the shared ``"R"`` (``m x m``) and
     the counters ``"step"`` (updates applied) and ``"skipped"`` (updates skipped for non-finite input).
-    :func:`~loko_lightning.functional.loko_update` is the same step as a function on plain tensors, and
-    :func:`~loko_lightning.reference.loko_step_reference` a slow dense float64 version of it.
-
-    Why this is long: like torch's own optimizers it keeps the documented equations, the argument checks, the state
-    (with a flat ``p̂`` and a cached update plan), ``step`` and its input checks in one class; the arithmetic is in
-    :mod:`loko_lightning.functional`.
+    :func:`~loko_lightning.kalman.update.loko_update` is the same step as a function on plain tensors, and
+    :func:`~loko_lightning.kalman.reference.loko_step_reference` a slow dense float64 version of it.
 
     Args:
         params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise`` and
@@ -261,7 +258,8 @@ class LoKO(torch.optim.Optimizer):
                 ``jacobians`` one per parameter in ``param_groups`` order, each ``(m, *param.shape)``, an
                 :class:`~loko_lightning.OuterJacobian` or a :class:`~loko_lightning.FactoredJacobian` (see
                 :func:`loko_lightning.jacobian`). A batch of ``B``: ``(B, m)`` and every block with a leading batch
-                dimension (:meth:`loko_lightning.JacobianEngine.batch`), one joint update (:mod:`loko_lightning.batch`;
+                dimension (:meth:`loko_lightning.JacobianEngine.batch`), one joint update
+                (:mod:`loko_lightning.kalman.multistream`;
                 ``B = 1`` is the single-sample step bit for bit).
 
         Returns:
@@ -333,7 +331,7 @@ class LoKO(torch.optim.Optimizer):
         ``applied`` (bool), ``innovation_norm`` (``‖y - ŷ‖``), ``p_mean``/``p_min``/``p_max`` (of ``p̂`` after
         the step), ``cond`` (condition number of the kept spectrum of ``S``), ``gain_norm`` (``‖K e‖``),
         ``step`` (updates applied) and ``skipped`` (updates skipped for non-finite input). ``applied``,
-        ``innovation_norm`` and ``cond`` are inference tensors (see :func:`~loko_lightning.functional.loko_update`).
+        ``innovation_norm`` and ``cond`` are inference tensors (see :func:`~loko_lightning.kalman.update.loko_update`).
         """
         self._resolve_statistics()
         return dict(getattr(self, "_diagnostics", {}))
@@ -373,7 +371,9 @@ def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, gener
 def _check_group(group: dict[str, Any]) -> None:
     p0 = group["p0"]
     if not (isinstance(p0, (int, float)) and p0 > 0 and p0 < float("inf")):
-        auto = "; p0: auto is for OnlineClassifier (loko fit) or loko_lightning.selection" if p0 == "auto" else ""
+        auto = ""
+        if p0 == "auto":
+            auto = "; p0: auto is for OnlineClassifier (loko fit) or loko_lightning.learner.selection"
         message = f"Invalid p0: {p0} (must be a finite number > 0; the paper's default is 0.2{auto})"
         raise ConfigError(message, field="p0", owner=LoKO)
     if group["p0_init"] not in P0_INITS:

@@ -1,6 +1,6 @@
 """A slow, obviously correct LoKO step: Algorithm 1 with dense matrices in float64, in the paper's names.
 
-:func:`loko_step_reference` is the specification that the fast update (:func:`loko_lightning.functional.loko_update`)
+:func:`loko_step_reference` is the specification that the fast update (:func:`loko_lightning.kalman.update.loko_update`)
 is tested against. It takes the whole Jacobian ``H`` as one dense ``m x ñ`` matrix and the parameters ``θ̃`` and the
 diagonal covariance ``p̂`` as flat vectors, forms ``P Hᵀ``, ``S`` and the gain ``K`` explicitly, line by line as
 the paper writes them, and returns the new state; nothing is done in place and no arithmetic is shared with the
@@ -11,7 +11,7 @@ Two things the fast path does on top are not part of the algorithm and are left 
 
 Example:
     >>> import torch
-    >>> from loko_lightning.reference import loko_step_reference
+    >>> from loko_lightning.kalman.reference import loko_step_reference
     >>> m, n = 3, 5
     >>> H = torch.randn(m, n, dtype=torch.float64)
     >>> theta, p, R = torch.zeros(n), torch.full((n,), 0.2), torch.zeros(m, m)
@@ -28,7 +28,7 @@ import math
 import torch
 from torch import Tensor
 
-from loko_lightning.functional import R_ESTIMATORS, REstimator
+from loko_lightning.kalman.update import R_ESTIMATORS, REstimator
 
 __all__ = ["loko_step_reference", "loko_step_reference_batch", "pinv_reference"]
 
@@ -137,7 +137,7 @@ def loko_step_reference_batch(
     rcond: float | None = None,
     p_floor: float | Tensor = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One joint LoKO step on ``B`` samples (the multistream EKF, :mod:`loko_lightning.batch`), dense and in float64.
+    """One joint LoKO step on ``B`` samples (the multistream EKF), dense and in float64.
 
     The ``B`` observations are one of ``B·m`` outputs: ``H`` stacked (``B·m x ñ``), ``e`` stacked, ``R``
     block-diagonal (``R_k`` on every block; ``"softmax"``: each sample's own ``diag(ŷ_b) - ŷ_b ŷ_bᵀ``),

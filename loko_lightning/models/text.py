@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` sequence classifiers with peft LoRA on the attention query projections.
 
-:func:`build_text_model` is the one entry point (the text counterpart of :func:`~loko_lightning.adapters.build_model`):
+:func:`build_text_model` is the one entry point (the text counterpart of
+:func:`~loko_lightning.models.adapters.build_model`):
 ``AutoModelForSequenceClassification`` with a new ``num_classes`` head, every dropout of the config set to 0 (the
 Kalman Jacobian needs a deterministic network: transformers models drop out in the embeddings, the attention
 probabilities, the hidden layers and the head, and RoBERTa's ``classifier_dropout`` falls back to 0.1), and peft LoRA

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from loko_lightning.errors import ConfigError, DivergenceError
-from loko_lightning.optim import LoKO
+from loko_lightning.kalman.optimizer import LoKO
 
 # Where the divergence guard saves the last good state, beside the periodic checkpoints. Its name must not start with
 # "last": Lightning's ``ckpt_path="last"`` picks the newest ``last*.ckpt`` and would resume a diverged run from it.

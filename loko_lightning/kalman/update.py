@@ -1,17 +1,17 @@
 """The LoKO Kalman update on plain tensors.
 
-Everything here is stateless: the optimizer (:mod:`loko_lightning.optim`) owns the state and calls
+Everything here is stateless: the optimizer (:mod:`loko_lightning.kalman.optimizer`) owns the state and calls
 :func:`loko_update`. Notation follows the paper: ``H`` is the ``m x ñ`` Jacobian of the prediction ``ŷ``
 with respect to the trainable parameters ``θ̃``, ``p`` the diagonal of the covariance ``P``, ``e = y - ŷ``
 the innovation, ``R`` the ``m x m`` observation noise, ``S = H P Hᵀ + R`` and ``K = P Hᵀ S⁻¹``.
-:mod:`loko_lightning.reference` is the same step written with dense matrices in float64, slow and obviously
+:mod:`loko_lightning.kalman.reference` is the same step written with dense matrices in float64, slow and obviously
 correct; the tests hold this fast path to it.
 
 The Jacobian of one parameter is a dense tensor of shape ``(m, *param.shape)``, an :class:`OuterJacobian`
 (the exact factored form of a Linear layer's weight Jacobian for a single input vector) or a
 :class:`FactoredJacobian` (the same for a Linear/Conv2d layer that saw ``k`` positions: pixels, tokens). The
 update never materialises a factored block: every product it needs has a closed form in the factors
-(:mod:`loko_lightning._update_blocks`, one class per kind of block). Dense blocks are treated as one ``m x n``
+(:mod:`loko_lightning.kalman.algebra`, one class per kind of block). Dense blocks are treated as one ``m x n``
 matrix (without a copy when they come from :func:`loko_lightning.jacobian`, which lays them out side by side in
 one buffer), so the work on them is a few large matrix products whatever the number of parameters.
 """
@@ -25,9 +25,9 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
-from loko_lightning._update_blocks import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks
-from loko_lightning.batch import stacked_observation_noise
-from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+from loko_lightning.kalman.algebra import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks
+from loko_lightning.kalman.multistream import stacked_observation_noise
 
 __all__ = [
     "R_ESTIMATORS",
@@ -156,7 +156,7 @@ class UpdatePlan:
     then blocks with one position (``k = 1``, :class:`OuterJacobian`-like), then factored blocks with ``k > 1``,
     each kind grouped by shape so that a group is processed by batched products (factored groups ordered by ``k``:
     their left factors are one matrix, and the products on them run once per ``k``). Each kind's algebra lives
-    in one object (:attr:`kinds`, see :mod:`loko_lightning._update_blocks`). Everything elementwise (``p̂``, the
+    in one object (:attr:`kinds`, see :mod:`loko_lightning.kalman.algebra`). Everything elementwise (``p̂``, the
     gain, the covariance update) runs on flat vectors in that order. :class:`~loko_lightning.LoKO` keeps ``p̂`` in
     such a flat vector (the per-parameter state tensors are views of it) and reuses one plan while the layout
     does not change, so a step does no planning, no concatenation of ``p̂`` and no copy back; :func:`loko_update`
@@ -168,7 +168,7 @@ class UpdatePlan:
         process_noise: ``q`` per parameter.
         dtype: dtype of the Kalman arithmetic.
         device: device of ``p̂``.
-        samples: ``B``, the number of samples the ``m`` rows of the blocks stack (:mod:`loko_lightning.batch`):
+        samples: ``B``, the number of samples the ``m`` rows of the blocks stack (the multistream update):
             ``m / B`` outputs each, with a block-diagonal ``R``. 1: the paper's single observation.
         p_floor: the floor on ``p̂`` per parameter (the updated ``p̂`` is at least this); default: none (0).
     """
@@ -351,7 +351,8 @@ def loko_update(
         \tilde\theta_k &= \tilde\theta_{k|k-1} + K_k e_k \\
         (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij} (H_k)_{ji} (\hat p_{k|k-1})_i
 
-    :func:`loko_lightning.reference.loko_step_reference` is the same step with dense matrices. The arithmetic runs
+    :func:`loko_lightning.kalman.reference.loko_step_reference` is the same step with dense matrices. The arithmetic
+    runs
     in the dtype of ``covs``; parameters are updated in their own dtype. If anything is non-finite (prediction,
     target, a Jacobian, the innovation or the resulting update), nothing is written: parameters, ``covs``, ``R``
     and ``step`` keep their values and ``diagnostics["applied"]`` is ``False``. The decision is made on the device
@@ -382,8 +383,9 @@ def loko_update(
         statistics: also return ``p_mean``, ``p_min``, ``p_max`` and ``gain_norm`` (three passes over ``p̂``); without
             them :meth:`UpdatePlan.statistics` gives them later, until the plan's next update.
         samples: ``B`` when ``prediction``, ``target`` and the blocks stack ``B`` samples' observations
-            (:func:`loko_lightning.batch.stack_observations`): one joint update with a block-diagonal ``R``
-            (``m x m``, the EMA of one sample's noise, see :func:`~loko_lightning.batch.stacked_observation_noise`).
+            (:func:`loko_lightning.kalman.multistream.stack_observations`): one joint update with a block-diagonal ``R``
+            (``m x m``, the EMA of one sample's noise, see
+            :func:`~loko_lightning.kalman.multistream.stacked_observation_noise`).
             Ignored when ``plan`` is given (the plan's own).
         p_floor: a floor on ``p̂`` (not the paper; 0: none): after the update, :math:`\hat p_k \leftarrow
             \max(\hat p_k, \text{p\_floor})`, one value or one per parameter. Ignored when ``plan`` is given.

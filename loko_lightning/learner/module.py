@@ -20,7 +20,11 @@ from torchmetrics.classification import (
     MulticlassMatthewsCorrCoef,
 )
 
-from loko_lightning._learner_checks import (
+from loko_lightning.errors import ConfigError
+from loko_lightning.jacobians.engine import JacobianEngine
+from loko_lightning.kalman.distributed import all_gather_observations
+from loko_lightning.kalman.optimizer import LoKO
+from loko_lightning.learner.checks import (
     check_schedule_length,
     check_selection_trainer,
     optimizer_class,
@@ -28,14 +32,10 @@ from loko_lightning._learner_checks import (
     refuse_learning_rate_tools,
     resolve_selection,
 )
-from loko_lightning.adapters import count_parameters, freeze_normalization
-from loko_lightning.distributed import all_gather_observations
-from loko_lightning.errors import ConfigError
-from loko_lightning.jacobian import JacobianEngine
-from loko_lightning.metrics import MovingAverage, OnlineAccuracy
-from loko_lightning.networks import NetworkFactory
-from loko_lightning.optim import LoKO
-from loko_lightning.selection import Candidates, CandidateStates
+from loko_lightning.learner.metrics import MovingAverage, OnlineAccuracy
+from loko_lightning.learner.selection import Candidates, CandidateStates
+from loko_lightning.models.adapters import count_parameters, freeze_normalization
+from loko_lightning.models.networks import NetworkFactory
 
 HeldOutMetric = Literal["mcc", "f1"]
 
@@ -58,15 +58,11 @@ class OnlineClassifier(pl.LightningModule):
     (gradient optimizers),
     ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond`` (LoKO); ``val/acc``, ``test/acc``.
     Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
-    The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.callbacks`).
-
-    Why this is long: one training step has three paths that share the prequential scoring (one sample per Kalman
-    update, the paper; one joint Kalman update over a batch and over the processes of a DDP run; a gradient step
-    for the baselines), and each stays a few lines beside the others rather than behind an indirection.
+    The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.learner.callbacks`).
 
     Args:
         network: factory of the network (called once, after the optimizer's hyperparameters are checked), e.g.
-            :class:`~loko_lightning.networks.TimmClassifier`. The network maps a batch's ``inputs`` to logits.
+            :class:`~loko_lightning.models.networks.TimmClassifier`. The network maps a batch's ``inputs`` to logits.
         optimizer: called with the trainable parameters; default :class:`~loko_lightning.LoKO` with the paper's
             hyperparameters. In a config: ``class_path: loko_lightning.LoKO`` (or ``torch.optim.AdamW``) with its
             ``init_args``.
@@ -77,14 +73,14 @@ class OnlineClassifier(pl.LightningModule):
         recent_window: window of the recent online accuracy (the cumulative average barely moves late in a long
             stream; this one shows whether the learner still improves).
         held_out_metrics: GLUE's held-out metrics besides accuracy, ``"mcc"`` (CoLA's), ``"f1"`` (MRPC's).
-        select: choose one optimizer argument online among candidates (:mod:`loko_lightning.selection`): e.g.
+        select: choose one optimizer argument online among candidates (:mod:`loko_lightning.learner.selection`): e.g.
             AdamW's ``lr`` among 1e-4 ... 3e-3 on the first 500 samples. ``p0: auto`` in a LoKO optimizer is
             ``Candidates()`` (p0 among ``AUTO_P0`` on ``AUTO_SAMPLES`` samples; ``select.samples`` or
             ``select.values`` change them). Logged while it runs: ``select/<name>``, the leader's value.
 
     Example:
         >>> from functools import partial
-        >>> from loko_lightning.networks import TimmClassifier
+        >>> from loko_lightning.models.networks import TimmClassifier
         >>> learner = OnlineClassifier(TimmClassifier("test_resnet", 4, pretrained=False), partial(LoKO, p0=0.1))
     """
 
@@ -180,7 +176,8 @@ class OnlineClassifier(pl.LightningModule):
         """Predict on the step's samples, record the prequential metrics, then update on them.
 
         One sample per step is the paper. A batch of ``B`` (``data.batch_size``), and under DDP the samples of all
-        processes, make one joint LoKO update (:mod:`loko_lightning.batch`) or one gradient step on their mean loss;
+        processes, make one joint LoKO update (:mod:`loko_lightning.kalman.multistream`) or one gradient step on their
+        mean loss;
         every prediction is scored before that update. A step whose prediction or loss is not finite (NaN/Inf in
         the input) changes nothing: no parameter or filter state is updated, its samples are left out of the
         metrics and counted in ``train/skipped``.

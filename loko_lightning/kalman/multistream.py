@@ -8,18 +8,18 @@ not the same thing, and with a diagonal ``P`` neither are ``B`` sequential updat
 and a fixed linearisation point); ``B = 1`` is the paper's step exactly.
 
 With softmax outputs every block of ``S`` has the all-ones vector of its sample in its null space, so ``S`` has
-``B`` null directions; the pseudo-inverse (:func:`loko_lightning.functional.psd_pinv`) drops them all.
+``B`` null directions; the pseudo-inverse (:func:`loko_lightning.kalman.update.psd_pinv`) drops them all.
 
 The observation-noise EMA takes one step per joint update with the mean of the ``B`` per-sample estimates
 (:func:`stacked_observation_noise`), so ``R`` keeps its meaning (the noise of one sample's ``m`` outputs) and its
 size ``m x m`` whatever ``B``.
 
 This module stacks a batch of Jacobian blocks into the blocks of the stacked ``H``, which the single-observation
-update then consumes unchanged (:class:`~loko_lightning.functional.UpdatePlan` with ``samples=B``): a dense block
+update then consumes unchanged (:class:`~loko_lightning.kalman.update.UpdatePlan` with ``samples=B``): a dense block
 ``(B, m, *shape)`` is a view ``(B·m, *shape)``; a factored block whose sample ``b`` has cotangents ``L_b`` and inputs
 ``R_b`` is the factored block with the ``B·k`` positions of all samples and the block-diagonal left factor
 ``diag(L_1, …, L_B)`` (exact; dense instead where that is cheaper, by
-:func:`~loko_lightning.blocks.factored_is_cheaper`).
+:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loko_lightning.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
+from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
 
 __all__ = ["check_batch", "stack_observations", "stacked_observation_noise"]
 
@@ -159,7 +159,7 @@ def stacked_observation_noise(
     mean (it is not read back: this estimator has no memory).
 
     Args:
-        r_estimator: see :func:`loko_lightning.functional.observation_noise`.
+        r_estimator: see :func:`loko_lightning.kalman.update.observation_noise`.
         previous: ``R_{k-1}``, ``m x m``.
         innovation: stacked ``e``, ``(B·m,)``.
         hpht: ``H P Hᵀ`` of the stacked ``H``, ``B·m x B·m``.

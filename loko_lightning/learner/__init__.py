@@ -1,0 +1,7 @@
+"""The Lightning side: the online learner (a ``LightningModule``), its metrics, selection and callbacks."""
+
+from loko_lightning.learner.callbacks import DivergenceGuard, OnlineReport, RNGStateCheckpoint
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.selection import Candidates
+
+__all__ = ["Candidates", "DivergenceGuard", "OnlineClassifier", "OnlineReport", "RNGStateCheckpoint"]
