@@ -11,9 +11,10 @@ from torch.func import functional_call, jacrev
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
+from loko_lightning.kalman.noise import R_ESTIMATORS
 from loko_lightning.kalman.reference import loko_step_reference_batch
 
-ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
+ESTIMATORS = list(R_ESTIMATORS)
 
 
 def stack_blocks(per_sample):
@@ -118,7 +119,7 @@ def test_joint_update_matches_float64_stacked_reference(r_estimator):
 def test_factored_batches_match_float64_stacked_reference(r_estimator, monkeypatch):
     """Every block kind in a batch (factored k > 1 and k = 1, outer, dense): block-diagonal factors are exact."""
     monkeypatch.setattr(sys.modules["loko_lightning.jacobians.reverse"], "factored_is_cheaper", lambda *args: True)
-    monkeypatch.setattr(sys.modules["loko_lightning.kalman.multistream"], "factored_is_cheaper", lambda *args: True)
+    monkeypatch.setattr(sys.modules["loko_lightning.jacobians.blocks"], "factored_is_cheaper", lambda *args: True)
     torch.manual_seed(3)
     model = SmallConvNet().double()
     opt = LoKO(model.parameters(), p0=0.3, beta=0.9, r_estimator=r_estimator, seed=3)
@@ -143,7 +144,7 @@ def test_dense_and_factored_stacking_agree(monkeypatch):
     model = SmallConvNet().double()
     models = [copy.deepcopy(model) for _ in range(2)]
     opts = [LoKO(m.parameters(), seed=0) for m in models]
-    stacking = sys.modules["loko_lightning.kalman.multistream"]
+    stacking = sys.modules["loko_lightning.jacobians.blocks"]
     for xs, ys in batches(conv_stream(12), 3):
         for choice, net, opt in zip((True, False), models, opts, strict=True):
             monkeypatch.setattr(stacking, "factored_is_cheaper", lambda *args, choice=choice: choice)

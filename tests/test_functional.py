@@ -22,10 +22,15 @@ from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
-from loko_lightning.kalman.reference import loko_step_reference, pinv_reference
+from loko_lightning.kalman.noise import R_ESTIMATORS
+from loko_lightning.kalman.reference import REFERENCE_R_ESTIMATORS, loko_step_reference, pinv_reference
 from loko_lightning.kalman.update import innovation_covariance, loko_update, psd_pinv
 
-ESTIMATORS = ["taylor", "residual", "identity", "decay", "softmax"]
+ESTIMATORS = list(R_ESTIMATORS)
+
+
+def test_the_reference_writes_every_estimator_of_the_registry():
+    assert set(REFERENCE_R_ESTIMATORS) == set(R_ESTIMATORS)
 
 
 @pytest.mark.parametrize("p0_init", ["uniform", "constant"])
@@ -167,7 +172,7 @@ def test_linear_gaussian_matches_recursive_least_squares():
         x = torch.zeros(1, d, dtype=torch.float64)
         x[0, i] = a
         y = (x @ true_w.T)[0] + torch.randn(m, generator=gen, dtype=torch.float64)
-        opt.step(loko_closure(model, x, y, output="identity"))
+        opt.step(loko_closure(model, x, y, observation="regression"))
         info[i] += a * a
         moment[:, i] += a * y
     torch.testing.assert_close(model.weight.detach(), moment / info, rtol=1e-10, atol=1e-12)

@@ -86,7 +86,7 @@ def test_no_private_name_crosses_a_layer(path):
 def test_the_torch_api_imports_no_lightning():
     code = (
         "import sys\n"
-        "import loko_lightning, loko_lightning.kalman, loko_lightning.jacobians\n"
+        "import loko_lightning, loko_lightning.kalman, loko_lightning.jacobians, loko_lightning.observation\n"
         "from loko_lightning import LoKO, jacobian\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')], 'lightning'\n"
         "assert not [m for m in sys.modules if m.startswith(('loko_lightning.learner', 'loko_lightning.models'))]\n"

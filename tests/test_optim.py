@@ -342,13 +342,13 @@ def test_logits_against_a_one_hot_target_are_refused_unless_regression_is_declar
     stream = list(teacher_stream(3, dtype=torch.float32))
     opt = LoKO(model.parameters(), seed=0)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r'prediction is not .*jacobian\(\.\.\., output="softmax"\)'):
-        opt.step(loko_closure(model, *stream[0], output="identity"))
+    with pytest.raises(ValueError, match=r'prediction is not .*jacobian\(\.\.\., observation="softmax"\)'):
+        opt.step(loko_closure(model, *stream[0], observation="regression"))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
     regression = LoKO(model.parameters(), seed=0, observation="regression")
     for x, y in stream:
-        regression.step(loko_closure(model, x, y, output="identity"))
+        regression.step(loko_closure(model, x, y, observation="regression"))
     assert regression.diagnostics["step"].item() == 3
 
     x, y = stream[0]

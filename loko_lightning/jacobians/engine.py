@@ -33,17 +33,17 @@ caches the dense matrices of small-map convolutions while their weights do not c
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from itertools import chain
 from operator import is_not
-from typing import get_args
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from loko_lightning.jacobians import frozen as _backward
+from loko_lightning.jacobians import frozen
 from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.jacobians.reverse import (
     _CONV,
@@ -52,7 +52,6 @@ from loko_lightning.jacobians.reverse import (
     _NORM,
     _OTHER,
     _RANDOM,
-    Output,
     _batch_size_hook,
     _check_inputs,
     _conv_hook,
@@ -68,6 +67,7 @@ from loko_lightning.jacobians.reverse import (
     _stack_samples,
     _uses_batch_statistics,
 )
+from loko_lightning.observation import Observation, get_observation
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -105,16 +105,19 @@ class JacobianEngine:
         params: the parameters to differentiate (each with ``requires_grad``), default all with ``requires_grad``
             when the engine is built. Frozen weights get no gradient and cost nothing beyond the backward pass
             through them.
-        output: ``"softmax"`` (classification, ``ŷ`` = class probabilities) or ``"identity"``
-            (regression, ``ŷ`` = the model output).
+        observation: what is observed of the model's outputs (:mod:`loko_lightning.observation`): ``"softmax"``
+            (classification, ``ŷ`` = class probabilities, the default), ``"regression"`` (``ŷ`` = the outputs), or an
+            :class:`~loko_lightning.observation.Observation`. Give the optimizer the same one.
+        output: the former name of ``observation`` (``"softmax"`` or ``"identity"``, i.e. ``"regression"``);
+            deprecated.
         chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for
             large ``m``; default all ``m`` at once.
         factorize: return the weight Jacobian of every fast-path ``nn.Linear``/``nn.Conv2d`` layer in its exact
             factored form: :class:`~loko_lightning.OuterJacobian` (``∂ŷ/∂z ⊗ x``) when the layer saw one position, as
             a classification head does, otherwise :class:`~loko_lightning.FactoredJacobian` wherever that makes the
-            Kalman update cheaper (:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`: few positions against
-            ``m``,
-            i.e. deep layers and many classes). :class:`~loko_lightning.LoKO` consumes every form exactly.
+            Kalman update cheaper (:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`: few positions
+            against ``m``, i.e. deep layers and many classes).
+            :class:`~loko_lightning.LoKO` consumes every form exactly.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -130,12 +133,14 @@ class JacobianEngine:
         model: nn.Module,
         params: Sequence[Tensor] | None = None,
         *,
-        output: Output = "softmax",
+        observation: str | Observation = "softmax",
         chunk_size: int | None = None,
         factorize: bool = False,
+        output: str | None = None,
     ) -> None:
-        if output not in get_args(Output):
-            raise ValueError(f"Invalid output: {output!r} (expected 'softmax' or 'identity')")
+        if output is not None:
+            observation = _observation_from_output(output)
+        self._observation = get_observation(observation, owner=JacobianEngine)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"Invalid chunk_size: {chunk_size} (must be >= 1 or None)")
         params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
@@ -144,7 +149,6 @@ class JacobianEngine:
         _check_requires_grad(model, params)
         self._model = model
         self._params = params
-        self._output = output
         self._chunk_size = chunk_size
         self._factorize = factorize
         self._wanted = frozenset(map(id, params))
@@ -158,6 +162,11 @@ class JacobianEngine:
     def model(self) -> nn.Module:
         """The model the engine differentiates."""
         return self._model
+
+    @property
+    def observation(self) -> Observation:
+        """What the engine observes of the model's outputs (the prediction it returns and differentiates)."""
+        return self._observation
 
     @property
     def params(self) -> list[Tensor]:
@@ -223,6 +232,29 @@ class JacobianEngine:
         if not isinstance(result, tuple):  # see above; None: a fast-path layer's input was modified in place
             return _stack_samples([self(_sample(inputs, b)) for b in range(samples)])
         return result
+
+    def observe(
+        self, inputs: Tensor | Mapping[str, Tensor], label: Tensor, *, batched: bool | None = None
+    ) -> tuple[Tensor, Tensor, list[JacobianBlock]]:
+        """Prediction, target and Jacobians of one sample or a batch: what :meth:`LoKO.step`'s closure returns.
+
+        Args:
+            inputs: one sample (batch dimension 1) or ``B`` samples.
+            label: their labels, ``(1,)`` or ``(B,)`` (a regression: the target values, ``(1, m)`` or ``(B, m)``).
+            batched: return the batch form (a leading batch dimension) even for one sample; default: for ``B > 1``.
+
+        Returns:
+            ``(prediction, target, jacobians)``: one sample as :meth:`__call__` gives it (``(m,)``), with its target
+            (``(m,)``); a batch as :meth:`batch` (``(B, m)``) with ``(B, m)`` targets. The target is the
+            observation's (:meth:`~loko_lightning.observation.Observation.target`): a one-hot vector for softmax.
+        """
+        if batched is None:
+            batched = _check_inputs(inputs, batch=True).shape[0] > 1
+        if not batched:
+            prediction, jacobians = self(inputs)
+            return prediction, self._observation.target(label, prediction[None])[0], jacobians
+        prediction, jacobians = self.batch(inputs)
+        return prediction, self._observation.target(label, prediction), jacobians
 
     def _check_call(self, first: Tensor) -> bool:
         """The per-call checks (see the class docstring); whether the fast path may run (``first``: an input)."""
@@ -292,13 +324,13 @@ class JacobianEngine:
             if kind == _NORM:
                 norms.append(module)
                 dicts.append(module._buffers)
-                if _backward.is_frozen_norm(module, wanted):
+                if frozen.is_frozen_norm(module, wanted):
                     handles.append(module.register_forward_hook(_norm_hook(hooks), prepend=True))
                 elif _uses_batch_statistics(module):
                     hook = _batch_size_hook(hooks, _name(self._model, module))
                     handles.append(module.register_forward_pre_hook(hook))
                 continue
-            if kind == _CONV and _backward.is_frozen_conv(module, wanted):
+            if kind == _CONV and frozen.is_frozen_conv(module, wanted):
                 handles.append(module.register_forward_hook(_conv_hook(hooks), prepend=True))
                 continue
             grouped = kind in (_CONV, _CONV_SAME) and module.groups != 1
@@ -337,7 +369,7 @@ class JacobianEngine:
                 for layer in layers.values():  # only left over if the forward pass raised inside the layer
                     layer.module._parameters.update(layer.saved)
                     layer.saved.clear()
-            return _jacobian(raw, self._params, layers, self._output, self._chunk_size, self._factorize, samples)
+            return _jacobian(raw, self._params, layers, self._observation, self._chunk_size, self._factorize, samples)
         finally:
             for layer in layers.values():  # the calls hold the layers' inputs and graph: not beyond the call
                 layer.calls.clear()
@@ -348,9 +380,10 @@ def jacobian(
     inputs: Tensor,
     params: Sequence[Tensor] | None = None,
     *,
-    output: Output = "softmax",
+    observation: str | Observation = "softmax",
     chunk_size: int | None = None,
     factorize: bool = False,
+    output: str | None = None,
 ) -> tuple[Tensor, list[JacobianBlock]]:
     """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for a single sample, by a :class:`JacobianEngine` built for this call.
 
@@ -363,9 +396,10 @@ def jacobian(
             see :class:`JacobianEngine`.
         inputs: one sample with a leading batch dimension of 1.
         params: the parameters to differentiate (each with ``requires_grad``), default all with ``requires_grad``.
-        output: ``"softmax"`` (classification) or ``"identity"`` (regression), see :class:`JacobianEngine`.
+        observation: ``"softmax"`` (classification), ``"regression"`` or an observation, see :class:`JacobianEngine`.
         chunk_size: at most this many Jacobian rows per batched backward pass; default all ``m`` at once.
         factorize: return fast-path weight Jacobians in exact factored form, see :class:`JacobianEngine`.
+        output: the former name of ``observation``; deprecated.
 
     Returns:
         ``(prediction, jacobians)``: ``ŷ`` of shape ``(m,)`` (detached) and one Jacobian per parameter, each
@@ -379,8 +413,21 @@ def jacobian(
         >>> prediction.shape, jacobians[0].shape
         (torch.Size([3]), torch.Size([3, 8, 4]))
     """
-    with JacobianEngine(model, params, output=output, chunk_size=chunk_size, factorize=factorize) as engine:
+    if output is not None:
+        observation = _observation_from_output(output)
+    with JacobianEngine(model, params, observation=observation, chunk_size=chunk_size, factorize=factorize) as engine:
         return engine(inputs)
+
+
+def _observation_from_output(output: str) -> str:
+    """The observation the deprecated ``output`` argument names (``"identity"`` is ``"regression"``)."""
+    names = {"softmax": "softmax", "identity": "regression"}
+    if output not in names:
+        raise ValueError(f"Invalid output: {output!r} (expected 'softmax' or 'identity'; use observation= instead)")
+    warnings.warn(
+        f'output={output!r} is deprecated: use observation="{names[output]}"', DeprecationWarning, stacklevel=3
+    )
+    return names[output]
 
 
 def _kind(cls: type) -> int:

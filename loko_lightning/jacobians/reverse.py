@@ -12,7 +12,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -20,10 +20,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
-from loko_lightning.jacobians import frozen as _backward
+from loko_lightning.jacobians import frozen
 from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
-
-Output = Literal["softmax", "identity"]
+from loko_lightning.jacobians.blocks import kind as block_kind
+from loko_lightning.observation import Observation
 
 
 class _Hooks:
@@ -71,7 +71,7 @@ def _jacobian(
     raw: Any,
     params: list[Tensor],
     layers: dict[nn.Module, _Layer],
-    output: Output,
+    observation: Observation,
     chunk_size: int | None,
     factorize: bool,
     samples: int | None = None,
@@ -98,7 +98,7 @@ def _jacobian(
         return "loop"  # type: ignore[return-value]
     logits = raw.reshape(samples, -1) if batched else raw.reshape(-1)
     with torch.enable_grad():
-        prediction = torch.softmax(logits, dim=-1) if output == "softmax" else logits
+        prediction = observation.predict(logits)
     m = prediction.shape[-1]
     dtype, device = prediction.dtype, prediction.device
 
@@ -106,7 +106,7 @@ def _jacobian(
     # (for fast-path weights these are only their uses outside the layer, usually none).
     targets: list[Tensor | GradientEdge] = [call.edge for call in calls] + params
     if prediction.requires_grad:
-        grads = _batched_grad(prediction, targets, m, chunk_size, rows_sum_to_zero=output == "softmax")
+        grads = _batched_grad(prediction, targets, m, observation.reverse_rows(m), chunk_size)
     else:
         grads = [None] * len(targets)
     if not batched:
@@ -218,27 +218,16 @@ def _fill(blocks: list[tuple[str, Any]], params: list[Tensor], buffer: Tensor) -
 def _stack(jacs: tuple[JacobianBlock, ...], buffer: Tensor, samples: int) -> JacobianBlock:
     """One parameter's per-sample blocks as a batched block (dense: a view of the ``(B, m, n)`` buffer)."""
     first = jacs[0]
-    if isinstance(first, OuterJacobian):
-        return OuterJacobian(torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs]))
-    if isinstance(first, FactoredJacobian):
-        return FactoredJacobian(torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs]),
-                                first.param_shape)  # fmt: skip
+    if not isinstance(first, Tensor):
+        return block_kind(first).stack(jacs)
     column = (first.data_ptr() - buffer[0].data_ptr()) // buffer.element_size()
     return buffer[:, :, column : column + first[0].numel()].view(samples, *first.shape)
 
 
 def _stack_samples(results: list[tuple[Tensor, list[JacobianBlock]]]) -> tuple[Tensor, list[JacobianBlock]]:
     """Single-sample results as one batch: predictions ``(B, m)``, blocks with a leading batch dimension."""
-    blocks: list[JacobianBlock] = []
-    for jacs in zip(*(jacobians for _, jacobians in results), strict=True):
-        first = jacs[0]
-        if isinstance(first, OuterJacobian):
-            blocks.append(OuterJacobian(torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs])))
-        elif isinstance(first, FactoredJacobian):
-            left, right = torch.stack([j.left for j in jacs]), torch.stack([j.right for j in jacs])
-            blocks.append(FactoredJacobian(left, right, first.param_shape))
-        else:
-            blocks.append(torch.stack(list(jacs)))
+    per_parameter = zip(*(jacobians for _, jacobians in results), strict=True)
+    blocks = [block_kind(jacs[0]).stack(jacs) for jacs in per_parameter]
     return torch.stack([prediction for prediction, _ in results]), blocks
 
 
@@ -271,7 +260,7 @@ def _post_hook(layer: _Layer) -> Callable:
         layer.saved.clear()
         if not isinstance(out, Tensor) or not out.requires_grad:  # the layer ran without grad: no contribution
             return None
-        out = _backward.pointwise_hook(module, args[0], out)
+        out = frozen.pointwise_hook(module, args[0], out)
         layer.calls.append(_Call(args[0], args[0]._version, get_gradient_edge(out)))
         return out
 
@@ -280,14 +269,14 @@ def _post_hook(layer: _Layer) -> Callable:
 
 def _norm_hook(hooks: _Hooks) -> Callable:
     def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return _backward.norm_hook(module, args, out, scales=hooks.norm_scales) if hooks.fast else None
+        return frozen.norm_hook(module, args, out, scales=hooks.norm_scales) if hooks.fast else None
 
     return hook
 
 
 def _conv_hook(hooks: _Hooks) -> Callable:
     def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return _backward.conv_hook(module, args, out, matrices=hooks.conv_matrices) if hooks.fast else None
+        return frozen.conv_hook(module, args, out, matrices=hooks.conv_matrices) if hooks.fast else None
 
     return hook
 
@@ -313,20 +302,18 @@ def _batched_grad(
     prediction: Tensor,
     targets: list[Tensor | GradientEdge],
     m: int,
+    computed: int,
     chunk_size: int | None,
-    *,
-    rows_sum_to_zero: bool,
 ) -> list[Tensor | None]:
     """``∂ŷ_a/∂target`` for every row ``a``, stacked along a new leading dimension (``None`` if unused).
 
-    With ``rows_sum_to_zero`` (softmax: ``Σ_a ŷ_a = 1``, so ``Σ_a ∂ŷ_a/∂θ = 0`` exactly) only the first ``m - 1``
-    rows go through the reverse pass and the last one is minus their sum: one reverse row fewer, the same
-    Jacobian up to rounding.
+    Only the first ``computed`` rows go through the reverse pass. ``computed = m - 1`` for an observation that sums
+    to one (softmax: ``Σ_a ŷ_a = 1``, so ``Σ_a ∂ŷ_a/∂θ = 0`` exactly): the last row is minus the sum of the others,
+    one reverse row fewer, the same Jacobian up to rounding.
 
     A batch of predictions ``(B, m)``: row ``a``'s cotangent is ``a`` in every sample (``m`` rows, each ``B``
     per-sample rows, so a chunk holds ``chunk_size // B`` of them).
     """
-    computed = m - 1 if rows_sum_to_zero and m > 1 else m
     eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)[:computed]
     if prediction.dim() == 1:
         cotangents, step = eye, computed if chunk_size is None else chunk_size

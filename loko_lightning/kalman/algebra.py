@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+from loko_lightning.jacobians.blocks import JacobianBlock, kind
 
 
 def _weighted_gram(jac: Tensor, weight: Tensor) -> Tensor:
@@ -142,7 +142,7 @@ class DenseBlocks(Blocks):
         device: torch.device,
     ) -> None:
         super().__init__(m, dtype, device)
-        self.order = [i for i, jac in enumerate(jacobians) if isinstance(jac, Tensor)]
+        self.order = [i for i, jac in enumerate(jacobians) if kind(jac).group_key(jac) is None]
         self._columns, column = [], 0
         for i in self.order:
             self._columns.append(column)
@@ -219,11 +219,8 @@ def _groups(jacobians: Sequence[JacobianBlock], start: int, one_position: bool) 
     """The factored blocks with ``k = 1`` (``one_position``) or ``k > 1`` grouped by shape, ordered by ``k``."""
     by_shape: dict[tuple[int, int, int], list[int]] = {}
     for i, jac in enumerate(jacobians):
-        if isinstance(jac, FactoredJacobian):
-            key = (jac.left.shape[2], jac.left.shape[1], jac.right.shape[0])
-        elif isinstance(jac, OuterJacobian):
-            key = (1, jac.left.shape[1], jac.right.shape[0])
-        else:
+        key = kind(jac).group_key(jac)
+        if key is None:
             continue
         if (key[0] == 1) == one_position:
             by_shape.setdefault(key, []).append(i)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+from loko_lightning.jacobians.blocks import JacobianBlock, kind
 
 __all__ = ["all_gather_observations", "observation_nbytes"]
 
@@ -32,10 +32,7 @@ def _parts(prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock
     """The tensors of one process's observation, each with the batch as its first dimension."""
     parts = [prediction, target]
     for jac in jacobians:
-        if isinstance(jac, (OuterJacobian, FactoredJacobian)):
-            parts += [jac.left, jac.right]
-        else:
-            parts.append(jac)
+        parts += kind(jac).parts(jac)
     return parts
 
 
@@ -43,12 +40,8 @@ def _rebuild(parts: list[Tensor], jacobians: Sequence[JacobianBlock]) -> tuple[T
     prediction, target, rest = parts[0], parts[1], iter(parts[2:])
     blocks: list[JacobianBlock] = []
     for jac in jacobians:
-        if isinstance(jac, OuterJacobian):
-            blocks.append(OuterJacobian(next(rest), next(rest)))
-        elif isinstance(jac, FactoredJacobian):
-            blocks.append(FactoredJacobian(next(rest), next(rest), jac.param_shape))
-        else:
-            blocks.append(next(rest))
+        block = kind(jac)
+        blocks.append(block.with_parts(jac, [next(rest) for _ in block.parts(jac)]))
     return prediction, target, blocks
 
 
@@ -80,7 +73,7 @@ def all_gather_observations(
     """
     world = dist.get_world_size(group)
     device, dtype = prediction.device, prediction.dtype
-    positions = [jac.left.shape[-1] for jac in jacobians if isinstance(jac, FactoredJacobian)]
+    positions = [k for k in (kind(jac).positions(jac) for jac in jacobians) if k is not None]
     count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
@@ -108,13 +101,9 @@ def all_gather_observations(
 
 
 def _pad_positions(jacobians: Sequence[JacobianBlock], positions: list[int]) -> list[JacobianBlock]:
-    """Factored blocks padded with zero positions up to ``positions`` (one count per factored block, in order)."""
+    """Blocks with positions padded with zero positions up to ``positions`` (one count per such block, in order)."""
     padded, wanted = [], iter(positions)
     for jac in jacobians:
-        if isinstance(jac, FactoredJacobian):
-            extra = next(wanted) - jac.left.shape[-1]
-            if extra:
-                left = torch.nn.functional.pad(jac.left, (0, extra))
-                jac = FactoredJacobian(left, torch.nn.functional.pad(jac.right, (0, extra)), jac.param_shape)
-        padded.append(jac)
+        block = kind(jac)
+        padded.append(jac if block.positions(jac) is None else block.pad_positions(jac, next(wanted)))
     return padded

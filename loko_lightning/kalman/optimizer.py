@@ -10,14 +10,13 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.checks import check_probabilities, check_shapes, layout_key
-from loko_lightning.kalman.multistream import check_batch, stack_observations
-from loko_lightning.kalman.update import R_ESTIMATORS, REstimator, UpdatePlan, loko_update
+from loko_lightning.kalman.multistream import check_observation, layout_key, stack_observations
+from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
+from loko_lightning.kalman.update import UpdatePlan, loko_update
+from loko_lightning.observation import Observation, get_observation
 
 P0Init = Literal["uniform", "constant"]
 P0_INITS: tuple[str, ...] = get_args(P0Init)
-Observation = Literal["softmax", "regression"]
-OBSERVATIONS: tuple[str, ...] = get_args(Observation)
 Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
 # Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
@@ -88,11 +87,13 @@ class LoKO(torch.optim.Optimizer):
             minimum however long the stream. Unlike ``process_noise`` it leaves :math:`\hat p` alone while it is
             above the floor.
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
-        observation: what the prediction is. ``"softmax"`` (default): class probabilities, the paper's
-            classification setting; when the target is a probability vector (e.g. one-hot) and the prediction is
-            not (a negative entry, or a sum off 1 by more than rounding: logits passed where probabilities
-            belong), :meth:`step` raises a ``ValueError``. ``"regression"``: any real outputs, no check. The check
-            runs on the first step and whenever the Jacobian layout changes (one host read then), not every step.
+        observation: what the prediction is (:mod:`loko_lightning.observation`; give the Jacobian engine the same).
+            ``"softmax"`` (default): class probabilities, the paper's classification setting; when the target is a
+            probability vector (e.g. one-hot) and the prediction is not (a negative entry, or a sum off 1 by more
+            than rounding: logits passed where probabilities belong), :meth:`step` raises a ``ValueError``.
+            ``"regression"``: any real outputs, no check. An :class:`~loko_lightning.observation.Observation`
+            instance works too. Its check runs on the first step and whenever the Jacobian layout changes (one host
+            read then), not every step; an ``r_estimator`` the observation does not admit is refused.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0`; ``None`` uses the global RNG.
@@ -127,7 +128,7 @@ class LoKO(torch.optim.Optimizer):
         rcond: float | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
-        observation: Observation = "softmax",
+        observation: str | Observation = "softmax",
         **unexpected: Any,
     ) -> None:
         if "lr" in unexpected:
@@ -140,7 +141,15 @@ class LoKO(torch.optim.Optimizer):
             )
         if r_estimator not in R_ESTIMATORS:
             raise ConfigError(
-                f"Invalid r_estimator: {r_estimator!r} (expected one of {R_ESTIMATORS})",
+                f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
+                field="r_estimator",
+                owner=LoKO,
+            )
+        self.observation = get_observation(observation, owner=LoKO)
+        if r_estimator not in self.observation.r_estimators:
+            raise ConfigError(
+                f"Invalid r_estimator: {r_estimator!r} does not apply to observation {self.observation.name!r} "
+                f"({R_ESTIMATORS[r_estimator].doc}); choose one of {self.observation.r_estimators}",
                 field="r_estimator",
                 owner=LoKO,
             )
@@ -149,12 +158,6 @@ class LoKO(torch.optim.Optimizer):
         if dtype not in (None, torch.float32, torch.float64):
             raise ConfigError(
                 f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)", field="dtype", owner=LoKO
-            )
-        if observation not in OBSERVATIONS:
-            raise ConfigError(
-                f"Invalid observation: {observation!r} (expected one of {OBSERVATIONS})",
-                field="observation",
-                owner=LoKO,
             )
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
@@ -166,7 +169,7 @@ class LoKO(torch.optim.Optimizer):
             process_noise=process_noise,
             p_floor=p_floor,
             rcond=rcond,
-            observation=observation,
+            observation=self.observation.name,
         )
         self._dtype = dtype
         # The update plan for the last Jacobian layout and p̂ as one flat vector in its order (the per-parameter
@@ -277,16 +280,15 @@ class LoKO(torch.optim.Optimizer):
         params = self._params()
         samples = 1
         if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
-            check_batch(prediction, target, jacobians, params)
+            check_observation(prediction, target, jacobians, params, batched=True)
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
         p_floor = [g["p_floor"] for g in self.param_groups for _ in g["params"]]
         key = layout_key(prediction, target, jacobians, (tuple(process_noise), tuple(p_floor), samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
-            check_shapes(prediction, target, jacobians, params)
-            if self.defaults["observation"] == "softmax":
-                check_probabilities(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
+            check_observation(prediction, target, jacobians, params, batched=False)
+            self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
         m = prediction.shape[0] // samples
         covs = [self.state[p]["cov"] for p in params]

@@ -6,6 +6,10 @@ diagonal covariance ``p̂`` as flat vectors, forms ``P Hᵀ``, ``S`` and the gai
 the paper writes them, and returns the new state; nothing is done in place and no arithmetic is shared with the
 fast path. Memory is ``O(m ñ)`` (``H``, ``P Hᵀ`` and ``K``), time ``O(m² ñ + m³)``.
 
+The observation-noise estimators are written here again, in float64 (:data:`REFERENCE_R_ESTIMATORS`), apart from
+the fast path's registry (:mod:`loko_lightning.kalman.noise`); the tests hold the two registries to the same names.
+A single sample is the joint step of one sample.
+
 Two things the fast path does on top are not part of the algorithm and are left out here: it keeps ``p̂`` above
 ``eps · p̂_{k|k-1}`` against rounding, and it skips a step (changing nothing) when anything is non-finite.
 
@@ -28,9 +32,9 @@ import math
 import torch
 from torch import Tensor
 
-from loko_lightning.kalman.update import R_ESTIMATORS, REstimator
+from loko_lightning.kalman.noise import REstimator
 
-__all__ = ["loko_step_reference", "loko_step_reference_batch", "pinv_reference"]
+__all__ = ["REFERENCE_R_ESTIMATORS", "loko_step_reference", "loko_step_reference_batch", "pinv_reference"]
 
 
 def pinv_reference(S: Tensor, rcond: float | None = None) -> Tensor:
@@ -52,6 +56,16 @@ def pinv_reference(S: Tensor, rcond: float | None = None) -> Tensor:
     inv_lam = torch.zeros_like(lam)
     inv_lam[keep] = 1.0 / lam[keep]
     return V @ torch.diag(inv_lam) @ V.T
+
+
+# Per-sample estimate R̂_b from (e_b, (H P Hᵀ)_bb, ŷ_b, k), and whether it is smoothed by the EMA (else used as is).
+REFERENCE_R_ESTIMATORS = {
+    "taylor": (lambda e, HPHt_b, y_hat, k: torch.outer(e, e) + HPHt_b, True),
+    "residual": (lambda e, HPHt_b, y_hat, k: torch.outer(e, e), True),
+    "identity": (lambda e, HPHt_b, y_hat, k: torch.eye(e.shape[0], dtype=torch.float64), False),
+    "decay": (lambda e, HPHt_b, y_hat, k: torch.eye(e.shape[0], dtype=torch.float64) * math.exp(-k / 50), False),
+    "softmax": (lambda e, HPHt_b, y_hat, k: torch.diag(y_hat) - torch.outer(y_hat, y_hat), False),
+}
 
 
 def loko_step_reference(
@@ -89,37 +103,20 @@ def loko_step_reference(
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
     """
-    theta, p, R, H = theta.double(), p.double(), R.double(), H.double()
-    y_hat, y = prediction.double(), target.double()
-    m = y.shape[0]
-    q = process_noise.double() if isinstance(process_noise, Tensor) else process_noise
-
-    # 1. Predict: the process model is the identity, with process noise q.
-    p = p + q
-    # 3. Innovation, P Hᵀ = p̂ ⊙ Hᵀ (row i of Hᵀ scaled by p̂_i) and H P Hᵀ.
-    e = y - y_hat
-    PHt = p[:, None] * H.T
-    HPHt = H @ PHt
-    # 4. Observation noise.
-    if r_estimator == "taylor":
-        R = beta * R + (1 - beta) * (torch.outer(e, e) + HPHt)
-    elif r_estimator == "residual":
-        R = beta * R + (1 - beta) * torch.outer(e, e)
-    elif r_estimator == "identity":
-        R = torch.eye(m, dtype=torch.float64)
-    elif r_estimator == "decay":
-        R = torch.eye(m, dtype=torch.float64) * math.exp(-k / 50)
-    elif r_estimator == "softmax":
-        R = torch.diag(y_hat) - torch.outer(y_hat, y_hat)
-    else:
-        raise ValueError(f"Invalid r_estimator: {r_estimator!r} (expected one of {R_ESTIMATORS})")
-    # 5. Gain.
-    S = HPHt + R
-    K = PHt @ pinv_reference(S, rcond)
-    # 6. Update: θ̃_k = θ̃_{k|k-1} + K e and p̂_k,i = p̂_i - (Σ_j K_ij H_ji) p̂_i, the diagonal of P - K H P.
-    theta = theta + K @ e
-    p = p - (K * H.T).sum(1) * p
-    return theta, _floored(p, p_floor), R
+    return loko_step_reference_batch(
+        theta,
+        p,
+        R,
+        H[None],
+        prediction[None],
+        target[None],
+        k,
+        beta=beta,
+        r_estimator=r_estimator,
+        process_noise=process_noise,
+        rcond=rcond,
+        p_floor=p_floor,
+    )
 
 
 def loko_step_reference_batch(
@@ -140,9 +137,9 @@ def loko_step_reference_batch(
     """One joint LoKO step on ``B`` samples (the multistream EKF), dense and in float64.
 
     The ``B`` observations are one of ``B·m`` outputs: ``H`` stacked (``B·m x ñ``), ``e`` stacked, ``R``
-    block-diagonal (``R_k`` on every block; ``"softmax"``: each sample's own ``diag(ŷ_b) - ŷ_b ŷ_bᵀ``),
-    ``S`` (``B·m x B·m``) and one gain. The EMA estimators take one step with the mean of the per-sample estimates
-    ``R̂_b = e_b e_bᵀ (+ H_b P H_bᵀ)``; the returned ``R`` is that EMA (``"softmax"``: the mean of the blocks).
+    block-diagonal and ``S`` (``B·m x B·m``), one gain. A smoothed estimator (``"taylor"``, ``"residual"``) takes one
+    EMA step with the mean of the per-sample estimates ``R̂_b`` and puts ``R_k`` on every block; the others put each
+    sample's own ``R̂_b`` on its block and return their mean as ``R_k``. ``B = 1`` is :func:`loko_step_reference`.
 
     Args:
         theta: ``θ̃_{k-1}``, shape ``(ñ,)``.
@@ -161,40 +158,34 @@ def loko_step_reference_batch(
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
     """
+    if r_estimator not in REFERENCE_R_ESTIMATORS:
+        raise ValueError(f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(REFERENCE_R_ESTIMATORS)})")
     theta, p, R, H = theta.double(), p.double(), R.double(), H.double()
     y_hat, y = prediction.double(), target.double()
     B, m = y.shape
     q = process_noise.double() if isinstance(process_noise, Tensor) else process_noise
 
+    # 1. Predict: the process model is the identity, with process noise q.
     p = p + q
-    Hs = H.reshape(B * m, -1)  # sample b's rows are b·m ... b·m + m - 1
+    # 3. Innovation, P Hᵀ = p̂ ⊙ Hᵀ (row i of Hᵀ scaled by p̂_i) and H P Hᵀ, with sample b's rows b·m ... b·m + m - 1.
+    Hs = H.reshape(B * m, -1)
     e = (y - y_hat).reshape(B * m)
     PHt = p[:, None] * Hs.T
     HPHt = Hs @ PHt
-    eye = torch.eye(m, dtype=torch.float64)
-    if r_estimator in ("taylor", "residual"):
-        estimates = []
-        for b in range(B):
-            rows = slice(b * m, (b + 1) * m)
-            estimate = torch.outer(e[rows], e[rows])
-            if r_estimator == "taylor":
-                estimate = estimate + HPHt[rows, rows]
-            estimates.append(estimate)
+    # 4. Observation noise.
+    estimate, smoothed = REFERENCE_R_ESTIMATORS[r_estimator]
+    rows = [slice(b * m, (b + 1) * m) for b in range(B)]
+    estimates = [estimate(e[r], HPHt[r, r], y_hat[b], k) for b, r in enumerate(rows)]
+    if smoothed:
         R = beta * R + (1 - beta) * sum(estimates) / B
         blocks = [R] * B
-    elif r_estimator == "identity":
-        R = eye
-        blocks = [R] * B
-    elif r_estimator == "decay":
-        R = eye * math.exp(-k / 50)
-        blocks = [R] * B
-    elif r_estimator == "softmax":
-        blocks = [torch.diag(y_hat[b]) - torch.outer(y_hat[b], y_hat[b]) for b in range(B)]
-        R = sum(blocks) / B
     else:
-        raise ValueError(f"Invalid r_estimator: {r_estimator!r} (expected one of {R_ESTIMATORS})")
+        R = sum(estimates) / B
+        blocks = estimates
+    # 5. Gain.
     S = HPHt + torch.block_diag(*blocks)
     K = PHt @ pinv_reference(S, rcond)
+    # 6. Update: θ̃_k = θ̃_{k|k-1} + K e and p̂_k,i = p̂_i - (Σ_j K_ij H_ji) p̂_i, the diagonal of P - K H P.
     theta = theta + K @ e
     p = p - (K * Hs.T).sum(1) * p
     return theta, _floored(p, p_floor), R

@@ -20,29 +20,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian
+from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.kalman.algebra import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks
-from loko_lightning.kalman.multistream import stacked_observation_noise
+from loko_lightning.kalman.noise import REstimator, observation_noise
 
 __all__ = [
-    "R_ESTIMATORS",
-    "FactoredJacobian",
-    "OuterJacobian",
-    "REstimator",
     "UpdatePlan",
     "innovation_covariance",
     "loko_update",
-    "observation_noise",
     "psd_pinv",
 ]
 
-REstimator = Literal["taylor", "residual", "identity", "decay", "softmax"]
-R_ESTIMATORS: tuple[str, ...] = get_args(REstimator)
 
 
 def innovation_covariance(jacobians: Sequence[JacobianBlock], covs: Sequence[Tensor]) -> Tensor:
@@ -60,47 +52,6 @@ def innovation_covariance(jacobians: Sequence[JacobianBlock], covs: Sequence[Ten
         raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
     plan = UpdatePlan(jacobians, [c.shape for c in covs], [0.0] * len(covs), covs[0].dtype, covs[0].device)
     return plan.hpht(jacobians, plan.flatten(covs))
-
-
-def observation_noise(
-    r_estimator: REstimator,
-    previous: Tensor,
-    innovation: Tensor,
-    hpht: Tensor,
-    prediction: Tensor,
-    step: Tensor,
-    beta: float,
-) -> Tensor:
-    """Observation-noise covariance ``R_k`` for one step.
-
-    Args:
-        r_estimator: ``"taylor"`` (paper method 2): ``R̂ = e eᵀ + H P Hᵀ``; ``"residual"`` (method 1):
-            ``R̂ = e eᵀ``; both smoothed as ``R_k = β R_{k-1} + (1-β) R̂``. Literature alternatives, used
-            as they are: ``"identity"`` ``R = I``; ``"decay"`` ``R = I e^{-k/50}``; ``"softmax"``
-            ``R = diag(ŷ) - ŷ ŷᵀ``.
-        previous: ``R_{k-1}``, ``m x m``.
-        innovation: ``e = y - ŷ``, shape ``(m,)``.
-        hpht: ``H P_{k|k-1} Hᵀ``.
-        prediction: ``ŷ``, shape ``(m,)``.
-        step: ``k``, the 1-based index of this update (0-d tensor).
-        beta: forgetting factor of the EMA.
-
-    Returns:
-        ``R_k``.
-    """
-    if r_estimator in ("taylor", "residual"):
-        estimate = torch.outer(innovation, innovation)
-        if r_estimator == "taylor":
-            estimate = estimate + hpht
-        return beta * previous + (1.0 - beta) * estimate
-    eye = torch.eye(innovation.shape[0], dtype=hpht.dtype, device=hpht.device)
-    if r_estimator == "identity":
-        return eye
-    if r_estimator == "decay":
-        return eye * torch.exp(-step.to(hpht.dtype) / 50.0)
-    if r_estimator == "softmax":
-        return torch.diag(prediction) - torch.outer(prediction, prediction)
-    raise ValueError(f"Invalid r_estimator: {r_estimator!r}; expected one of {R_ESTIMATORS}")
 
 
 def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor]:
@@ -268,14 +219,8 @@ class UpdatePlan:
         innovation = target.to(dtype) - prediction
         hpht = self.hpht(jacobians, prior)
         # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
-        if self.samples == 1:
-            R_k = observation_noise(r_estimator, R, innovation, hpht, prediction, step + 1, beta)
-            S = hpht + R_k
-        else:
-            R_k, blocks = stacked_observation_noise(
-                r_estimator, R, innovation, hpht, prediction, step + 1, beta, self.samples
-            )
-            S = hpht + blocks
+        R_k, noise = observation_noise(r_estimator, R, innovation, hpht, prediction, step + 1, beta, self.samples)
+        S = hpht + noise
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
         # softmax outputs). eigh must never see NaN/Inf (LAPACK fails): a step to be skipped decomposes I instead.
         finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
@@ -373,7 +318,7 @@ def loko_update(
         R: the observation noise ``R_{k-1}``, ``m x m``, updated in place to ``R_k``.
         step: number of updates applied so far (0-d integer tensor), incremented in place.
         beta: EMA forgetting factor.
-        r_estimator: see :func:`observation_noise`.
+        r_estimator: a name in :data:`~loko_lightning.kalman.noise.R_ESTIMATORS`.
         process_noise: ``q`` added to every ``p̂`` in the predict step, one value or one per parameter.
         rcond: relative eigenvalue cut-off of the ``S`` pseudo-inverse (see :func:`psd_pinv`).
         plan: an :class:`UpdatePlan` built for this layout of ``jacobians`` and these parameters (and
@@ -385,7 +330,7 @@ def loko_update(
         samples: ``B`` when ``prediction``, ``target`` and the blocks stack ``B`` samples' observations
             (:func:`loko_lightning.kalman.multistream.stack_observations`): one joint update with a block-diagonal ``R``
             (``m x m``, the EMA of one sample's noise, see
-            :func:`~loko_lightning.kalman.multistream.stacked_observation_noise`).
+            the rule of :func:`~loko_lightning.kalman.noise.observation_noise`).
             Ignored when ``plan`` is given (the plan's own).
         p_floor: a floor on ``p̂`` (not the paper; 0: none): after the update, :math:`\hat p_k \leftarrow
             \max(\hat p_k, \text{p\_floor})`, one value or one per parameter. Ignored when ``plan`` is given.

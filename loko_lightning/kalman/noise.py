@@ -1,0 +1,129 @@
+r"""The observation-noise covariance ``R``: one registry of estimators, one rule for a step of several samples.
+
+Each estimator is one small function of the step's per-sample quantities that returns the per-sample estimates
+:math:`\hat R_b` (``(B, m, m)``). An estimator is either *smoothed*, the paper's EMA
+
+.. math::  R_k = \beta R_{k-1} + (1 - \beta) \frac{1}{B} \sum_b \hat R_b ,
+
+with :math:`R_k` on every sample's block of :math:`S`, or used *as is*, each sample's :math:`\hat R_b` on its own
+block (the filter state then keeps their mean, which is not read back). ``B = 1`` is the paper's single observation.
+:func:`observation_noise` applies that rule, written once, for every estimator; the float64 reference
+(:mod:`loko_lightning.kalman.reference`) writes the estimators again, separately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["R_ESTIMATORS", "NoiseEstimator", "REstimator", "observation_noise"]
+
+REstimator = Literal["taylor", "residual", "identity", "decay", "softmax"]
+
+
+@dataclass(frozen=True)
+class NoiseEstimator:
+    r"""One observation-noise estimator.
+
+    Attributes:
+        name: the ``r_estimator`` value that selects it.
+        estimate: ``estimate(e, hpht, prediction, step)`` → the per-sample :math:`\hat R_b`, ``(B, m, m)``, from the
+            innovations ``e`` ``(B, m)``, the diagonal blocks of :math:`H P H^\top` ``(B, m, m)``, the predictions
+            ``(B, m)`` and the 1-based index ``k`` of the update (0-d tensor).
+        smoothed: the estimates enter the EMA with ``beta`` (otherwise they are used as they are).
+        doc: the formula, for error messages and docs.
+    """
+
+    name: str
+    estimate: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+    smoothed: bool
+    doc: str
+
+
+def _outer(e: Tensor) -> Tensor:
+    return e[:, :, None] * e[:, None, :]
+
+
+def _eye(e: Tensor, dtype: torch.dtype) -> Tensor:
+    m = e.shape[-1]
+    return torch.eye(m, dtype=dtype, device=e.device).expand(e.shape[0], m, m)
+
+
+def _taylor(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
+    return _outer(e) + hpht
+
+
+def _residual(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
+    return _outer(e)
+
+
+def _identity(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
+    return _eye(e, hpht.dtype)
+
+
+def _decay(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
+    return _eye(e, hpht.dtype) * torch.exp(-step.to(hpht.dtype) / 50.0)
+
+
+def _softmax(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
+    return torch.diag_embed(prediction) - prediction[:, :, None] * prediction[:, None, :]
+
+
+#: The estimators by name: the paper's methods 2 (``"taylor"``, the default) and 1 (``"residual"``), and the
+#: literature baselines of its Table "R estimation".
+R_ESTIMATORS: dict[str, NoiseEstimator] = {
+    estimator.name: estimator
+    for estimator in (
+        NoiseEstimator("taylor", _taylor, True, "R̂ = e eᵀ + H P Hᵀ (paper method 2)"),
+        NoiseEstimator("residual", _residual, True, "R̂ = e eᵀ (paper method 1)"),
+        NoiseEstimator("identity", _identity, False, "R = I"),
+        NoiseEstimator("decay", _decay, False, "R = I e^(-k/50)"),
+        NoiseEstimator("softmax", _softmax, False, "R = diag(ŷ) - ŷ ŷᵀ"),
+    )
+}
+
+
+def observation_noise(
+    r_estimator: str,
+    previous: Tensor,
+    innovation: Tensor,
+    hpht: Tensor,
+    prediction: Tensor,
+    step: Tensor,
+    beta: float,
+    samples: int = 1,
+) -> tuple[Tensor, Tensor]:
+    """``R_k`` (``m x m``, the filter's state) and the noise that enters ``S`` (``B·m x B·m``, block-diagonal).
+
+    Args:
+        r_estimator: a name in :data:`R_ESTIMATORS`.
+        previous: ``R_{k-1}``, ``m x m``.
+        innovation: ``e = y - ŷ`` of the ``B`` samples stacked, ``(B·m,)``.
+        hpht: ``H P Hᵀ`` of the stacked ``H``, ``B·m x B·m``.
+        prediction: ``ŷ`` stacked, ``(B·m,)``.
+        step: ``k``, the 1-based index of this update (0-d tensor).
+        beta: forgetting factor of the EMA.
+        samples: ``B``.
+
+    Returns:
+        ``(R_k, noise)``; for ``B = 1`` the noise is ``R_k`` itself.
+    """
+    estimator = R_ESTIMATORS.get(r_estimator)
+    if estimator is None:
+        raise ValueError(f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})")
+    m = innovation.shape[0] // samples
+    blocks = hpht.view(samples, m, samples, m).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (B, m, m)
+    estimates = estimator.estimate(innovation.view(samples, m), blocks, prediction.view(samples, m), step)
+    mean = estimates[0] if samples == 1 else estimates.mean(0)
+    if estimator.smoothed:
+        R_k = beta * previous + (1.0 - beta) * mean
+        if samples == 1:
+            return R_k, R_k
+        return R_k, torch.block_diag(*R_k.expand(samples, m, m).unbind(0))
+    if samples == 1:
+        return mean, mean
+    return mean, torch.block_diag(*estimates.unbind(0))

@@ -1,0 +1,161 @@
+r"""What the filter observes of a sample: the observation model :math:`y_k = h(x_k, \tilde\theta) + v_k`.
+
+An :class:`Observation` owns everything that depends on what is observed:
+
+- how the prediction :math:`\hat y` is formed from the network's raw outputs (:meth:`Observation.predict`, inside the
+  graph the Jacobian is taken through),
+- how the target :math:`y` is formed from a label (:meth:`Observation.target`),
+- which rows of :math:`H` the reverse pass must compute (:attr:`Observation.sums_to_one`: when every prediction sums
+  to one, the rows of :math:`H` sum to zero and the last row is minus the sum of the others),
+- the check that a prediction and a target fit it (:meth:`Observation.check`),
+- which observation-noise estimators make sense for it (:attr:`Observation.r_estimators`).
+
+The Jacobian engine (:class:`~loko_lightning.JacobianEngine`), the optimizer (:class:`~loko_lightning.LoKO`) and the
+learner all take it from here; the learner passes the one it builds to both. A new observation is one subclass
+registered in :data:`OBSERVATIONS` (or passed as an instance).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from loko_lightning.errors import ConfigError
+
+__all__ = ["OBSERVATIONS", "Observation", "Regression", "Softmax", "check_probabilities", "get_observation"]
+
+
+class Observation:
+    """What is observed of one sample: the prediction from the network's outputs, the target from a label.
+
+    Attributes:
+        name: the name the registry and the configs use.
+        sums_to_one: every prediction sums to one, whatever the parameters (so the rows of ``H`` sum to zero, and
+            ``S`` is singular along the all-ones vector of each sample).
+        r_estimators: the observation-noise estimators (:data:`loko_lightning.kalman.noise.R_ESTIMATORS`) that apply.
+    """
+
+    name: ClassVar[str]
+    sums_to_one: ClassVar[bool] = False
+    r_estimators: ClassVar[tuple[str, ...]] = ("taylor", "residual", "identity", "decay")
+
+    def predict(self, outputs: Tensor) -> Tensor:
+        """The prediction ``ŷ`` from the network's outputs ``(..., m)`` (differentiable: the Jacobian is of this)."""
+        raise NotImplementedError
+
+    def target(self, label: Tensor, prediction: Tensor) -> Tensor:
+        """The target ``y`` for ``label`` (one label per prediction), like ``prediction`` in shape and dtype."""
+        raise NotImplementedError
+
+    def check(self, prediction: Tensor, target: Tensor) -> None:
+        """Refuse a prediction ``(B, m)`` and target ``(B, m)`` that do not fit this observation (may read the host).
+
+        :class:`~loko_lightning.LoKO` runs it on its first step and whenever the Jacobian layout changes.
+        """
+
+    def reverse_rows(self, m: int) -> int:
+        """How many rows of ``H`` the reverse pass computes for ``m`` outputs (the rest follow from them)."""
+        return m - 1 if self.sums_to_one and m > 1 else m
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
+
+class Softmax(Observation):
+    r"""The paper's classification setting: class probabilities :math:`\hat y = \mathrm{softmax}(z)`, one-hot targets.
+
+    The check refuses a prediction that is not a probability vector (a negative entry, or a sum off 1 by more than
+    rounding: logits passed where probabilities belong) when the target is one.
+    """
+
+    name = "softmax"
+    sums_to_one = True
+    r_estimators = ("taylor", "residual", "identity", "decay", "softmax")
+
+    def predict(self, outputs: Tensor) -> Tensor:
+        """``softmax(outputs)`` over the last dimension."""
+        return torch.softmax(outputs, dim=-1)
+
+    def target(self, label: Tensor, prediction: Tensor) -> Tensor:
+        """The one-hot vector of each class index in ``label``."""
+        return torch.nn.functional.one_hot(label, prediction.shape[-1]).to(prediction.dtype)
+
+    def check(self, prediction: Tensor, target: Tensor) -> None:
+        """See :func:`check_probabilities`."""
+        check_probabilities(prediction, target)
+
+
+class Regression(Observation):
+    r"""Real outputs observed as they are (:math:`\hat y = z`); the label is the target vector itself."""
+
+    name = "regression"
+
+    def predict(self, outputs: Tensor) -> Tensor:
+        """The outputs themselves."""
+        return outputs
+
+    def target(self, label: Tensor, prediction: Tensor) -> Tensor:
+        """``label`` (the target values, shaped like the prediction) in the prediction's dtype."""
+        if tuple(label.shape) != tuple(prediction.shape):
+            raise ValueError(
+                f"Invalid label: a regression target must have the prediction's shape {tuple(prediction.shape)}, "
+                f"got {tuple(label.shape)}"
+            )
+        return label.to(prediction.dtype)
+
+
+#: The observations by name, as ``observation: <name>`` selects them.
+OBSERVATIONS: dict[str, type[Observation]] = {cls.name: cls for cls in (Softmax, Regression)}
+
+
+def get_observation(observation: str | Observation, *, owner: type | None = None) -> Observation:
+    """An :class:`Observation` from its name in :data:`OBSERVATIONS` (or the instance itself).
+
+    Raises:
+        ConfigError: an unknown name (``field="observation"``).
+    """
+    if isinstance(observation, Observation):
+        return observation
+    cls = OBSERVATIONS.get(observation) if isinstance(observation, str) else None
+    if cls is None:
+        raise ConfigError(
+            f"Invalid observation: {observation!r} (expected one of {tuple(OBSERVATIONS)} or an Observation)",
+            field="observation",
+            owner=owner,
+        )
+    return cls()
+
+
+def check_probabilities(prediction: Tensor, target: Tensor) -> None:
+    """Refuse predictions (``(B, m)``) that are not probability vectors when the targets are (one host read)."""
+    m = prediction.shape[-1]
+    if m == 0:
+        return
+    target_sums, prediction_sums = target.sum(-1), prediction.sum(-1)
+    target_sum = target_sums[(target_sums - 1).abs().argmax()]
+    prediction_sum = prediction_sums[(prediction_sums - 1).abs().argmax()]
+    stats = torch.stack([v.double() for v in (target.min(), target_sum, prediction.min(), prediction_sum)])
+    stats = stats.tolist()
+    target_min, target_sum, prediction_min, prediction_sum = stats
+    if not all(math.isfinite(v) for v in stats):
+        return  # the step is skipped on the device
+    # Softmax sums to 1 up to ~m roundings; 10 m eps of each dtype is far from the sum of any logits by chance.
+    target_tol = 10 * m * torch.finfo(target.dtype).eps
+    tol = 10 * m * torch.finfo(prediction.dtype).eps
+    target_is_probability = target_min >= 0.0 and abs(target_sum - 1.0) <= target_tol
+    if target_is_probability and (prediction_min < 0.0 or abs(prediction_sum - 1.0) > tol):
+        raise ValueError(
+            "Invalid prediction: the target is a probability vector (e.g. one-hot) but the prediction is not "
+            f"(smallest entry {prediction_min:.4g}, sum {prediction_sum:.6g}): LoKO observes class probabilities, so "
+            'compute the prediction with jacobian(..., observation="softmax") (the default), not logits; for a '
+            'regression on such targets, create the optimizer with LoKO(..., observation="regression")'
+        )
