@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 
-
 def innovation_covariance(jacobians: Sequence[JacobianBlock], covs: Sequence[Tensor]) -> Tensor:
     """``H P Hᵀ`` summed over parameter blocks (``P`` diagonal, one ``cov`` per parameter).
 
