@@ -44,6 +44,8 @@ class DenseModelFilter:
 
     def predict(self, theta, x):
         logits = functional_call(self.model, self.unflatten(theta), (x,)).reshape(-1)
+        if not isinstance(self.output, str):  # an Observation
+            return self.output.predict(logits)
         return torch.softmax(logits, 0) if self.output == "softmax" else logits
 
     def step(self, x, y):

@@ -26,8 +26,8 @@ Frozen layers only pass cotangents through. Where their generic batched backward
 batch norms, pointwise convolutions, convolutions on small maps) it is replaced, during engine calls only, by the
 matrix product it amounts to (:mod:`loko_lightning.jacobians.frozen`); the forward values are the layers' own. The
 engine
-caches the dense matrices of small-map convolutions while their weights do not change (19 MiB for a ResNet-18 at
-32 x 32 inputs, 26 MiB for a ResNet-50), and releases them with itself.
+caches the dense matrices of small-map convolutions while their weights do not change (:attr:`JacobianEngine.cache_nbytes`
+says how much they hold), and releases them with itself.
 """
 
 from __future__ import annotations

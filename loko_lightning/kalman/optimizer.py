@@ -21,7 +21,7 @@ Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
 # Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
 # the state of the first parameter, so that ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
-# Checkpoints written by loko-lightning 0.1.0 call R "noise"; load_state_dict reads both.
+# Earlier checkpoints name R "noise"; load_state_dict reads both.
 _LEGACY_KEYS = {"noise": "R"}
 _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
