@@ -174,7 +174,7 @@ class LoKOCLI(LightningCLI):
             raise ConfigError(
                 f"dataset={dataset!r} holds {data_modality} samples but model.network is {name}, a {network_modality} "
                 f"model. To fix it: choose a {network_modality} dataset, or a network for {data_modality} "
-                f"(loko_lightning.models.networks.{fits}).",
+                f"(loko_lightning.models.{fits}).",
                 field="dataset",
                 owner=StreamDataModule,
             )
