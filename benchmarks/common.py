@@ -41,6 +41,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.cli import instantiate_class
 
 from loko_lightning import LoKO
 from loko_lightning.cli import LoKOCLI
@@ -159,7 +160,8 @@ class BenchmarkCLI(LoKOCLI):
         scheduler = config.model.lr_scheduler
         if isinstance(scheduler, Namespace) and "total_iters" in scheduler.get("init_args", Namespace()):
             # The stream's length is known once its data is loaded (fewer samples than asked, OOD samples added).
-            self._set_up = StreamDataModule(**config.data.as_dict())
+            network = instantiate_class((), config.model.network.as_dict())  # cheap: builds nothing
+            self._set_up = StreamDataModule(**{**config.data.as_dict(), "preprocessing": network.preprocessing()})
             self._set_up.prepare_data()
             self._set_up.setup("fit")
             # One scheduler step per training step: B samples (data.batch_size) make one step.

@@ -24,14 +24,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import JacobianEngine, LoKO
-from loko_lightning.models.adapters import build_model
+from loko_lightning.models import TimmClassifier
 
 
 def build(name: str, m: int) -> tuple[nn.Module, tuple[int, ...]]:
     """The model (trainable part requires grad) and its input shape."""
     if name == "mlp":
         return nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, m)), (1, 64)
-    model = build_model(name, m, pretrained=False, target="convs", r=4, head_init="timm").eval()
+    model = TimmClassifier(name, m, pretrained=False, target="convs", r=4, head_init="timm")().eval()
     return model, (1, 3, 32, 32)
 
 

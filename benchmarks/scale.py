@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes
-from loko_lightning.models.adapters import build_model
+from loko_lightning.models import TimmClassifier
 
 
 def peak_mib() -> float:
@@ -52,7 +52,7 @@ def run(
     """Time ``steps`` joint steps of ``batch`` samples per process; under ``world > 1`` the group is initialised."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = build_model(backbone, m, pretrained=False, target="convs", r=4, head_init="timm").eval()
+    model = TimmClassifier(backbone, m, pretrained=False, target="convs", r=4, head_init="timm")().eval()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = LoKO(params, p0=0.2, seed=0)
     engine = JacobianEngine(model, params, factorize=True)

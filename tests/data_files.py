@@ -11,10 +11,12 @@ import torch
 from PIL import Image
 
 from loko_lightning.data import StreamDataModule
+from loko_lightning.models import TimmClassifier
 
 N_TRAIN, N_TEST = 20, 8  # CIFAR folders: 5 training batches of 4 images, one test batch
 TEST_ID0 = 30  # test images encode ids 30..37 (training ids are 0..19)
 RESNET18_MEAN, RESNET18_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+RESNET18 = TimmClassifier("resnet18", pretrained=False).preprocessing()  # what a resnet18 network needs
 
 
 def colour(i: int) -> tuple[int, int, int]:
@@ -94,7 +96,7 @@ def write_imagefolder(folder: Path, per_class: int, classes=("cat", "dog", "eel"
 
 def make(root, **kwargs) -> StreamDataModule:
     """A prepared and set-up DataModule (resnet18 preprocessing at 8 px unless told otherwise)."""
-    kwargs.setdefault("backbone", "resnet18")
+    kwargs.setdefault("preprocessing", RESNET18)
     kwargs.setdefault("image_size", 8)
     dm = StreamDataModule(root=str(root), **kwargs)
     dm.prepare_data()

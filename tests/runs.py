@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO
 from loko_lightning.learner.module import OnlineClassifier
-from loko_lightning.models.networks import TimmClassifier
+from loko_lightning.models import TimmClassifier
 
 NETWORK_ARGS = {
     "backbone",

