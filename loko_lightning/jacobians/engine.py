@@ -25,9 +25,8 @@ and the last is minus their sum: exact, one reverse row fewer.
 Frozen layers only pass cotangents through. Where their generic batched backward is mostly overhead (eval-mode
 batch norms, pointwise convolutions, convolutions on small maps) it is replaced, during engine calls only, by the
 matrix product it amounts to (:mod:`loko_lightning.jacobians.frozen`); the forward values are the layers' own. The
-engine
-caches the dense matrices of small-map convolutions while their weights do not change (:attr:`JacobianEngine.cache_nbytes`
-says how much they hold), and releases them with itself.
+engine caches the dense matrices of small-map convolutions while their weights do not change
+(:attr:`JacobianEngine.cache_nbytes` says how much they hold), and releases them with itself.
 """
 
 from __future__ import annotations
