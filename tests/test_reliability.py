@@ -447,6 +447,34 @@ def test_divergence_from_the_cli_is_one_line_with_the_p0_to_try(tmp_path, capsys
     assert str(saved) not in last_files
 
 
+def test_divergence_guard_stops_a_growing_p_hat_and_names_the_process_noise(tmp_path):
+    """p̂ only grows by the process noise (p̂ ≤ p0 + k q): with p0 = q = 1e-6 its largest entry is 6e-6 after 5 samples
+    (below 8 p0: the check passes) and 1.1e-5 after 10 (the guard trips). The state of sample 5 is restored and
+    saved, and the error names process_noise (a smaller p0 would lower the limit and trip sooner)."""
+    torch.manual_seed(0)
+    model = tiny(p0=1e-6, p0_init="constant", process_noise=1e-6)
+    guard = DivergenceGuard(check_every=5, divergence_ce=None, p_limit=8)
+    fit = trainer(callbacks=[guard], default_root_dir=tmp_path)
+    with pytest.raises(
+        DivergenceError,
+        match=r"^LoKO diverged by sample 10: the largest covariance entry p̂ is 1\.1e-05, above 8 x p0\. "
+        r"p̂ grows by the process noise q each sample: restart with process_noise = 1e-07\. "
+        r"The parameters and filter state after sample 5 are saved in .*good-before-divergence\.ckpt\.$",
+    ) as info:
+        fit.fit(model, DataLoader(stream(20), batch_size=1))
+    assert (info.value.field, info.value.owner) == ("process_noise", LoKO)
+    saved = torch.load(tmp_path / GOOD_STATE_NAME, weights_only=True)
+    cov = torch.cat([s["cov"].reshape(-1) for s in saved["optimizer_states"][0]["state"].values()])
+    # p0 + 5 q in float32: five roundings of at most eps32 / 2 each, under 1e-6 relative (the largest entry is one
+    # whose Jacobian was zero or negligible, so the update did not shrink it).
+    assert cov.max().item() == pytest.approx(6e-6, rel=1e-6)
+    live = torch.cat([fit.optimizers[0].state[p]["cov"].reshape(-1) for p in model.trainable_parameters])
+    assert torch.equal(live, cov)  # the live filter state is restored too
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(saved["state_dict"][name], param.detach())
+
+
 def test_divergence_guard_catches_nonfinite_baseline_parameters(tmp_path):
     """A baseline parameter that became NaN makes every later loss NaN (all skipped, silently): the guard stops."""
     torch.manual_seed(0)
