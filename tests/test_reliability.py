@@ -29,7 +29,7 @@ import loko_lightning.kalman.optimizer as optim_lib
 from loko_lightning import JacobianEngine, LoKO, jacobian
 from loko_lightning.cli import AtomicCheckpointIO, main
 from loko_lightning.data import StreamDataModule
-from loko_lightning.errors import DivergenceError
+from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.jacobians.blocks import OuterJacobian
 from loko_lightning.learner.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
 
@@ -309,6 +309,28 @@ def test_bad_input_ends_with_one_actionable_line(case, tmp_path, capsys):
     assert count == 1 and last.startswith("loko: error: "), last
     for text in expected:
         assert text in last, (text, last)
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "key"),
+    [
+        (["--model.optimizer.p0", "-0.1"], ConfigError, "model.optimizer.p0"),  # refused by LoKO
+        (["--model.optimizer.p00", "0.1"], ValueError, None),  # refused by the parser
+    ],
+    ids=["bad value", "unknown option"],
+)
+def test_loko_traceback_raises_the_error_itself_instead_of_one_line(extra, error, key, tmp_path, capsys, monkeypatch):
+    """By default a user error is one ``loko: error:`` line and exit status 2; with ``LOKO_TRACEBACK=1`` the same error
+    propagates out of ``main`` (a full traceback from the console script), with the flag it names still attached."""
+    args = ["fit", "--config", DEBUG, *outputs(tmp_path), *extra]
+    code, last, count = run_cli(args, capsys)
+    assert code == 2 and count == 1 and last.startswith("loko: error: ")
+    monkeypatch.setenv("LOKO_TRACEBACK", "1")
+    with pytest.raises(error) as info:
+        main(args)
+    assert last.endswith(" ".join(str(info.value).split()))  # the same error as the one line
+    assert getattr(info.value, "key", None) == key
+    assert "loko: error:" not in capsys.readouterr().err
 
 
 def test_download_while_offline_says_how_to_get_the_files(tmp_path, capsys, monkeypatch):
