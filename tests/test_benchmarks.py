@@ -217,16 +217,6 @@ def test_curve_table_counts_samples_with_batches(scripts, tmp_path, capsys):
         compare.main(["--table-from", str(tmp_path), "--at", "13"])
 
 
-def test_compare_help_documents_options(scripts, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        scripts.compare.parse_args(["--help"])
-    assert exit_info.value.code == 0
-    text = capsys.readouterr().out
-    for option in ("--config", "--samples", "--seeds", "--optimizers", "--out", "--table-from", "overrides"):
-        assert option in text
-    assert "convergence" in text
-
-
 def test_steps_to_convergence(scripts):
     steps_to_convergence = scripts.compare.steps_to_convergence
     assert steps_to_convergence([1.0, 0.5, 0.31, 0.3, 0.3], tol=0.05) == 3
