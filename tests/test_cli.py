@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
 
 
+@pytest.mark.slow
 def test_debug_config_end_to_end(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     main(["fit", "--config", DEBUG, "--data.max_samples", "40", "--data.eval_max_samples", "40", *outputs(tmp_path)])
@@ -99,6 +100,7 @@ def trainable_state(path):
     return ckpt, trainable(ckpt["state_dict"])
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
     """Stop after sample 20 of 30 (a mid-stream checkpoint at 10), resume from it: same parameters, filter state and
     online accuracy as one uninterrupted run, bit for bit on the CPU."""

@@ -18,6 +18,9 @@ from runs import outputs, trainable
 from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
 from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes
 
+# Every test here starts 2 processes (each imports torch, most run the whole CLI): tens of seconds each.
+pytestmark = pytest.mark.slow
+
 STEPS = 30
 
 
@@ -242,7 +245,6 @@ def test_a_nan_on_one_process_skips_the_joint_step_everywhere(tmp_path):
     assert last["state_dict"]["online_acc.weight"].item() == 10
 
 
-@pytest.mark.slow
 def test_a_nan_on_one_process_skips_the_loko_joint_step_on_both(tmp_path):
     """LoKO under DDP with a NaN input on rank 1 at step 2 (of 6): both ranks gather the non-finite observation and
     skip the joint update alike. The checkpoints around that step hold the same parameters, p̂, R and update count;

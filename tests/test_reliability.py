@@ -148,6 +148,7 @@ def test_sigkilled_run_resumes_exactly(tmp_path):
     assert not list(checkpoints.glob(".*.partial")), "a partial checkpoint file was left behind"
 
 
+@pytest.mark.slow
 def test_resume_restores_the_rng_states_for_lora_dropout(tmp_path):
     """AdamW with LoRA dropout draws from the global RNG every step: resuming from a mid-stream checkpoint (real
     stream, stateful loader) equals an uninterrupted run only because the checkpoint carries the RNG states."""
