@@ -2,6 +2,7 @@
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from data_files import N_TRAIN
@@ -73,13 +74,80 @@ def test_batch_of_one_learner_is_unchanged():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw"])
-def test_gradient_baseline_takes_the_mean_loss_of_a_batch(optimizer):
+def test_nonfinite_sample_in_a_joint_step_skips_the_whole_step():
+    """B = 3, a NaN in the second sample of step 2: that joint update is skipped (parameters, p̂, R and LoKO's counter
+    as after step 1), all three samples of the step are counted in ``skipped`` and left out of the metrics, and the
+    steps around it are applied."""
     torch.manual_seed(0)
-    module = tiny(optimizer=optimizer, lr=1e-3)
+    module = tiny(p0=0.05, p0_init="constant")
+    items = stream(9)
+    items[4]["inputs"] = items[4]["inputs"].clone()
+    items[4]["inputs"][1, 2, 3] = float("nan")
+    states = []
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            optimizer = trainer.optimizers[0]
+            params = pl_module.trainable_parameters
+            shared = optimizer.state[params[0]]
+            states.append(
+                {
+                    "params": [p.detach().clone() for p in params],
+                    "cov": [optimizer.state[p]["cov"].clone() for p in params],
+                    "R": shared["R"].clone(),
+                    "step": int(shared["step"]),
+                    "skipped": int(shared["skipped"]),
+                    "module_skipped": int(pl_module.skipped),
+                }
+            )
+
+    t = quiet(callbacks=[Snapshot()])
+    t.fit(module, DataLoader(items, batch_size=3))
+    assert t.global_step == 3
+    first, poisoned, last = states
+    for key in ("params", "cov"):
+        assert all(torch.equal(a, b) for a, b in zip(first[key], poisoned[key], strict=True)), key
+    assert torch.equal(first["R"], poisoned["R"]) and first["R"].any()
+    assert [s["step"] for s in states] == [1, 1, 2] and [s["skipped"] for s in states] == [0, 1, 1]
+    assert [s["module_skipped"] for s in states] == [0, 3, 3]  # every sample of the skipped step
+    assert not all(torch.equal(a, b) for a, b in zip(poisoned["params"], last["params"], strict=True))
+    assert all(torch.isfinite(p).all() for p in module.trainable_parameters)
+    assert float(t.logged_metrics["train/skipped"]) == 3
+    assert module.online_acc.weight.item() == 6 and int(module.loss_avg.count) == 6
+
+
+def test_gradient_baseline_takes_the_mean_loss_of_a_batch():
+    """One AdamW step on a batch of 4 equals a hand-made AdamW step on the mean cross-entropy of the 4 samples.
+
+    Adam's first step, ``lr · g / (|g| + eps)``, does not depend on the scale of ``g`` when eps is negligible, so
+    eps = 1e-3 (the size of these gradients) makes it depend on it: a sum of the losses (4x the gradient) or one
+    sample's loss would step differently. The reference uses the same float32 gradient; its AdamW arithmetic is in
+    float64, torch's in float32: each of its few operations rounds to float32, a few ulps of ``|θ|`` and of the step
+    (at most ``lr``), hence ``4 eps32 (|θ| + lr)``.
+    """
+    torch.manual_seed(0)
+    lr, eps, weight_decay = 1e-2, 1e-3, 0.01
+    module = tiny(optimizer="adamw", lr=lr, eps=eps, weight_decay=weight_decay, head_init="timm")
+    reference = copy.deepcopy(module).train()
+    items = stream(4)
     t = quiet()
-    t.fit(module, DataLoader(stream(8), batch_size=4))
-    assert t.global_step == 2 and module.online_acc.weight.item() == 8
+    t.fit(module, DataLoader(items, batch_size=4))
+    assert t.global_step == 1 and module.online_acc.weight.item() == 4
+
+    x = torch.stack([item["inputs"] for item in items])
+    labels = torch.stack([item["label"] for item in items])
+    params = reference.trainable_parameters
+    grads = torch.autograd.grad(F.cross_entropy(reference(x), labels), params)  # the mean over the batch
+    float32 = torch.finfo(torch.float32).eps
+    moved = 0
+    for before, g, after in zip(params, grads, module.trainable_parameters, strict=True):
+        theta, g = before.detach().double(), g.double()
+        m_hat, v_hat = g, g * g  # the first step's bias-corrected moments: (1 - β1) g / (1 - β1), (1 - β2) g² / ...
+        expected = theta * (1 - lr * weight_decay) - lr * m_hat / (v_hat.sqrt() + eps)
+        error = (after.detach().double() - expected).abs()
+        assert (error <= 4 * float32 * (theta.abs() + lr)).all(), error.max()
+        moved += int((g.abs() > eps).sum())
+    assert moved > 0  # some steps are far from the weight decay alone
 
 
 @pytest.mark.parametrize(("length", "batch", "world"), [(20, 3, 2), (21, 2, 2), (7, 1, 2), (10, 4, 1), (9, 2, 3)])

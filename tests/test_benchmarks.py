@@ -47,6 +47,7 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_compare_end_to_end(scripts, tmp_path):
     compare = scripts.compare
     summary = compare.main([*SCRIPT, "--seeds", "0", "--warmup", "2", "--out", str(tmp_path), "--", *TINY])
@@ -84,6 +85,7 @@ def test_compare_end_to_end(scripts, tmp_path):
     assert "test_resnet" in saved["setting"]
 
 
+@pytest.mark.slow
 def test_every_optimizer_starts_from_the_same_adapters_and_reads_the_same_stream(scripts):
     """The comparison's premise: for one seed, the three runs differ only in the optimizer."""
     common, compare = scripts.common, scripts.compare
@@ -217,16 +219,6 @@ def test_curve_table_counts_samples_with_batches(scripts, tmp_path, capsys):
         compare.main(["--table-from", str(tmp_path), "--at", "13"])
 
 
-def test_compare_help_documents_options(scripts, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        scripts.compare.parse_args(["--help"])
-    assert exit_info.value.code == 0
-    text = capsys.readouterr().out
-    for option in ("--config", "--samples", "--seeds", "--optimizers", "--out", "--table-from", "overrides"):
-        assert option in text
-    assert "convergence" in text
-
-
 def test_steps_to_convergence(scripts):
     steps_to_convergence = scripts.compare.steps_to_convergence
     assert steps_to_convergence([1.0, 0.5, 0.31, 0.3, 0.3], tol=0.05) == 3
@@ -236,6 +228,7 @@ def test_steps_to_convergence(scripts):
     assert steps_to_convergence([0.3, 0.9, 0.3, 0.3], tol=0.05) == 3
 
 
+@pytest.mark.slow
 def test_p0_range_end_to_end(scripts, tmp_path):
     """A huge p0 is stopped by the divergence guard; a p0 too small to move anything keeps the uniform prediction."""
     argv = [*SCRIPT, "--p0s", "1e4", "1e-12", "--guard-every", "10", "--window", "10", "--out", str(tmp_path)]
@@ -326,6 +319,7 @@ def test_scale_measures_a_joint_step(scripts):
     assert row["peak_mib"] > 0
 
 
+@pytest.mark.slow
 def test_compare_on_a_text_config_reports_cross_entropy(scripts, tmp_path):
     """The text quick-start config on a local CSV and a tiny local BERT: the comparison plots and tables CE."""
     from text_helpers import sentiment_rows, tiny_bert_dir, write_text_file
@@ -394,6 +388,7 @@ def test_curve_table_pools_the_seeds_of_one_setting_run_twice(scripts, tmp_path,
         compare.main(["--table-from", str(tmp_path / "seeds12"), str(tmp_path / "again"), "--pool", "--at", "10"])
 
 
+@pytest.mark.slow
 def test_step_size_measures_each_step_and_the_shrinking_p_hat(scripts, tmp_path):
     """benchmarks/step_size.py: one size per step (LoKO's equals its own ‖K e‖), p̂ quantiles that only shrink."""
     with pytest.MonkeyPatch.context() as patch:

@@ -13,10 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 from loko_helpers import SmallConvNet, conv_stream
-from runs import outputs
+from runs import outputs, trainable
 
 from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
 from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes
+
+# Every test here starts 2 processes (each imports torch, most run the whole CLI): tens of seconds each.
+pytestmark = pytest.mark.slow
 
 STEPS = 30
 
@@ -240,3 +243,27 @@ def test_a_nan_on_one_process_skips_the_joint_step_everywhere(tmp_path):
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert last["global_step"] == 6 and last["state_dict"]["skipped"].item() == 2
     assert last["state_dict"]["online_acc.weight"].item() == 10
+
+
+def test_a_nan_on_one_process_skips_the_loko_joint_step_on_both(tmp_path):
+    """LoKO under DDP with a NaN input on rank 1 at step 2 (of 6): both ranks gather the non-finite observation and
+    skip the joint update alike. The checkpoints around that step hold the same parameters, p̂, R and update count;
+    the ranks end in sync, with both samples of the step counted as skipped and left out of the online metrics."""
+    poison = {"class_path": "ddp_checksum.PoisonOneRank", "init_args": {"rank": 1, "step": 2}}
+    result, checkpoints, _ = loko_ddp(tmp_path, "loko_nan", every=1, samples=12, callbacks=[poison])
+    assert torch.equal(result["states"][0], result["states"][1])
+    before = torch.load(checkpoints / "epoch=0-step=2.ckpt", weights_only=False)
+    after = torch.load(checkpoints / "epoch=0-step=3.ckpt", weights_only=False)
+    before_params, after_params = trainable(before["state_dict"]), trainable(after["state_dict"])
+    assert before_params and all(torch.equal(before_params[k], after_params[k]) for k in before_params)
+    before_opt, after_opt = before["optimizer_states"][0]["state"], after["optimizer_states"][0]["state"]
+    for index, state in before_opt.items():
+        for key in ("cov", "R", "step"):
+            if key in state:
+                assert torch.equal(state[key], after_opt[index][key]), (index, key)
+    assert int(before_opt[0]["step"]) == 2 and int(after_opt[0]["skipped"]) == 1
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 6 and int(last["optimizer_states"][0]["state"][0]["step"]) == 5
+    assert last["state_dict"]["skipped"].item() == 2
+    assert last["state_dict"]["online_acc.weight"].item() == 10
+    assert not all(torch.equal(after_params[k], v) for k, v in trainable(last["state_dict"]).items())

@@ -48,8 +48,11 @@ def compute(model, xs, params=None, via="jacobian", **kwargs):
         return [engine(x) for x in xs]
 
 
-def assert_jacobians_equal(model, x, params=None, via="jacobian", **kwargs):
-    """The Jacobian at ``x`` equals row-by-row autograd; an engine is also checked on two further inputs after it."""
+def assert_jacobians_equal(model, x, params=None, via="jacobian", *, nonzero=False, **kwargs):
+    """The Jacobian at ``x`` equals row-by-row autograd; an engine is also checked on two further inputs after it.
+
+    ``nonzero``: also assert that every reference block has a non-zero entry, so no comparison is vacuous.
+    """
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     xs = [x] if via == "jacobian" else [x, torch.randn_like(x), 2 * torch.randn_like(x)]
     results = compute(model, xs, params, via, **kwargs)
@@ -62,6 +65,7 @@ def assert_jacobians_equal(model, x, params=None, via="jacobian", **kwargs):
         for jac, ref, p in zip(jacs, ref_jacs, params, strict=True):
             assert tuple(jac.shape) == (prediction.shape[0], *p.shape)
             torch.testing.assert_close(dense(jac), ref)
+            assert not nonzero or ref.abs().max() > 0, "an all-zero block compares nothing"
     return results[0][1]
 
 
@@ -130,20 +134,37 @@ def test_batchnorm_switched_to_training_mode_after_building_is_refused():
     torch.testing.assert_close(prediction, row_by_row(model, x, list(model.parameters()))[0])
 
 
-def test_peft_lora_resnet18(via):
-    """LoRA rank 4 on every conv of a timm resnet18 and a new trainable 10-class head (peft modules_to_save)."""
-    backbone = timm.create_model("resnet18", pretrained=False, num_classes=10)
+def lora_resnet(name, num_classes, r, lora_alpha):
+    """A timm ResNet with LoRA on every conv and a new head, in eval mode, with no block whose Jacobian is zero.
+
+    timm zero-initialises the last batch norm scale of every residual block (``zero_init_last``), and peft starts
+    LoRA's B at zero: either makes most LoRA blocks' Jacobians exactly zero, so comparing them would test nothing.
+    Here every batch norm gets random affine parameters and running statistics and every B is random.
+    """
+    backbone = timm.create_model(name, pretrained=False, num_classes=num_classes, zero_init_last=False)
+    with torch.no_grad():
+        for module in backbone.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
     convs = [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d)]
-    model = get_peft_model(backbone, LoraConfig(r=4, lora_alpha=4, target_modules=convs, modules_to_save=["fc"]))
-    # peft's default B = 0 makes every A-Jacobian zero; random B makes the comparison meaningful.
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=convs, modules_to_save=["fc"])
+    model = get_peft_model(backbone, config)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             nn.init.normal_(p, std=0.05)
-    model.eval()
+    return model.eval()
+
+
+def test_peft_lora_resnet18(via):
+    """LoRA rank 4 on every conv of a timm resnet18 and a new trainable 10-class head (peft modules_to_save)."""
+    model = lora_resnet("resnet18", num_classes=10, r=4, lora_alpha=4)
     params = [p for p in model.parameters() if p.requires_grad]
     assert sum(p.numel() for p in params) == 148_822
     x = torch.randn(1, 3, 32, 32)
-    jacs = assert_jacobians_equal(model, x, params, via=via, factorize=True)
+    jacs = assert_jacobians_equal(model, x, params, via=via, factorize=True, nonzero=True)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     head = names.index(next(n for n in names if n.endswith("fc.modules_to_save.default.weight")))
     assert isinstance(jacs[head], OuterJacobian)
@@ -313,18 +334,13 @@ def test_output_modified_in_place_after_the_layer(via):
 
 @pytest.mark.parametrize("factorize", [False, True])
 def test_peft_lora_resnet18_factorized(factorize, via, monkeypatch):
-    """The peft/timm case with factored blocks: exact, and frozen weights still get no gradient."""
+    """The peft/timm case with factored blocks: exact (no block zero), and frozen weights still get no gradient."""
     if factorize:
         force_factored(monkeypatch)
-    backbone = timm.create_model("resnet18", pretrained=False, num_classes=10)
-    convs = [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d)]
-    model = get_peft_model(backbone, LoraConfig(r=4, lora_alpha=8, target_modules=convs, modules_to_save=["fc"]))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p, std=0.05)
-    model.eval()
+    model = lora_resnet("resnet18", num_classes=10, r=4, lora_alpha=8)
     params = [p for p in model.parameters() if p.requires_grad]
-    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 32, 32), params, via, factorize=factorize, chunk_size=4)
+    x = torch.randn(1, 3, 32, 32)
+    jacs = assert_jacobians_equal(model, x, params, via, factorize=factorize, chunk_size=4, nonzero=True)
     factored = [j for j in jacs if isinstance(j, (FactoredJacobian, OuterJacobian))]
     assert len(factored) == (41 if factorize else 0)  # every LoRA A/B weight and the head weight
     assert all(p.grad is None for p in model.parameters())

@@ -1,10 +1,9 @@
 """The engine's batched pass (``JacobianEngine.batch``): each sample's own rows, against row-by-row autograd."""
 
 import pytest
-import timm
 import torch
 from peft import LoraConfig, get_peft_model
-from test_jacobian import ConvZoo, TinyConvNet, dense, row_by_row
+from test_jacobian import ConvZoo, TinyConvNet, dense, lora_resnet, row_by_row
 from timm.layers import Conv2dSame
 from torch import nn
 
@@ -13,8 +12,11 @@ from loko_lightning import JacobianEngine, OuterJacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
 
 
-def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax"):
-    """``engine.batch(xs)`` gives, for every sample b, the Jacobian of sample b alone (one backward pass per row)."""
+def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax", *, nonzero=False):
+    """``engine.batch(xs)`` gives, for every sample b, the Jacobian of sample b alone (one backward pass per row).
+
+    ``nonzero``: also assert that every reference block has a non-zero entry, so no comparison is vacuous.
+    """
     prediction, jacs = engine.batch(xs)
     B = xs.shape[0]
     assert prediction.shape[0] == B and len(jacs) == len(params)
@@ -26,6 +28,7 @@ def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax"):
         for jac, ref, p in zip(jacs, ref_jacs, params, strict=True):
             assert tuple(jac.shape) == (B, prediction.shape[1], *p.shape)
             torch.testing.assert_close(dense(jac)[b], ref)
+            assert not nonzero or ref.abs().max() > 0, "an all-zero block compares nothing"
     return jacs
 
 
@@ -140,18 +143,12 @@ def test_chunks_bound_the_rows_and_change_nothing(chunk_size):
 
 
 def test_peft_lora_resnet_batch(monkeypatch):
-    """The peft/timm case (LoRA on every conv of a ResNet, frozen batch norms, new head) with B = 2."""
+    """The peft/timm case (LoRA on every conv of a ResNet, frozen batch norms, new head) with B = 2, no zero block."""
     monkeypatch.setattr(jacobian_pass, "factored_is_cheaper", lambda *args: True)
-    backbone = timm.create_model("resnet10t", pretrained=False, num_classes=5)
-    convs = [n for n, m in backbone.named_modules() if isinstance(m, nn.Conv2d)]
-    model = get_peft_model(backbone, LoraConfig(r=2, lora_alpha=4, target_modules=convs, modules_to_save=["fc"]))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p, std=0.05)
-    model.eval()
+    model = lora_resnet("resnet10t", num_classes=5, r=2, lora_alpha=4)
     params = [p for p in model.parameters() if p.requires_grad]
     with JacobianEngine(model, params, factorize=True, chunk_size=4) as engine:
-        jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(2, 3, 32, 32), params)
+        jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(2, 3, 32, 32), params, nonzero=True)
     assert any(isinstance(j, FactoredJacobian) for j in jacs) and isinstance(jacs[-2], OuterJacobian)
     assert all(p.grad is None for p in model.parameters())
 

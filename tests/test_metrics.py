@@ -8,13 +8,14 @@ def test_online_accuracy_top_k_and_weights_on_a_known_stream():
     predictions = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.3, 0.2], [0.2, 0.3, 0.5], [0.3, 0.3, 0.4]])
     labels = torch.tensor([1, 2, 1, 0])
     weights = [1.0, 1.0, 1.0, 0.0]  # the last sample was skipped: it must not count
-    top1, top2 = OnlineAccuracy(top_k=1), OnlineAccuracy(top_k=2)
+    top1, top2, top5 = OnlineAccuracy(top_k=1), OnlineAccuracy(top_k=2), OnlineAccuracy(top_k=5)
     for prediction, label, weight in zip(predictions, labels, weights, strict=True):
-        top1.update(prediction, label, weight)
-        top2.update(prediction, label, weight)
+        for metric in (top1, top2, top5):
+            metric.update(prediction, label, weight)
     assert top1.compute().item() == pytest.approx(1 / 3)  # only the first is right
     assert top2.compute().item() == pytest.approx(2 / 3)  # the third's label is second
-    assert OnlineAccuracy(top_k=5).update(predictions[0], labels[0]) is None  # top_k above m is capped
+    assert top5.compute().item() == 1.0  # top_k above m = 3 is capped at m: every label is among the top 3
+    assert top1.weight.item() == top5.weight.item() == 3  # the skipped sample has no weight
 
 
 def test_online_accuracy_resumes_exactly_from_its_state_dict():

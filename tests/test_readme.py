@@ -16,6 +16,7 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 2  # the plain PyTorch loop and the Lightning project
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs_offline(index, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

@@ -29,7 +29,7 @@ import loko_lightning.kalman.optimizer as optim_lib
 from loko_lightning import JacobianEngine, LoKO, jacobian
 from loko_lightning.cli import AtomicCheckpointIO, main
 from loko_lightning.data import StreamDataModule
-from loko_lightning.errors import DivergenceError
+from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.jacobians.blocks import OuterJacobian
 from loko_lightning.learner.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
 
@@ -148,6 +148,7 @@ def test_sigkilled_run_resumes_exactly(tmp_path):
     assert not list(checkpoints.glob(".*.partial")), "a partial checkpoint file was left behind"
 
 
+@pytest.mark.slow
 def test_resume_restores_the_rng_states_for_lora_dropout(tmp_path):
     """AdamW with LoRA dropout draws from the global RNG every step: resuming from a mid-stream checkpoint (real
     stream, stateful loader) equals an uninterrupted run only because the checkpoint carries the RNG states."""
@@ -311,6 +312,28 @@ def test_bad_input_ends_with_one_actionable_line(case, tmp_path, capsys):
         assert text in last, (text, last)
 
 
+@pytest.mark.parametrize(
+    ("extra", "error", "key"),
+    [
+        (["--model.optimizer.p0", "-0.1"], ConfigError, "model.optimizer.p0"),  # refused by LoKO
+        (["--model.optimizer.p00", "0.1"], ValueError, None),  # refused by the parser
+    ],
+    ids=["bad value", "unknown option"],
+)
+def test_loko_traceback_raises_the_error_itself_instead_of_one_line(extra, error, key, tmp_path, capsys, monkeypatch):
+    """By default a user error is one ``loko: error:`` line and exit status 2; with ``LOKO_TRACEBACK=1`` the same error
+    propagates out of ``main`` (a full traceback from the console script), with the flag it names still attached."""
+    args = ["fit", "--config", DEBUG, *outputs(tmp_path), *extra]
+    code, last, count = run_cli(args, capsys)
+    assert code == 2 and count == 1 and last.startswith("loko: error: ")
+    monkeypatch.setenv("LOKO_TRACEBACK", "1")
+    with pytest.raises(error) as info:
+        main(args)
+    assert last.endswith(" ".join(str(info.value).split()))  # the same error as the one line
+    assert getattr(info.value, "key", None) == key
+    assert "loko: error:" not in capsys.readouterr().err
+
+
 def test_download_while_offline_says_how_to_get_the_files(tmp_path, capsys, monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
@@ -445,6 +468,34 @@ def test_divergence_from_the_cli_is_one_line_with_the_p0_to_try(tmp_path, capsys
     # `--ckpt_path last` must not pick the good state up as a periodic checkpoint of the diverged run.
     last_files = ModelCheckpoint(dirpath=saved.parent, save_last=True)._find_last_checkpoints(None)
     assert str(saved) not in last_files
+
+
+def test_divergence_guard_stops_a_growing_p_hat_and_names_the_process_noise(tmp_path):
+    """p̂ only grows by the process noise (p̂ ≤ p0 + k q): with p0 = q = 1e-6 its largest entry is 6e-6 after 5 samples
+    (below 8 p0: the check passes) and 1.1e-5 after 10 (the guard trips). The state of sample 5 is restored and
+    saved, and the error names process_noise (a smaller p0 would lower the limit and trip sooner)."""
+    torch.manual_seed(0)
+    model = tiny(p0=1e-6, p0_init="constant", process_noise=1e-6)
+    guard = DivergenceGuard(check_every=5, divergence_ce=None, p_limit=8)
+    fit = trainer(callbacks=[guard], default_root_dir=tmp_path)
+    with pytest.raises(
+        DivergenceError,
+        match=r"^LoKO diverged by sample 10: the largest covariance entry p̂ is 1\.1e-05, above 8 x p0\. "
+        r"p̂ grows by the process noise q each sample: restart with process_noise = 1e-07\. "
+        r"The parameters and filter state after sample 5 are saved in .*good-before-divergence\.ckpt\.$",
+    ) as info:
+        fit.fit(model, DataLoader(stream(20), batch_size=1))
+    assert (info.value.field, info.value.owner) == ("process_noise", LoKO)
+    saved = torch.load(tmp_path / GOOD_STATE_NAME, weights_only=True)
+    cov = torch.cat([s["cov"].reshape(-1) for s in saved["optimizer_states"][0]["state"].values()])
+    # p0 + 5 q in float32: five roundings of at most eps32 / 2 each, under 1e-6 relative (the largest entry is one
+    # whose Jacobian was zero or negligible, so the update did not shrink it).
+    assert cov.max().item() == pytest.approx(6e-6, rel=1e-6)
+    live = torch.cat([fit.optimizers[0].state[p]["cov"].reshape(-1) for p in model.trainable_parameters])
+    assert torch.equal(live, cov)  # the live filter state is restored too
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(saved["state_dict"][name], param.detach())
 
 
 def test_divergence_guard_catches_nonfinite_baseline_parameters(tmp_path):

@@ -1,5 +1,6 @@
 """Online selection of one optimizer argument (``p0: auto``, the tuned-lr AdamW) and the recent-window accuracy."""
 
+import logging
 import math
 from functools import partial
 from pathlib import Path
@@ -200,6 +201,7 @@ def test_loko_itself_refuses_p0_auto_and_says_where_it_works():
     assert info.value.field == "p0"
 
 
+@pytest.mark.slow
 def test_a_run_stopped_mid_selection_resumes_exactly(tmp_path):
     """Stop after sample 12 of 24 (checkpoint at 6, mid-selection of 16 samples) and resume: same parameters,
     filter state, scores, choice and online metrics as one uninterrupted run, bit for bit on the CPU."""
@@ -228,6 +230,30 @@ def test_a_run_stopped_mid_selection_resumes_exactly(tmp_path):
     for index, state in full_opt["state"].items():
         for key, value in state.items():
             assert torch.equal(value, resumed_opt["state"][index][key]), (index, key)
+
+
+@pytest.mark.slow
+def test_loko_fit_with_p0_auto_chooses_the_lowest_prequential_loss(tmp_path, caplog):
+    """A real `loko fit --model.optimizer.p0 auto` (8 selection samples of 12): the four AUTO_P0 candidates ran, the
+    one with the lowest score won, and the run went on with its p0 and its own filter state."""
+    caplog.set_level(logging.INFO)
+    common = ["--config", DEBUG, "--data.max_samples", "12", "--data.eval_max_samples", "8"]
+    main(["fit", *common, "--model.optimizer.p0", "auto", "--model.select.samples", "8", *outputs(tmp_path, every=12)])
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    selection = last["loko_selection"]
+    scores, chosen = selection["scores"], selection["chosen"]
+    assert selection["seen"] == 8 and len(scores) == len(AUTO_P0) and all(math.isfinite(s) for s in scores)
+    assert chosen == min(range(len(scores)), key=lambda i: (scores[i], i))
+    p0 = AUTO_P0[chosen]
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("select: ")]
+    assert len(summary) == 1 and summary[0].startswith(f"select: chose p0={p0:g} after 8 samples")
+    assert all(f"p0={value:g}: " in summary[0] for value in AUTO_P0)
+    optimizer = last["optimizer_states"][0]
+    assert all(group["p0"] == p0 for group in optimizer["param_groups"])
+    # p̂ is the winner's: drawn from U(0, p0] and only shrunk since, its largest entries still above the next
+    # smaller candidate (about 10^5 draws: the chance that none lies above 1/3 of p0 is nil).
+    cov = torch.cat([state["cov"].reshape(-1) for state in optimizer["state"].values()])
+    assert cov.max() <= p0 and (chosen == 0 or cov.max() > AUTO_P0[chosen - 1])
 
 
 def test_recent_accuracy_is_the_accuracy_of_the_last_predictions(monkeypatch):

@@ -59,6 +59,7 @@ def test_text_quickstart_config_end_to_end_on_a_local_csv(local, tmp_path, caplo
     assert ckpt["datamodule_hyper_parameters"]["preprocessing"].tokenizer == str(local[0])  # the network's tokenizer
 
 
+@pytest.mark.slow
 def test_resumed_in_the_second_epoch_ends_like_an_uninterrupted_run(local, tmp_path):
     """Two epochs of 36 samples; stop after 50 (a checkpoint at 45, mid-epoch 2), resume: bit for bit the same."""
     common = text_args(local, "--data.epochs", "2")

@@ -151,22 +151,49 @@ def test_unknown_file_type_and_missing_file(tmp_path):
         datamodule(tmp_path / "nothing").setup("fit")
 
 
-def test_glue_tasks_through_datasets(monkeypatch):
+# Each GLUE task's columns as datasets.load_dataset("nyu-mll/glue", task) returns them (test labels hidden: -1).
+GLUE_LAYOUTS = {
+    "sst2": (["sentence"], ["negative", "positive"]),
+    "cola": (["sentence"], ["unacceptable", "acceptable"]),
+    "mrpc": (["sentence1", "sentence2"], ["not_equivalent", "equivalent"]),
+}
+
+
+@pytest.mark.parametrize("task", sorted(GLUE_LAYOUTS))
+def test_glue_tasks_through_datasets_into_the_stream(task, monkeypatch):
+    """Each task's own columns: one sentence (SST-2, CoLA) or a pair (MRPC) per sample, GLUE's integer labels with
+    its class names, the validation split held out and the test split (labels hidden) never read."""
     datasets = pytest.importorskip("datasets")
+    columns, classes = GLUE_LAYOUTS[task]
     calls = []
 
-    def load_dataset(path, name):  # GLUE's layout: integer labels, MRPC's two sentences
+    def split(name, labels):
+        rows = {column: [f"{name} {column} {i} good words" for i in range(len(labels))] for column in columns}
+        return datasets.Dataset.from_dict({**rows, "label": labels, "idx": list(range(len(labels)))})
+
+    def load_dataset(path, name):
         calls.append((path, name))
-        split = {"sentence1": ["a b", "c d", "e f"], "sentence2": ["g", "h", "i"], "label": [1, 0, 1], "idx": [0, 1, 2]}
-        return datasets.DatasetDict({k: datasets.Dataset.from_dict(split) for k in ("train", "validation", "test")})
+        return datasets.DatasetDict(
+            {"train": split("train", [1, 0, 1, 1, 0, 0]), "validation": split("validation", [0, 1]),
+             "test": split("test", [-1, -1])}
+        )  # fmt: skip
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    splits = get_source("mrpc").load(None)
-    assert calls == [("nyu-mll/glue", "mrpc")]
-    assert splits.classes == ["not_equivalent", "equivalent"]
-    assert splits.train.dataset[0] == (("a b", "g"), 1)
-    assert splits.held_out.dataset is not splits.train.dataset  # GLUE's validation split is the held-out one
-    assert list(splits.held_out.labels) == [1, 0, 1]
+    splits = get_source(task).load(None)
+    assert calls == [("nyu-mll/glue", task)]
+    assert splits.classes == classes
+    texts = tuple(f"train {column} 0 good words" for column in columns)
+    assert splits.train.dataset[0] == (texts if len(texts) == 2 else texts[0], 1)
+    assert len(splits.train.indices) == 6 and list(splits.held_out.labels) == [0, 1]
+
+    dm = StreamDataModule(task, preprocessing=PREPROCESSING, max_length=32)
+    dm.setup("fit")
+    assert dm.classes == classes and dm.num_classes == 2 and len(dm.train_stream) == 6 and len(dm.eval_dataset) == 2
+    labels = sorted(int(dm.train_stream[p]["label"]) for p in range(6))
+    assert labels == [0, 0, 0, 1, 1, 1]
+    item = dm.train_stream[0]["inputs"]
+    sep = (item["input_ids"] == 102).sum().item()  # [SEP] ends each sentence
+    assert sep == len(columns) and bool((item["token_type_ids"] == 1).any()) == (len(columns) == 2)
 
 
 def test_glue_offline_is_one_actionable_error(monkeypatch):

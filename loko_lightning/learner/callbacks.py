@@ -117,8 +117,8 @@ class DivergenceGuard(pl.Callback):
     ``p_limit × p0`` or is not finite (possible only with process noise: without it ``p̂`` only shrinks), or when a
     parameter of a gradient optimizer is not finite. The parameters and optimizer state of the last check that
     passed (or of the start of training) are then restored and saved as ``good-before-divergence.ckpt`` beside the
-    checkpoints, and the error names the hyperparameter to change (``p0`` or ``lr``) and the value to try: ten times
-    smaller.
+    checkpoints, and the error names the hyperparameter to change (``p0`` or ``lr``; ``process_noise`` when ``p̂``
+    alone grew past its limit) and the value to try: ten times smaller.
 
     Args:
         check_every: check every this many samples; 0 disables the guard.
@@ -166,10 +166,13 @@ class DivergenceGuard(pl.Callback):
                 f"{ce:.2f}, above {limit:.2f} ({self.divergence_ce:g} x log {m}, uniform guessing)"
             )
         kalman = isinstance(optimizer, LoKO)
+        p_grew = False
         if kalman:
             p0 = max(group["p0"] for group in optimizer.param_groups)
+            q = max(group["process_noise"] for group in optimizer.param_groups)
             p_max = float(optimizer.diagnostics["p_max"])
-            if not p_max <= self.p_limit * p0:
+            p_grew = not p_max <= self.p_limit * p0
+            if p_grew:
                 reasons.append(f"the largest covariance entry p̂ is {p_max:.3g}, above {self.p_limit:g} x p0")
         elif not bool(torch.stack([p.isfinite().all() for p in pl_module.trainable_parameters]).all()):
             # LoKO never writes a non-finite update; a gradient step can (a finite loss with an overflowing gradient).
@@ -178,7 +181,11 @@ class DivergenceGuard(pl.Callback):
             self._record(trainer, pl_module)
             return
         saved = self._restore_and_save(trainer, pl_module)
-        if kalman:
+        if p_grew and len(reasons) == 1 and q > 0:
+            # p̂ grows only by the process noise (p̂ ≤ p0 + k q): a smaller p0 would lower the limit and trip sooner.
+            field, value = "process_noise", q
+            hint = f"p̂ grows by the process noise q each sample: restart with process_noise = {q / 10:g}"
+        elif kalman:
             field, value = "p0", p0
             hint = f"Too large a p0 diverges (the paper's p0 bounds table): restart with p0 = {p0 / 10:g}"
         else:
