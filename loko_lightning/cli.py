@@ -1,13 +1,9 @@
 """The ``loko`` command: LightningCLI over :class:`OnlineClassifier` and :class:`StreamDataModule`.
 
 ``loko fit --config configs/cifar10_resnet18.yaml`` runs one online pass; ``validate``/``test`` evaluate on the
-held-out split; ``--print_config`` shows the full resolved configuration.
-
-Crash and resume: checkpoints are written atomically (a temporary file in the same folder, then a rename), so a run
-killed at any moment (even with SIGKILL during a checkpoint write) leaves the previous checkpoint intact, and
-``loko fit --config ... --ckpt_path last`` continues from the newest one with the parameters, the filter state, the
-online metrics, the RNG states and the stream position restored (no sample skipped or counted twice). Without a
-checkpoint yet, ``--ckpt_path last`` starts from scratch, so one command serves for the first start and restarts.
+held-out split; ``--print_config`` shows the full resolved configuration. ``--ckpt_path last`` continues from the
+newest checkpoint (written atomically, :mod:`loko_lightning.learner.checkpoint_io`), or starts from scratch when there
+is none yet, so one command serves for the first start and restarts.
 
 Exit status: 0 on success; 2 for a configuration or input error (one line ``loko: error: --<key>: <what to change>``
 on stderr); 3 when the run diverged (the message names the ``p0`` to try and where the last good state is saved).
@@ -21,28 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import glob
 import importlib
 import inspect
 import os
 import re
-import secrets
 import sys
-import zipfile
 from argparse import ArgumentError
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import torch
-from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
+from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable
 from loko_lightning.learner.module import OnlineClassifier
 
 # Errors whose message says what to change; anything else (a RuntimeError from torch, ...) is a bug and keeps its
@@ -56,58 +46,6 @@ LINKS = (
 )
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Torch checkpoints written to a temporary file beside the target, flushed to disk, then renamed over it.
-
-    Lightning's own write goes through a temporary file in the system temp folder and ``shutil.move``, which copies
-    (not atomically) when that folder is on another file system than the checkpoints. A rename within one folder is
-    atomic, so a reader (or a restart after a crash) sees either the old checkpoint or the new one, never part of one.
-    Remote paths (``s3://``, ...) keep Lightning's handling.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Write ``checkpoint`` to ``path`` atomically (local paths)."""
-        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Same folder (a rename across file systems would copy), a dot name (never taken for a checkpoint), and the
-        # permissions of an ordinary new file.
-        prefix = f".{target.name}."
-        partial = target.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}.partial"
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-        for stale in target.parent.glob(f"{glob.escape(prefix)}*.partial"):  # left by a run killed mid-write
-            stale.unlink(missing_ok=True)
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint; an unreadable (truncated) file is named in a one-line error."""
-        kwargs = {} if map_location is None else {"map_location": map_location}
-        try:
-            return super().load_checkpoint(path, weights_only=weights_only, **kwargs)
-        except (RuntimeError, EOFError) as err:
-            if "zip archive" not in str(err) and not isinstance(err, EOFError):
-                raise
-            raise _unreadable_checkpoint(path, err) from err
-
-
-def _unreadable_checkpoint(path: Any, err: BaseException) -> ConfigError:
-    return ConfigError(
-        f"{path} is not a readable checkpoint ({' '.join(str(err).split())[:200]}); it was probably cut "
-        "short by a crash while being written (by a version without atomic checkpoint writes). To fix it: pass an "
-        "earlier checkpoint of that folder, or start without ckpt_path.",
-        field="ckpt_path",
-    )
 
 
 class LoKOCLI(LightningCLI):
@@ -136,11 +74,8 @@ class LoKOCLI(LightningCLI):
         # LightningCLI reads the hyperparameters of a ckpt_path file next, with a bare torch error for a torn file.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path and Path(ckpt_path).is_file() and not zipfile.is_zipfile(ckpt_path):
-            try:  # torch.save writes zip archives; anything else loads only if it is an old-format checkpoint
-                torch.load(ckpt_path, map_location="cpu", weights_only=True)
-            except Exception as err:
-                raise _unreadable_checkpoint(ckpt_path, err) from None
+        if ckpt_path:
+            check_readable(ckpt_path)
 
     def before_instantiate_classes(self) -> None:
         """Remember which configuration key each configured class sits at, to name a bad argument's flag."""
