@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable
-from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.module import OnlineClassifier, ignore_intended_warnings
 
 # Errors whose message says what to change; anything else (a RuntimeError from torch, ...) is a bug and keeps its
 # traceback.
@@ -115,7 +115,7 @@ class LoKOCLI(LightningCLI):
             )
 
     def _run_subcommand(self, subcommand: str) -> None:
-        with self._naming_errors():
+        with self._naming_errors(), ignore_intended_warnings():
             super()._run_subcommand(subcommand)
 
     @contextlib.contextmanager

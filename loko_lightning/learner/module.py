@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -39,10 +40,22 @@ from loko_lightning.models.networks import NetworkFactory
 
 HeldOutMetric = Literal["mcc", "f1"]
 
-# The frozen backbone's normalisation layers are in eval mode on purpose (batch size 1); Lightning warns about it.
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-# Checkpoints are meant to hold the state *after* the sample's update (the next sample starts from it).
-warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
+
+@contextlib.contextmanager
+def ignore_intended_warnings() -> Iterator[None]:
+    """Silence, while the context lasts, Lightning's two warnings about what :class:`OnlineClassifier` does on purpose.
+
+    The ``loko`` command runs the trainer inside it; wrap your own ``trainer.fit(...)`` in it for the same quiet log.
+    Nothing is changed outside the context (the previous warning filters are restored on exit).
+    """
+    with warnings.catch_warnings():
+        # The frozen backbone's normalisation layers are in eval mode on purpose (batch size 1).
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+        # Checkpoints are meant to hold the state *after* the sample's update (the next sample starts from it).
+        warnings.filterwarnings(
+            "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps"
+        )
+        yield
 
 
 class OnlineClassifier(pl.LightningModule):
