@@ -1,49 +1,42 @@
 """The ``loko`` command: LightningCLI over :class:`OnlineClassifier` and :class:`StreamDataModule`.
 
 ``loko fit --config configs/cifar10_resnet18.yaml`` runs one online pass; ``validate``/``test`` evaluate on the
-held-out split; ``--print_config`` shows the full resolved configuration.
-
-Crash and resume: checkpoints are written atomically (a temporary file in the same folder, then a rename), so a run
-killed at any moment (even with SIGKILL during a checkpoint write) leaves the previous checkpoint intact, and
-``loko fit --config ... --ckpt_path last`` continues from the newest one with the parameters, the filter state, the
-online metrics, the RNG states and the stream position restored (no sample skipped or counted twice). Without a
-checkpoint yet, ``--ckpt_path last`` starts from scratch, so one command serves for the first start and restarts.
+held-out split; ``--print_config`` shows the full resolved configuration. ``--ckpt_path last`` continues from the
+newest checkpoint (written atomically, :mod:`loko_lightning.learner.checkpoint_io`), or starts from scratch when there
+is none yet, so one command serves for the first start and restarts.
 
 Exit status: 0 on success; 2 for a configuration or input error (one line ``loko: error: --<key>: <what to change>``
 on stderr); 3 when the run diverged (the message names the ``p0`` to try and where the last good state is saved).
 
 Library code raises :class:`~loko_lightning.errors.ConfigError` naming the argument and the class that took it; this
 module alone knows where that class sits in the configuration (``model.network``, ``model.optimizer``, ``data``) and
-writes the flag.
+writes the flag. A parse error of jsonargparse is read from its exceptions (:func:`read_parse_error`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import glob
 import importlib
 import inspect
 import os
 import re
-import secrets
 import sys
-import zipfile
+import types
+import typing
 from argparse import ArgumentError
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-import torch
-from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
-from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable
+from loko_lightning.learner.module import OnlineClassifier, ignore_intended_warnings
 
 # Errors whose message says what to change; anything else (a RuntimeError from torch, ...) is a bug and keeps its
 # traceback.
@@ -57,58 +50,21 @@ LINKS = (
 )
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Torch checkpoints written to a temporary file beside the target, flushed to disk, then renamed over it.
-
-    Lightning's own write goes through a temporary file in the system temp folder and ``shutil.move``, which copies
-    (not atomically) when that folder is on another file system than the checkpoints. A rename within one folder is
-    atomic, so a reader (or a restart after a crash) sees either the old checkpoint or the new one, never part of one.
-    Remote paths (``s3://``, ...) keep Lightning's handling.
-    """
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Write ``checkpoint`` to ``path`` atomically (local paths)."""
-        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Same folder (a rename across file systems would copy), a dot name (never taken for a checkpoint), and the
-        # permissions of an ordinary new file.
-        prefix = f".{target.name}."
-        partial = target.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}.partial"
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                torch.save(checkpoint, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(partial, target)
-        finally:
-            partial.unlink(missing_ok=True)
-        for stale in target.parent.glob(f"{glob.escape(prefix)}*.partial"):  # left by a run killed mid-write
-            stale.unlink(missing_ok=True)
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint; an unreadable (truncated) file is named in a one-line error."""
-        kwargs = {} if map_location is None else {"map_location": map_location}
-        try:
-            return super().load_checkpoint(path, weights_only=weights_only, **kwargs)
-        except (RuntimeError, EOFError) as err:
-            if "zip archive" not in str(err) and not isinstance(err, EOFError):
-                raise
-            raise _unreadable_checkpoint(path, err) from err
-
-
-def _unreadable_checkpoint(path: Any, err: BaseException) -> ConfigError:
-    return ConfigError(
-        f"{path} is not a readable checkpoint ({' '.join(str(err).split())[:200]}); it was probably cut "
-        "short by a crash while being written (by a version without atomic checkpoint writes). To fix it: pass an "
-        "earlier checkpoint of that folder, or start without ckpt_path.",
-        field="ckpt_path",
-    )
+# What jsonargparse says only in words, one pattern each; the rest comes from the exceptions' types and chain of
+# causes, the parser's keys and the configured classes' signatures. tests/test_cli_errors.py reads real jsonargparse
+# errors with each pattern, so a change of wording fails there instead of turning a user's error into a worse one.
+JSONARGPARSE_WORDING = {
+    # Each level of the chain that names the key whose value failed: 'Parser key "model.optimizer": ...'.
+    "key": re.compile(r'^Parser key "(?P<key>[^"]+)"'),
+    # The configured class whose argument failed: "class_path='loko_lightning.LoKO'" or "class_path 'loko_...'".
+    "class_path": re.compile(r"class_path[=\s]'(?P<class_path>[\w.]+)'"),
+    # An option that no parser or class takes (a KeyError): "Option 'p00' is not accepted".
+    "option": re.compile(r"[Oo]ption '(?P<option>[^']+)'"),
+    # The value given, at the end of the innermost message: "Expected a <class 'float'>. Got value: big".
+    "value": re.compile(r"(?:Got|Given) value: (?P<value>.*)\Z", re.DOTALL),
+    # Command-line arguments that no parser took (argparse's own wording).
+    "unrecognized": re.compile(r"^unrecognized arguments: (?P<arguments>.*)", re.DOTALL),
+}
 
 
 class LoKOCLI(LightningCLI):
@@ -134,24 +90,22 @@ class LoKOCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            raise ValueError(_argument_message(str(err), self._known_keys(parser))) from None
+            message = self._parse_error_message(read_parse_error(err), self._known_keys(parser))
+            raise ValueError(message) from None
         # LightningCLI reads the hyperparameters of a ckpt_path file next, with a bare torch error for a torn file.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path and Path(ckpt_path).is_file() and not zipfile.is_zipfile(ckpt_path):
-            try:  # torch.save writes zip archives; anything else loads only if it is an old-format checkpoint
-                torch.load(ckpt_path, map_location="cpu", weights_only=True)
-            except Exception as err:
-                raise _unreadable_checkpoint(ckpt_path, err) from None
+        if ckpt_path:
+            check_readable(ckpt_path)
 
     def before_instantiate_classes(self) -> None:
         """Remember which configuration key each configured class sits at, to name a bad argument's flag."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         self._owner_keys: dict[type, str] = {}
         for key, class_path in _class_paths(config):
-            with contextlib.suppress(ImportError, AttributeError, ValueError):
-                module, _, name = class_path.rpartition(".")
-                self._owner_keys.setdefault(getattr(importlib.import_module(module), name), key)
+            owner = _class_at(class_path)
+            if owner is not None:
+                self._owner_keys.setdefault(owner, key)
         self._owner_keys.setdefault(self.model_class, "model")
         self._owner_keys.setdefault(self.datamodule_class, "data")
 
@@ -182,7 +136,7 @@ class LoKOCLI(LightningCLI):
             )
 
     def _run_subcommand(self, subcommand: str) -> None:
-        with self._naming_errors():
+        with self._naming_errors(), ignore_intended_warnings():
             super()._run_subcommand(subcommand)
 
     @contextlib.contextmanager
@@ -205,6 +159,22 @@ class LoKOCLI(LightningCLI):
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
         return sorted({a.dest for p in parsers for a in p._actions if a.dest and a.dest != "help"})
 
+    def _parse_error_message(self, error: ParseError, keys: list[str]) -> str:
+        """One line for a parse error: what is wrong with which flag, and the valid keys closest to an unknown one."""
+        if error.unknown and error.keys and error.class_path:
+            return _unknown_argument_message(".".join(error.keys), error.unknown[0], error.class_path)
+        owner, name = None, None
+        if error.class_path and len(error.keys) > 1:  # an argument of a configured class: its signature says its type
+            owner, name = _class_at(error.class_path), error.keys[-1]
+        elif len(error.keys) == 1:  # an argument of the model, the data module or the trainer
+            root, _, name = error.keys[0].partition(".")
+            owner = {"model": self.model_class, "data": self.datamodule_class, "trainer": self.trainer_class}.get(root)
+        expected = _expected_type(owner, name) if owner is not None and error.value is not None else None
+        if expected and not error.unknown:
+            flag = ".".join(error.keys)
+            return f"--{flag}: expected {expected}, got {error.value!r}. See `loko fit --help`."
+        return _generic_message(error, keys)
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with checkpoints written atomically unless another checkpoint IO was configured."""
         trainer = super().instantiate_trainer(**kwargs)
@@ -214,16 +184,118 @@ class LoKOCLI(LightningCLI):
         return trainer
 
 
-def _argument_message(message: str, keys: list[str]) -> str:
+@dataclass(frozen=True)
+class ParseError:
+    """What a jsonargparse parse error says, read from its chain of exceptions.
+
+    Attributes:
+        keys: the keys whose value failed, outermost first: ``("model.optimizer", "beta")`` for ``beta`` of the class
+            configured at ``model.optimizer``; empty for an option no parser took.
+        class_path: the configured class whose argument failed (the innermost one named), if any.
+        unknown: options nobody takes: the command-line flags no parser took (``"model.netwrk.r"``), or the one
+            option a class or section does not accept (``"p00"``, ``"model.windoww"``).
+        value: the value given, as jsonargparse shows it, if it says.
+        message: the outermost message on one line.
+    """
+
+    keys: tuple[str, ...] = ()
+    class_path: str | None = None
+    unknown: tuple[str, ...] = ()
+    value: str | None = None
+    message: str = ""
+
+
+def read_parse_error(error: BaseException) -> ParseError:
+    """Read a jsonargparse parse error: its chain of causes, the exceptions' types, and :data:`JSONARGPARSE_WORDING`."""
+    chain = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    texts = [_text(e) for e in chain]
+    keys: list[str] = []
+    for text in texts:
+        match = JSONARGPARSE_WORDING["key"].match(text)
+        if match and (not keys or keys[-1] != match["key"]):  # a wrapper repeats its cause's key
+            keys.append(match["key"])
+    class_path = next(
+        (m["class_path"] for t in reversed(texts) if (m := JSONARGPARSE_WORDING["class_path"].search(t))), None
+    )
+    unknown: tuple[str, ...] = ()
+    unrecognized = JSONARGPARSE_WORDING["unrecognized"].match(texts[0])
+    rejected = next((text for e, text in zip(chain, texts, strict=True) if isinstance(e, KeyError)), None)
+    if unrecognized:
+        flags = (a for a in unrecognized["arguments"].split() if a.startswith("--"))
+        unknown = tuple(dict.fromkeys(flag[2:].partition("=")[0] for flag in flags))
+    elif rejected is not None and (option := JSONARGPARSE_WORDING["option"].search(rejected)):
+        unknown = (option["option"],)
+    values = (list(JSONARGPARSE_WORDING["value"].finditer(t)) for t in reversed(texts))
+    value = next((found[-1]["value"] for found in values if found), None)
+    return ParseError(tuple(keys), class_path, unknown, value, " ".join(texts[0].split()))
+
+
+def _text(error: BaseException) -> str:
+    """An exception's own message (``str`` of a ``KeyError`` adds quotes; an ``ArgumentError`` keeps it apart)."""
+    if isinstance(error, ArgumentError):
+        return error.message
+    return error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+
+
+def _class_at(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _parameters(owner: Any) -> list[str]:
+    """The arguments a configured class or function takes (without the ones the learner passes itself)."""
+    try:
+        names = list(inspect.signature(owner).parameters)
+    except (ValueError, TypeError):
+        return []
+    return [n for n in names if n not in ("self", "params", "optimizer", "args", "kwargs")]
+
+
+# How an expected type reads in an error; a type outside these (a class, a callable) keeps jsonargparse's words.
+_TYPE_WORDS = {int: "an int", float: "a float", str: "a string", bool: "a bool", type(None): "null"}
+
+
+def _expected_type(owner: Any, name: str) -> str | None:
+    """The type of argument ``name`` of ``owner`` in words (``"a float or 'auto'"``), from its signature."""
+    try:
+        hint = typing.get_type_hints(owner.__init__ if isinstance(owner, type) else owner).get(name)
+    except Exception:  # an annotation that does not evaluate here: say nothing rather than something wrong
+        return None
+    words = _type_words(hint) if hint is not None else None
+    return " or ".join(dict.fromkeys(words)) if words else None
+
+
+def _type_words(hint: Any) -> list[str] | None:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return [repr(value) for value in typing.get_args(hint)]
+    if origin in (typing.Union, types.UnionType):
+        parts = [_type_words(arg) for arg in typing.get_args(hint)]
+        return None if any(part is None for part in parts) else [w for part in parts for w in part]
+    if origin in (list, tuple, dict, set):
+        return [f"a {origin.__name__}"]
+    return [_TYPE_WORDS[hint]] if hint in _TYPE_WORDS else None
+
+
+def _unknown_argument_message(key: str, name: str, class_path: str) -> str:
+    """``--model.optimizer.p00 is not an option of loko_lightning.LoKO; did you mean 'p0'?``."""
+    options = _parameters(_class_at(class_path))
+    close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"its options: {', '.join(options)}"
+    return f"--{key}.{name} is not an option of {class_path}; {hint} See `loko fit --help`."
+
+
+def _generic_message(error: ParseError, keys: list[str]) -> str:
     """The parser's error on one line, with the valid keys closest to an unknown one."""
-    text = " ".join(message.split())
-    nested = _nested_argument_message(text)
-    if nested:
-        return nested
-    unknown = re.findall(r"--([\w.]+)", text) if "unrecognized arguments" in text else []
-    unknown += re.findall(r"does not accept option '([\w.]+)'", text)
     hints = []
-    for key in dict.fromkeys(unknown):
+    for key in error.unknown:
         section, _, leaf = key.rpartition(".")
         siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == section]
         close = difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
@@ -238,47 +310,9 @@ def _argument_message(message: str, keys: list[str]) -> str:
             close = difflib.get_close_matches(section, sections, n=1, cutoff=0.6)
             if close:
                 hints.append(f"did you mean {close[0] + '.' + leaf!r} instead of {key!r}?")
-    body = "; ".join([text.rstrip("."), *hints])
-    help_hint = "See `loko fit --help`" + ("" if unknown else " (or --print_config for the resolved values)")
+    body = "; ".join([error.message.rstrip("."), *hints])
+    help_hint = "See `loko fit --help`" + ("" if error.unknown else " (or --print_config for the resolved values)")
     return f"{body}{'' if body.endswith('?') else '.'} {help_hint}."
-
-
-def _nested_argument_message(text: str) -> str | None:
-    """Jsonargparse's error about an argument of a configured class (``--model.optimizer.p00``), made short.
-
-    Returns ``None`` if ``text`` is not about such an argument.
-    """
-    outer = re.match(r'Parser key "([\w.]+)": ', text)
-    class_path = re.search(r"class_path[=\s]'([\w.]+)'", text)
-    if outer is None or class_path is None:
-        return None
-    key, class_path = outer.group(1), class_path.group(1)
-    unknown = re.search(r"Option '(\w+)' is not accepted", text)
-    if unknown:
-        name = unknown.group(1)
-        try:
-            module, _, attr = class_path.rpartition(".")
-            options = list(inspect.signature(getattr(importlib.import_module(module), attr)).parameters)
-        except (ImportError, AttributeError, ValueError, TypeError):
-            options = []
-        options = [o for o in options if o not in ("self", "params", "optimizer", "args", "kwargs")]
-        close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
-        hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"its options: {', '.join(options)}"
-        return f"--{key}.{name} is not an option of {class_path}; {hint} See `loko fit --help`."
-    typed = re.search(r'Parser key "(\w+)": (Expected .*?)\. Got value: (.*?)\. Got value: ', text)
-    if typed:
-        name, expected, value = typed.groups()
-        expected = re.sub(r"<class '(\w+)'>", r"\1", expected)
-        return f"--{key}.{name}: {expected[0].lower()}{expected[1:]}, got {value!r}. See `loko fit --help`."
-    union = re.search(
-        r'Parser key "(\w+)": Does not validate .*?Subtypes: \[(.*?)\] Errors:.*?Given value: (.*?)\. Got', text
-    )
-    if union:  # e.g. LoKO's p0: a float or 'auto'
-        name, subtypes, value = union.groups()
-        kinds = [re.sub(r"<class '(\w+)'>", r"a \1", kind) for kind in re.split(r",\s*(?![^\[]*\])", subtypes)]
-        kinds = [re.sub(r"typing\.Literal\[(.*)\]", r"\1", kind) for kind in kinds]
-        return f"--{key}.{name}: expected {' or '.join(kinds)}, got {value!r}. See `loko fit --help`."
-    return None
 
 
 def main(args: list[str] | None = None) -> None:

@@ -1,20 +1,23 @@
 import copy
 import math
+import subprocess
+import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from runs import loader, stream, tiny, trainer
+from runs import loader, outputs, stream, tiny, trainer
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, jacobian
-from loko_lightning.cli import LoKOCLI
+from loko_lightning.cli import LoKOCLI, main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.learner.callbacks import DivergenceGuard
-from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.module import OnlineClassifier, ignore_intended_warnings
 from loko_lightning.models import TimmClassifier
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -248,3 +251,35 @@ def test_divergence_guard_stops_with_the_p0_to_try_and_saves_the_last_good_state
         if param.requires_grad:
             assert torch.equal(saved[name], param.detach())
     assert all(torch.isfinite(v).all() for v in saved.values() if v.is_floating_point())
+
+
+INTENDED = (
+    "Found 3 module(s) in eval mode at the start of training. This may lead to unexpected behavior",
+    "Using ModelCheckpoint with manual optimization and every_n_train_steps, but no pre-optimization state was saved",
+)
+
+
+def test_importing_the_package_leaves_the_warning_filters_alone():
+    """A user's own Trainer run shows Lightning's warnings as it would without the package imported."""
+    code = (
+        "import warnings\n"
+        "import loko_lightning, loko_lightning.cli, loko_lightning.learner\n"
+        f"for message in {INTENDED!r}:\n"
+        "    assert not any(f[1] is not None and f[1].match(message) for f in warnings.filters), message\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_intended_warnings_are_ignored_inside_the_context_and_the_cli_only(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ignore_intended_warnings():
+            for message in INTENDED:
+                warnings.warn(message, stacklevel=1)
+        assert not caught
+        warnings.warn(INTENDED[0], stacklevel=1)
+        assert len(caught) == 1
+        caught.clear()
+        config = ["--config", str(CONFIGS / "debug.yaml"), "--data.max_samples", "4", "--data.eval_max_samples", "2"]
+        main(["fit", *config, *outputs(tmp_path, every=2)])
+    assert not [w for w in caught if any(str(w.message).startswith(m[:40]) for m in INTENDED)]

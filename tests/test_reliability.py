@@ -27,11 +27,12 @@ from torch.utils.data import DataLoader
 
 import loko_lightning.kalman.optimizer as optim_lib
 from loko_lightning import JacobianEngine, LoKO, jacobian
-from loko_lightning.cli import AtomicCheckpointIO, main
+from loko_lightning.cli import main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.jacobians.blocks import OuterJacobian
 from loko_lightning.learner.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
+from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")

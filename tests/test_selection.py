@@ -17,6 +17,7 @@ from loko_lightning.cli import main
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.learner.selection import AUTO_P0, AUTO_SAMPLES, Candidates, CandidateStates
+from loko_lightning.learner.steps import GradientStep
 from loko_lightning.models import TimmClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def test_the_learner_never_uses_a_label_before_predicting_its_sample(optimizer, 
         torch.manual_seed(0)
         module = tiny_selecting(select, build)
         runs.append(predictions_of(module, data, monkeypatch))
-        assert module.trainer.global_step == 12 and module._selection.done
+        assert module.trainer.global_step == 12 and module.online_step.done
     for t in range(6):
         assert torch.equal(runs[0][t], runs[1][t]), t
     assert any(not torch.equal(a, b) for a, b in zip(runs[0][6:], runs[1][6:], strict=True))
@@ -263,7 +264,7 @@ def test_recent_accuracy_is_the_accuracy_of_the_last_predictions(monkeypatch):
     logged = {}
     monkeypatch.setattr(module, "log_dict", lambda values, **kwargs: logged.update(values))
     # Scoring only: as for a gradient optimizer, whose one logged state is its learning rate.
-    module.is_kalman = False
+    module.online_step = GradientStep()
     wrapper = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 0.1}]))
     monkeypatch.setattr(type(module), "optimizers", lambda self: wrapper)
     label = torch.tensor([2])

@@ -1,7 +1,14 @@
 """The Lightning side: the online learner (a ``LightningModule``), its metrics, selection and callbacks."""
 
 from loko_lightning.learner.callbacks import DivergenceGuard, OnlineReport, RNGStateCheckpoint
-from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.module import OnlineClassifier, ignore_intended_warnings
 from loko_lightning.learner.selection import Candidates
 
-__all__ = ["Candidates", "DivergenceGuard", "OnlineClassifier", "OnlineReport", "RNGStateCheckpoint"]
+__all__ = [
+    "Candidates",
+    "DivergenceGuard",
+    "OnlineClassifier",
+    "OnlineReport",
+    "RNGStateCheckpoint",
+    "ignore_intended_warnings",
+]

@@ -72,7 +72,7 @@ class MovingAverage(Metric):
     """Mean of the last ``window`` values (the paper's moving-average loss, window 1000).
 
     torchmetrics' ``RunningMean`` keeps ``window`` copies of its base metric's state (2,000 state tensors for a
-    window of 1,000, ~7 ms per ``compute`` on a CPU) and does not checkpoint its position in the window. This
+    window of 1,000, all summed at every ``compute``) and does not checkpoint its position in the window. This
     ring buffer costs O(1) per update, O(window) numbers in total, and round-trips through ``state_dict()``, so a
     resumed run continues the average exactly.
 

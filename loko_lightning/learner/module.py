@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -21,28 +22,32 @@ from torchmetrics.classification import (
 )
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.jacobians.engine import JacobianEngine
-from loko_lightning.kalman.distributed import all_gather_observations
 from loko_lightning.kalman.optimizer import LoKO
-from loko_lightning.learner.checks import (
-    check_schedule_length,
-    check_selection_trainer,
-    optimizer_class,
-    probe,
-    refuse_learning_rate_tools,
-    resolve_selection,
-)
+from loko_lightning.learner.checks import check_schedule_length, optimizer_class, probe, resolve_selection
 from loko_lightning.learner.metrics import MovingAverage, OnlineAccuracy
-from loko_lightning.learner.selection import Candidates, CandidateStates
+from loko_lightning.learner.selection import Candidates
+from loko_lightning.learner.steps import GradientStep, KalmanStep, OnlineStep, SelectionStep
 from loko_lightning.models.adapters import count_parameters, freeze_normalization
 from loko_lightning.models.factory import NetworkFactory
 
 HeldOutMetric = Literal["mcc", "f1"]
 
-# The frozen backbone's normalisation layers are in eval mode on purpose (batch size 1); Lightning warns about it.
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-# Checkpoints are meant to hold the state *after* the sample's update (the next sample starts from it).
-warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
+
+@contextlib.contextmanager
+def ignore_intended_warnings() -> Iterator[None]:
+    """Silence, while the context lasts, Lightning's two warnings about what :class:`OnlineClassifier` does on purpose.
+
+    The ``loko`` command runs the trainer inside it; wrap your own ``trainer.fit(...)`` in it for the same quiet log.
+    Nothing is changed outside the context (the previous warning filters are restored on exit).
+    """
+    with warnings.catch_warnings():
+        # The frozen backbone's normalisation layers are in eval mode on purpose (batch size 1).
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+        # Checkpoints are meant to hold the state *after* the sample's update (the next sample starts from it).
+        warnings.filterwarnings(
+            "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps"
+        )
+        yield
 
 
 class OnlineClassifier(pl.LightningModule):
@@ -50,8 +55,9 @@ class OnlineClassifier(pl.LightningModule):
 
     Each training step first scores the prediction made *before* updating on its sample (prequential): online
     top-1/top-5 accuracy, moving averages of the L1 loss ``‖y − ŷ‖₁`` and of the cross-entropy. Then
-    :class:`~loko_lightning.LoKO` (recognised by type) makes the Kalman update on the softmax output, any other
-    ``torch.optim.Optimizer`` (the baselines AdamW, AdaGrad) a cross-entropy step, its scheduler stepped per sample.
+    :class:`~loko_lightning.LoKO` (recognised by type) makes the Kalman update through its observation model (softmax
+    by default), any other ``torch.optim.Optimizer`` (the baselines AdamW, AdaGrad) a cross-entropy step, its
+    scheduler stepped per sample: the step strategy (:mod:`loko_lightning.learner.steps`) is chosen once, here.
     Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/online_acc_recent{recent_window}``
     (the accuracy of the last ``recent_window`` predictions: is the learner still improving?),
     ``train/loss_avg{window}``, ``train/ce_avg{window}``, ``train/step_time``, ``train/skipped``, ``train/lr``
@@ -106,15 +112,9 @@ class OnlineClassifier(pl.LightningModule):
             )
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
-        self.is_kalman = isinstance(probe(optimizer), LoKO)
-        if self.is_kalman and getattr(network, "dropout", 0.0):
-            raise ConfigError(
-                f"dropout={network.dropout} with LoKO: the Kalman Jacobian needs a deterministic network; set it to 0",
-                field="dropout",
-                owner=network,
-            )
-        if self.is_kalman:
-            refuse_learning_rate_tools(OnlineClassifier, lr_scheduler=lr_scheduler)
+        step = KalmanStep if isinstance(probe(optimizer), LoKO) else GradientStep
+        step.check(network, lr_scheduler, owner=OnlineClassifier)
+        self.online_step: OnlineStep = step() if self.select is None else SelectionStep(step(), self.select)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
@@ -126,12 +126,15 @@ class OnlineClassifier(pl.LightningModule):
         self.loss_avg = MovingAverage(window, sync_on_compute=False)
         self.ce_avg = MovingAverage(window, sync_on_compute=False)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
-        self._engine: JacobianEngine | None = None  # built at the first Kalman step, once the network is in place
-        self._selection: CandidateStates | None = None  # built when training starts (see select)
-        self._selection_state: dict[str, Any] | None = None  # from a checkpoint, until then
         self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
 
     # ------------------------------------------------------------------ setup
+    @property
+    def is_kalman(self) -> bool:
+        """Whether the optimizer is LoKO (the steps are Kalman updates) rather than a gradient optimizer."""
+        step = self.online_step
+        return isinstance(step.inner if isinstance(step, SelectionStep) else step, KalmanStep)
+
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The adapter and head parameters, in a fixed order (the optimizer's and the Jacobian's)."""
@@ -144,18 +147,14 @@ class OnlineClassifier(pl.LightningModule):
         return self
 
     def setup(self, stage: str) -> None:
-        """Report the parameter counts once; refuse a ``LearningRateMonitor`` with LoKO (it has no ``lr``)."""
-        if self.is_kalman and stage == "fit":
-            refuse_learning_rate_tools(OnlineClassifier, callbacks=self.trainer.callbacks)
-        if self.select is not None and stage == "fit":
-            check_selection_trainer(self.trainer, owner=OnlineClassifier)
+        """Report the parameter counts once; refuse a trainer the step cannot run with (LoKO has no ``lr`` to log)."""
+        if stage == "fit":
+            self.online_step.check_trainer(self.trainer, owner=OnlineClassifier)
         rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
 
     def teardown(self, stage: str) -> None:
-        """Close the Jacobian engine: its hooks live on the network only while training runs."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        """Let the step release what it held (the Jacobian engine's hooks live on the network only while training)."""
+        self.online_step.close()
 
     def configure_optimizers(self) -> Any:
         """The injected optimizer over the trainable parameters, with its scheduler stepped every sample."""
@@ -185,117 +184,26 @@ class OnlineClassifier(pl.LightningModule):
         inputs, label = batch["inputs"], batch["label"]
         optimizer = self.optimizers()
         start = time.perf_counter()
-        if self._selection is not None and not self._selection.done:
-            prediction, label, applied = self._selection_step(optimizer, inputs, label)
-        elif self.is_kalman:
-            prediction, label, applied = self._kalman_step(optimizer, inputs, label)
-        else:
-            prediction, label, applied = self._gradient_step(optimizer, inputs, label)
+        prediction, label, applied = self.online_step.step(self, optimizer, inputs, label)
         self.skipped += (~applied).to(self.skipped.dtype) * label.shape[0]
         elapsed = time.perf_counter() - start
         self._log_online(prediction, label, applied, elapsed)
 
     def on_train_start(self) -> None:
-        """Set up the candidates of ``select`` (from the checkpoint when resuming)."""
-        if self.select is None:
-            return
-        self._selection = CandidateStates(
-            self.select, self.trainable_parameters, self.optimizer_factory, self.lr_scheduler_factory
-        )
-        if self._selection_state is not None:
-            self._selection.load_state_dict(self._selection_state)
-            self._selection_state = None
+        """Let the step prepare (the candidates of ``select``, from the checkpoint when resuming)."""
+        self.online_step.start(self)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep the selection's candidates and scores: a run resumes exactly mid-selection."""
-        if self._selection is not None:
-            checkpoint["loko_selection"] = self._selection.state_dict()
+        """Keep the step's state (the selection's candidates and scores: a run resumes exactly mid-selection)."""
+        self.online_step.on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Read the selection's state; resume with an empty recent window from a checkpoint saved without one."""
-        self._selection_state = checkpoint.get("loko_selection")
+        """Read the step's state; resume with an empty recent window from a checkpoint that has none."""
+        self.online_step.on_load_checkpoint(checkpoint)
         state = checkpoint.get("state_dict")
         if state is not None:
             for key, value in self.online_acc_recent.state_dict(prefix="online_acc_recent.").items():
                 state.setdefault(key, value)
-
-    @property
-    def _world_size(self) -> int:
-        return self.trainer.world_size if self._trainer is not None else 1
-
-    def _selection_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Every candidate of ``select`` predicts and updates on the step's samples; the leader's prediction counts."""
-        states, live, scheduler = self._selection, optimizer.optimizer, self.lr_schedulers()
-        step = self._kalman_step if self.is_kalman else self._gradient_step
-        leader = states.leader  # from the samples before this step: no look-ahead
-        results = []
-        for index in range(len(states)):
-            states.load(index, live, scheduler)
-            # Lightning counts a step per call of its optimizer wrapper: one candidate goes through it, the others
-            # through the torch optimizer itself (the trainer checks that no precision plugin needs the wrapper).
-            results.append(step(optimizer if index == len(states) - 1 else live, inputs, label))
-            states.save(index, live, scheduler)
-        states.record(results)
-        if states.advance(len(results[0][1]), live, scheduler):
-            rank_zero_info(f"select: {states.summary()}")
-        name = self.select.name
-        self.log(f"select/{name}", self.select.values[states.leader], on_step=True, on_epoch=False, batch_size=1)
-        return results[leader]
-
-    def _kalman_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        if self._engine is None:
-            self._engine = JacobianEngine(self.network, self.trainable_parameters, factorize=True)
-        engine = self._engine
-        # Mixed precision: the forward pass and the Jacobian run under the trainer's autocast, the Kalman update
-        # (whose matrix products autocast would run in bf16/fp16) in the filter's own dtype.
-        device = label.device.type
-        mixed = torch.is_autocast_enabled(device)
-        autocast_dtype = torch.get_autocast_dtype(device) if mixed else None
-
-        world = self._world_size
-        joint = label.shape[0] > 1 or world > 1
-
-        def closure() -> tuple[Tensor, Tensor, list]:
-            forward = torch.autocast(device, dtype=autocast_dtype) if mixed else contextlib.nullcontext()
-            with forward:
-                prediction, jacobians = engine.batch(inputs) if joint else engine(inputs)
-            if not joint:
-                return prediction, F.one_hot(label[0], self.num_classes).to(prediction.dtype), jacobians
-            target = F.one_hot(label, self.num_classes).to(prediction.dtype)
-            if world > 1:  # every process gets every process's observations and applies the same update
-                return all_gather_observations(prediction, target, jacobians)
-            return prediction, target, jacobians
-
-        with torch.autocast(device, enabled=False) if mixed else contextlib.nullcontext():
-            prediction, target, _ = optimizer.step(closure=closure)
-        if not joint:
-            prediction = prediction[None]
-        elif world > 1:
-            label = target.argmax(-1)
-        return prediction, label, getattr(optimizer, "optimizer", optimizer).diagnostics["applied"]
-
-    def _gradient_step(self, optimizer: Any, inputs: Any, label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = self.network(inputs)
-        loss = F.cross_entropy(logits, label)
-        optimizer.zero_grad(set_to_none=True)
-        # One host sync per step, for gradient optimizers only: a NaN loss must not reach AdamW's moments. Under DDP
-        # the processes agree first (a process skipping backward alone would leave the others waiting in all-reduce).
-        applied = torch.isfinite(loss)
-        if self._world_size > 1:
-            applied = self.all_gather(applied).all()
-        if applied:
-            self.manual_backward(loss)
-        # With no gradients the torch optimizers leave every parameter alone; the step still counts a sample.
-        optimizer.step()
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        prediction = logits.detach().softmax(-1)
-        if self._world_size > 1:  # the metrics score every process's predictions
-            target = F.one_hot(label, self.num_classes).to(prediction.dtype)
-            prediction, target, _ = all_gather_observations(prediction, target, [])
-            label = target.argmax(-1)
-        return prediction, label, applied
 
     def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:
         """Score the step's predictions ``(N, m)`` against their labels ``(N,)``, one sample after the other."""
@@ -318,13 +226,7 @@ class OnlineClassifier(pl.LightningModule):
             "train/step_time": elapsed,
             "train/skipped": self.skipped.float(),
         }
-        optimizer = self.optimizers().optimizer
-        if self.is_kalman:
-            diagnostics = optimizer.diagnostics
-            for key in ("innovation_norm", "p_mean", "p_min", "cond"):
-                values[f"loko/{key}"] = diagnostics[key].float()
-        else:
-            values["train/lr"] = optimizer.param_groups[0]["lr"]  # the scheduler's get_last_lr() after its step
+        values.update(self.online_step.logged(self.optimizers().optimizer))
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=label.shape[0])
         if self._trainer is not None and self.trainer.progress_bar_callback is not None:
             # Lightning turns progress-bar values into Python numbers after every step: one host sync, only if shown.

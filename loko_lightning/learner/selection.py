@@ -39,8 +39,8 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 
-#: The ``p0`` candidates of ``p0: auto``: a factor of about 3 apart, from well inside the admissible range that
-#: ``benchmarks/p0_range.py`` finds (1e-4 to 0.1 on the quick start) to the paper's 0.2 and one step beyond it.
+#: The ``p0`` candidates of ``p0: auto``: a factor of about 3 apart, from well inside the range of ``p0`` that learns
+#: (``benchmarks/p0_range.py`` measures it) to the paper's 0.2 and one step beyond it.
 AUTO_P0: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3)
 #: The samples ``p0: auto`` selects on.
 AUTO_SAMPLES = 500

@@ -1,0 +1,255 @@
+"""How the learner updates on a step's samples: a Kalman step, a gradient step, or either one run by every candidate.
+
+The learner chooses its strategy once, when it is built (:class:`SelectionStep` around one of the other two for
+``select`` and ``p0: auto``). Each strategy predicts on the step's samples and then updates on them, says what it
+logs, and checks the configuration it needs (when the learner is built and when training starts). A step returns
+``(prediction, label, applied)``: the ``(N, m)`` predictions made before the update, their ``(N,)`` labels (under DDP
+those of every process), and whether the update was applied (a 0-d bool tensor: a step whose prediction or loss is
+not finite changes nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.nn import functional as F
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.jacobians.engine import JacobianEngine
+from loko_lightning.kalman.distributed import all_gather_observations
+from loko_lightning.learner.checks import check_selection_trainer, refuse_learning_rate_tools
+from loko_lightning.learner.selection import Candidates, CandidateStates
+
+StepResult = tuple[Tensor, Tensor, Tensor]
+
+
+class OnlineStep:
+    """One online step of the learner (``module``): predict on the step's samples, then update on them.
+
+    The hooks besides :meth:`step` do nothing unless a strategy needs them.
+    """
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """Predict on ``inputs`` and update on them with ``optimizer`` (Lightning's wrapper or the torch optimizer)."""
+        raise NotImplementedError
+
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's values logged every step, besides the online metrics."""
+        return {}
+
+    def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
+        """Refuse a trainer this strategy cannot run with (called when fitting starts)."""
+
+    def start(self, module: pl.LightningModule) -> None:
+        """Prepare for training, once the optimizer is in place (from a checkpoint's state when resuming)."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add this strategy's state to ``checkpoint``."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read this strategy's state from ``checkpoint`` (applied by :meth:`start`)."""
+
+    def close(self) -> None:
+        """Release what the steps held on to (called when training ends)."""
+
+
+class KalmanStep(OnlineStep):
+    """:class:`~loko_lightning.LoKO`'s step: the Jacobian engine observes the samples, the filter updates on them.
+
+    The engine is built at the first step, with the optimizer's observation model, so the prediction, the target
+    made from the label and the Jacobian are the ones the filter expects. One sample is the paper's update; a batch,
+    and under DDP the samples of all processes (gathered, so that every process applies the same update), make one
+    joint update. Under mixed precision the forward pass and the Jacobian run under the trainer's autocast, the
+    Kalman update (whose matrix products autocast would run in bf16/fp16) in the filter's own dtype. Logged:
+    ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond``.
+    """
+
+    def __init__(self) -> None:
+        self._engine: JacobianEngine | None = None
+
+    @staticmethod
+    def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
+        """The network must be deterministic (no dropout), and LoKO has no learning rate to schedule."""
+        if getattr(network, "dropout", 0.0):
+            raise ConfigError(
+                f"dropout={network.dropout} with LoKO: the Kalman Jacobian needs a deterministic network; set it to 0",
+                field="dropout",
+                owner=network,
+            )
+        refuse_learning_rate_tools(owner, lr_scheduler=lr_scheduler)
+
+    def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
+        """A ``LearningRateMonitor`` has nothing to log with LoKO."""
+        refuse_learning_rate_tools(owner, callbacks=trainer.callbacks)
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """One Kalman update on the step's samples (see the class)."""
+        loko = getattr(optimizer, "optimizer", optimizer)
+        if self._engine is None:
+            self._engine = JacobianEngine(
+                module.network, module.trainable_parameters, observation=loko.observation, factorize=True
+            )
+        engine = self._engine
+        device = label.device.type
+        mixed = torch.is_autocast_enabled(device)
+        autocast_dtype = torch.get_autocast_dtype(device) if mixed else None
+        world = world_size(module)
+        joint = label.shape[0] > 1 or world > 1
+
+        def closure() -> tuple[Tensor, Tensor, list]:
+            forward = torch.autocast(device, dtype=autocast_dtype) if mixed else contextlib.nullcontext()
+            with forward:
+                prediction, target, jacobians = engine.observe(inputs, label, batched=joint)
+            if world > 1:  # every process gets every process's observations and applies the same update
+                return all_gather_observations(prediction, target, jacobians)
+            return prediction, target, jacobians
+
+        with torch.autocast(device, enabled=False) if mixed else contextlib.nullcontext():
+            prediction, target, _ = optimizer.step(closure=closure)
+        if not joint:
+            prediction = prediction[None]
+        elif world > 1:
+            label = target.argmax(-1)
+        return prediction, label, loko.diagnostics["applied"]
+
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The filter's diagnostics of the last step."""
+        diagnostics = optimizer.diagnostics
+        return {f"loko/{key}": diagnostics[key].float() for key in ("innovation_norm", "p_mean", "p_min", "cond")}
+
+    def close(self) -> None:
+        """Close the Jacobian engine: its hooks live on the network only while training runs."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+class GradientStep(OnlineStep):
+    """A torch optimizer's step (the baselines AdamW, AdaGrad) on the cross-entropy of the step's samples.
+
+    A batch, and under DDP the samples of all processes (gradients all-reduced), make one step on their mean loss; the
+    scheduler is stepped every step. Logged: ``train/lr``.
+    """
+
+    @staticmethod
+    def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
+        """Any network and scheduler will do."""
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """One gradient step on the mean cross-entropy of the step's samples."""
+        logits = module.network(inputs)
+        loss = F.cross_entropy(logits, label)
+        optimizer.zero_grad(set_to_none=True)
+        # One host sync per step, for gradient optimizers only: a NaN loss must not reach AdamW's moments. Under DDP
+        # the processes agree first (a process skipping backward alone would leave the others waiting in all-reduce).
+        applied = torch.isfinite(loss)
+        world = world_size(module)
+        if world > 1:
+            applied = module.all_gather(applied).all()
+        if applied:
+            module.manual_backward(loss)
+        # With no gradients the torch optimizers leave every parameter alone; the step still counts a sample.
+        optimizer.step()
+        scheduler = module.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        prediction = logits.detach().softmax(-1)
+        if world > 1:  # the metrics score every process's predictions
+            target = F.one_hot(label, module.num_classes).to(prediction.dtype)
+            prediction, target, _ = all_gather_observations(prediction, target, [])
+            label = target.argmax(-1)
+        return prediction, label, applied
+
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The learning rate of the last step (the scheduler's ``get_last_lr()`` after its step)."""
+        return {"train/lr": optimizer.param_groups[0]["lr"]}
+
+
+class SelectionStep(OnlineStep):
+    """Every candidate of ``select`` steps (with ``inner``) on each sample until the selection ends; then the winner.
+
+    The candidates' states live in :class:`~loko_lightning.learner.selection.CandidateStates`, built when training
+    starts and kept in every checkpoint (``"loko_selection"``), so a run resumes exactly mid-selection. The learner's
+    prediction for a sample is the leader's, from the samples before it (no look-ahead). Logged while it runs:
+    ``select/<name>``, the leader's value.
+
+    Args:
+        inner: the step every candidate makes.
+        candidates: what to choose, among which values, on how many samples.
+    """
+
+    def __init__(self, inner: OnlineStep, candidates: Candidates) -> None:
+        self.inner = inner
+        self.candidates = candidates
+        self.states: CandidateStates | None = None  # built when training starts
+        self._pending: dict[str, Any] | None = None  # from a checkpoint, until then
+
+    @property
+    def done(self) -> bool:
+        """Whether the selection has ended (the winner alone steps on)."""
+        return self.states is not None and self.states.done
+
+    def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
+        """The inner step's checks; the candidates run one after another in one process."""
+        self.inner.check_trainer(trainer, owner)
+        check_selection_trainer(trainer, owner=owner)
+
+    def start(self, module: pl.LightningModule) -> None:
+        """Set up the candidates (from the checkpoint when resuming)."""
+        self.inner.start(module)
+        self.states = CandidateStates(
+            self.candidates, module.trainable_parameters, module.optimizer_factory, module.lr_scheduler_factory
+        )
+        if self._pending is not None:
+            self.states.load_state_dict(self._pending)
+            self._pending = None
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """Every candidate predicts and updates on the step's samples; the leader's prediction counts."""
+        states = self.states
+        if states is None or states.done:
+            return self.inner.step(module, optimizer, inputs, label)
+        live, scheduler = optimizer.optimizer, module.lr_schedulers()
+        leader = states.leader  # from the samples before this step: no look-ahead
+        results: list[Sequence[Tensor]] = []
+        for index in range(len(states)):
+            states.load(index, live, scheduler)
+            # Lightning counts a step per call of its optimizer wrapper: one candidate goes through it, the others
+            # through the torch optimizer itself (the trainer checks that no precision plugin needs the wrapper).
+            results.append(self.inner.step(module, optimizer if index == len(states) - 1 else live, inputs, label))
+            states.save(index, live, scheduler)
+        states.record(results)
+        if states.advance(len(results[0][1]), live, scheduler):
+            rank_zero_info(f"select: {states.summary()}")
+        name = self.candidates.name
+        module.log(f"select/{name}", self.candidates.values[states.leader], on_step=True, on_epoch=False, batch_size=1)
+        return results[leader]
+
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The inner step's values."""
+        return self.inner.logged(optimizer)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The candidates and their scores."""
+        if self.states is not None:
+            checkpoint["loko_selection"] = self.states.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the candidates' state until training starts."""
+        self._pending = checkpoint.get("loko_selection")
+
+    def close(self) -> None:
+        """Close the inner step."""
+        self.inner.close()
+
+
+def world_size(module: pl.LightningModule) -> int:
+    """The number of processes training ``module`` (1 outside a trainer)."""
+    trainer = module._trainer
+    return trainer.world_size if trainer is not None else 1
