@@ -72,7 +72,7 @@ def test_every_config_has_the_four_sections_and_builds(path, tmp_path):
         return  # built with its trainable count above
     with torch.device("meta"):
         cli = build(path, "--trainer.logger", "false", "--data.root", str(tmp_path))
-    assert cli.datamodule.hparams.backbone == cli.model.network_factory.backbone
+    assert cli.datamodule.hparams.preprocessing == cli.model.network_factory.preprocessing()  # the data follows it
 
 
 PAPER_LOKO = {"p0": 0.2, "p0_init": "uniform", "beta": 0.95, "r_estimator": "taylor", "process_noise": 0.0}
