@@ -19,10 +19,10 @@ from loko_lightning.models.adapters import freeze_normalization
 jacobian_module = sys.modules["loko_lightning.jacobians.engine"]
 
 
-def row_by_row(model, x, params, output="softmax"):
+def row_by_row(model, x, params, observation="softmax"):
     """The obvious Jacobian: one backward pass per output row."""
     logits = model(x).reshape(-1)
-    y = torch.softmax(logits, 0) if output == "softmax" else logits
+    y = torch.softmax(logits, 0) if observation == "softmax" else logits
     rows = [torch.autograd.grad(y[a], params, retain_graph=True, allow_unused=True) for a in range(y.shape[0])]
     jacs = []
     for i, p in enumerate(params):
@@ -57,7 +57,7 @@ def assert_jacobians_equal(model, x, params=None, via="jacobian", *, nonzero=Fal
     xs = [x] if via == "jacobian" else [x, torch.randn_like(x), 2 * torch.randn_like(x)]
     results = compute(model, xs, params, via, **kwargs)
     for x_i, (prediction, jacs) in zip(xs, results, strict=True):
-        ref_prediction, ref_jacs = row_by_row(model, x_i, params, kwargs.get("output", "softmax"))
+        ref_prediction, ref_jacs = row_by_row(model, x_i, params, kwargs.get("observation", "softmax"))
         # Same float32 arithmetic; the batched backward may sum in another order, so allow a few ulps of the
         # largest entry (torch's float32 defaults: rtol 1.3e-6, atol 1e-5).
         torch.testing.assert_close(prediction, ref_prediction)
@@ -69,11 +69,11 @@ def assert_jacobians_equal(model, x, params=None, via="jacobian", *, nonzero=Fal
     return results[0][1]
 
 
-@pytest.mark.parametrize("output", ["softmax", "identity"])
+@pytest.mark.parametrize("observation", ["softmax", "regression"])
 @pytest.mark.parametrize("factorize", [False, True])
-def test_mlp(output, factorize, via):
+def test_mlp(observation, factorize, via):
     model = nn.Sequential(nn.Linear(6, 9), nn.GELU(), nn.Linear(9, 5))
-    jacs = assert_jacobians_equal(model, torch.randn(1, 6), via=via, output=output, factorize=factorize)
+    jacs = assert_jacobians_equal(model, torch.randn(1, 6), via=via, observation=observation, factorize=factorize)
     assert isinstance(jacs[2], OuterJacobian) == factorize
 
 
@@ -176,8 +176,8 @@ def test_bad_inputs():
     model = nn.Linear(3, 2)
     with pytest.raises(ValueError, match=r"batch dimension 1, got shape \(2, 3\)"):
         jacobian(model, torch.randn(2, 3))
-    with pytest.raises(ValueError, match="Invalid output"):
-        jacobian(model, torch.randn(1, 3), output="sigmoid")
+    with pytest.raises(ValueError, match="Invalid observation"):
+        jacobian(model, torch.randn(1, 3), observation="sigmoid")
     with pytest.raises(ValueError, match="Invalid chunk_size"):
         JacobianEngine(model, chunk_size=0)
     engine = JacobianEngine(model)
@@ -225,13 +225,15 @@ class ConvZoo(nn.Module):
         return self.head(tokens.mean(1))
 
 
-@pytest.mark.parametrize("output", ["softmax", "identity"])
+@pytest.mark.parametrize("observation", ["softmax", "regression"])
 @pytest.mark.parametrize("factorize", [False, True])
-def test_fast_path_matches_autograd_on_conv_configurations(output, factorize, via, monkeypatch):
+def test_fast_path_matches_autograd_on_conv_configurations(observation, factorize, via, monkeypatch):
     if factorize:
         force_factored(monkeypatch)
     model = ConvZoo()
-    jacs = assert_jacobians_equal(model, torch.randn(1, 3, 13, 11), via=via, output=output, factorize=factorize)
+    jacs = assert_jacobians_equal(
+        model, torch.randn(1, 3, 13, 11), via=via, observation=observation, factorize=factorize
+    )
     names = [n for n, p in model.named_parameters()]
     kinds = {n: type(j).__name__ for n, j in zip(names, jacs, strict=True)}
     if factorize:

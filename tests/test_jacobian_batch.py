@@ -12,7 +12,7 @@ from loko_lightning import JacobianEngine, OuterJacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
 
 
-def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax", *, nonzero=False):
+def assert_batch_equals_row_by_row(engine, model, xs, params, observation="softmax", *, nonzero=False):
     """``engine.batch(xs)`` gives, for every sample b, the Jacobian of sample b alone (one backward pass per row).
 
     ``nonzero``: also assert that every reference block has a non-zero entry, so no comparison is vacuous.
@@ -21,7 +21,7 @@ def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax", 
     B = xs.shape[0]
     assert prediction.shape[0] == B and len(jacs) == len(params)
     for b in range(B):
-        ref_prediction, ref_jacs = row_by_row(model, xs[b : b + 1], params, output)
+        ref_prediction, ref_jacs = row_by_row(model, xs[b : b + 1], params, observation)
         # Same float32 arithmetic as the reference, summed in another order (torch's float32 defaults: rtol
         # 1.3e-6, atol 1e-5, a few ulps of the largest entry).
         torch.testing.assert_close(prediction[b], ref_prediction)
@@ -32,18 +32,18 @@ def assert_batch_equals_row_by_row(engine, model, xs, params, output="softmax", 
     return jacs
 
 
-@pytest.mark.parametrize("output", ["softmax", "identity"])
+@pytest.mark.parametrize("observation", ["softmax", "regression"])
 @pytest.mark.parametrize("factorize", [False, True])
-def test_conv_zoo_batch(output, factorize, monkeypatch):
+def test_conv_zoo_batch(observation, factorize, monkeypatch):
     """Every fast-path configuration (and the generic grouped conv) with B = 3, factored and dense."""
     if factorize:
         monkeypatch.setattr(jacobian_pass, "factored_is_cheaper", lambda *args: True)
     torch.manual_seed(0)
     model = ConvZoo()
     params = [p for p in model.parameters() if p.requires_grad]
-    with JacobianEngine(model, output=output, factorize=factorize) as engine:
-        jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(3, 3, 13, 11), params, output)
-        assert_batch_equals_row_by_row(engine, model, torch.randn(2, 3, 13, 11), params, output)  # another B
+    with JacobianEngine(model, observation=observation, factorize=factorize) as engine:
+        jacs = assert_batch_equals_row_by_row(engine, model, torch.randn(3, 3, 13, 11), params, observation)
+        assert_batch_equals_row_by_row(engine, model, torch.randn(2, 3, 13, 11), params, observation)  # another B
     kinds = {type(j).__name__ for j in jacs}
     assert kinds == ({"FactoredJacobian", "OuterJacobian", "Tensor"} if factorize else {"Tensor"})
 
