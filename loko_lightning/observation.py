@@ -8,7 +8,9 @@ An :class:`Observation` owns everything that depends on what is observed:
 - which rows of :math:`H` the reverse pass must compute (:attr:`Observation.sums_to_one`: when every prediction sums
   to one, the rows of :math:`H` sum to zero and the last row is minus the sum of the others),
 - the check that a prediction and a target fit it (:meth:`Observation.check`),
-- which observation-noise estimators make sense for it (:attr:`Observation.r_estimators`).
+- which observation-noise estimators make sense for it (:attr:`Observation.r_estimators`),
+- which form of the diagonal filter it feeds (:attr:`Observation.form`): the paper's covariance form (Algorithm 1),
+  or the information form, whose rows of ``H`` are chosen from the label (:meth:`Observation.cotangents`).
 
 The Jacobian engine (:class:`~loko_lightning.JacobianEngine`), the optimizer (:class:`~loko_lightning.LoKO`) and the
 learner all take it from here; the learner passes the one it builds to both. A new observation is one subclass
@@ -18,6 +20,8 @@ registered in :data:`OBSERVATIONS` (or passed as an instance).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -25,7 +29,16 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 
-__all__ = ["OBSERVATIONS", "Observation", "Regression", "Softmax", "check_probabilities", "get_observation"]
+__all__ = [
+    "FISHERS",
+    "OBSERVATIONS",
+    "NaturalGradient",
+    "Observation",
+    "Regression",
+    "Softmax",
+    "check_probabilities",
+    "get_observation",
+]
 
 
 class Observation:
@@ -35,12 +48,17 @@ class Observation:
         name: the name the registry and the configs use.
         sums_to_one: every prediction sums to one, whatever the parameters (so the rows of ``H`` sum to zero, and
             ``S`` is singular along the all-ones vector of each sample).
-        r_estimators: the observation-noise estimators (:data:`loko_lightning.kalman.noise.R_ESTIMATORS`) that apply.
+        r_estimators: the observation-noise estimators (:data:`loko_lightning.kalman.noise.R_ESTIMATORS`) that apply;
+            the first is the default.
+        form: ``"covariance"``: the rows of ``H`` are ``∂ŷ/∂θ̃`` and the optimizer runs Algorithm 1;
+            ``"information"``: the rows are the ones :meth:`cotangents` chooses from the label, and the optimizer
+            runs the diagonal information-form update (:meth:`loko_lightning.kalman.update.UpdatePlan.run_information`).
     """
 
     name: ClassVar[str]
     sums_to_one: ClassVar[bool] = False
     r_estimators: ClassVar[tuple[str, ...]] = ("taylor", "residual", "identity", "decay")
+    form: ClassVar[str] = "covariance"
 
     def predict(self, outputs: Tensor) -> Tensor:
         """The prediction ``ŷ`` from the network's outputs ``(..., m)`` (differentiable: the Jacobian is of this)."""
@@ -59,6 +77,23 @@ class Observation:
     def reverse_rows(self, m: int) -> int:
         """How many rows of ``H`` the reverse pass computes for ``m`` outputs (the rest follow from them)."""
         return m - 1 if self.sums_to_one and m > 1 else m
+
+    def rows(self, m: int) -> int:
+        """How many rows of ``H`` the optimizer receives per sample for ``m`` outputs (``m``: all of ``∂ŷ/∂θ̃``)."""
+        return m
+
+    def cotangents(self, prediction: Tensor, target: Tensor) -> Tensor | None:
+        """The cotangents on the network's outputs whose pullbacks are the rows of ``H``; ``None``: ``∂ŷ/∂θ̃``.
+
+        Args:
+            prediction: ``ŷ``, ``(m,)`` or ``(B, m)`` (detached).
+            target: ``y``, the same shape.
+
+        Returns:
+            ``None``, or ``(rows, m)`` (``(rows, B, m)`` for a batch): row ``j`` of ``H`` is then
+            ``c_jᵀ ∂z/∂θ̃`` for the outputs ``z`` the network returns (before :meth:`predict`).
+        """
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -113,8 +148,79 @@ class Regression(Observation):
         return label.to(prediction.dtype)
 
 
-#: The observations by name, as ``observation: <name>`` selects them.
-OBSERVATIONS: dict[str, type[Observation]] = {cls.name: cls for cls in (Softmax, Regression)}
+#: What ``fisher`` of :class:`NaturalGradient` may be.
+FISHERS = ("empirical", "exact")
+
+
+class NaturalGradient(Softmax):
+    r"""Class probabilities with the categorical noise, in information form: a diagonal natural-gradient filter.
+
+    Not the paper's update. The noise is :math:`R = \mathrm{diag}(\hat y) - \hat y\hat y^\top`.
+
+    With :math:`H = J_s J_z` (:math:`J_z = \partial z/\partial\tilde\theta` for the logits ``z``,
+    :math:`J_s = \partial\hat y/\partial z = R`) and :math:`e = y - \hat y` (which sums to zero, like every column of
+    :math:`J_s`), :math:`H^\top R^{+} e = J_z^\top e = -\nabla_{\tilde\theta}\,\mathrm{CE}` and
+    :math:`H^\top R^{+} H = J_z^\top J_s J_z = F`, the Fisher information of the softmax likelihood. The filter keeps
+    the diagonal precision :math:`\lambda = 1/\hat p`:
+
+    .. math::
+
+        \lambda_k = \frac{1}{\hat p_{k-1} + q} + \operatorname{diag}(F_k), \qquad
+        \tilde\theta_k = \tilde\theta_{k-1} + \lambda_k^{-1} \odot J_z^\top e_k
+
+    (Ollivier 2018; the diagonal EKF in information form of Chang, Jones & Murphy 2022). It needs ``rows`` reverse
+    rows, not ``m - 1``, and no ``m x m`` solve:
+
+    - ``fisher="empirical"`` (1 row, the default): :math:`\operatorname{diag}(F) \approx (J_z^\top e)^{\odot 2}`, the
+      squared gradient of the observed label;
+    - ``fisher="exact"`` (``m + 1`` rows): :math:`\operatorname{diag}(F) = \sum_r (J_z^\top a_r)^{\odot 2}` with
+      :math:`a_r = \sqrt{\hat y_r}(u_r - \hat y)` (:math:`\sum_r a_r a_r^\top = J_s`, :math:`u_r` the unit vectors).
+
+    Row 0 of ``H`` is :math:`J_z^\top e`; with ``"exact"`` rows ``1 … m`` are the :math:`J_z^\top a_r`.
+    """
+
+    name = "natural"
+    r_estimators = ("softmax",)
+    form = "information"
+
+    def __init__(self, fisher: str = "empirical") -> None:
+        if fisher not in FISHERS:
+            raise ConfigError(
+                f"Invalid fisher: {fisher!r} (expected one of {FISHERS})", field="fisher", owner=NaturalGradient
+            )
+        self.fisher = fisher
+
+    def rows(self, m: int) -> int:
+        """1 (the gradient, whose square is the empirical Fisher) or ``m + 1`` (the gradient and ``m`` Fisher rows)."""
+        return 1 if self.fisher == "empirical" else m + 1
+
+    def reverse_rows(self, m: int) -> int:
+        """As :meth:`rows`: the cotangents are chosen from the label, none follows from the others."""
+        return self.rows(m)
+
+    def cotangents(self, prediction: Tensor, target: Tensor) -> Tensor:
+        """``e = y - ŷ``, then (``"exact"``) the ``m`` rows ``a_r = √ŷ_r (u_r - ŷ)``; ``(rows, [B,] m)``."""
+        rows = [target - prediction]
+        if self.fisher == "exact":
+            m = prediction.shape[-1]
+            eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)
+            roots = prediction.clamp_min(0).sqrt()
+            a = roots[..., :, None] * (eye - prediction[..., None, :])  # (..., m, m): row r is a_r
+            rows.extend(a.movedim(-2, 0).unbind(0))
+        return torch.stack(rows)
+
+    def __repr__(self) -> str:
+        return f"NaturalGradient(fisher={self.fisher!r})"
+
+
+#: The observations by name, as ``observation: <name>`` selects them: ``natural`` is the natural-gradient filter
+#: with the empirical Fisher, ``natural_exact`` with the exact one.
+OBSERVATIONS: dict[str, Callable[[], Observation]] = {
+    "softmax": Softmax,
+    "regression": Regression,
+    "natural": NaturalGradient,
+    "natural_exact": partial(NaturalGradient, fisher="exact"),
+}
 
 
 def get_observation(observation: str | Observation, *, owner: type | None = None) -> Observation:

@@ -191,11 +191,22 @@ class JacobianEngine:
             column blocks of one shared ``(m, n)`` buffer (``H``), which :func:`~loko_lightning.loko_update` uses
             without a copy, so they need not be contiguous.
         """
+        self._refuse_without_label()
+        return self._one(inputs, None)
+
+    def _refuse_without_label(self) -> None:
+        if self._observation.form == "information":
+            raise ValueError(
+                f"Invalid call: observation {self._observation.name!r} chooses the rows of H from the label; use "
+                "engine.observe(inputs, label), which returns (prediction, target, jacobians)"
+            )
+
+    def _one(self, inputs: Tensor | Mapping[str, Tensor], label: Tensor | None) -> tuple[Tensor, list[JacobianBlock]]:
         first = _check_inputs(inputs, batch=False)
         fast = self._check_call(first)
-        result = self._run(inputs, fast)
+        result = self._run(inputs, fast, label=label)
         if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
-            result = self._run(inputs, False)
+            result = self._run(inputs, False, label=label)
         return result
 
     def batch(self, inputs: Tensor) -> tuple[Tensor, list[JacobianBlock]]:
@@ -224,12 +235,17 @@ class JacobianEngine:
             :class:`~loko_lightning.OuterJacobian` / :class:`~loko_lightning.FactoredJacobian` with a leading batch
             dimension on both factors, as :meth:`loko_lightning.LoKO.step` takes them for a joint update.
         """
+        self._refuse_without_label()
+        return self._batch(inputs, None)
+
+    def _batch(self, inputs: Tensor, label: Tensor | None) -> tuple[Tensor, list[JacobianBlock]]:
         first = _check_inputs(inputs, batch=True)
         fast = self._check_call(first)
         samples = first.shape[0]
-        result = self._run(inputs, True, samples) if fast and not self._uncovered else "loop"
+        result = self._run(inputs, True, samples, label) if fast and not self._uncovered else "loop"
         if not isinstance(result, tuple):  # see above; None: a fast-path layer's input was modified in place
-            return _stack_samples([self(_sample(inputs, b)) for b in range(samples)])
+            labels = [None if label is None else label[b : b + 1] for b in range(samples)]
+            return _stack_samples([self._one(_sample(inputs, b), labels[b]) for b in range(samples)])
         return result
 
     def observe(
@@ -249,10 +265,12 @@ class JacobianEngine:
         """
         if batched is None:
             batched = _check_inputs(inputs, batch=True).shape[0] > 1
+        # An observation that chooses the rows of H from the label gets it in the reverse pass.
+        given = label if self._observation.form == "information" else None
         if not batched:
-            prediction, jacobians = self(inputs)
+            prediction, jacobians = self._one(inputs, given)
             return prediction, self._observation.target(label, prediction[None])[0], jacobians
-        prediction, jacobians = self.batch(inputs)
+        prediction, jacobians = self._batch(inputs, given)
         return prediction, self._observation.target(label, prediction), jacobians
 
     def _check_call(self, first: Tensor) -> bool:
@@ -354,7 +372,11 @@ class JacobianEngine:
         return len(now) != len(self._structure) or any(map(is_not, now, self._structure))
 
     def _run(
-        self, inputs: Tensor | Mapping[str, Tensor], fast: bool, samples: int | None = None
+        self,
+        inputs: Tensor | Mapping[str, Tensor],
+        fast: bool,
+        samples: int | None = None,
+        label: Tensor | None = None,
     ) -> tuple[Tensor, list[JacobianBlock]] | str | None:
         """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
         layers = self._layers if fast else {}
@@ -368,7 +390,9 @@ class JacobianEngine:
                 for layer in layers.values():  # only left over if the forward pass raised inside the layer
                     layer.module._parameters.update(layer.saved)
                     layer.saved.clear()
-            return _jacobian(raw, self._params, layers, self._observation, self._chunk_size, self._factorize, samples)
+            return _jacobian(
+                raw, self._params, layers, self._observation, self._chunk_size, self._factorize, samples, label
+            )
         finally:
             for layer in layers.values():  # the calls hold the layers' inputs and graph: not beyond the call
                 layer.calls.clear()

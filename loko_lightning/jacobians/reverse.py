@@ -75,6 +75,7 @@ def _jacobian(
     chunk_size: int | None,
     factorize: bool,
     samples: int | None = None,
+    label: Tensor | None = None,
 ) -> tuple[Tensor, list[JacobianBlock]] | str | None:
     """The batched reverse pass from the model output ``raw``, and the Jacobian blocks; ``None`` to redo the call.
 
@@ -85,6 +86,10 @@ def _jacobian(
     factors. Returns the string ``"loop"`` (the caller then takes the samples one at a time) when that cannot give
     every sample's rows: a parameter reached another way (its gradient is summed over the samples), or a fast-path
     layer that saw no batch dimension first.
+
+    An observation whose rows come from the label (:meth:`~loko_lightning.observation.Observation.cotangents`) gets
+    ``label`` (one per sample): the reverse pass then runs from the raw outputs with its cotangents, and the blocks
+    have its :meth:`~loko_lightning.observation.Observation.rows` rows.
     """
     batched = samples is not None
     if not isinstance(raw, Tensor) or raw.shape[0] != (samples if batched else 1):
@@ -105,14 +110,21 @@ def _jacobian(
     # One batched reverse pass: cotangents at every fast-path layer output, and gradients of all parameters
     # (for fast-path weights these are only their uses outside the layer, usually none).
     targets: list[Tensor | GradientEdge] = [call.edge for call in calls] + params
-    if prediction.requires_grad:
-        grads = _batched_grad(prediction, targets, m, observation.reverse_rows(m), chunk_size)
+    source, cotangents, rows = prediction, None, m
+    if label is not None:
+        detached = prediction.detach()
+        target = observation.target(label, detached if batched else detached[None])
+        cotangents = observation.cotangents(detached, target if batched else target[0])
+    if cotangents is not None:  # rows chosen from the label, pulled back from the raw outputs
+        source, rows = logits, cotangents.shape[0]
+    if source.requires_grad:
+        grads = _batched_grad(source, targets, m, observation.reverse_rows(m), chunk_size, cotangents)
     else:
         grads = [None] * len(targets)
     if not batched:
         blocks = _blocks(params, layers, dict(zip(map(id, calls), grads[: len(calls)], strict=True)),
-                         grads[len(calls) :], m, factorize, lambda call: call.inputs.detach())  # fmt: skip
-        buffer = torch.empty(m, _dense_size(blocks, params), dtype=dtype, device=device)
+                         grads[len(calls) :], rows, factorize, lambda call: call.inputs.detach())  # fmt: skip
+        buffer = torch.empty(rows, _dense_size(blocks, params), dtype=dtype, device=device)
         return prediction.detach(), _fill(blocks, params, buffer)
     if any(g is not None for g in grads[len(calls) :]):
         return "loop"  # type: ignore[return-value]
@@ -120,12 +132,12 @@ def _jacobian(
     for b in range(samples):
         call_grads = [None if g is None else g[:, b : b + 1] for g in grads[: len(calls)]]  # (m, B, ...): b's slice
         call_grads = dict(zip(map(id, calls), call_grads, strict=True))
-        per_blocks.append(_blocks(params, layers, call_grads, [None] * len(params), m, factorize,
+        per_blocks.append(_blocks(params, layers, call_grads, [None] * len(params), rows, factorize,
                                   lambda call, b=b: call.inputs.detach()[b : b + 1]))  # fmt: skip
     kinds = [[kind for kind, _ in blocks] for blocks in per_blocks]
     if any(k != kinds[0] for k in kinds):
         return "loop"  # type: ignore[return-value]
-    buffer = torch.empty(samples, m, _dense_size(per_blocks[0], params), dtype=dtype, device=device)
+    buffer = torch.empty(samples, rows, _dense_size(per_blocks[0], params), dtype=dtype, device=device)
     per_sample_jacs = [_fill(blocks, params, buffer[b]) for b, blocks in enumerate(per_blocks)]
     return prediction.detach(), [_stack(jacs, buffer, samples) for jacs in zip(*per_sample_jacs, strict=True)]
 
@@ -304,8 +316,12 @@ def _batched_grad(
     m: int,
     computed: int,
     chunk_size: int | None,
+    cotangents: Tensor | None = None,
 ) -> list[Tensor | None]:
     """``∂ŷ_a/∂target`` for every row ``a``, stacked along a new leading dimension (``None`` if unused).
+
+    Given ``cotangents`` (``(rows, m)``, or ``(rows, B, m)`` for a batch), the rows are their pullbacks instead,
+    all computed.
 
     Only the first ``computed`` rows go through the reverse pass. ``computed = m - 1`` for an observation that sums
     to one (softmax: ``Σ_a ŷ_a = 1``, so ``Σ_a ∂ŷ_a/∂θ = 0`` exactly): the last row is minus the sum of the others,
@@ -314,13 +330,16 @@ def _batched_grad(
     A batch of predictions ``(B, m)``: row ``a``'s cotangent is ``a`` in every sample (``m`` rows, each ``B``
     per-sample rows, so a chunk holds ``chunk_size // B`` of them).
     """
-    eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)[:computed]
-    if prediction.dim() == 1:
-        cotangents, step = eye, computed if chunk_size is None else chunk_size
+    if cotangents is not None:
+        computed = m = cotangents.shape[0]
     else:
-        samples = prediction.shape[0]
-        cotangents = eye[:, None, :].expand(computed, samples, m)
-        step = computed if chunk_size is None else max(1, chunk_size // samples)
+        cotangents = torch.eye(m, dtype=prediction.dtype, device=prediction.device)[:computed]
+        if prediction.dim() > 1:
+            cotangents = cotangents[:, None, :].expand(computed, prediction.shape[0], m)
+    if prediction.dim() == 1:
+        step = computed if chunk_size is None else chunk_size
+    else:
+        step = computed if chunk_size is None else max(1, chunk_size // prediction.shape[0])
     used: list[int] = []  # indices of the targets the prediction depends on (the same for every row)
 
     def vjp(cotangent: Tensor) -> tuple[Tensor, ...]:

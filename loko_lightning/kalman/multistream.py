@@ -34,7 +34,9 @@ from loko_lightning.jacobians.blocks import JacobianBlock, kind
 __all__ = ["check_observation", "layout_key", "stack_observations"]
 
 
-def check_observation(prediction: Any, target: Any, jacobians: Any, params: Sequence[Tensor], batched: bool) -> None:
+def check_observation(
+    prediction: Any, target: Any, jacobians: Any, params: Sequence[Tensor], batched: bool, rows: int | None = None
+) -> None:
     """Refuse a closure result whose shapes do not fit the parameters; the message names the expected and given shape.
 
     Args:
@@ -44,6 +46,7 @@ def check_observation(prediction: Any, target: Any, jacobians: Any, params: Sequ
             for a batch with a leading batch dimension (dense ``(B, m, *shape)``, factors ``(B, ...)``).
         params: the parameters, in the order of ``jacobians``.
         batched: whether the result is a batch.
+        rows: the rows of ``H`` per sample (:meth:`~loko_lightning.observation.Observation.rows`); default ``m``.
 
     Raises:
         ValueError: ``Invalid <what>: expected shape ..., got ...``.
@@ -72,7 +75,7 @@ def check_observation(prediction: Any, target: Any, jacobians: Any, params: Sequ
             )
         raise ValueError(message)
     batch = shape[0] if batched else None
-    m = shape[-1]
+    m = shape[-1] if rows is None else rows
     for index, (jac, param) in enumerate(zip(jacobians, params, strict=True)):
         try:
             block = kind(jac)
@@ -99,7 +102,7 @@ def layout_key(prediction: Any, target: Any, jacobians: Any, extra: tuple) -> tu
 
 
 def stack_observations(
-    prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock]
+    prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock], rows: int | None = None
 ) -> tuple[Tensor, Tensor, list[JacobianBlock]]:
     """The stacked observation of a batch: ``ŷ`` and ``y`` of ``B·m`` entries and the blocks of ``H`` (``B·m`` rows).
 
@@ -110,6 +113,7 @@ def stack_observations(
         prediction: ``(B, m)``.
         target: ``(B, m)``.
         jacobians: batched blocks (see :func:`check_observation`).
+        rows: the rows of each sample's blocks; default ``m``.
 
     Returns:
         ``(prediction, target, jacobians)`` as the single-observation update takes them, with ``B·m`` outputs.
@@ -117,5 +121,5 @@ def stack_observations(
     batch, m = prediction.shape
     if batch == 1:
         return prediction[0], target[0], [kind(jac).sample(jac, 0) for jac in jacobians]
-    blocks = [kind(jac).stack_rows(jac, batch, m) for jac in jacobians]
+    blocks = [kind(jac).stack_rows(jac, batch, m if rows is None else rows) for jac in jacobians]
     return prediction.reshape(-1), target.reshape(-1), blocks

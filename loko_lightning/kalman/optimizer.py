@@ -76,10 +76,11 @@ class LoKO(torch.optim.Optimizer):
             constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
         p0_init: ``"uniform"`` (paper method 2, default) or ``"constant"`` (method 1).
         beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95; good range 0.9-0.98).
-        r_estimator: ``"taylor"`` (method 2, default), ``"residual"`` (method 1, :math:`\hat R = e e^\top`),
-            or the literature baselines ``"identity"`` (:math:`R = I`), ``"decay"``
-            (:math:`R = I e^{-k/50}`, ``k`` = 1-based index of the update) and ``"softmax"``
-            (:math:`R = \mathrm{diag}(\hat y) - \hat y \hat y^\top`).
+        r_estimator: ``"taylor"`` (method 2, the default for ``"softmax"`` and ``"regression"``), ``"residual"``
+            (method 1, :math:`\hat R = e e^\top`), or the literature baselines ``"identity"`` (:math:`R = I`),
+            ``"decay"`` (:math:`R = I e^{-k/50}`, ``k`` = 1-based index of the update) and ``"softmax"``
+            (:math:`R = \mathrm{diag}(\hat y) - \hat y \hat y^\top`, the only one ``"natural"`` admits).
+            Default: the observation's first (:attr:`~loko_lightning.observation.Observation.r_estimators`).
         process_noise: ``q`` added to every :math:`\hat p` in the predict step; 0 is the paper, a small
             positive value keeps learning alive on non-stationary streams.
         p_floor: a floor on :math:`\hat p` (not the paper; 0, the default, is none): after every update
@@ -91,7 +92,12 @@ class LoKO(torch.optim.Optimizer):
             ``"softmax"`` (default): class probabilities, the paper's classification setting; when the target is a
             probability vector (e.g. one-hot) and the prediction is not (a negative entry, or a sum off 1 by more
             than rounding: logits passed where probabilities belong), :meth:`step` raises a ``ValueError``.
-            ``"regression"``: any real outputs, no check. An :class:`~loko_lightning.observation.Observation`
+            ``"regression"``: any real outputs, no check. ``"natural"`` / ``"natural_exact"``: not the paper, the
+            diagonal natural-gradient filter in information form
+            (:class:`~loko_lightning.observation.NaturalGradient`: the categorical ``R``, the empirical or the exact
+            Fisher diagonal as the information, one or ``m + 1`` reverse rows and no ``m x m`` solve); its rows come
+            from the label, so the closure must return what :meth:`loko_lightning.JacobianEngine.observe` gives for
+            it. An :class:`~loko_lightning.observation.Observation`
             instance works too. Its check runs on the first step and whenever the Jacobian layout changes (one host
             read then), not every step; an ``r_estimator`` the observation does not admit is refused.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
@@ -122,7 +128,7 @@ class LoKO(torch.optim.Optimizer):
         p0: float | Literal["auto"] = 0.2,
         p0_init: P0Init = "uniform",
         beta: float = 0.95,
-        r_estimator: REstimator = "taylor",
+        r_estimator: REstimator | None = None,
         process_noise: float = 0.0,
         p_floor: float = 0.0,
         rcond: float | None = None,
@@ -139,13 +145,15 @@ class LoKO(torch.optim.Optimizer):
             raise ConfigError(
                 f"Invalid beta: {beta} (must lie in (0, 1); the paper uses 0.95)", field="beta", owner=LoKO
             )
+        self.observation = get_observation(observation, owner=LoKO)
+        if r_estimator is None:
+            r_estimator = self.observation.r_estimators[0]
         if r_estimator not in R_ESTIMATORS:
             raise ConfigError(
                 f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
                 field="r_estimator",
                 owner=LoKO,
             )
-        self.observation = get_observation(observation, owner=LoKO)
         if r_estimator not in self.observation.r_estimators:
             raise ConfigError(
                 f"Invalid r_estimator: {r_estimator!r} does not apply to observation {self.observation.name!r} "
@@ -279,15 +287,18 @@ class LoKO(torch.optim.Optimizer):
         prediction, target, jacobians = result
         params = self._params()
         samples = 1
+        rows = (
+            self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
+        )
         if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
-            check_observation(prediction, target, jacobians, params, batched=True)
+            check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
             samples = prediction.shape[0]
-            prediction, target, jacobians = stack_observations(prediction, target, jacobians)
+            prediction, target, jacobians = stack_observations(prediction, target, jacobians, rows)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
         p_floor = [g["p_floor"] for g in self.param_groups for _ in g["params"]]
         key = layout_key(prediction, target, jacobians, (tuple(process_noise), tuple(p_floor), samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
-            check_observation(prediction, target, jacobians, params, batched=False)
+            check_observation(prediction, target, jacobians, params, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
         m = prediction.shape[0] // samples
@@ -318,6 +329,7 @@ class LoKO(torch.optim.Optimizer):
             cov_flat=self._cov_flat,
             # p̂'s statistics cost three passes over it: they are computed when diagnostics are read.
             statistics=self._cov_flat is None,
+            form=self.observation.form,
         )
         shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
         diagnostics["skipped"] = shared["skipped"]

@@ -34,7 +34,13 @@ from torch import Tensor
 
 from loko_lightning.kalman.noise import REstimator
 
-__all__ = ["REFERENCE_R_ESTIMATORS", "loko_step_reference", "loko_step_reference_batch", "pinv_reference"]
+__all__ = [
+    "REFERENCE_R_ESTIMATORS",
+    "loko_step_reference",
+    "loko_step_reference_batch",
+    "natural_step_reference",
+    "pinv_reference",
+]
 
 
 def pinv_reference(S: Tensor, rcond: float | None = None) -> Tensor:
@@ -189,6 +195,65 @@ def loko_step_reference_batch(
     theta = theta + K @ e
     p = p - (K * Hs.T).sum(1) * p
     return theta, _floored(p, p_floor), R
+
+
+def natural_step_reference(
+    theta: Tensor,
+    p: Tensor,
+    Jz: Tensor,
+    prediction: Tensor,
+    target: Tensor,
+    *,
+    fisher: str,
+    process_noise: float | Tensor = 0.0,
+    p_floor: float | Tensor = 0.0,
+) -> tuple[Tensor, Tensor]:
+    r"""One step of the diagonal natural-gradient filter on ``B`` samples, dense and in float64, from its definition.
+
+    The filter is :class:`~loko_lightning.observation.NaturalGradient` (``LoKO(observation="natural")``).
+
+    The observation is the paper's (``ŷ = softmax(z)``, ``H = J_s J_z`` with ``J_s = diag(ŷ) - ŷŷᵀ``), the noise the
+    categorical ``R = J_s`` of each sample, and the filter keeps only the diagonal of the precision:
+
+    .. math::
+
+        \lambda = \frac{1}{\hat p + q} + \sum_b \iota_b, \qquad
+        \tilde\theta \leftarrow \tilde\theta + \lambda^{-1} \odot \sum_b H_b^\top R_b^{+} e_b
+
+    with the information :math:`\iota_b = \operatorname{diag}(H_b^\top R_b^{+} H_b)` (``fisher="exact"``) or the
+    square of :math:`H_b^\top R_b^{+} e_b` (``"empirical"``). Everything is formed as written (``H``, ``R⁺`` by
+    eigendecomposition), none of the identities the fast path uses (:math:`H^\top R^{+} e = J_z^\top e`) is assumed.
+
+    Args:
+        theta: ``θ̃``, ``(ñ,)``.
+        p: ``p̂``, ``(ñ,)``.
+        Jz: the Jacobians of the logits, ``(B, m, ñ)`` (or ``(m, ñ)`` for one sample).
+        prediction: ``ŷ``, ``(B, m)`` (or ``(m,)``).
+        target: ``y``, like ``prediction``.
+        fisher: ``"exact"`` or ``"empirical"``.
+        process_noise: ``q``, one value or one per entry.
+        p_floor: a floor on the new ``p̂``.
+
+    Returns:
+        ``(θ̃_k, p̂_k)``, float64.
+    """
+    if fisher not in ("exact", "empirical"):
+        raise ValueError(f"Invalid fisher: {fisher!r}")
+    Jz, y_hat, y = Jz.double(), prediction.double(), target.double()
+    if Jz.dim() == 2:
+        Jz, y_hat, y = Jz[None], y_hat[None], y[None]
+    q = process_noise.double() if isinstance(process_noise, Tensor) else process_noise
+    precision = 1.0 / (p.double() + q)
+    direction = torch.zeros_like(precision)
+    for b in range(Jz.shape[0]):
+        Js = torch.diag(y_hat[b]) - torch.outer(y_hat[b], y_hat[b])
+        H = Js @ Jz[b]
+        R_pinv = pinv_reference(Js)
+        d = H.T @ R_pinv @ (y[b] - y_hat[b])
+        direction = direction + d
+        precision = precision + (torch.diagonal(H.T @ R_pinv @ H) if fisher == "exact" else d * d)
+    p_new = _floored(1.0 / precision, p_floor)
+    return theta.double() + p_new * direction, p_new
 
 
 def _floored(p: Tensor, p_floor: float | Tensor) -> Tensor:

@@ -253,6 +253,69 @@ class UpdatePlan:
         diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": cond}
         return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
 
+    def rows_matrix(self, jacobians: Sequence[JacobianBlock]) -> Tensor:
+        """``H`` as one ``(rows, n)`` matrix in this plan's order (factored blocks multiplied out)."""
+        parts = [self.dense.matrix(jacobians).to(self.dtype)] if self.dense else []
+        for kind in (self.outer, self.factored):
+            parts += [jacobians[i].to_dense().reshape(self.m, -1).to(self.dtype) for i in kind.order]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def run_information(
+        self,
+        params: Sequence[Tensor],
+        jacobians: Sequence[JacobianBlock],
+        cov: Tensor,
+        prediction: Tensor,
+        target: Tensor,
+        step: Tensor,
+        *,
+        statistics: bool = True,
+    ) -> dict[str, Tensor]:
+        r"""One update of the diagonal filter in information form, ``p̂`` the flat vector ``cov``, updated in place.
+
+        The rows of each sample's block of ``H`` are those of a
+        :class:`~loko_lightning.observation.NaturalGradient` observation: row 0 is the direction
+        :math:`d_b = H_b^\top R_b^{+} e_b` (:math:`= J_z^\top e_b`), the other rows (row 0 itself when there is one
+        row) are factors :math:`f_{b,r}` of the information :math:`\operatorname{diag}(H_b^\top R_b^{+} H_b) \approx
+        \sum_r f_{b,r}^{\odot 2}`. With ``B`` samples:
+
+        .. math::
+
+            \hat p_k = \Big(\frac{1}{\hat p_{k-1} + q} + \sum_{b,r} f_{b,r}^{\odot 2}\Big)^{-1}, \qquad
+            \tilde\theta_k = \tilde\theta_{k-1} + \hat p_k \odot \sum_b d_b
+
+        (computed as :math:`\hat p_{k|k-1} / (1 + \hat p_{k|k-1} \odot \sum f^2)`, which never divides by 0).
+        ``R`` is not a filter state here (the categorical noise is known), so there is none to update. The diagnostics
+        are those of :meth:`run`; ``cond`` has no meaning without ``S`` and is NaN.
+        """
+        dtype = self.dtype
+        prior = cov if self.q is None else cov + self.q
+        innovation = target.to(dtype) - prediction.to(dtype)
+        rows = self.rows_matrix(jacobians).view(self.samples, self.m // self.samples, self.n)
+        update, info = self._update, self._quad
+        torch.sum(rows[:, 0], 0, out=update)
+        factors = rows[:, 0] if rows.shape[1] == 1 else rows[:, 1:].reshape(-1, self.n)
+        torch.sum(factors.square(), 0, out=info)
+        # p̂_k = p̂_{k|k-1} / (1 + p̂_{k|k-1} ⊙ info), the mean with the posterior p̂_k.
+        posterior = info.mul_(prior).add_(self._one).reciprocal_().mul_(prior)
+        if isinstance(self.floor, Tensor):
+            torch.maximum(posterior, self.floor, out=posterior)
+        elif self.floor is not None:
+            posterior.clamp_min_(self.floor)
+        update.mul_(posterior)
+        applied = torch.isfinite(innovation).all() & torch.isfinite(update.sum() + posterior.sum())
+        torch.where(applied, update, self._zero, out=update)
+        torch.where(applied, posterior, cov, out=cov)
+        if all(p.dtype == dtype for p in params):
+            torch._foreach_add_(list(params), self._update_views)
+        else:
+            for param, d in zip(params, self._update_views, strict=True):
+                param.add_(d.to(param.dtype))
+        step.add_(applied.to(step.dtype))
+        nan = torch.full((), math.nan, dtype=dtype, device=self.device)
+        diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": nan}
+        return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+
     def statistics(self, cov: Tensor) -> dict[str, Tensor]:
         """``p_mean``, ``p_min``, ``p_max`` of the flat ``p̂`` ``cov`` and ``gain_norm`` of the last :meth:`run`."""
         p_min, p_max = torch.aminmax(cov)
@@ -283,6 +346,7 @@ def loko_update(
     statistics: bool = True,
     samples: int = 1,
     p_floor: Sequence[float] | float = 0.0,
+    form: str = "covariance",
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -333,6 +397,9 @@ def loko_update(
             Ignored when ``plan`` is given (the plan's own).
         p_floor: a floor on ``p̂`` (not the paper; 0: none): after the update, :math:`\hat p_k \leftarrow
             \max(\hat p_k, \text{p\_floor})`, one value or one per parameter. Ignored when ``plan`` is given.
+        form: ``"covariance"``: the above; ``"information"``: the diagonal information-form update of a
+            :class:`~loko_lightning.observation.NaturalGradient` observation (:meth:`UpdatePlan.run_information`;
+            ``R``, ``beta``, ``r_estimator`` and ``rcond`` are then unused).
 
     Returns:
         Diagnostics as 0-d tensors: ``applied``, ``innovation_norm``, ``cond`` (of ``S``'s kept spectrum) and, with
@@ -349,10 +416,18 @@ def loko_update(
         plan = UpdatePlan(
             jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor
         )
-    kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics)
+    if form not in ("covariance", "information"):
+        raise ValueError(f"Invalid form: {form!r} (expected 'covariance' or 'information')")
+
+    def run(flat: Tensor) -> dict[str, Tensor]:
+        if form == "information":
+            return plan.run_information(params, jacobians, flat, prediction, target, step, statistics=statistics)
+        kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics)
+        return plan.run(params, jacobians, flat, prediction, target, R, step, **kwargs)
+
     if cov_flat is not None:
-        return plan.run(params, jacobians, cov_flat, prediction, target, R, step, **kwargs)
+        return run(cov_flat)
     flat = plan.flatten(covs)
-    diagnostics = plan.run(params, jacobians, flat, prediction, target, R, step, **kwargs)
+    diagnostics = run(flat)
     torch._foreach_copy_(list(covs), plan.views(flat))
     return diagnostics
