@@ -4,10 +4,14 @@ Usage:
     python benchmarks/step_time.py                      # resnet18/m=10, resnet50/m=100, MiniLM text/m=2
     python benchmarks/step_time.py --cases resnet18:10 --steps 30 --text-cases
     python benchmarks/step_time.py --cases --text-cases minilm:2 --seq-len 64   # the text case alone
+    python benchmarks/step_time.py --observation natural --cases vit_base_patch16_224:100 --text-cases \
+        --image-size 224 --target qkv                  # another observation, ViT-B/16 at 224 px
 
 For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
-``groups == 1`` plus a new ``m``-class head, 32x32 input. A LoKO step is a call of a
-``JacobianEngine(..., factorize=True)`` built once per model, as the training loop builds it, plus ``LoKO.step``;
+``groups == 1`` (``--target``) plus a new ``m``-class head, 32x32 input (``--image-size``). A LoKO step is
+``JacobianEngine(..., factorize=True).observe`` (the engine built once per model, as the training loop builds it)
+plus ``LoKO.step``, with the observation ``--observation`` (``softmax``: the paper's; ``natural``/``natural_exact``:
+the natural-gradient filter, one or ``m + 1`` reverse rows);
 an AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by step after a warm-up,
 and the script prints medians as ratios to the AdamW step (absolute times on a shared machine are noise; ratios
 measured side by side are not), the Kalman arithmetic's share of the LoKO step, and the peak memory of each step
@@ -47,17 +51,29 @@ from torch.nn import functional as F
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.models import TimmClassifier
 
+OPTIONS = {"observation": "softmax", "target": "convs", "image_size": 32}
+
 
 def build(backbone: str, num_classes: int) -> nn.Module:
-    """The backbone with LoRA rank 4 on every ``groups == 1`` conv and a new ``num_classes`` head, in eval mode."""
-    return TimmClassifier(backbone, num_classes, pretrained=False, target="convs", r=4, head_init="timm")().eval()
+    """The backbone with LoRA rank 4 on ``--target`` and a new ``num_classes`` head, in eval mode."""
+    target = OPTIONS["target"]
+    return TimmClassifier(backbone, num_classes, pretrained=False, target=target, r=4, head_init="timm")().eval()
 
 
-def loko_step(engine, opt, x, y_onehot, timings):
+def new_loko(params: list[torch.Tensor]) -> LoKO:
+    return LoKO(params, p0=0.2 if OPTIONS["observation"] == "softmax" else 0.03, seed=0,
+                observation=OPTIONS["observation"])  # fmt: skip
+
+
+def image() -> torch.Tensor:
+    return torch.randn(1, 3, OPTIONS["image_size"], OPTIONS["image_size"])
+
+
+def loko_step(engine, opt, x, label, timings):
     start = time.perf_counter()
-    prediction, jacobians = engine(x)
+    prediction, target, jacobians = engine.observe(x, label)
     mid = time.perf_counter()
-    opt.step(lambda: (prediction, y_onehot, jacobians))
+    opt.step(lambda: (prediction, target, jacobians))
     end = time.perf_counter()
     timings["loko"].append(end - start)
     timings["jacobian"].append(mid - start)
@@ -95,18 +111,16 @@ def time_case(backbone: str, m: int, steps: int, warmup: int, seq_len: int | Non
     model_adamw = build_text(backbone, m) if text else build(backbone, m)
     params_loko = [p for p in model_loko.parameters() if p.requires_grad]
     params_adamw = [p for p in model_adamw.parameters() if p.requires_grad]
-    opt_loko = LoKO(params_loko, p0=0.2, seed=0)
-    engine = JacobianEngine(model_loko, params_loko, factorize=True)
+    opt_loko = new_loko(params_loko)
+    engine = JacobianEngine(model_loko, params_loko, factorize=True, observation=opt_loko.observation)
     opt_adamw = torch.optim.AdamW(params_adamw, lr=1e-4, weight_decay=1e-4)
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
     plans = set()
     for i in range(warmup + steps):
-        if text:
-            x = tokens(int(torch.randint(seq_len // 4, seq_len + 1, ())) if mixed else seq_len)
-        else:
-            x = torch.randn(1, 3, 32, 32)
+        length = int(torch.randint(seq_len // 4, seq_len + 1, ())) if text and mixed else seq_len
+        x = tokens(length) if text else image()
         label = torch.randint(m, (1,))
-        loko_step(engine, opt_loko, x, F.one_hot(label[0], m).float(), timings)
+        loko_step(engine, opt_loko, x, label, timings)
         adamw_step(model_adamw, opt_adamw, x, label, timings)
         if i == warmup - 1:
             timings = {k: [] for k in timings}
@@ -141,14 +155,14 @@ def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
     torch.manual_seed(0)
     model = build(backbone, m)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = LoKO(params, seed=0) if kind == "loko" else torch.optim.AdamW(params, lr=1e-4)
-    x = torch.randn(1, 3, 32, 32)
+    opt = new_loko(params) if kind == "loko" else torch.optim.AdamW(params, lr=1e-4)
+    x = image()
     label = torch.randint(m, (1,))
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
     step = loko_step if kind == "loko" else adamw_step
-    target = F.one_hot(label[0], m).float() if kind == "loko" else label
-    model = JacobianEngine(model, params, factorize=True) if kind == "loko" else model  # what the step calls
-    step(model, opt, x, target, timings)  # optimizer state (AdamW's is lazy) and the engine's caches now exist
+    if kind == "loko":  # what the step calls
+        model = JacobianEngine(model, params, factorize=True, observation=opt.observation)
+    step(model, opt, x, label, timings)  # optimizer state (AdamW's is lazy) and the engine's caches now exist
     try:
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # resident but free heap memory would hide the step's peak
@@ -158,7 +172,7 @@ def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
     except OSError:
         return math.nan
     for _ in range(steps):
-        step(model, opt, x, target, timings)
+        step(model, opt, x, label, timings)
     return (_status_kib("VmHWM") - baseline) / 1024
 
 
@@ -170,8 +184,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each kind per case")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object per case")
+    parser.add_argument("--observation", default="softmax", help="LoKO's observation: softmax, natural, ...")
+    parser.add_argument("--target", default="convs", help="LoRA target preset of the image backbones")
+    parser.add_argument("--image-size", type=int, default=32, help="input size of the image cases")
     parser.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    OPTIONS.update(observation=args.observation, target=args.target, image_size=args.image_size)
     if args._memory:
         backbone, m, kind, steps = args._memory
         print(peak_memory(backbone, int(m), kind, int(steps)))
@@ -182,7 +200,21 @@ def main(argv: list[str] | None = None) -> None:
         row = time_case(backbone, int(m), args.steps, args.warmup)
         for kind in ("loko", "adamw"):
             out = subprocess.run(
-                [sys.executable, __file__, "--_memory", backbone, m, kind, "3"],
+                [
+                    sys.executable,
+                    __file__,
+                    "--_memory",
+                    backbone,
+                    m,
+                    kind,
+                    "3",
+                    "--observation",
+                    args.observation,
+                    "--target",
+                    args.target,
+                    "--image-size",
+                    str(args.image_size),
+                ],  # fmt: skip
                 check=True,
                 capture_output=True,
                 text=True,
@@ -199,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             if args.json:
                 print(json.dumps(row))
-    print(f"\ntorch {torch.__version__}, {rows[0]['threads']} threads, median of {args.steps} alternating steps\n")
+    print(f"\ntorch {torch.__version__}, {rows[0]['threads']} threads, median of {args.steps} alternating steps, "
+          f"observation {args.observation}, {args.image_size} px images, LoRA target {args.target}\n")  # fmt: skip
     print(
         "| backbone | m | trainable | LoKO / AdamW | Jacobian / AdamW | Kalman share of LoKO step "
         "| peak step memory LoKO | peak step memory AdamW | plans |"

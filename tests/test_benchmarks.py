@@ -33,10 +33,13 @@ def scripts():
         patch.syspath_prepend(str(BENCHMARKS))
         import common
         import compare
+        import drift_recovery
         import p0_range
         import scale
 
-    return SimpleNamespace(common=common, compare=compare, p0_range=p0_range, scale=scale)
+    return SimpleNamespace(
+        common=common, compare=compare, drift_recovery=drift_recovery, p0_range=p0_range, scale=scale
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -449,3 +452,22 @@ def test_step_size_measures_each_step_and_the_shrinking_p_hat(scripts, tmp_path)
     ]  # fmt: skip
     loko = recorded["loko"]["sizes"]
     assert float(rows[0]["mean_step_size"]) == pytest.approx(sum(loko[:5]) / 5, rel=1e-12)
+
+
+def test_drift_recovery_counts_samples_until_a_post_change_window_is_back_to_90_percent(scripts, tmp_path, capsys):
+    drift = scripts.drift_recovery
+    # Recent accuracy (window 2) per sample: 0.8 before the change at 4, then 0.0, 0.5, 0.75 (>= 0.72), 1.0.
+    recent = {1: 0.5, 2: 0.7, 3: 0.8, 4: 0.8, 5: 0.4, 6: 0.0, 7: 0.5, 8: 0.75, 9: 1.0, 10: 1.0, 11: 0.0, 12: 0.0}
+    assert drift.recoveries(recent, every=4, window=2, fraction=0.9, end=12) == [
+        (4, 0.8, 4, 4),  # sample 8 = change + 4; sample 5 (0.4) and 6 still held pre-change predictions or failed
+        (8, 0.75, 2, 4),  # the window of samples 9-10 is all after the change and at 1.0
+    ]
+    path = tmp_path / "metrics.csv"
+    rows = [{"optimizer": "loko", "seed": s, "samples": t, "recent_acc": a} for s in (0, 1) for t, a in recent.items()]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["optimizer", "seed", "samples", "recent_acc"])
+        writer.writeheader()
+        writer.writerows(rows)
+    drift.main([str(path), "--drift-every", "4", "--window", "2"])
+    out = capsys.readouterr().out
+    assert "| loko | 2 | 4 ± 0 (pre 80.0%) | 2 ± 0 (pre 75.0%) |" in out

@@ -75,7 +75,14 @@ def test_every_config_has_the_four_sections_and_builds(path, tmp_path):
     assert cli.datamodule.hparams.preprocessing == cli.model.network_factory.preprocessing()  # the data follows it
 
 
-PAPER_LOKO = {"p0": 0.2, "p0_init": "uniform", "beta": 0.95, "r_estimator": "taylor", "process_noise": 0.0}
+PAPER_LOKO = {
+    "p0": 0.2,
+    "p0_init": "uniform",
+    "beta": 0.95,
+    "r_estimator": "taylor",
+    "process_noise": 0.0,
+    "observation": "softmax",
+}
 
 
 @pytest.mark.parametrize("name", ["fashion_mnist_lite0", "cifar10_resnet18", "sst2_roberta_base"])
@@ -88,6 +95,10 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tm
         "1e-5",
         "--model.optimizer.beta",
         "0.9",
+        "--model.optimizer.observation",
+        "natural",
+        "--model.optimizer.r_estimator",
+        "softmax",
     ]
     preset = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
     extra = ["--trainer.logger", "false", "--data.root", str(tmp_path)]
@@ -103,8 +114,10 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tm
     for key in ("plain", "pinned"):
         assert {k: groups[key][k] for k in PAPER_LOKO} == PAPER_LOKO, key
         assert groups[key]["p_floor"] == 0.0
-    assert (groups["unpinned"]["p0"], groups["unpinned"]["process_noise"], groups["unpinned"]["beta"]) == (
+    unpinned = groups["unpinned"]
+    assert (unpinned["p0"], unpinned["process_noise"], unpinned["beta"], unpinned["observation"]) == (
         0.05,
         1e-5,
         0.9,
+        "natural",
     )

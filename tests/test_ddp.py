@@ -141,6 +141,54 @@ def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
     assert change > 1e-3  # the parameters moved: the comparison means something
 
 
+def natural_setup():
+    torch.manual_seed(0)
+    model = SmallConvNet()
+    opt = LoKO(model.parameters(), p0=0.05, seed=1, observation="natural_exact")
+    return model, opt, [(x.float(), y.float()) for x, y in conv_stream(2 * STEPS)]
+
+
+def natural_worker(rank, world, port, out):
+    """The natural-gradient observation under the interleaved stream: each rank observes its sample with its label."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, opt, items = natural_setup()
+        with JacobianEngine(model, observation=opt.observation, factorize=True) as engine:
+            for step in range(STEPS):
+                x, y = items[world * step + rank]
+                opt.step(lambda x=x, y=y: all_gather_observations(*engine.observe(x, y.argmax()[None], batched=True)))
+        mine = state(model, opt)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        if rank == 0:
+            torch.save({"states": gathered, "step": int(opt.diagnostics["step"])}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_natural_gradient_ranks_stay_identical_and_equal_one_process_with_both_samples(tmp_path):
+    """The exact-Fisher natural gradient (m + 1 rows per sample, chosen from each rank's own label): both ranks hold
+    the same bits after 30 joint steps, and they are the bits of one process observing the two samples jointly
+    (each through its own batch of one, as on the ranks)."""
+    out = tmp_path / "result.pt"
+    mp.start_processes(natural_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    result = torch.load(out)
+    first, second = result["states"]
+    assert result["step"] == STEPS and torch.equal(first, second)
+
+    model, opt, items = natural_setup()
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with JacobianEngine(model, observation=opt.observation, factorize=True) as engine:
+        for step in range(STEPS):
+            parts = [engine.observe(x, y.argmax()[None], batched=True) for x, y in items[2 * step : 2 * step + 2]]
+            prediction, target = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            blocks = [_cat(a, b) for a, b in zip(parts[0][2], parts[1][2], strict=True)]
+            opt.step(lambda prediction=prediction, target=target, blocks=blocks: (prediction, target, blocks))
+    assert torch.equal(state(model, opt), first)
+    assert (first[: start.numel()] - start.double()).abs().max() > 1e-3  # the parameters moved
+
+
 def ragged_blocks(rank):
     """Rank ``rank``'s observation: texts padded to ``3 + rank`` positions, so its factored block has that many."""
     gen = torch.Generator().manual_seed(10 + rank)

@@ -12,7 +12,7 @@ import torch
 from runs import loader, outputs, stream, tiny, trainer
 from torch.nn import functional as F
 
-from loko_lightning import LoKO, jacobian
+from loko_lightning import JacobianEngine, LoKO, jacobian
 from loko_lightning.cli import LoKOCLI, main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
@@ -126,6 +126,25 @@ def test_loko_updates_match_the_plain_optimizer():
             return prediction, y, jacobians
 
         opt.step(closure)
+    for p, q in zip(params, module.trainable_parameters, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("observation", ["natural", "natural_exact"])
+def test_natural_gradient_updates_in_the_learner_match_the_plain_optimizer(observation):
+    """The learner hands the optimizer's observation to its Jacobian engine, which then takes the label."""
+    torch.manual_seed(0)
+    module = tiny(p0=0.05, p0_init="constant", observation=observation)
+    reference = copy.deepcopy(module.network)
+    items = stream(5)
+    trainer().fit(module, loader(items))
+    assert module.online_acc.update_count == 5
+
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = LoKO(params, p0=0.05, p0_init="constant", observation=observation)
+    engine = JacobianEngine(reference, params, observation=observation, factorize=True)
+    for item in items:
+        opt.step(lambda item=item: engine.observe(item["inputs"][None], item["label"][None]))
     for p, q in zip(params, module.trainable_parameters, strict=True):
         assert torch.equal(p, q)
 

@@ -92,7 +92,7 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
     loader = dm.train_dataloader()
     assert len(loader) == N_TRAIN and [int(b["position"]) for b in loader] == list(range(13, N_TRAIN))
     # Only samples that reach training advance it (on_before_batch_transfer); the class names (label ids) come too.
-    assert dm.state_dict() == {**state, "classes": dm.classes}
+    assert dm.state_dict() == {**state, "drift_every": None, "classes": dm.classes}
     assert [int(b["position"]) for b in loader] == list(range(N_TRAIN))  # the next pass is the whole stream
     assert loader.state_dict() == {}  # the position is saved once, by the DataModule
     assert int(next(iter(dm.train_dataloader()))["position"]) == 0  # a fresh fit starts over
@@ -118,7 +118,40 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
     cursor = StreamCursor("cifar10", 0, N_TRAIN, None)
     cursor.load_state_dict(state)
     cursor.advance_past(15)
-    assert cursor.state_dict() == {**state, "position": 16}
+    assert cursor.state_dict() == {**state, "drift_every": None, "position": 16}
+
+
+# ---------------------------------------------------------------- drifting labels
+def test_drifting_stream_permutes_the_labels_exactly_every_drift_every_positions(cifar10):
+    plain = make(cifar10, dataset="cifar10", seed=2)
+    drifting = make(cifar10, dataset="cifar10", seed=2, drift_every=6)
+    classes = len(plain.classes)
+    true = [int(plain.train_stream[p]["label"]) for p in range(N_TRAIN)]
+    shown = [int(drifting.train_stream[p]["label"]) for p in range(N_TRAIN)]
+    assert [decode(b["inputs"][0]) for b in drifting.train_dataloader()] == stream_ids(plain)  # same samples
+    assert shown[:6] == true[:6]  # the first segment keeps the dataset's labels
+    mappings = [drifting.train_stream.drift.mapping(s) for s in range(4)]  # positions 0-5, 6-11, 12-17, 18-19
+    for position in range(N_TRAIN):
+        assert shown[position] == mappings[position // 6][true[position]]
+    for before, after in zip(mappings, mappings[1:], strict=False):
+        assert sorted(after) == list(range(classes)) and after != before  # a permutation, changed at each boundary
+    again = make(cifar10, dataset="cifar10", seed=2, drift_every=6)
+    assert [int(again.train_stream[p]["label"]) for p in range(N_TRAIN)] == shown  # from (seed, segment) alone
+    other = make(cifar10, dataset="cifar10", seed=3, drift_every=6)
+    assert other.train_stream.drift.mapping(1) != mappings[1] or other.train_stream.drift.mapping(2) != mappings[2]
+    held_out = [int(drifting.eval_dataset[i]["label"]) for i in range(len(drifting.eval_dataset))]
+    assert held_out == [int(plain.eval_dataset[i]["label"]) for i in range(len(plain.eval_dataset))]
+
+
+def test_drift_every_is_checked_and_part_of_the_stream_identity(cifar10):
+    with pytest.raises(ConfigError, match="drift_every must be a positive integer") as err:
+        StreamDataModule("cifar10", root=str(cifar10), drift_every=0)
+    assert err.value.field == "drift_every"
+    state = make(cifar10, dataset="cifar10", drift_every=6).state_dict()
+    assert state["drift_every"] == 6
+    with pytest.raises(ConfigError, match=r"drift_every=6 but this run's has drift_every=None.*drift_every=6") as err:
+        make(cifar10, dataset="cifar10").load_state_dict(state)
+    assert err.value.field == "drift_every"
 
 
 # Lightning's notes about the deliberately minimal module below (no validation_step, manual optimization).
@@ -138,6 +171,8 @@ class Killed(Exception):
 class Recorder(pl.LightningModule):
     """Records the stream positions and input checksums that reach training_step; one manual optimizer step each.
 
+    ``labels`` records the labels that reach it, in the same order.
+
     Args:
         crash_at: raise in training_step at this stream position (a run that dies mid-stream).
         estimate_steps: ask ``trainer.estimated_stepping_batches`` in configure_optimizers, as an LR schedule does
@@ -150,6 +185,7 @@ class Recorder(pl.LightningModule):
         self.automatic_optimization = False
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.seen: list[tuple[int, bool, float]] = []
+        self.labels: list[int] = []
         self.crash_at = crash_at
 
     def training_step(self, batch, batch_idx):
@@ -157,6 +193,7 @@ class Recorder(pl.LightningModule):
         if int(batch["position"]) == self.crash_at:
             raise Killed(f"stopped at stream position {self.crash_at}")
         self.seen.append((int(batch["position"]), bool(batch["ood"]), float(batch["inputs"].double().sum())))
+        self.labels.append(int(batch["label"]))
         optimizer = self.optimizers()
         optimizer.zero_grad()
         self.manual_backward((self.weight * batch["inputs"].mean()).sum())
@@ -227,6 +264,23 @@ def test_resume_from_a_mid_stream_checkpoint_is_bit_exact_with_ood(cifar10, tmp_
     resumed = Recorder()
     trainer(tmp_path).fit(resumed, datamodule=datamodule(), ckpt_path=tmp_path / "ckpt" / "step=10.ckpt")
     assert resumed.seen == full.seen[10:]
+
+
+@quiet_trainer
+def test_a_drifting_stream_resumed_mid_stream_shows_the_same_labels(cifar10, tmp_path):
+    def datamodule():
+        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=1, drift_every=4)
+
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, filename="{step}")
+    full = Recorder()
+    trainer(tmp_path, callbacks=[every]).fit(full, datamodule=datamodule())
+    resumed = Recorder()
+    trainer(tmp_path).fit(resumed, datamodule=datamodule(), ckpt_path=tmp_path / "ckpt" / "step=10.ckpt")
+    assert resumed.seen == full.seen[10:] and resumed.labels == full.labels[10:]
+    plain = StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=1)
+    plain.setup("fit")
+    true = [int(plain.train_stream[p]["label"]) for p, _, _ in full.seen]
+    assert full.labels[:4] == true[:4] and full.labels != true  # the labels drift after the first segment
 
 
 @quiet_trainer

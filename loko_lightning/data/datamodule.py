@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from loko_lightning.data.perturbations import Perturbation, RotationJitter
 from loko_lightning.data.sources import HOLDOUT_SEED, Source, Splits, get_source
-from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
+from loko_lightning.data.stream import HeldOutDataset, LabelDrift, StreamCursor, StreamDataLoader, StreamDataset
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
@@ -56,8 +56,8 @@ class StreamDataModule(pl.LightningDataModule):
     of it and a resumed run continues mid-epoch at the next sample.
 
     A run resumed with ``ckpt_path`` continues at the next unseen sample (exact when ``batch_size`` and the number of
-    processes are those of the run that saved it); resuming onto another dataset, seed, stream length or OOD period
-    is refused.
+    processes are those of the run that saved it); resuming onto another dataset, seed, stream length, OOD period
+    or drift period is refused.
 
     Args:
         dataset: which registered source (:data:`~loko_lightning.data.SOURCES`) to stream, e.g. ``cifar10``,
@@ -77,6 +77,9 @@ class StreamDataModule(pl.LightningDataModule):
             ``ood_jitter`` (the paper: 100, 30 degrees, 0.5), drawn from ``(seed, position)``.
         ood_rotation: largest absolute rotation of an OOD sample, in degrees.
         ood_jitter: brightness/contrast factors of an OOD sample are drawn from ``[1 - ood_jitter, 1 + ood_jitter]``.
+        drift_every: a drifting stream: every ``drift_every`` stream positions the class-to-label mapping changes
+            to a new permutation drawn from ``(seed, segment)`` (:class:`~loko_lightning.data.stream.LabelDrift`);
+            the first ``drift_every`` positions keep the dataset's labels, the held-out split always does.
         eval_max_samples: evaluate on at most this many held-out samples (a fixed, seeded subset).
         eval_batch_size: batch size of the validation/test loaders.
         num_workers: DataLoader worker processes.
@@ -115,6 +118,7 @@ class StreamDataModule(pl.LightningDataModule):
         ood_every: int | None = None,
         ood_rotation: float = 30.0,
         ood_jitter: float = 0.5,
+        drift_every: int | None = None,
         eval_max_samples: int | None = None,
         eval_batch_size: int = 64,
         num_workers: int = 0,
@@ -142,6 +146,7 @@ class StreamDataModule(pl.LightningDataModule):
         self.max_samples = max_samples
         self.seed = seed
         self.ood_every = ood_every
+        self.drift_every = drift_every
         self.eval_max_samples = eval_max_samples
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
@@ -208,10 +213,20 @@ class StreamDataModule(pl.LightningDataModule):
         if self.max_samples is not None:
             order = order[: self.max_samples]
         order = _epochs(order, self.epochs, self.seed)
-        self.train_stream = StreamDataset(splits.train.dataset, order, self.transform, self.seed, self.perturbation)
+        drift = None if self.drift_every is None else LabelDrift(self.drift_every, len(self.classes), self.seed)
+        self.train_stream = StreamDataset(
+            splits.train.dataset, order, self.transform, self.seed, self.perturbation, drift
+        )
         eval_indices = _eval_subset(splits.held_out.indices, self.eval_max_samples)
         self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
-        self.cursor = StreamCursor(self.dataset, self.seed, len(self.train_stream), self.ood_every, owner=type(self))
+        self.cursor = StreamCursor(
+            self.dataset,
+            self.seed,
+            len(self.train_stream),
+            self.ood_every,
+            owner=type(self),
+            drift_every=self.drift_every,
+        )
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -329,6 +344,7 @@ def _check_arguments(values: dict[str, Any]) -> None:
         "num_classes",
         "max_samples",
         "ood_every",
+        "drift_every",
         "eval_max_samples",
         "eval_batch_size",
         "batch_size",

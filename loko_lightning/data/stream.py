@@ -31,6 +31,7 @@ class StreamDataset(Dataset):
         transform: preprocessing of a raw sample into the model's inputs.
         seed: stream seed; with the position it determines each perturbed sample.
         perturbation: inserts perturbed samples (``None``: none).
+        drift: relabels each sample from its stream position (:class:`LabelDrift`; ``None``: labels as they are).
     """
 
     def __init__(
@@ -40,12 +41,14 @@ class StreamDataset(Dataset):
         transform: Callable[[Any], Any],
         seed: int = 0,
         perturbation: Perturbation | None = None,
+        drift: LabelDrift | None = None,
     ) -> None:
         self.base = base
         self.order = [int(i) for i in order]
         self.transform = transform
         self.seed = seed
         self.perturbation = perturbation
+        self.drift = drift
 
     def __len__(self) -> int:
         n = len(self.order)
@@ -71,12 +74,49 @@ class StreamDataset(Dataset):
         sample, label = self.base[self.order[k]]
         if perturbed:
             sample = self.perturbation(sample, position, self.seed)
+        if self.drift is not None:
+            label = self.drift(int(label), position)
         return {
             "inputs": self.transform(sample),
             "label": torch.tensor(int(label), dtype=torch.int64),
             "position": torch.tensor(position, dtype=torch.int64),
             "ood": torch.tensor(perturbed),
         }
+
+
+class LabelDrift:
+    """A stream whose class-to-label mapping changes every ``every`` positions (a concept drift of known timing).
+
+    Positions ``[0, every)`` show the dataset's own labels; segment ``s = position // every`` (``s >= 1``) shows
+    label ``mapping_s[c]`` for class ``c``, where ``mapping_s`` is a permutation of the ``num_classes`` labels drawn
+    from ``seed`` and ``s`` alone (a fresh generator per segment), so any position's label is known without
+    replaying the stream and a resumed run sees the same labels. A new mapping that happens to equal the previous
+    one is drawn again, so every change point changes at least two labels.
+
+    Args:
+        every: positions per segment (``>= 1``).
+        num_classes: the number of labels permuted.
+        seed: the stream seed.
+    """
+
+    def __init__(self, every: int, num_classes: int, seed: int) -> None:
+        self.every, self.num_classes, self.seed = every, num_classes, seed
+        self._mappings: dict[int, list[int]] = {0: list(range(num_classes))}
+
+    def mapping(self, segment: int) -> list[int]:
+        """``mapping[c]``: the label class ``c`` has in ``segment``."""
+        if segment not in self._mappings:
+            previous = self.mapping(segment - 1)
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + segment)
+            drawn = previous
+            while drawn == previous and self.num_classes > 1:
+                drawn = torch.randperm(self.num_classes, generator=generator).tolist()
+            self._mappings[segment] = drawn
+        return self._mappings[segment]
+
+    def __call__(self, label: int, position: int) -> int:
+        """The label class ``label`` shows at stream ``position``."""
+        return self.mapping(position // self.every)[label]
 
 
 class HeldOutDataset(Dataset):
@@ -102,7 +142,7 @@ class HeldOutDataset(Dataset):
 
 
 class StreamCursor:
-    """The stream's identity (dataset, seed, length, OOD period) and the next position to train on.
+    """The stream's identity (dataset, seed, length, OOD and drift periods) and the next position to train on.
 
     Args:
         dataset: dataset name.
@@ -111,10 +151,17 @@ class StreamCursor:
         ood_every: OOD period (``None``: no OOD samples).
         position: next stream position to train on.
         owner: the class whose arguments (``dataset``, ``seed``, ...) define the stream, named in errors.
+        drift_every: drift period (``None``: no drift).
     """
 
     # A differing saved value, and the argument that makes it match again.
-    _FIELDS = {"dataset": "dataset", "seed": "seed", "ood_every": "ood_every", "length": "max_samples"}
+    _FIELDS = {
+        "dataset": "dataset",
+        "seed": "seed",
+        "ood_every": "ood_every",
+        "drift_every": "drift_every",
+        "length": "max_samples",
+    }
 
     def __init__(
         self,
@@ -124,11 +171,13 @@ class StreamCursor:
         ood_every: int | None,
         position: int = 0,
         owner: type | None = None,
+        drift_every: int | None = None,
     ) -> None:
         self.dataset = dataset
         self.seed = seed
         self.length = length
         self.ood_every = ood_every
+        self.drift_every = drift_every
         self.position = position
         self.owner = owner
 
@@ -144,6 +193,7 @@ class StreamCursor:
             "length": self.length,
             "dataset": self.dataset,
             "ood_every": self.ood_every,
+            "drift_every": self.drift_every,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -162,9 +212,10 @@ class StreamCursor:
             "seed": f"resume with seed={state.get('seed')}",
             "length": "resume with the same data, max_samples and ood_every",
             "ood_every": f"resume with ood_every={state.get('ood_every')}",
+            "drift_every": f"resume with drift_every={state.get('drift_every')}",
         }
         for key, field in self._FIELDS.items():
-            saved, ours = state.get(key), getattr(self, key)
+            saved, ours = state.get(key), getattr(self, key)  # checkpoints from before drift_every: no drift
             if saved != ours:
                 raise ConfigError(
                     f"the checkpoint's stream has {key}={saved!r} but this run's has {key}={ours!r}; resuming would "
