@@ -36,6 +36,7 @@ __all__ = [
     "Observation",
     "Regression",
     "Softmax",
+    "TopK",
     "check_probabilities",
     "get_observation",
 ]
@@ -50,15 +51,17 @@ class Observation:
             ``S`` is singular along the all-ones vector of each sample).
         r_estimators: the observation-noise estimators (:data:`loko_lightning.kalman.noise.R_ESTIMATORS`) that apply;
             the first is the default.
-        form: ``"covariance"``: the rows of ``H`` are ``∂ŷ/∂θ̃`` and the optimizer runs Algorithm 1;
-            ``"information"``: the rows are the ones :meth:`cotangents` chooses from the label, and the optimizer
-            runs the diagonal information-form update (:meth:`loko_lightning.kalman.update.UpdatePlan.run_information`).
+        form: ``"covariance"``: the optimizer runs Algorithm 1 on the rows of ``H``; ``"information"``: the
+            diagonal information-form update (:meth:`loko_lightning.kalman.update.UpdatePlan.run_information`).
+        needs_label: the rows of ``H`` depend on the label (:meth:`cotangents`), so the Jacobian engine takes it
+            (:meth:`loko_lightning.JacobianEngine.observe`).
     """
 
     name: ClassVar[str]
     sums_to_one: ClassVar[bool] = False
     r_estimators: ClassVar[tuple[str, ...]] = ("taylor", "residual", "identity", "decay")
     form: ClassVar[str] = "covariance"
+    needs_label: ClassVar[bool] = False
 
     def predict(self, outputs: Tensor) -> Tensor:
         """The prediction ``ŷ`` from the network's outputs ``(..., m)`` (differentiable: the Jacobian is of this)."""
@@ -74,6 +77,11 @@ class Observation:
         :class:`~loko_lightning.LoKO` runs it on its first step and whenever the Jacobian layout changes.
         """
 
+    @property
+    def spec(self) -> str:
+        """The name that :func:`get_observation` turns back into this observation (with its arguments)."""
+        return self.name
+
     def reverse_rows(self, m: int) -> int:
         """How many rows of ``H`` the reverse pass computes for ``m`` outputs (the rest follow from them)."""
         return m - 1 if self.sums_to_one and m > 1 else m
@@ -81,6 +89,21 @@ class Observation:
     def rows(self, m: int) -> int:
         """How many rows of ``H`` the optimizer receives per sample for ``m`` outputs (``m``: all of ``∂ŷ/∂θ̃``)."""
         return m
+
+    def observed(self, prediction: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """The coordinates the filter observes, when they are not all ``m`` outputs; ``None``: all of them.
+
+        Args:
+            prediction: ``ŷ``, ``(B, m)``.
+            target: ``y``, ``(B, m)``.
+
+        Returns:
+            ``None``, or ``(A, G, prediction, target)``: each sample's aggregation ``A`` (``(B, rows, m)``, the
+            observed coordinates are ``A ŷ``, in the order of ``H``'s rows), a lift ``G`` of the same shape with
+            ``A Gᵀ = I`` (an estimate ``R̂`` in the observed coordinates is ``Gᵀ R̂ G`` in the outputs'), and the
+            observed prediction and target ``(B, rows)``.
+        """
+        return None
 
     def cotangents(self, prediction: Tensor, target: Tensor) -> Tensor | None:
         """The cotangents on the network's outputs whose pullbacks are the rows of ``H``; ``None``: ``∂ŷ/∂θ̃``.
@@ -182,6 +205,7 @@ class NaturalGradient(Softmax):
     name = "natural"
     r_estimators = ("softmax",)
     form = "information"
+    needs_label = True
 
     def __init__(self, fisher: str = "empirical") -> None:
         if fisher not in FISHERS:
@@ -209,17 +233,127 @@ class NaturalGradient(Softmax):
             rows.extend(a.movedim(-2, 0).unbind(0))
         return torch.stack(rows)
 
+    @property
+    def spec(self) -> str:
+        """``"natural"`` or ``"natural_exact"``."""
+        return "natural" if self.fisher == "empirical" else "natural_exact"
+
     def __repr__(self) -> str:
         return f"NaturalGradient(fisher={self.fisher!r})"
 
 
+class TopK(Softmax):
+    r"""Class probabilities, of which each step observes only the label, the most probable classes and the rest.
+
+    Not the paper's observation (which is ``k = m - 1``). With ``I`` the label and the ``k`` most probable other
+    classes (``k + 1`` classes, in class order; the label's own rank does not matter), the filter observes the
+    aggregation :math:`u = A\hat y = (\hat y_I, \sum_{j \notin I} \hat y_j)` of ``k + 2`` coordinates (the last one,
+    "the rest", keeps the observed vector a probability vector and is dropped when ``I`` holds every class), with
+    target :math:`A y = (y_I, 0)`. A linear function of the outputs is an observation like any other, so the step
+    is the exact EKF update for it: :math:`H_u = A H`, :math:`e_u = A e`, an ``(k + 2) x (k + 2)`` system. The
+    reverse pass pulls back ``k + 2`` cotangents from the logits (:math:`J_s a` for each row :math:`a` of
+    :math:`A`), not ``m - 1``.
+
+    ``R`` stays one ``m x m`` matrix of class pairs, positive semi-definite: the estimate :math:`\hat R_u` of a step
+    (Taylor or residual, in the observed coordinates) is lifted to the classes as :math:`G^\top \hat R_u G`, where
+    :math:`G` has one-hot rows for ``I`` and spreads the rest over the other classes in proportion to :math:`\hat
+    y` (so :math:`A G^\top = I`), and the EMA runs on ``R``: :math:`R_k = \beta R_{k-1} + (1-\beta) G^\top \hat R_u
+    G` (the mean of the samples' lifts in a joint step). The observed block of ``S`` is :math:`A R_k A^\top =
+    \beta A R_{k-1} A^\top + (1-\beta)\hat R_u`: the EMA in the observed coordinates, whatever classes earlier steps
+    observed. With ``k = m - 1`` (``A = G = I``) this is the paper's observation and EMA.
+
+    Args:
+        k: how many classes besides the label, ``1 <= k <= m - 1`` (checked against ``m`` at the first step).
+    """
+
+    name = "topk"
+    r_estimators = ("taylor", "residual")
+    needs_label = True
+
+    def __init__(self, k: int = 5) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"Invalid k: {k!r} (must be an integer >= 1)", field="k", owner=TopK)
+        self.k = k
+
+    def _fits(self, m: int) -> None:
+        if self.k >= m:
+            raise ConfigError(
+                f"Invalid k: {self.k} for {m} classes (must be at most m - 1 = {m - 1}; k = m - 1 is the full "
+                "observation, observation: softmax)",
+                field="k",
+                owner=TopK,
+            )
+
+    def rows(self, m: int) -> int:
+        """``k + 2`` (``m`` when ``k = m - 1``: every class, no rest)."""
+        self._fits(m)
+        return m if self.k + 1 == m else self.k + 2
+
+    def reverse_rows(self, m: int) -> int:
+        """As :meth:`rows`."""
+        return self.rows(m)
+
+    def index(self, prediction: Tensor, target: Tensor) -> Tensor:
+        """``I`` of each sample, ``(B, k + 1)`` in class order: the label and the ``k`` most probable others."""
+        label = target.argmax(-1, keepdim=True)
+        scores = prediction.detach().clone()
+        scores.scatter_(-1, label, math.inf)  # the label first, whatever its probability
+        return scores.topk(self.k + 1, dim=-1, sorted=False).indices.sort(-1).values
+
+    def aggregation(self, index: Tensor, m: int, dtype: torch.dtype) -> Tensor:
+        """``A`` of each sample, ``(B, rows, m)``: one-hot rows for ``I``, then the rest's indicator row."""
+        one_hot = torch.nn.functional.one_hot(index, m).to(dtype)
+        if index.shape[-1] == m:
+            return one_hot
+        return torch.cat([one_hot, 1 - one_hot.sum(-2, keepdim=True)], -2)
+
+    def lift(self, A: Tensor, prediction: Tensor) -> Tensor:
+        """``G``: ``A``'s one-hot rows, and the rest spread over its classes in proportion to ``ŷ``.
+
+        Uniformly when they all have probability 0.
+        """
+        if A.shape[-2] == A.shape[-1]:
+            return A
+        rest = A[..., -1, :] * prediction
+        total = rest.sum(-1, keepdim=True)
+        uniform = A[..., -1, :] / A[..., -1, :].sum(-1, keepdim=True)
+        spread = torch.where(total > 0, rest / total.clamp_min(torch.finfo(prediction.dtype).tiny), uniform)
+        return torch.cat([A[..., :-1, :], spread[..., None, :]], -2)
+
+    def observed(self, prediction: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``A``, ``G`` and ``(A ŷ, A y)`` of each sample (see the class docstring)."""
+        A = self.aggregation(self.index(prediction, target), prediction.shape[-1], prediction.dtype)
+        G = self.lift(A, prediction)
+        return A, G, (A @ prediction[..., None])[..., 0], (A @ target[..., None])[..., 0]
+
+    def cotangents(self, prediction: Tensor, target: Tensor) -> Tensor:
+        """``J_s a`` for each row ``a`` of ``A`` (``J_s = diag(ŷ) - ŷŷᵀ``, symmetric): ``(rows, [B,] m)``."""
+        self._fits(prediction.shape[-1])
+        batched = prediction.dim() == 2
+        p, y = (prediction, target) if batched else (prediction[None], target[None])
+        A = self.aggregation(self.index(p, y), p.shape[-1], p.dtype)  # (B, rows, m)
+        rows = p[:, None, :] * A - p[:, None, :] * (A @ p[..., None])  # J_s a = ŷ ⊙ a - ŷ (ŷᵀ a)
+        rows = rows.movedim(1, 0)
+        return rows if batched else rows[:, 0]
+
+    @property
+    def spec(self) -> str:
+        """``"topk<k>"``."""
+        return f"topk{self.k}"
+
+    def __repr__(self) -> str:
+        return f"TopK(k={self.k})"
+
+
 #: The observations by name, as ``observation: <name>`` selects them: ``natural`` is the natural-gradient filter
-#: with the empirical Fisher, ``natural_exact`` with the exact one.
+#: with the empirical Fisher, ``natural_exact`` with the exact one; ``topk`` observes the label, the 5 most probable
+#: other classes and the rest (:class:`TopK` with another ``k`` as an instance, or ``topk<k>``, e.g. ``topk3``).
 OBSERVATIONS: dict[str, Callable[[], Observation]] = {
     "softmax": Softmax,
     "regression": Regression,
     "natural": NaturalGradient,
     "natural_exact": partial(NaturalGradient, fisher="exact"),
+    "topk": TopK,
 }
 
 
@@ -232,9 +366,12 @@ def get_observation(observation: str | Observation, *, owner: type | None = None
     if isinstance(observation, Observation):
         return observation
     cls = OBSERVATIONS.get(observation) if isinstance(observation, str) else None
+    if cls is None and isinstance(observation, str) and observation.startswith("topk") and observation[4:].isdigit():
+        cls = partial(TopK, k=int(observation[4:]))
     if cls is None:
         raise ConfigError(
-            f"Invalid observation: {observation!r} (expected one of {tuple(OBSERVATIONS)} or an Observation)",
+            f"Invalid observation: {observation!r} (expected one of {tuple(OBSERVATIONS)}, topk<k> such as topk3, "
+            "or an Observation)",
             field="observation",
             owner=owner,
         )

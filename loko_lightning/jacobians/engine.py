@@ -195,7 +195,7 @@ class JacobianEngine:
         return self._one(inputs, None)
 
     def _refuse_without_label(self) -> None:
-        if self._observation.form == "information":
+        if self._observation.needs_label:
             raise ValueError(
                 f"Invalid call: observation {self._observation.name!r} chooses the rows of H from the label; use "
                 "engine.observe(inputs, label), which returns (prediction, target, jacobians)"
@@ -266,7 +266,7 @@ class JacobianEngine:
         if batched is None:
             batched = _check_inputs(inputs, batch=True).shape[0] > 1
         # An observation that chooses the rows of H from the label gets it in the reverse pass.
-        given = label if self._observation.form == "information" else None
+        given = label if self._observation.needs_label else None
         if not batched:
             prediction, jacobians = self._one(inputs, given)
             return prediction, self._observation.target(label, prediction[None])[0], jacobians

@@ -96,6 +96,7 @@ def observation_noise(
     step: Tensor,
     beta: float,
     samples: int = 1,
+    aggregation: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``R_k`` (``m x m``, the filter's state) and the noise that enters ``S`` (``B·m x B·m``, block-diagonal).
 
@@ -108,6 +109,9 @@ def observation_noise(
         step: ``k``, the 1-based index of this update (0-d tensor).
         beta: forgetting factor of the EMA.
         samples: ``B``.
+        aggregation: ``(A, G)`` (each ``(B, rows, m)``) when each sample observes an aggregation ``A ŷ`` of the outputs
+            (:class:`~loko_lightning.observation.TopK`): ``previous`` is then the ``m x m`` ``R`` of the outputs and
+            the other arguments are in the observed coordinates (see :func:`_aggregated`).
 
     Returns:
         ``(R_k, noise)``; for ``B = 1`` the noise is ``R_k`` itself.
@@ -118,6 +122,8 @@ def observation_noise(
     m = innovation.shape[0] // samples
     blocks = hpht.view(samples, m, samples, m).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (B, m, m)
     estimates = estimator.estimate(innovation.view(samples, m), blocks, prediction.view(samples, m), step)
+    if aggregation is not None:
+        return _aggregated(estimator, previous, estimates, aggregation, beta)
     mean = estimates[0] if samples == 1 else estimates.mean(0)
     if estimator.smoothed:
         R_k = beta * previous + (1.0 - beta) * mean
@@ -127,3 +133,24 @@ def observation_noise(
     if samples == 1:
         return mean, mean
     return mean, torch.block_diag(*estimates.unbind(0))
+
+
+def _aggregated(
+    estimator: NoiseEstimator, previous: Tensor, estimates: Tensor, aggregation: tuple[Tensor, Tensor], beta: float
+) -> tuple[Tensor, Tensor]:
+    """The EMA of ``R`` (``m x m``) with each sample's estimate lifted by ``G_b``, and the blocks ``A_b R_k A_bᵀ``.
+
+    ``R_k = β R_{k-1} + (1 - β) mean_b G_bᵀ R̂_b G_b``: positive semi-definite whenever ``R_{k-1}`` and the
+    estimates are, and ``A_b R_k A_bᵀ = β A_b R_{k-1} A_bᵀ + (1 - β) R̂_b`` for one sample (``A_b G_bᵀ = I``);
+    with ``A_b = G_b = I`` the rule of :func:`observation_noise` for all ``m`` outputs.
+    """
+    if not estimator.smoothed:
+        raise ValueError(f"Invalid r_estimator: {estimator.name!r} is not an EMA; an aggregated observation needs one")
+    A, G = aggregation
+    lifted = G.transpose(1, 2) @ estimates @ G  # (B, m, m)
+    mean = lifted[0] if lifted.shape[0] == 1 else lifted.mean(0)
+    R_k = beta * previous + (1.0 - beta) * mean
+    blocks = A @ R_k @ A.transpose(1, 2)
+    if blocks.shape[0] == 1:
+        return R_k, blocks[0]
+    return R_k, torch.block_diag(*blocks.unbind(0))

@@ -177,7 +177,7 @@ class LoKO(torch.optim.Optimizer):
             process_noise=process_noise,
             p_floor=p_floor,
             rcond=rcond,
-            observation=self.observation.name,
+            observation=self.observation.spec,
         )
         self._dtype = dtype
         # The update plan for the last Jacobian layout and p̂ as one flat vector in its order (the per-parameter
@@ -302,6 +302,10 @@ class LoKO(torch.optim.Optimizer):
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
         m = prediction.shape[0] // samples
+        aggregation = None
+        observed = self.observation.observed(prediction.detach().view(samples, m), target.detach().view(samples, m))
+        if observed is not None:  # an aggregation of the outputs (top-k): the update runs in its coordinates
+            aggregation, prediction, target = observed[:2], observed[2].reshape(-1), observed[3].reshape(-1)
         covs = [self.state[p]["cov"] for p in params]
         shared = self._shared_state(m, prediction.device, covs[0].dtype)
         if self._plan is None:
@@ -330,6 +334,7 @@ class LoKO(torch.optim.Optimizer):
             # p̂'s statistics cost three passes over it: they are computed when diagnostics are read.
             statistics=self._cov_flat is None,
             form=self.observation.form,
+            aggregation=aggregation,
         )
         shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
         diagnostics["skipped"] = shared["skipped"]

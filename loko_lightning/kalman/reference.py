@@ -40,6 +40,7 @@ __all__ = [
     "loko_step_reference_batch",
     "natural_step_reference",
     "pinv_reference",
+    "topk_step_reference",
 ]
 
 
@@ -254,6 +255,79 @@ def natural_step_reference(
         precision = precision + (torch.diagonal(H.T @ R_pinv @ H) if fisher == "exact" else d * d)
     p_new = _floored(1.0 / precision, p_floor)
     return theta.double() + p_new * direction, p_new
+
+
+def topk_step_reference(
+    theta: Tensor,
+    p: Tensor,
+    R: Tensor,
+    H: Tensor,
+    prediction: Tensor,
+    target: Tensor,
+    k: int,
+    *,
+    top: int,
+    beta: float,
+    r_estimator: REstimator,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One LoKO step observing the label, the most probable classes and the rest: dense, float64, by definition.
+
+    The observation is :class:`~loko_lightning.observation.TopK` with ``k = top`` on each of ``B`` samples.
+
+    For sample ``b``: ``I_b`` = its label and the ``top`` most probable other classes, in class order (chosen here
+    by sorting in Python); ``A_b`` the aggregation (one-hot rows for ``I_b``, then the indicator of the other
+    classes, dropped when there are none) and ``G_b`` the lift (the same one-hot rows, then the other classes
+    weighted by ``ŷ`` and normalised to sum 1). The observation is ``A_b ŷ_b`` with Jacobian ``A_b H_b`` and target
+    ``A_b y_b``; ``R̂_b`` the Taylor or residual estimate in those coordinates; ``R_k = β R + (1 - β) mean_b G_bᵀ R̂_b
+    G_b``; sample ``b``'s block of ``S`` is ``A_b R_k A_bᵀ``. Then Algorithm 1's gain and update.
+
+    Args:
+        theta: ``θ̃``, ``(ñ,)``.
+        p: ``p̂``, ``(ñ,)``.
+        R: the ``m x m`` noise of class pairs.
+        H: the full Jacobians ``∂ŷ/∂θ̃``, ``(B, m, ñ)``.
+        prediction: ``ŷ``, ``(B, m)``.
+        target: one-hot ``y``, ``(B, m)``.
+        k: the 1-based index of this step.
+        top: how many classes besides the label.
+        beta: the EMA's forgetting factor.
+        r_estimator: ``"taylor"`` or ``"residual"``.
+
+    Returns:
+        ``(θ̃_k, p̂_k, R_k)``, float64.
+    """
+    theta, p, R, H = theta.double(), p.double(), R.double().clone(), H.double()
+    y_hat, y = prediction.double(), target.double()
+    B, m = y.shape
+    rows_H, rows_e, aggregations, lifted = [], [], [], []
+    for b in range(B):
+        label = int(y[b].argmax())
+        others = sorted((c for c in range(m) if c != label), key=lambda c: -float(y_hat[b, c]))[:top]
+        classes = sorted([label, *others])
+        rest = [c for c in range(m) if c not in classes]
+        A = torch.zeros(len(classes) + bool(rest), m, dtype=torch.float64)
+        for row, c in enumerate(classes):
+            A[row, c] = 1.0
+        G = A.clone()
+        if rest:
+            A[-1, rest] = 1.0
+            G[-1, rest] = y_hat[b, rest] / y_hat[b, rest].sum()
+        H_b, e_b = A @ H[b], A @ (y[b] - y_hat[b])
+        estimate = torch.outer(e_b, e_b)
+        if r_estimator == "taylor":
+            estimate = estimate + H_b @ (p[:, None] * H_b.T)
+        elif r_estimator != "residual":
+            raise ValueError(f"Invalid r_estimator: {r_estimator!r}")
+        rows_H.append(H_b)
+        rows_e.append(e_b)
+        aggregations.append(A)
+        lifted.append(G.T @ estimate @ G)
+    new_R = beta * R + (1 - beta) * sum(lifted) / B
+    Hs, e = torch.cat(rows_H), torch.cat(rows_e)
+    PHt = p[:, None] * Hs.T
+    S = Hs @ PHt + torch.block_diag(*(A @ new_R @ A.T for A in aggregations))
+    K = PHt @ pinv_reference(S)
+    return theta + K @ e, p - (K * Hs.T).sum(1) * p, new_R
 
 
 def _floored(p: Tensor, p_floor: float | Tensor) -> Tensor:

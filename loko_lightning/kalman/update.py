@@ -205,6 +205,7 @@ class UpdatePlan:
         r_estimator: REstimator,
         rcond: float | None = None,
         statistics: bool = True,
+        aggregation: tuple[Tensor, Tensor] | None = None,
     ) -> dict[str, Tensor]:
         """One update with ``p̂`` as the flat vector ``cov`` (this plan's order), updated in place.
 
@@ -218,7 +219,9 @@ class UpdatePlan:
         innovation = target.to(dtype) - prediction
         hpht = self.hpht(jacobians, prior)
         # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
-        R_k, noise = observation_noise(r_estimator, R, innovation, hpht, prediction, step + 1, beta, self.samples)
+        R_k, noise = observation_noise(
+            r_estimator, R, innovation, hpht, prediction, step + 1, beta, self.samples, aggregation
+        )
         S = hpht + noise
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
         # softmax outputs). eigh must never see NaN/Inf (LAPACK fails): a step to be skipped decomposes I instead.
@@ -347,6 +350,7 @@ def loko_update(
     samples: int = 1,
     p_floor: Sequence[float] | float = 0.0,
     form: str = "covariance",
+    aggregation: tuple[Tensor, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -400,6 +404,10 @@ def loko_update(
         form: ``"covariance"``: the above; ``"information"``: the diagonal information-form update of a
             :class:`~loko_lightning.observation.NaturalGradient` observation (:meth:`UpdatePlan.run_information`;
             ``R``, ``beta``, ``r_estimator`` and ``rcond`` are then unused).
+        aggregation: ``(A, G)`` for an observation of an aggregation of the outputs
+            (:class:`~loko_lightning.observation.TopK`): ``prediction`` and ``target`` are then the observed
+            coordinates and ``R`` the ``m x m`` noise of the outputs
+            (:func:`~loko_lightning.kalman.noise.observation_noise`).
 
     Returns:
         Diagnostics as 0-d tensors: ``applied``, ``innovation_norm``, ``cond`` (of ``S``'s kept spectrum) and, with
@@ -422,7 +430,7 @@ def loko_update(
     def run(flat: Tensor) -> dict[str, Tensor]:
         if form == "information":
             return plan.run_information(params, jacobians, flat, prediction, target, step, statistics=statistics)
-        kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics)
+        kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics, aggregation=aggregation)
         return plan.run(params, jacobians, flat, prediction, target, R, step, **kwargs)
 
     if cov_flat is not None:
