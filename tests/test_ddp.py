@@ -141,18 +141,18 @@ def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
     assert change > 1e-3  # the parameters moved: the comparison means something
 
 
-def natural_setup():
+def label_setup(observation):
     torch.manual_seed(0)
     model = SmallConvNet()
-    opt = LoKO(model.parameters(), p0=0.05, seed=1, observation="natural_exact")
+    opt = LoKO(model.parameters(), p0=0.05, seed=1, observation=observation)
     return model, opt, [(x.float(), y.float()) for x, y in conv_stream(2 * STEPS)]
 
 
-def natural_worker(rank, world, port, out):
-    """The natural-gradient observation under the interleaved stream: each rank observes its sample with its label."""
+def label_worker(rank, world, port, out, observation):
+    """An observation whose rows depend on the label, under the interleaved stream: each rank uses its own labels."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model, opt, items = natural_setup()
+        model, opt, items = label_setup(observation)
         with JacobianEngine(model, observation=opt.observation, factorize=True) as engine:
             for step in range(STEPS):
                 x, y = items[world * step + rank]
@@ -167,17 +167,19 @@ def natural_worker(rank, world, port, out):
         dist.destroy_process_group()
 
 
-def test_natural_gradient_ranks_stay_identical_and_equal_one_process_with_both_samples(tmp_path):
-    """The exact-Fisher natural gradient (m + 1 rows per sample, chosen from each rank's own label): both ranks hold
-    the same bits after 30 joint steps, and they are the bits of one process observing the two samples jointly
-    (each through its own batch of one, as on the ranks)."""
+@pytest.mark.parametrize("observation", ["natural_exact", "topk1"])
+def test_label_dependent_rows_keep_ranks_identical_and_equal_one_process_with_both_samples(tmp_path, observation):
+    """The exact-Fisher natural gradient (m + 1 rows per sample) and top-1 (the label, the most probable other class
+    and the rest, chosen per sample): both ranks hold the same bits after 30 joint steps, and they are the bits of
+    one process observing the two samples jointly (each through its own batch of one, as on the ranks)."""
     out = tmp_path / "result.pt"
-    mp.start_processes(natural_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    args = (2, free_port(), str(out), observation)
+    mp.start_processes(label_worker, args=args, nprocs=2, join=True, start_method="spawn")
     result = torch.load(out)
     first, second = result["states"]
     assert result["step"] == STEPS and torch.equal(first, second)
 
-    model, opt, items = natural_setup()
+    model, opt, items = label_setup(observation)
     start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     with JacobianEngine(model, observation=opt.observation, factorize=True) as engine:
         for step in range(STEPS):

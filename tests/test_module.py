@@ -130,8 +130,8 @@ def test_loko_updates_match_the_plain_optimizer():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("observation", ["natural", "natural_exact"])
-def test_natural_gradient_updates_in_the_learner_match_the_plain_optimizer(observation):
+@pytest.mark.parametrize("observation", ["natural", "natural_exact", "topk1"])
+def test_label_dependent_updates_in_the_learner_match_the_plain_optimizer(observation):
     """The learner hands the optimizer's observation to its Jacobian engine, which then takes the label."""
     torch.manual_seed(0)
     module = tiny(p0=0.05, p0_init="constant", observation=observation)

@@ -170,6 +170,15 @@ def test_param_groups_carry_their_own_p0():
         LoKO([{"params": model[0].parameters(), "beta": 0.5}])
 
 
+def test_fan_in_p0_is_the_constant_p0_over_each_parameters_fan_in():
+    conv = torch.nn.Conv2d(3, 4, 3)
+    lora_b = torch.nn.Linear(2, 6, bias=True)
+    opt = LoKO([*conv.parameters(), *lora_b.parameters()], p0=3.0, p0_init="fan_in")
+    assert torch.equal(opt.state[conv.weight]["cov"], torch.full((4, 3, 3, 3), 3.0 / 27))  # in · kh · kw
+    assert torch.equal(opt.state[conv.bias]["cov"], torch.full((4,), 3.0))  # a vector: fan-in 1
+    assert torch.equal(opt.state[lora_b.weight]["cov"], torch.full((6, 2), 1.5))  # rank 2
+
+
 def test_seed_makes_p0_reproducible():
     a = LoKO(mlp().parameters(), seed=7)
     b = LoKO(mlp().parameters(), seed=7)

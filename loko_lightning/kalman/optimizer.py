@@ -15,7 +15,7 @@ from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
 from loko_lightning.kalman.update import UpdatePlan, loko_update
 from loko_lightning.observation import Observation, get_observation
 
-P0Init = Literal["uniform", "constant"]
+P0Init = Literal["uniform", "constant", "fan_in"]
 P0_INITS: tuple[str, ...] = get_args(P0Init)
 Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
@@ -74,7 +74,10 @@ class LoKO(torch.optim.Optimizer):
             ``p_floor``.
         p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
             constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
-        p0_init: ``"uniform"`` (paper method 2, default) or ``"constant"`` (method 1).
+        p0_init: ``"uniform"`` (paper method 2, default), ``"constant"`` (method 1), or ``"fan_in"`` (not the paper:
+            the constant ``p0 / fan_in`` of each parameter, ``fan_in`` = the product of its shape after the first
+            dimension, 1 for vectors: a prior variance on the scale of a kaiming initialisation, so LoRA ``B``
+            (fan-in ``r``) takes larger steps than LoRA ``A`` and the head; ``p0`` is then the factor ``c``).
         beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95; good range 0.9-0.98).
         r_estimator: ``"taylor"`` (method 2, the default for ``"softmax"`` and ``"regression"``), ``"residual"``
             (method 1, :math:`\hat R = e e^\top`), or the literature baselines ``"identity"`` (:math:`R = I`),
@@ -225,7 +228,7 @@ class LoKO(torch.optim.Optimizer):
         return param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32
 
     def _initial_cov(self, param: Tensor, group: dict[str, Any]) -> Tensor:
-        if group["p0_init"] != "constant" and self._generator is None and self._generator_seed is not None:
+        if group["p0_init"] == "uniform" and self._generator is None and self._generator_seed is not None:
             self._generator = torch.Generator().manual_seed(self._generator_seed)
         return _initial_cov(param, group, self._arith_dtype(param), self._generator)
 
@@ -378,9 +381,12 @@ class LoKO(torch.optim.Optimizer):
 
 
 def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
-    """``p̂_0`` of one parameter: the constant ``p0`` or a draw from ``U(0, p0]``."""
+    """``p̂_0`` of one parameter: the constant ``p0``, ``p0 / fan_in`` or a draw from ``U(0, p0]``."""
     if group["p0_init"] == "constant":
         return torch.full(param.shape, float(group["p0"]), dtype=dtype, device=param.device)
+    if group["p0_init"] == "fan_in":
+        fan_in = param.shape[1:].numel() if param.dim() > 1 else 1
+        return torch.full(param.shape, float(group["p0"]) / fan_in, dtype=dtype, device=param.device)
     draw = torch.rand(param.shape, generator=generator, dtype=torch.float64)
     # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
     draw = (1.0 - draw) * float(group["p0"])
