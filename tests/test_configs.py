@@ -85,6 +85,22 @@ PAPER_LOKO = {
 }
 
 
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ("loko_topk", {"observation": "topk5", "r_estimator": "taylor", "p0": 0.2}),
+        ("loko_natural", {"observation": "natural", "r_estimator": "softmax", "p0": 0.03}),
+    ],
+)
+def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected, tmp_path):
+    extra = ["--trainer.logger", "false", "--data.root", str(tmp_path)]
+    with torch.device("meta"):
+        cli = build(CONFIGS / "cifar100_resnet50.yaml", *extra, "--config", str(CONFIGS / "presets" / f"{preset}.yaml"))
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = cli.model.optimizer_factory([param])
+    assert {k: optimizer.param_groups[0][k] for k in expected} == expected
+
+
 @pytest.mark.parametrize("name", ["fashion_mnist_lite0", "cifar10_resnet18", "sst2_roberta_base"])
 def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tmp_path):
     """configs/presets/loko_paper.yaml, layered last, gives the paper's LoKO even after flags that changed it."""
