@@ -640,18 +640,18 @@ def test_kalman_update_keeps_its_dtype_under_bf16_mixed_precision(kalman_dtype, 
     """Under `precision="bf16-mixed"` the forward pass and the Jacobian run under autocast (bf16), the Kalman update
     with autocast off in the filter dtype: p̂ and R stay float32 (or float64) and nothing is NaN."""
     calls = []
-    real_update, real_call = optim_lib.loko_update, JacobianEngine.__call__
+    real_update, real_observe = optim_lib.loko_update, JacobianEngine.observe
 
     def update(params, jacobians, covs, prediction, target, R, step, **kwargs):
         calls.append(("update", torch.is_autocast_enabled("cpu"), covs[0].dtype, R.dtype))
         return real_update(params, jacobians, covs, prediction, target, R, step, **kwargs)
 
-    def jacobian_under(engine, inputs):
+    def jacobian_under(engine, inputs, label, **kwargs):
         calls.append(("jacobian", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        return real_call(engine, inputs)
+        return real_observe(engine, inputs, label, **kwargs)
 
     monkeypatch.setattr(optim_lib, "loko_update", update)
-    monkeypatch.setattr(JacobianEngine, "__call__", jacobian_under)
+    monkeypatch.setattr(JacobianEngine, "observe", jacobian_under)
     torch.manual_seed(0)
     model = tiny(dtype=getattr(torch, kalman_dtype))
     fit = trainer(precision="bf16-mixed")
