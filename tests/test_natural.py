@@ -30,10 +30,10 @@ def _logit_jacobian(model, x):
     return torch.cat([j.reshape(z.shape[0], -1) for j in jac], 1), torch.softmax(z, -1)
 
 
-def _run(model, stream, fisher, factorize, p0_init="uniform", process_noise=0.0, batch=1):
+def _run(model, stream, fisher, factorize, p0_init="uniform", process_noise=0.0, batch=1, p_floor=0.0):
     """Train ``model`` with the fast path and a copy with the reference, step by step; compare after every step."""
     reference_model = copy.deepcopy(model)
-    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, process_noise=process_noise,
+    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, process_noise=process_noise, p_floor=p_floor,
                observation=NaturalGradient(fisher))  # fmt: skip
     theta, p = _flat(model.parameters()).detach().clone(), _flat(opt.state[q]["cov"] for q in model.parameters())
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
@@ -45,7 +45,7 @@ def _run(model, stream, fisher, factorize, p0_init="uniform", process_noise=0.0,
         jz, y_hat = zip(*(_logit_jacobian(reference_model, s[0]) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
         theta, p = natural_step_reference(theta, p, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher,
-                                          process_noise=process_noise)  # fmt: skip
+                                          process_noise=process_noise, p_floor=p_floor)  # fmt: skip
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
         opt.step(lambda prediction=prediction, target=target, jacobians=jacobians: (prediction, target, jacobians))
@@ -66,6 +66,12 @@ def test_natural_gradient_matches_the_float64_reference_on_dense_blocks(fisher):
 def test_natural_gradient_matches_the_float64_reference_on_factored_blocks(fisher):
     torch.manual_seed(0)
     _run(SmallConvNet().double(), conv_stream(25), fisher, factorize=True, p0_init="constant", process_noise=1e-3)
+
+
+def test_natural_gradient_with_a_floor_on_p_hat_matches_the_reference():
+    """The floored p̂ is the one the step uses, as in the reference; the floor is reached (else this tests nothing)."""
+    opt = _run(mlp(), teacher_stream(40), "exact", factorize=False, p0_init="constant", p_floor=0.3)
+    assert float(opt.diagnostics["p_min"]) == pytest.approx(0.3)
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "exact"])

@@ -235,26 +235,39 @@ class UpdatePlan:
         # 6. p̂_k,i = p̂_i - (K H)_ii p̂_i; (K H)_ii lies in [0, 1] in exact arithmetic, the floor keeps p̂ > 0.
         posterior = torch.addcmul(self._one, prior, quad, value=-1.0, out=quad)
         posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
-        # A floor on p̂ (not the paper): keeps every step size above a minimum however many samples were seen.
-        if isinstance(self.floor, Tensor):
-            torch.maximum(posterior, self.floor, out=posterior)
-        elif self.floor is not None:
-            posterior.clamp_min_(self.floor)
-        # Skip if non-finite: a NaN or Inf anywhere makes a sum non-finite (so does an overflowing sum, skipped too).
-        applied = finite & torch.isfinite(update.sum() + posterior.sum())
-        torch.where(applied, update, self._zero, out=update)
-        torch.where(applied, posterior, cov, out=cov)
-        # 6. θ̃_k = θ̃_{k|k-1} + K e.
-        if all(p.dtype == dtype for p in params):
-            torch._foreach_add_(list(params), self._update_views)
-        else:
-            for param, d in zip(params, self._update_views, strict=True):
-                param.add_(d.to(param.dtype))
+        self._floor(posterior)
+        # 6. θ̃_k = θ̃_{k|k-1} + K e, unless something is non-finite.
+        applied = self._apply(params, cov, posterior, finite)
         torch.where(applied, R_k, R, out=R)
         step.add_(applied.to(step.dtype))
 
         diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": cond}
         return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+
+    def _floor(self, posterior: Tensor) -> Tensor:
+        """The floor on ``p̂`` (not the paper), in place: steps stay above a minimum however long the stream."""
+        if isinstance(self.floor, Tensor):
+            torch.maximum(posterior, self.floor, out=posterior)
+        elif self.floor is not None:
+            posterior.clamp_min_(self.floor)
+        return posterior
+
+    def _apply(self, params: Sequence[Tensor], cov: Tensor, posterior: Tensor, finite: Tensor) -> Tensor:
+        """Write the new ``p̂`` into ``cov`` and add the update to ``params``, unless anything is non-finite.
+
+        Returns whether the step was applied (a NaN or Inf anywhere makes a sum non-finite; so does an overflowing
+        sum, skipped too).
+        """
+        update = self._update
+        applied = finite & torch.isfinite(update.sum() + posterior.sum())
+        torch.where(applied, update, self._zero, out=update)
+        torch.where(applied, posterior, cov, out=cov)
+        if all(p.dtype == self.dtype for p in params):
+            torch._foreach_add_(list(params), self._update_views)
+        else:
+            for param, d in zip(params, self._update_views, strict=True):
+                param.add_(d.to(param.dtype))
+        return applied
 
     def rows_matrix(self, jacobians: Sequence[JacobianBlock]) -> Tensor:
         """``H`` as one ``(rows, n)`` matrix in this plan's order (factored blocks multiplied out)."""
@@ -301,19 +314,8 @@ class UpdatePlan:
         torch.sum(factors.square(), 0, out=info)
         # p̂_k = p̂_{k|k-1} / (1 + p̂_{k|k-1} ⊙ info), the mean with the posterior p̂_k.
         posterior = info.mul_(prior).add_(self._one).reciprocal_().mul_(prior)
-        if isinstance(self.floor, Tensor):
-            torch.maximum(posterior, self.floor, out=posterior)
-        elif self.floor is not None:
-            posterior.clamp_min_(self.floor)
-        update.mul_(posterior)
-        applied = torch.isfinite(innovation).all() & torch.isfinite(update.sum() + posterior.sum())
-        torch.where(applied, update, self._zero, out=update)
-        torch.where(applied, posterior, cov, out=cov)
-        if all(p.dtype == dtype for p in params):
-            torch._foreach_add_(list(params), self._update_views)
-        else:
-            for param, d in zip(params, self._update_views, strict=True):
-                param.add_(d.to(param.dtype))
+        update.mul_(self._floor(posterior))
+        applied = self._apply(params, cov, posterior, torch.isfinite(innovation).all())
         step.add_(applied.to(step.dtype))
         nan = torch.full((), math.nan, dtype=dtype, device=self.device)
         diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": nan}
