@@ -35,6 +35,20 @@ def test_debug_config_end_to_end(tmp_path, caplog):
     assert "test/acc" in (tmp_path / "eval" / "version_0" / "metrics.csv").read_text()
 
 
+@pytest.mark.parametrize(("preset", "observation"), [("loko_topk", "topk5"), ("loko_natural", "natural")])
+def test_the_cheap_observation_presets_train_from_the_command_line(tmp_path, preset, observation):
+    """A random-weight timm test network on 12 glyphs100 samples (100 classes) with each cheap observation's preset."""
+    network = ["--model.network.backbone", "test_resnet", "--model.network.weights", "null"]
+    network += ["--model.network.pretrained", "false", "--model.network.num_classes", "100", "--model.window", "4"]
+    data = ["--data.dataset", "glyphs100", "--data.max_samples", "12", "--data.eval_max_samples", "4"]
+    preset_args = ["--config", str(ROOT / "configs" / "presets" / f"{preset}.yaml")]
+    main(["fit", "--config", DEBUG, *preset_args, *network, *data, *outputs(tmp_path)])
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    group = checkpoint["optimizer_states"][0]["param_groups"][0]
+    assert group["observation"] == observation
+    assert checkpoint["global_step"] == 12
+
+
 def test_print_config_shows_the_resolved_configuration(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", DEBUG, "--print_config"])
