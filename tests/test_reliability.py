@@ -20,6 +20,7 @@ import pytest
 import runs
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from runs import stream, tiny, trainable, trainer
 from torch import nn
 from torch.nn import functional as F
@@ -633,6 +634,19 @@ def test_training_step_reads_nothing_on_the_host_beyond_the_documented(optimizer
     trainer().fit(model, DataLoader(stream(4), batch_size=1))
     assert len(steps) == 3
     assert dict(counts) == {name: n * len(steps) for name, n in allowed.items()}
+
+
+def test_float16_mixed_precision_is_refused_with_the_fix():
+    """``16-mixed`` would scale a loss LoKO never backpropagates (on a GPU the scaler calls step() without the
+    closure): refused in one error naming the precision and the fix, before any step; bf16-mixed is tested below.
+    On a CPU Lightning turns ``precision="16-mixed"`` into bf16, so the GPU's plugin (with its gradient scaler) is
+    built by hand."""
+    fit = trainer(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    with pytest.raises(
+        ConfigError, match=r"precision '16-mixed'.*To fix it: precision bf16-mixed .* or 32-true"
+    ) as err:
+        fit.fit(tiny(), DataLoader(stream(2), batch_size=1))
+    assert err.value.field == "precision" and fit.global_step == 0
 
 
 @pytest.mark.parametrize("kalman_dtype", ["float32", "float64"])

@@ -85,8 +85,20 @@ class KalmanStep(OnlineStep):
         refuse_learning_rate_tools(owner, lr_scheduler=lr_scheduler)
 
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
-        """A ``LearningRateMonitor`` has nothing to log with LoKO."""
+        """A ``LearningRateMonitor`` has nothing to log with LoKO; float16 mixed precision is refused.
+
+        ``16-mixed`` scales the loss for a backward pass LoKO does not take (on a GPU Lightning's gradient scaler would
+        call ``step()`` without the closure), and float16 Jacobians of probabilities underflow where bfloat16's do not.
+        """
         refuse_learning_rate_tools(owner, callbacks=trainer.callbacks)
+        if str(trainer.precision) == "16-mixed" or getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ConfigError(
+                f"precision {trainer.precision!r} scales a loss gradient that LoKO does not use (its update needs the "
+                "Jacobian, not a scaled backward pass). To fix it: precision bf16-mixed (forward pass and Jacobian "
+                "in bfloat16, the Kalman update in float32) or 32-true",
+                field="precision",
+                owner=pl.Trainer,
+            )
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """One Kalman update on the step's samples (see the class)."""
