@@ -33,6 +33,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from loko_lightning import __version__
 from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable
@@ -315,6 +316,13 @@ def _generic_message(error: ParseError, keys: list[str]) -> str:
     return f"{body}{'' if body.endswith('?') else '.'} {help_hint}."
 
 
+DESCRIPTION = (
+    "loko: online fine-tuning of pretrained timm and transformers models with LoRA adapters, one sample at a time, "
+    "by LoKO (the Low-Rank Kalman Optimizer) or the LoRA/AdamW and LoRA/AdaGrad baselines. "
+    "Start with: loko fit --config configs/quickstart.yaml"
+)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``loko`` console script.
 
@@ -332,7 +340,7 @@ def main(args: list[str] | None = None) -> None:
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"max_epochs": 1, "num_sanity_val_steps": 0},
             # Parse errors raise (and become one line below) instead of printing the whole usage.
-            parser_kwargs={"exit_on_error": False},
+            parser_kwargs={"exit_on_error": False, "prog": "loko", "description": DESCRIPTION, "version": __version__},
         )
     except USER_ERRORS as err:
         if os.environ.get("LOKO_TRACEBACK"):

@@ -9,6 +9,7 @@ import torch
 from data_files import N_TRAIN
 from runs import outputs, trainable
 
+from loko_lightning import __version__
 from loko_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,17 @@ def test_the_cheap_observation_presets_train_from_the_command_line(tmp_path, pre
     group = checkpoint["optimizer_states"][0]["param_groups"][0]
     assert group["observation"] == observation
     assert checkpoint["global_step"] == 12
+
+
+def test_version_and_help_describe_the_tool(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code in (0, None) and capsys.readouterr().out.strip() == f"loko {__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "online fine-tuning of pretrained timm and transformers models with LoRA adapters" in out
+    assert "Lightning Trainer command line tool" not in out
 
 
 def test_print_config_shows_the_resolved_configuration(capsys):
