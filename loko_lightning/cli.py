@@ -27,13 +27,13 @@ import typing
 from argparse import ArgumentError
 from collections.abc import Iterator
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any, Literal
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from loko_lightning import __version__
 from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable
@@ -340,7 +340,12 @@ def main(args: list[str] | None = None) -> None:
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"max_epochs": 1, "num_sanity_val_steps": 0},
             # Parse errors raise (and become one line below) instead of printing the whole usage.
-            parser_kwargs={"exit_on_error": False, "prog": "loko", "description": DESCRIPTION, "version": __version__},
+            parser_kwargs={
+                "exit_on_error": False,
+                "prog": "loko",
+                "description": DESCRIPTION,
+                "version": version("loko-lightning"),
+            },
         )
     except USER_ERRORS as err:
         if os.environ.get("LOKO_TRACEBACK"):
