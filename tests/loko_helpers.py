@@ -87,8 +87,29 @@ def loko_closure(model, x, y, **kwargs):
     return closure
 
 
+def flat(tensors):
+    """Tensors as one flat vector, in order."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
 def flat_cov(opt, params):
-    return torch.cat([opt.state[p]["cov"].reshape(-1) for p in params])
+    return flat(opt.state[p]["cov"] for p in params)
+
+
+def jacrev_rows(model, x, *, probabilities):
+    """``∂ŷ/∂θ̃`` (``probabilities``: of the softmax) or ``∂z/∂θ̃`` of the logits, one ``(m, ñ)`` matrix, and ``ŷ``,
+    by ``jacrev`` on one sample (nothing of the Jacobian engine)."""
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach() for p in model.parameters()]
+
+    def outputs(*values):
+        z = functional_call(model, dict(zip(names, values, strict=True)), (x,))[0]
+        return torch.softmax(z, -1) if probabilities else z
+
+    jac = jacrev(outputs, argnums=tuple(range(len(params))))(*params)
+    out = outputs(*params)
+    y_hat = out if probabilities else torch.softmax(out, -1)
+    return torch.cat([j.reshape(out.shape[0], -1) for j in jac], 1), y_hat
 
 
 class SmallConvNet(nn.Module):

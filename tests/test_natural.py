@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-from loko_helpers import SmallConvNet, conv_stream, mlp, teacher_stream
-from torch.func import functional_call, jacrev
+from loko_helpers import SmallConvNet, conv_stream, flat, jacrev_rows, mlp, teacher_stream
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
@@ -13,36 +12,19 @@ from loko_lightning.kalman.reference import natural_step_reference
 from loko_lightning.observation import NaturalGradient, get_observation
 
 
-def _flat(tensors):
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _logit_jacobian(model, x):
-    """``∂z/∂θ̃`` of the raw outputs (``(m, ñ)``, float64) and ``ŷ``, by ``jacrev`` (nothing of the engine)."""
-    names = [n for n, _ in model.named_parameters()]
-    params = [p.detach() for p in model.parameters()]
-
-    def logits(*values):
-        return functional_call(model, dict(zip(names, values, strict=True)), (x,))[0]
-
-    jac = jacrev(logits, argnums=tuple(range(len(params))))(*params)
-    z = logits(*params)
-    return torch.cat([j.reshape(z.shape[0], -1) for j in jac], 1), torch.softmax(z, -1)
-
-
 def _run(model, stream, fisher, factorize, p0_init="uniform", process_noise=0.0, batch=1, p_floor=0.0):
     """Train ``model`` with the fast path and a copy with the reference, step by step; compare after every step."""
     reference_model = copy.deepcopy(model)
     opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, process_noise=process_noise, p_floor=p_floor,
                observation=NaturalGradient(fisher))  # fmt: skip
-    theta, p = _flat(model.parameters()).detach().clone(), _flat(opt.state[q]["cov"] for q in model.parameters())
+    theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
     samples = list(stream)
     for start in range(0, len(samples), batch):
         chunk = samples[start : start + batch]
         x = torch.cat([s[0] for s in chunk])
         label = torch.stack([s[1].argmax() for s in chunk])
-        jz, y_hat = zip(*(_logit_jacobian(reference_model, s[0]) for s in chunk), strict=True)
+        jz, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=False) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
         theta, p = natural_step_reference(theta, p, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher,
                                           process_noise=process_noise, p_floor=p_floor)  # fmt: skip
@@ -52,8 +34,8 @@ def _run(model, stream, fisher, factorize, p0_init="uniform", process_noise=0.0,
         assert bool(opt.diagnostics["applied"])
         # float64 throughout; the fast path pulls e back from the logits (J_zᵀ e) where the reference forms
         # Hᵀ R⁺ e with an eigendecomposition of the singular R: equal up to the pseudo-inverse's float64 rounding.
-        torch.testing.assert_close(_flat(model.parameters()).detach(), theta, rtol=1e-9, atol=1e-11)
-        torch.testing.assert_close(_flat(opt.state[q]["cov"] for q in model.parameters()), p, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(flat(model.parameters()).detach(), theta, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(flat(opt.state[q]["cov"] for q in model.parameters()), p, rtol=1e-9, atol=1e-12)
     return opt
 
 

@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-from loko_helpers import SmallConvNet, conv_stream, mlp, teacher_stream
-from torch.func import functional_call, jacrev
+from loko_helpers import SmallConvNet, conv_stream, flat, jacrev_rows, mlp, teacher_stream
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
@@ -13,27 +12,10 @@ from loko_lightning.kalman.reference import topk_step_reference
 from loko_lightning.observation import TopK, get_observation
 
 
-def _flat(tensors):
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _full_jacobian(model, x):
-    """``∂ŷ/∂θ̃`` of all ``m`` probabilities (``(m, ñ)``) and ``ŷ``, by ``jacrev`` (nothing of the engine)."""
-    names = [n for n, _ in model.named_parameters()]
-    params = [p.detach() for p in model.parameters()]
-
-    def probabilities(*values):
-        return torch.softmax(functional_call(model, dict(zip(names, values, strict=True)), (x,))[0], -1)
-
-    jac = jacrev(probabilities, argnums=tuple(range(len(params))))(*params)
-    y_hat = probabilities(*params)
-    return torch.cat([j.reshape(y_hat.shape[0], -1) for j in jac], 1), y_hat
-
-
 def _run(model, stream, k, factorize, batch=1, r_estimator="taylor"):
     reference_model = copy.deepcopy(model)
     opt = LoKO(model.parameters(), p0=0.3, seed=4, beta=0.9, r_estimator=r_estimator, observation=TopK(k))
-    theta, p = _flat(model.parameters()).detach().clone(), _flat(opt.state[q]["cov"] for q in model.parameters())
+    theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     R = None
     engine = JacobianEngine(model, observation=opt.observation, factorize=bool(factorize))
     samples = list(stream)
@@ -41,7 +23,7 @@ def _run(model, stream, k, factorize, batch=1, r_estimator="taylor"):
         chunk = samples[start : start + batch]
         x = torch.cat([s[0] for s in chunk])
         label = torch.stack([s[1].argmax() for s in chunk])
-        H, y_hat = zip(*(_full_jacobian(reference_model, s[0]) for s in chunk), strict=True)
+        H, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=True) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
         m = targets.shape[1]
         R = torch.zeros(m, m, dtype=torch.float64) if R is None else R
@@ -53,8 +35,8 @@ def _run(model, stream, k, factorize, batch=1, r_estimator="taylor"):
         assert bool(opt.diagnostics["applied"])
         # float64 on both sides; the fast path's rows are J_s a pulled back from the logits and its S⁺ an
         # eigendecomposition of the same singular S: equal up to float64 rounding amplified by cond(S).
-        torch.testing.assert_close(_flat(model.parameters()).detach(), theta, rtol=1e-8, atol=1e-10)
-        torch.testing.assert_close(_flat(opt.state[q]["cov"] for q in model.parameters()), p, rtol=1e-8, atol=1e-12)
+        torch.testing.assert_close(flat(model.parameters()).detach(), theta, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(flat(opt.state[q]["cov"] for q in model.parameters()), p, rtol=1e-8, atol=1e-12)
         torch.testing.assert_close(opt.state[next(model.parameters())]["R"], R, rtol=1e-8, atol=1e-12)
     return opt
 
@@ -86,7 +68,7 @@ def test_topk_with_every_class_is_the_full_observation():
     for x, y in teacher_stream(40):
         opt_full.step(lambda x=x, y=y: engine_full.observe(x, y.argmax()[None]))
         opt_top.step(lambda x=x, y=y: engine_top.observe(x, y.argmax()[None]))
-        torch.testing.assert_close(_flat(top.parameters()), _flat(full.parameters()), rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(flat(top.parameters()), flat(full.parameters()), rtol=1e-9, atol=1e-11)
     first_full, first_top = next(full.parameters()), next(top.parameters())
     torch.testing.assert_close(opt_top.state[first_top]["R"], opt_full.state[first_full]["R"], rtol=1e-9, atol=1e-12)
 
@@ -94,7 +76,7 @@ def test_topk_with_every_class_is_the_full_observation():
 def test_topk_rows_are_the_aggregated_jacobian():
     model = mlp(m=6)
     x = torch.randn(1, 5, dtype=torch.float64)
-    H, y_hat = _full_jacobian(model, x)
+    H, y_hat = jacrev_rows(model, x, probabilities=True)
     label = torch.tensor([int(y_hat.argmin())])  # the least probable class: still observed
     prediction, target, jacobians = JacobianEngine(model, observation="topk2").observe(x, label)
     assert [tuple(j.shape) for j in jacobians] == [(4, *p.shape) for p in model.parameters()]
