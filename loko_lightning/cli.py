@@ -1,9 +1,13 @@
 """The ``loko`` command: LightningCLI over :class:`OnlineClassifier` and :class:`StreamDataModule`.
 
-``loko fit --config configs/cifar10_resnet18.yaml`` runs one online pass; ``validate``/``test`` evaluate on the
-held-out split; ``--print_config`` shows the full resolved configuration. ``--ckpt_path last`` continues from the
-newest checkpoint (written atomically, :mod:`loko_lightning.learner.checkpoint_io`), or starts from scratch when there
-is none yet, so one command serves for the first start and restarts.
+``loko fit --config cifar10_resnet18`` runs one online pass (a bare name is a config shipped in the package,
+``loko_lightning/configs``; a path is a file); ``validate``/``test`` evaluate on the held-out split; ``predict``
+writes class probabilities (``--predictions FILE.csv|.json``) for the held-out split or for ``--data.predict_inputs``;
+``loko export --ckpt_path CKPT --out DIR [--merge]`` writes a peft adapter or a merged model
+(:mod:`loko_lightning.learner.export`); ``--print_config`` shows the full resolved configuration. ``--ckpt_path
+last`` continues from the newest checkpoint (written atomically, :mod:`loko_lightning.learner.checkpoint_io`), or
+starts from scratch when there is none yet, so one command serves for the first start and restarts. A checkpoint
+holds the network's configuration, which ``predict``/``validate``/``test`` take from it.
 
 Exit status: 0 on success; 2 for a configuration or input error (one line ``loko: error: --<key>: <what to change>``
 on stderr); 3 when the run diverged (the message names the ``p0`` to try and where the last good state is saved).
@@ -15,11 +19,13 @@ writes the flag. A parse error of jsonargparse is read from its exceptions (:fun
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import difflib
 import importlib
 import inspect
 import os
+import pickle
 import re
 import sys
 import types
@@ -28,16 +34,21 @@ from argparse import ArgumentError
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
+from importlib.resources import files
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 
 from loko_lightning.data import SOURCES, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
-from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable
+from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable, unreadable_checkpoint
+from loko_lightning.learner.export import export
 from loko_lightning.learner.module import OnlineClassifier, ignore_intended_warnings
+from loko_lightning.learner.predictions import PredictionWriter
 
 # Errors whose message says what to change; anything else (a RuntimeError from torch, ...) is a bug and keeps its
 # traceback.
@@ -86,6 +97,45 @@ class LoKOCLI(LightningCLI):
         parser.link_arguments(*preprocessing, compute_fn=_preprocessing, apply_on="instantiate")
         parser.link_arguments(*num_classes)
 
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
+        """Lightning's subcommand parser; ``predict`` also takes ``--predictions`` (where the rows are written)."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            parser.add_argument(
+                "--predictions",
+                type=str,
+                default="predictions.csv",
+                help="file the predictions are written to: .csv (one p:<class> column per class) or .json",
+            )
+        return parser
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last`` with checkpoints in the logger's version folders: the newest ``last*.ckpt`` of them.
+
+        Lightning looks for ``last`` only in this run's checkpoint folder, which under the default layout
+        (``save_dir/name/version_N/checkpoints``) is a new, empty version; a resumed run then writes the next version
+        (its checkpoints, its logs) and continues the stream where the newest checkpoint left it. With no checkpoint
+        yet, the run starts from the first sample. A checkpoint callback with its own ``dirpath`` keeps Lightning's
+        lookup.
+        """
+        config = self.config_init["fit"]
+        logger = self.trainer.logger
+        callbacks = self.trainer.checkpoint_callbacks
+        if config.get("ckpt_path") != "last" or logger is None or not callbacks or callbacks[0].dirpath is not None:
+            return
+        root = Path(logger.save_dir or self.trainer.default_root_dir) / (logger.name or "")
+        found = sorted(root.glob("*/checkpoints/last*.ckpt"), key=lambda path: path.stat().st_mtime)
+        if found:
+            config["ckpt_path"] = str(found[-1])
+            rank_zero_info(f"Resuming from the newest last checkpoint: {found[-1]}")
+        else:
+            config["ckpt_path"] = None
+            rank_zero_info(f"No checkpoint under {root} yet: starting from the first sample")
+
+    def before_predict(self) -> None:
+        """Write the predictions (:class:`~loko_lightning.learner.predictions.PredictionWriter`) when they end."""
+        self.trainer.callbacks.append(PredictionWriter(self.config["predict"]["predictions"]))
+
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
         try:
@@ -98,6 +148,14 @@ class LoKOCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path:
             check_readable(ckpt_path)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads a ``ckpt_path`` file's hyperparameters (``weights_only``); a refused file is one line."""
+        try:
+            super()._parse_ckpt_path()
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            subcommand = self.config.get("subcommand")
+            raise unreadable_checkpoint(self.config[subcommand].get("ckpt_path"), err) from None
 
     def before_instantiate_classes(self) -> None:
         """Remember which configuration key each configured class sits at, to name a bad argument's flag."""
@@ -319,8 +377,97 @@ def _generic_message(error: ParseError, keys: list[str]) -> str:
 DESCRIPTION = (
     "loko: online fine-tuning of pretrained timm and transformers models with LoRA adapters, one sample at a time, "
     "by LoKO (the Low-Rank Kalman Optimizer) or the LoRA/AdamW and LoRA/AdaGrad baselines. "
-    "Start with: loko fit --config configs/quickstart.yaml"
+    "Start with: loko fit --config quickstart (a config shipped in the package, by name; a path works too). "
+    "Then: loko predict --config quickstart --ckpt_path CKPT --predictions out.csv; "
+    "loko export --ckpt_path CKPT --out DIR [--merge] (see loko export --help)."
 )
+# The configs that ship in the package: `--config NAME` (or NAME.yaml, presets/NAME) resolves to these.
+PACKAGED_CONFIGS = files("loko_lightning") / "configs"
+
+
+def packaged_configs() -> list[str]:
+    """The names ``--config`` takes for the configs shipped in the package (``quickstart``, ``presets/loko_topk``)."""
+    root = Path(str(PACKAGED_CONFIGS))
+    return sorted(str(path.relative_to(root).with_suffix("")) for path in root.rglob("*.yaml"))
+
+
+def resolve_config_names(args: list[str]) -> list[str]:
+    """``--config NAME`` as the path of the packaged config of that name, where ``NAME`` is not an existing file.
+
+    Raises:
+        ValueError: ``--config`` names neither a file nor a packaged config (the message lists the packaged ones).
+    """
+    resolved = list(args)
+    for index, arg in enumerate(resolved):
+        if arg == "--config" and index + 1 < len(resolved):
+            position, value = index + 1, resolved[index + 1]
+        elif arg.startswith("--config="):
+            position, value = index, arg.partition("=")[2]
+        else:
+            continue
+        if Path(value).expanduser().exists() or value.lstrip().startswith(("{", "[")) or "\n" in value:
+            continue  # a file, or a config given inline
+        name = value.removesuffix(".yaml")
+        candidate = Path(str(PACKAGED_CONFIGS)) / f"{name}.yaml"
+        if not candidate.is_file():
+            close = difflib.get_close_matches(name, packaged_configs(), n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ValueError(
+                f"--config: no file {value!r} and no config of that name in the package; {hint}packaged configs: "
+                f"{', '.join(packaged_configs())}"
+            )
+        resolved[position] = str(candidate) if arg == "--config" else f"--config={candidate}"
+    return resolved
+
+
+def export_main(args: list[str]) -> None:
+    """``loko export``: a trained checkpoint as a peft adapter directory, or a merged plain model (``--merge``)."""
+    parser = argparse.ArgumentParser(
+        prog="loko export",
+        description=(
+            "Write a checkpoint's network as a peft adapter for the stock timm/transformers backbone "
+            "(PeftModel.from_pretrained), or with --merge as a plain model with the adapter merged "
+            "(timm.create_model('local-dir:DIR', pretrained=True) / AutoModelForSequenceClassification.from_pretrained"
+            "(DIR)). Weights are safetensors; class names and preprocessing go with them (loko_export.json)."
+        ),
+        exit_on_error=False,
+    )
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by loko fit")
+    parser.add_argument("--out", required=True, help="the directory to write (new, or empty)")
+    parser.add_argument("--merge", action="store_true", help="merge the adapter into the backbone")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty --out")
+    try:
+        options = parser.parse_args(args)
+    except ArgumentError as err:
+        raise ValueError(f"{err.message}. See `loko export --help`.") from None
+    learner = load_learner(options.ckpt_path)
+    out = export(learner, options.out, merge=options.merge, overwrite=options.overwrite)
+    print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}")
+
+
+def load_learner(path: str) -> OnlineClassifier:
+    """The learner of a ``loko fit`` checkpoint, loaded without running any code from the file.
+
+    Raises:
+        ConfigError: no file, a file torch cannot read (truncated, not a checkpoint, or holding objects that
+            ``weights_only`` loading refuses), or a checkpoint that is not an :class:`OnlineClassifier`'s.
+    """
+    if not Path(path).expanduser().is_file():
+        raise ConfigError(f"no checkpoint file at {path!r}", field="ckpt_path")
+    check_readable(path)
+    try:
+        return OnlineClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
+    except ConfigError:
+        raise
+    except (pickle.UnpicklingError, EOFError) as err:
+        raise unreadable_checkpoint(path, err) from None
+    except Exception as err:
+        reason = " ".join(str(err).split())[:300]
+        raise ConfigError(
+            f"{path} is not a checkpoint loko can load ({type(err).__name__}: {reason}); pass a checkpoint written "
+            "by loko fit",
+            field="ckpt_path",
+        ) from None
 
 
 def main(args: list[str] | None = None) -> None:
@@ -330,11 +477,19 @@ def main(args: list[str] | None = None) -> None:
     message and exit status 2, a diverged run with a one-line message and exit status 3; set ``LOKO_TRACEBACK=1`` to
     see the full traceback.
     """
+    from_command_line = args is None
+    args = sys.argv[1:] if args is None else list(args)
     try:
+        if args[:1] == ["export"]:
+            export_main(args[1:])
+            return
+        args = resolve_config_names(args)
+        if from_command_line:  # LightningCLI reads sys.argv itself (given both, it warns)
+            sys.argv[1:] = args
         LoKOCLI(
             OnlineClassifier,
             StreamDataModule,
-            args=args,
+            args=None if from_command_line else args,
             subclass_mode_model=False,
             subclass_mode_data=False,
             save_config_kwargs={"overwrite": True},

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from loko_lightning.data.perturbations import Perturbation, RotationJitter
+from loko_lightning.data.predict import PredictDataset
 from loko_lightning.data.sources import HOLDOUT_SEED, Source, Splits, get_source
 from loko_lightning.data.stream import HeldOutDataset, LabelDrift, StreamCursor, StreamDataLoader, StreamDataset
 from loko_lightning.data.transforms import Transform, build_transform
@@ -92,6 +93,9 @@ class StreamDataModule(pl.LightningDataModule):
             the mapping is saved in checkpoints and printed at setup).
         epochs: passes over the training samples, each in a new seeded order (the paper runs several for CoLA and
             MRPC); leave the trainer's ``max_epochs`` at 1.
+        predict_inputs: what ``loko predict`` (``trainer.predict``) predicts: image files or folders of images for an
+            image network; texts, or ``.txt`` files with one text a line, for a text network. ``None``: the held-out
+            split (with its labels). With inputs given, the dataset itself is not loaded to predict.
 
     Example:
         >>> from loko_lightning.models import TimmClassifier
@@ -128,6 +132,7 @@ class StreamDataModule(pl.LightningDataModule):
         text_pair_column: str | None = None,
         label_column: str = "label",
         epochs: int = 1,
+        predict_inputs: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -153,10 +158,12 @@ class StreamDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self._train_loader: StreamDataLoader | None = None
         self.epochs = epochs
+        self.predict_inputs = predict_inputs
 
         self.classes: list[str] | None = None
         self.train_stream: StreamDataset | None = None
         self.eval_dataset: HeldOutDataset | None = None
+        self.predict_dataset: PredictDataset | None = None
         self.cursor: StreamCursor | None = None
         self._pending_state: dict[str, Any] | None = None
         self._resume_position: int | None = None
@@ -195,10 +202,20 @@ class StreamDataModule(pl.LightningDataModule):
         Args:
             stage: Lightning's stage (``fit``, ``validate``, ``test``, ...); every stage gets both splits.
 
+        With ``predict_inputs``, the ``predict`` stage builds only the dataset of those inputs.
+
         Raises:
             DataNotFoundError: the data is not on disk.
-            ConfigError: a split is empty, or a label is ``>= num_classes``.
+            ConfigError: a split is empty, or a label is ``>= num_classes``; an input to predict is missing or of
+                the wrong kind.
         """
+        if stage == "predict" and self.predict_inputs is not None:
+            if self.predict_dataset is None:
+                with _owned_by(self):
+                    self.predict_dataset = PredictDataset.from_inputs(
+                        self.predict_inputs, self.source.modality, self.transform
+                    )
+            return
         if self.train_stream is not None:
             return
         with _owned_by(self):
@@ -219,6 +236,8 @@ class StreamDataModule(pl.LightningDataModule):
         )
         eval_indices = _eval_subset(splits.held_out.indices, self.eval_max_samples)
         self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
+        if self.predict_inputs is None:
+            self.predict_dataset = PredictDataset.held_out(splits.held_out.dataset, eval_indices, self.transform)
         self.cursor = StreamCursor(
             self.dataset,
             self.seed,
@@ -259,6 +278,18 @@ class StreamDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """Held-out split, in a fixed order (the same samples as :meth:`val_dataloader`)."""
         return self._eval_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """``predict_inputs`` in the order given (folders sorted), or the held-out split in a fixed order."""
+        if self.predict_dataset is None:
+            self.setup("predict")
+        return DataLoader(
+            self.predict_dataset,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            collate_fn=getattr(self.transform, "collate", None),
+        )
 
     def _eval_dataloader(self) -> DataLoader:
         if self.eval_dataset is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import csv
 import math
 import random
 from pathlib import Path
@@ -23,12 +22,15 @@ GOOD_STATE_NAME = "good-before-divergence.ckpt"
 
 
 class OnlineReport(pl.Callback):
-    """When training ends: print the average online accuracy and where the logs are, and plot the run.
+    """When training ends: print the average online accuracy and where the outputs are, and plot the run.
 
-    The plot (``online.png`` beside the logger's ``metrics.csv``) has the paper's two panels: the moving-average
-    loss (L1 for images, cross-entropy for text, as in the paper) and the average online top-1 accuracy against the
-    number of samples seen. It needs matplotlib (``pip install matplotlib``); without it the summary is printed and
-    the plot is skipped with a note.
+    The report keeps its own history of the run (every ``log_every_n_steps`` samples and the last one: the
+    moving-average loss and the average online accuracy), saved in checkpoints so that a resumed run plots the whole
+    stream. The plot (``online.png`` in the logger's folder, or in the trainer's ``default_root_dir`` without a
+    logger) has the paper's two panels: the moving-average loss (L1 for images, cross-entropy for text, as in the
+    paper) and the average online top-1 accuracy against the number of samples seen. It works with any logger (CSV,
+    TensorBoard, W&B) or none, and names only files that exist. It needs matplotlib (``pip install matplotlib``);
+    without it the summary is printed and the plot is skipped with a note.
 
     Args:
         plot: write the PNG.
@@ -41,12 +43,41 @@ class OnlineReport(pl.Callback):
         self.plot = plot
         self.loss = loss
         self.lines: list[str] = []
+        # (samples seen, moving-average loss, average online accuracy) at the recorded steps.
+        self.history: list[tuple[int, float, float]] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Record the step's values every ``log_every_n_steps`` samples and at the last step (one host sync)."""
+        step = trainer.global_step
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        every = max(1, trainer.log_every_n_steps)
+        if step % every and not last and not _last_batch(trainer, batch_idx):
+            return
+        self._record(pl_module)
+
+    def _record(self, module: Any) -> None:
+        samples = int(module.online_acc.weight.item()) if hasattr(module.online_acc, "weight") else 0
+        if samples == 0 or (self.history and self.history[-1][0] == samples):
+            return
+        average = module.ce_avg if self.loss == "ce" else module.loss_avg
+        self.history.append((samples, float(average.compute()), float(module.online_acc.compute())))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history so far (a resumed run's plot starts at the first sample)."""
+        return {"history": [list(point) for point in self.history]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue the history of the run a checkpoint comes from."""
+        self.history = [(int(n), float(loss), float(acc)) for n, loss, acc in state_dict.get("history", [])]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Summarise the run (rank zero only)."""
         if not trainer.is_global_zero:
             return
         module = pl_module
+        self._record(module)
         samples = int(module.online_acc.weight.item()) if hasattr(module.online_acc, "weight") else trainer.global_step
         lines = [
             f"Average online top-1 accuracy: {100 * float(module.online_acc.compute()):.2f}% over {samples:,} samples "
@@ -56,14 +87,20 @@ class OnlineReport(pl.Callback):
             window = min(int(module.ce_avg.count), module.ce_avg.window)
             ce = float(module.ce_avg.compute())
             lines.append(f"Moving-average cross-entropy over the last {window:,} samples: {ce:.4f}")
-        log_dir = Path(trainer.logger.log_dir) if trainer.logger is not None and trainer.logger.log_dir else None
-        metrics = log_dir / "metrics.csv" if log_dir is not None else None
-        if metrics is not None:
-            trainer.logger.save()
-            lines.append(f"Per-step metrics: {metrics}")
-            if self.plot and metrics.is_file():
-                out = log_dir / "online.png"
-                lines.append(plot_metrics(metrics, out, window=module.hparams.window, loss=self.loss))
+        logger = trainer.logger
+        if logger is not None:
+            logger.save()
+        log_dir = trainer.log_dir if logger is not None else None
+        folder = Path(log_dir) if log_dir else Path(trainer.default_root_dir)
+        if logger is not None:
+            metrics = folder / "metrics.csv"
+            lines.append(
+                f"Per-step metrics: {metrics}" if metrics.is_file() else f"Logs: {type(logger).__name__} in {folder}"
+            )
+        if self.plot:
+            lines.append(
+                plot_history(self.history, folder / "online.png", window=module.hparams.window, loss=self.loss)
+            )
         if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.last_model_path:
             lines.append(f"Last checkpoint: {trainer.checkpoint_callback.last_model_path}")
         self.lines = lines
@@ -71,8 +108,13 @@ class OnlineReport(pl.Callback):
             rank_zero_info(line)
 
 
-def plot_metrics(metrics: Path, out: Path, *, window: int = 1000, loss: str = "l1") -> str:
-    """Plot ``train/loss_avg{window}`` (``loss="ce"``: ``train/ce_avg{window}``) and ``train/online_acc``.
+def _last_batch(trainer: pl.Trainer, batch_idx: int) -> bool:
+    total = trainer.num_training_batches
+    return isinstance(total, int) and batch_idx + 1 >= total
+
+
+def plot_history(history: list[tuple[int, float, float]], out: Path, *, window: int = 1000, loss: str = "l1") -> str:
+    """Plot ``(samples, moving-average loss, average online accuracy)`` points in the paper's two panels.
 
     Returns:
         A line saying where the plot is, or why there is none.
@@ -84,16 +126,11 @@ def plot_metrics(metrics: Path, out: Path, *, window: int = 1000, loss: str = "l
         import matplotlib.pyplot as plt
     except ImportError:
         return "No plot: matplotlib is not installed (pip install matplotlib)"
-    loss_key, acc_key = f"train/{'ce' if loss == 'ce' else 'loss'}_avg{window}", "train/online_acc"
-    steps, losses, accs = [], [], []
-    with metrics.open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row.get(acc_key) and row.get(loss_key):
-                steps.append(int(row["step"]) + 1)
-                losses.append(float(row[loss_key]))
-                accs.append(100 * float(row[acc_key]))
-    if not steps:
-        return f"No plot: {metrics} has no {acc_key} rows yet"
+    if not history:
+        return "No plot: no step was recorded"
+    steps = [point[0] for point in history]
+    losses = [point[1] for point in history]
+    accs = [100 * point[2] for point in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
     ax_loss.plot(steps, losses)
     name = "cross-entropy" if loss == "ce" else "L1 loss"
@@ -103,6 +140,7 @@ def plot_metrics(metrics: Path, out: Path, *, window: int = 1000, loss: str = "l
     for axis in (ax_loss, ax_acc):
         axis.grid(alpha=0.3)
     fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return f"Plot: {out}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
 import secrets
 import zipfile
 from pathlib import Path
@@ -75,15 +76,23 @@ def check_readable(path: str | os.PathLike) -> None:
         return
     try:  # torch.save writes zip archives; anything else loads only if it is an old-format checkpoint
         torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise unreadable_checkpoint(path, err) from None
+    except Exception as err:  # not a zip archive: not a torch checkpoint, or a torn one (not refused content)
+        raise unreadable_checkpoint(path, RuntimeError(str(err))) from None
 
 
 def unreadable_checkpoint(path: Any, err: BaseException) -> ConfigError:
     """The one-line error for a checkpoint file that does not load (``err``: what torch said)."""
+    if isinstance(err, pickle.UnpicklingError):
+        return ConfigError(
+            f"{path} holds objects that loading without running code (torch.load with weights_only=True) refuses "
+            f"({' '.join(str(err).split())[-160:]}); loko never runs code from a checkpoint. To fix it: pass a "
+            "checkpoint written by loko fit.",
+            field="ckpt_path",
+        )
     return ConfigError(
-        f"{path} is not a readable checkpoint ({' '.join(str(err).split())[:200]}); it was probably cut "
-        "short while being written or copied. To fix it: pass an earlier checkpoint of that folder, or start "
+        f"{path} is not a readable checkpoint ({' '.join(str(err).split())[:200]}): it is not a torch "
+        "checkpoint, or it was cut short while being written or copied. To fix it: pass an earlier checkpoint of "
+        "that folder, or start "
         "without ckpt_path.",
         field="ckpt_path",
     )

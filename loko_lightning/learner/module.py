@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -66,9 +66,14 @@ class OnlineClassifier(pl.LightningModule):
     Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
     The divergence guard and the RNG states are callbacks (:mod:`loko_lightning.learner.callbacks`).
 
+    Checkpoints hold the network factory's configuration (:meth:`~loko_lightning.models.factory.NetworkFactory.spec`)
+    and the class names of the training data, so ``OnlineClassifier.load_from_checkpoint(path)`` needs no other
+    argument, and :meth:`predict_step` returns class probabilities for ``trainer.predict`` (``loko predict``).
+
     Args:
         network: factory of the network (called once, after the optimizer's hyperparameters are checked), e.g.
-            :class:`~loko_lightning.models.TimmClassifier`. The network maps a batch's ``inputs`` to logits.
+            :class:`~loko_lightning.models.TimmClassifier`, or its configuration ``{"class_path", "init_args"}``
+            (as a checkpoint holds it). The network maps a batch's ``inputs`` to logits.
         optimizer: called with the trainable parameters; default :class:`~loko_lightning.LoKO` with the paper's
             hyperparameters. In a config: ``class_path: loko_lightning.LoKO`` (or ``torch.optim.AdamW``) with its
             ``init_args``.
@@ -101,8 +106,13 @@ class OnlineClassifier(pl.LightningModule):
         select: Candidates | None = None,
     ) -> None:
         super().__init__()
-        # The factories are objects (the CLI saves their configuration in config.yaml); checkpoints keep plain values.
+        if isinstance(network, Mapping):
+            network = NetworkFactory.from_spec(network)
+        # The factories are objects; checkpoints keep plain values: the network factory as its configuration (what
+        # load_from_checkpoint rebuilds it from), the optimizer and schedule not (a checkpoint is used, or resumed
+        # with the optimizer configured by the caller).
         self.save_hyperparameters(ignore=["network", "optimizer", "lr_scheduler", "select"])
+        self.hparams["network"] = network.spec()
         self.automatic_optimization = False
         if not isinstance(window, int) or window < 1:
             raise ConfigError(f"window must be a positive integer, got {window}", field="window", owner=self)
@@ -126,6 +136,10 @@ class OnlineClassifier(pl.LightningModule):
         self.loss_avg = MovingAverage(window, sync_on_compute=False)
         self.ce_avg = MovingAverage(window, sync_on_compute=False)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
+        # The training data's class names (label ids in order) and preprocessing (the data module's effective image
+        # data config, or tokenizer and token budget), taken from the data module at fit; kept in checkpoints.
+        self.class_names: list[str] | None = None
+        self.preprocessing: dict[str, Any] | None = None
         self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
 
     # ------------------------------------------------------------------ setup
@@ -189,6 +203,25 @@ class OnlineClassifier(pl.LightningModule):
         elapsed = time.perf_counter() - start
         self._log_online(prediction, label, applied, elapsed)
 
+    def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """Class probabilities ``(B, m)`` (softmax of the logits, float32) of a batch, with its ``index``/``label``."""
+        probabilities = self.network(batch["inputs"]).float().softmax(-1)
+        out = {"probabilities": probabilities}
+        for key in ("index", "label"):
+            if key in batch:
+                out[key] = batch[key]
+        return out
+
+    def on_fit_start(self) -> None:
+        """Take the class names (what the label ids mean) and the preprocessing of the data module, where it says."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        classes = getattr(datamodule, "classes", None)
+        if classes is not None:
+            self.class_names = [str(name) for name in classes]
+        preprocessing = _data_preprocessing(datamodule)
+        if preprocessing is not None:
+            self.preprocessing = preprocessing
+
     def on_train_start(self) -> None:
         """Let the step prepare (the candidates of ``select``, from the checkpoint when resuming)."""
         self.online_step.start(self)
@@ -196,9 +229,17 @@ class OnlineClassifier(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the step's state (the selection's candidates and scores: a run resumes exactly mid-selection)."""
         self.online_step.on_save_checkpoint(checkpoint)
+        if self.class_names is not None:
+            checkpoint["class_names"] = list(self.class_names)
+        if self.preprocessing is not None:
+            checkpoint["preprocessing"] = dict(self.preprocessing)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read the step's state; resume with an empty recent window from a checkpoint that has none."""
+        if checkpoint.get("class_names") is not None:
+            self.class_names = [str(name) for name in checkpoint["class_names"]]
+        if checkpoint.get("preprocessing") is not None:
+            self.preprocessing = dict(checkpoint["preprocessing"])
         self.online_step.on_load_checkpoint(checkpoint)
         state = checkpoint.get("state_dict")
         if state is not None:
@@ -245,6 +286,21 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
         self._eval_step(batch, "test", self.test_metrics)
+
+
+def _data_preprocessing(datamodule: Any) -> dict[str, Any] | None:
+    """What the data module does to a sample, as plain values; ``None`` when it does not say.
+
+    Images: timm's data config (after the data module's overrides); text: ``{"tokenizer", "max_length"}``.
+    """
+    data_config = getattr(datamodule, "data_config", None)
+    if isinstance(data_config, dict):
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in data_config.items()}
+    transform = getattr(datamodule, "transform", None)
+    tokenizer, max_length = getattr(transform, "source", None), getattr(transform, "max_length", None)
+    if isinstance(tokenizer, str) and isinstance(max_length, int):
+        return {"tokenizer": tokenizer, "max_length": max_length}
+    return None
 
 
 def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[nn.ModuleDict, nn.ModuleDict]:

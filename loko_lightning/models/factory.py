@@ -15,6 +15,8 @@ family is one module with a subclass of either; the data layer does not change.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from numbers import Real
 from typing import Any, ClassVar
 
@@ -50,6 +52,56 @@ class NetworkFactory:
     num_classes: int
     dropout: float = 0.0
     head_init: str = "zeros"
+    _init_args: dict[str, Any] | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> NetworkFactory:
+        """Record the arguments the factory is configured with (:meth:`spec`), before ``__init__`` checks them."""
+        factory = super().__new__(cls)
+        try:
+            bound = inspect.signature(cls.__init__).bind(factory, *args, **kwargs)
+        except TypeError:  # copy/pickle call __new__ without arguments; __init__ reports a real mismatch itself
+            return factory
+        bound.apply_defaults()
+        arguments = dict(list(bound.arguments.items())[1:])
+        factory._init_args = {name: value for name, value in arguments.items() if name not in ("args", "kwargs")}
+        return factory
+
+    def spec(self) -> dict[str, Any]:
+        """The factory as a configuration: ``{"class_path": ..., "init_args": {...}}`` (what a config file holds).
+
+        The learner saves it in its checkpoints' hyperparameters, so that
+        :meth:`~loko_lightning.learner.module.OnlineClassifier.load_from_checkpoint` rebuilds the network with no
+        other argument; :meth:`from_spec` reads it back.
+        """
+        cls = type(self)
+        init_args = {name: _plain(value) for name, value in (self._init_args or {}).items()}
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
+
+    @staticmethod
+    def from_spec(spec: Mapping[str, Any]) -> NetworkFactory:
+        """The factory a :meth:`spec` describes.
+
+        Only a class that is already imported and is a :class:`NetworkFactory` is built: a checkpoint names the
+        class, so nothing is imported (no module's code runs) because a file said so.
+
+        Raises:
+            ConfigError: the spec is not a ``class_path``/``init_args`` mapping, or names no known factory.
+        """
+        class_path = spec.get("class_path") if isinstance(spec, Mapping) else None
+        init_args = spec.get("init_args", {}) if isinstance(spec, Mapping) else None
+        if not isinstance(class_path, str) or not isinstance(init_args, Mapping):
+            raise ConfigError(
+                f"network must be a network factory or a mapping with class_path and init_args, got {spec!r}",
+                field="network",
+            )
+        known = {f"{c.__module__}.{c.__qualname__}": c for c in _subclasses(NetworkFactory)}
+        if class_path not in known:
+            raise ConfigError(
+                f"network class_path {class_path!r} is not an imported NetworkFactory (known: {sorted(known)}); "
+                "import the module that defines it before loading",
+                field="network",
+            )
+        return known[class_path](**init_args)
 
     def __call__(self) -> nn.Module:
         """Build the network (weights are loaded here, not at configuration time)."""
@@ -99,6 +151,21 @@ class NetworkFactory:
             layer.weight.zero_()
             if layer.bias is not None:
                 layer.bias.zero_()
+
+
+def _plain(value: Any) -> Any:
+    """A configuration value as plain Python (a tuple becomes a list, as a config file would hold it)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _subclasses(cls: type) -> list[type]:
+    """Every imported subclass of ``cls``, recursively."""
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
 
 
 def _problem(name: str, value: Any, head_inits: tuple[str, ...]) -> str | None:

