@@ -38,6 +38,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -79,6 +80,32 @@ JSONARGPARSE_WORDING = {
 }
 
 
+# Sphinx markup in the docstrings that --help shows: a role (``:class:`~a.b.C` `` reads ``C``, ``:mod:`a.b` `` reads
+# ``a.b``) and double backquotes (``"auto"`` reads "auto").
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+    """A docstring's text with its Sphinx roles and double backquotes as plain words (for ``--help``)."""
+    text = _ROLE.sub(lambda m: m[2].rpartition(".")[2] if m[1] else m[2], text)
+    return _LITERAL.sub(r"\1", text)
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help, with the docstrings' Sphinx markup read as plain text."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return super()._split_lines(plain_text(text), width)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(plain_text(text), width, indent)
+
+    def start_section(self, heading: str | None) -> None:
+        """A section (a class's arguments) headed by its docstring's first line, read as plain text."""
+        super().start_section(plain_text(heading) if heading else heading)
+
+
 class LoKOCLI(LightningCLI):
     """LightningCLI with the data preprocessing and label range tied to the network, one-line errors, atomic saves."""
 
@@ -96,9 +123,13 @@ class LoKOCLI(LightningCLI):
         preprocessing, num_classes = LINKS
         parser.link_arguments(*preprocessing, compute_fn=_preprocessing, apply_on="instantiate")
         parser.link_arguments(*num_classes)
+        for action in parser._actions:  # the registered names (a registry, so not a Literal: sources can be added)
+            if action.dest == "data.dataset":
+                action.help = f"{action.help} Registered: {', '.join(sorted(SOURCES))}."
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
         """Lightning's subcommand parser; ``predict`` also takes ``--predictions`` (where the rows are written)."""
+        kwargs.setdefault("formatter_class", HelpFormatter)
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if subcommand == "predict":
             parser.add_argument(
@@ -499,6 +530,7 @@ def main(args: list[str] | None = None) -> None:
                 "exit_on_error": False,
                 "prog": "loko",
                 "description": DESCRIPTION,
+                "formatter_class": HelpFormatter,
                 "version": version("loko-lightning"),
             },
         )

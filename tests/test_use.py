@@ -315,3 +315,20 @@ def test_each_run_has_its_version_folder_and_last_resumes_the_newest(tmp_path, m
     main(run)
     assert f"Resuming from the newest last checkpoint: {newer.relative_to(tmp_path)}" in caplog.text
     assert (versions / "version_8").is_dir()  # the resumed run writes its own version folder
+
+
+def test_help_reads_as_plain_text_and_lists_the_datasets(capsys):
+    from loko_lightning.data import SOURCES
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    text = capsys.readouterr().out
+    for markup in (":class:`", ":mod:`", ":meth:`", ":func:`", ":data:`", ":math:`", "``"):
+        assert markup not in text, markup
+    assert "Registered: " + ", ".join(sorted(SOURCES)) in " ".join(text.split())
+    with pytest.raises(SystemExit):
+        main(["predict", "--help"])
+    assert "--predictions PREDICTIONS" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    assert "--merge" in capsys.readouterr().out
