@@ -74,7 +74,20 @@ class Observation:
     def check(self, prediction: Tensor, target: Tensor) -> None:
         """Refuse a prediction ``(B, m)`` and target ``(B, m)`` that do not fit this observation (may read the host).
 
-        :class:`~loko_lightning.LoKO` runs it on its first step and whenever the Jacobian layout changes.
+        :class:`~loko_lightning.LoKO` runs it on every step.
+        """
+
+    def violation(self, prediction: Tensor, target: Tensor) -> Tensor | None:
+        """Whether :meth:`check` would refuse this step, as a 0-d bool on the device (no host read).
+
+        ``None``: no check. :class:`~loko_lightning.LoKO` skips such a step and reads the count now and then.
+        """
+        return None
+
+    def check_outputs(self, outputs: Tensor) -> None:
+        """Refuse network outputs ``(..., m)`` this observation cannot learn from (may read the host).
+
+        The Jacobian engine runs it on its first forward pass for a model and an output shape.
         """
 
     @property
@@ -150,6 +163,30 @@ class Softmax(Observation):
     def check(self, prediction: Tensor, target: Tensor) -> None:
         """See :func:`check_probabilities`."""
         check_probabilities(prediction, target)
+
+    def violation(self, prediction: Tensor, target: Tensor) -> Tensor:
+        """:func:`check_probabilities`'s test on the device."""
+        return probability_violation(prediction, target)
+
+    def check_outputs(self, outputs: Tensor) -> None:
+        """Refuse one output per sample (its softmax is always 1) and outputs that are already probabilities."""
+        m = outputs.shape[-1] if outputs.dim() else 0
+        if m == 1:
+            raise ValueError(
+                "Invalid model output: one output per sample, and the softmax of one output is always 1 (a zero "
+                "Jacobian: nothing would be learned). To fix it: give the network m >= 2 outputs (2 for a binary "
+                'task, one logit per class), or observe the output as it is with observation="regression"'
+            )
+        if m < 2 or not outputs.is_floating_point():
+            return
+        flat = outputs.detach().reshape(-1, m)
+        low, off = torch.stack([flat.min(), (flat.sum(-1) - 1).abs().max()]).double().tolist()
+        if low >= 0.0 and off <= 10 * m * torch.finfo(outputs.dtype).eps:
+            raise ValueError(
+                "Invalid model output: the network's outputs are already probabilities (non-negative, each sample's "
+                "summing to 1), and LoKO applies the softmax itself: a network that ends in Softmax is softmaxed twice "
+                "and learns badly. To fix it: remove the final Softmax so that the network returns logits"
+            )
 
 
 class Regression(Observation):
@@ -376,6 +413,16 @@ def get_observation(observation: str | Observation, *, owner: type | None = None
             owner=owner,
         )
     return cls()
+
+
+def probability_violation(prediction: Tensor, target: Tensor) -> Tensor:
+    """``True`` (0-d, on the device) where a target ``(B, m)`` is a probability vector and its prediction is not."""
+    m = prediction.shape[-1]
+    target_tol = 10 * m * torch.finfo(target.dtype).eps
+    tol = 10 * m * torch.finfo(prediction.dtype).eps
+    is_probability = (target.amin(-1) >= 0) & ((target.sum(-1) - 1).abs() <= target_tol)
+    not_probability = (prediction.amin(-1) < 0) | ((prediction.sum(-1) - 1).abs() > tol)
+    return (is_probability & not_probability).any()
 
 
 def check_probabilities(prediction: Tensor, target: Tensor) -> None:

@@ -114,3 +114,60 @@ def test_image_config_on_text_data_and_the_reverse(local, tmp_path, capsys):
     assert "TransformersClassifier" in line
     line = one_line_error(capsys, [*text_args(local), "--data.dataset", "mnist5k", *outputs(tmp_path)])
     assert line.startswith("loko: error: --data.dataset: dataset='mnist5k' holds image samples")
+
+
+def test_text_fit_predict_export_reload_in_plain_transformers(local, tmp_path, capsys):
+    """Through the real CLI: fit on the CSV, predict texts (and a .txt file), export both ways, reload in transformers
+    with the learner's predictions; an image given to this text model and a checkpoint for another modality refused."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from loko_lightning.learner.module import OnlineClassifier
+
+    two = ["--model.network.num_classes", "2"]
+    main(["fit", *text_args(local, *two), *outputs(tmp_path, plot=False)])
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    (tmp_path / "more.txt").write_text("a wonderful film\n\nthe worst film\n")
+    texts = f'["a great film", "{tmp_path / "more.txt"}"]'
+    out = tmp_path / "texts.json"
+    main(
+        [
+            "predict",
+            *text_args(local, "--data.predict_inputs", texts),
+            "--ckpt_path",
+            str(ckpt),
+            "--predictions",
+            str(out),
+        ]
+    )
+    rows = __import__("json").loads(out.read_text())
+    assert [row["input"] for row in rows] == ["a great film", "a wonderful film", "the worst film"]
+    assert {row["predicted"] for row in rows} <= {"fresh", "rotten"}
+
+    learner = OnlineClassifier.load_from_checkpoint(ckpt, weights_only=True).eval()
+    assert learner.class_names == ["fresh", "rotten"] and learner.preprocessing["max_length"] == 16
+    tokenizer = AutoTokenizer.from_pretrained(str(local[0]))
+    inputs = dict(tokenizer(["a great film", "the worst film"], padding=True, return_tensors="pt"))
+    with torch.no_grad():
+        want = learner(inputs)
+    main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "adapter")])
+    base = AutoModelForSequenceClassification.from_pretrained(str(local[0]), num_labels=2)
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(**inputs).logits
+    # Eager attention in the learner (for its Jacobian), transformers' default kernel here: float32 rounding.
+    torch.testing.assert_close(got, want)
+    main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "merged"), "--merge"])
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged").eval()
+    assert merged.config.id2label == {0: "fresh", 1: "rotten"}
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, want)  # merged weights rounded to float32 once each
+
+    image = tmp_path / "photo.png"
+    __import__("PIL.Image").Image.new("RGB", (8, 8)).save(image)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["predict", *text_args(local, "--data.predict_inputs", f"[{image}]"), "--ckpt_path", str(ckpt)])
+    assert "is an image file, but this is a text model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the checkpoint's text network with an image dataset
+        main(["predict", "--config", DEBUG, "--ckpt_path", str(ckpt)])
+    assert "holds image samples but model.network is TransformersClassifier" in capsys.readouterr().err

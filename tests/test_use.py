@@ -332,3 +332,15 @@ def test_help_reads_as_plain_text_and_lists_the_datasets(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     assert "--merge" in capsys.readouterr().out
+
+
+def test_outputs_beyond_the_datas_classes_are_named_by_their_ids():
+    from runs import tiny
+
+    from loko_lightning.learner.predictions import prediction_rows
+
+    learner = tiny(p0=0.1)  # 4 outputs
+    learner.class_names = ["cat", "dog"]  # the data had 2 classes
+    assert learner.label_names() == ["cat", "dog", "2", "3"]
+    rows = prediction_rows([{"probabilities": torch.tensor([[0.1, 0.2, 0.6, 0.1]])}], learner.class_names, None)
+    assert rows[0]["predicted"] == "2" and list(rows[0]["probabilities"]) == ["cat", "dog", "2", "3"]

@@ -390,6 +390,8 @@ class JacobianEngine:
                 for layer in layers.values():  # only left over if the forward pass raised inside the layer
                     layer.module._parameters.update(layer.saved)
                     layer.saved.clear()
+            if isinstance(raw, Tensor):
+                _check_outputs_once(self._model, raw, self._observation)
             return _jacobian(
                 raw, self._params, layers, self._observation, self._chunk_size, self._factorize, samples, label
             )
@@ -440,6 +442,20 @@ def jacobian(
         observation = _observation_from_output(output)
     with JacobianEngine(model, params, observation=observation, chunk_size=chunk_size, factorize=factorize) as engine:
         return engine(inputs)
+
+
+# The (observation, output shape) pairs whose outputs were checked, per model: the check reads the host, so it runs
+# once per model and shape, not on every step (a network that ends in Softmax does so on every call).
+_CHECKED_OUTPUTS: weakref.WeakKeyDictionary[nn.Module, set[tuple[str, tuple[int, ...]]]] = weakref.WeakKeyDictionary()
+
+
+def _check_outputs_once(model: nn.Module, outputs: Tensor, observation: Observation) -> None:
+    """:meth:`~loko_lightning.observation.Observation.check_outputs` on a model's first outputs of each shape."""
+    seen = _CHECKED_OUTPUTS.setdefault(model, set())
+    key = (observation.name, tuple(outputs.shape[1:]))
+    if key not in seen:
+        observation.check_outputs(outputs)
+        seen.add(key)
 
 
 def _observation_from_output(output: str) -> str:

@@ -62,6 +62,11 @@ def check_observation(
     if not isinstance(target, Tensor) or tuple(target.shape) != shape:
         got = tuple(target.shape) if isinstance(target, Tensor) else type(target).__name__
         raise ValueError(f"Invalid target: expected shape {shape} like the prediction, got {got}")
+    if not target.is_floating_point():
+        raise ValueError(
+            f"Invalid target: dtype {target.dtype}; the target is a float vector like the prediction, e.g. "
+            "F.one_hot(label, m).float() for a class label"
+        )
     if not isinstance(jacobians, (list, tuple)) or len(jacobians) != len(params):
         got = len(jacobians) if isinstance(jacobians, (list, tuple)) else type(jacobians).__name__
         message = f"Invalid jacobians: expected {len(params)} (one per parameter), got {got}"

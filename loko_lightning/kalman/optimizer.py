@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, get_args
 
@@ -23,6 +24,8 @@ Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 # the state of the first parameter, so that ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
 # Earlier checkpoints name R "noise"; load_state_dict reads both.
 _LEGACY_KEYS = {"noise": "R"}
+# Steps between the host reads of the observation's check after a layout's first step (that one reads at once).
+CHECK_EVERY = 100
 _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
     "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
@@ -94,7 +97,9 @@ class LoKO(torch.optim.Optimizer):
         observation: what the prediction is (:mod:`loko_lightning.observation`; give the Jacobian engine the same).
             ``"softmax"`` (default): class probabilities, the paper's classification setting; when the target is a
             probability vector (e.g. one-hot) and the prediction is not (a negative entry, or a sum off 1 by more
-            than rounding: logits passed where probabilities belong), :meth:`step` raises a ``ValueError``.
+            than rounding: logits passed where probabilities belong), :meth:`step` raises a ``ValueError``: at once
+            on the first step of a layout, and otherwise within :data:`CHECK_EVERY` steps, the failing steps skipped
+            (the check runs on the device; its count is read every ``CHECK_EVERY`` steps).
             ``"regression"``: any real outputs, no check. ``"natural"`` / ``"natural_exact"``: not the paper, the
             diagonal natural-gradient filter in information form
             (:class:`~loko_lightning.observation.NaturalGradient`: the categorical ``R``, the empirical or the exact
@@ -144,9 +149,15 @@ class LoKO(torch.optim.Optimizer):
             raise ConfigError(_NO_LR, field="lr", owner=LoKO)
         if unexpected:
             raise TypeError(f"LoKO got unexpected keyword arguments: {', '.join(sorted(unexpected))}")
-        if not 0.0 < beta < 1.0:
+        if not (_real(beta) and 0.0 < beta < 1.0):
             raise ConfigError(
-                f"Invalid beta: {beta} (must lie in (0, 1); the paper uses 0.95)", field="beta", owner=LoKO
+                f"Invalid beta: {beta!r} ({type(beta).__name__}; must be a number in (0, 1); the paper uses 0.95)",
+                field="beta",
+                owner=LoKO,
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(
+                f"Invalid seed: {seed!r} ({type(seed).__name__}; must be an int or None)", field="seed", owner=LoKO
             )
         self.observation = get_observation(observation, owner=LoKO)
         if r_estimator is None:
@@ -187,6 +198,8 @@ class LoKO(torch.optim.Optimizer):
         # "cov" states are views of it); rebuilt when the layout changes or the states are replaced.
         self._plan: UpdatePlan | None = None
         self._plan_key: tuple | None = None
+        self._violations: Tensor | None = None  # steps that failed the observation's check, since the last read
+        self._unchecked = 0
         self._cov_flat: Tensor | None = None
         self._cov_views: list[Tensor] = []
         super().__init__(params, defaults)
@@ -254,12 +267,43 @@ class LoKO(torch.optim.Optimizer):
             index: {_LEGACY_KEYS.get(key, key): value for key, value in state.items()}
             for index, state in state_dict["state"].items()
         }
+        _check_saved_state(saved, self._params())
         state_dict = {**state_dict, "state": saved}
         super().load_state_dict(state_dict)
         for index, param in enumerate(self._params()):
             for key, value in saved.get(index, {}).items():
                 if isinstance(value, Tensor):
                     self.state[param][key] = value.to(device=param.device, copy=True)
+
+    def _check_on_device(self, prediction: Tensor, target: Tensor, samples: int) -> Tensor:
+        """The observation's check without a host read, on a layout's later steps.
+
+        A failing step is skipped (its prediction made non-finite) and counted on the device; every
+        :data:`CHECK_EVERY` steps the count is read, and a failure raises then.
+
+        Probabilities on one step and logits on the next have the same layout, so the first-step check alone would
+        miss them; this way the step stays free of host reads and nothing wrong is ever applied.
+        """
+        view = (prediction.detach().view(samples, -1), target.detach().view(samples, -1))
+        bad = self.observation.violation(*view)
+        if bad is None:
+            return prediction
+        self._violations = bad.long() if self._violations is None else self._violations + bad.long()
+        self._unchecked += 1
+        if self._unchecked >= CHECK_EVERY:
+            count, self._unchecked, self._violations = int(self._violations), 0, None
+            if count:
+                try:
+                    self.observation.check(*view)  # the message of the check, if this step fails it too
+                except ValueError as err:
+                    message = f"{err} ({count} of the last {CHECK_EVERY} steps failed it and were skipped)"
+                    raise ValueError(message) from None
+                raise ValueError(
+                    f"Invalid prediction on {count} of the last {CHECK_EVERY} steps (skipped): it did not fit the "
+                    f"{self.observation.name!r} observation (for class probabilities: a probability vector where "
+                    "the target is one; were logits passed where probabilities belong?)"
+                )
+        return torch.where(bad, torch.full_like(prediction, math.nan), prediction)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -281,9 +325,27 @@ class LoKO(torch.optim.Optimizer):
             filter state untouched) and counted in ``state["skipped"]``; see :attr:`diagnostics`.
         """
         if closure is None:
-            raise ValueError("LoKO.step needs a closure returning (prediction, target, jacobians)")
+            raise ValueError(
+                "LoKO.step needs a closure returning (prediction, target, jacobians), e.g. def closure(): prediction, "
+                "jacobians = loko_lightning.jacobian(model, x); return prediction, target, jacobians. In a "
+                "LightningModule: set self.automatic_optimization = False and call self.optimizers().step(closure) in "
+                "training_step"
+            )
         with torch.enable_grad():
             result = closure()
+        if result is None:
+            raise ValueError(
+                "Invalid closure result: None. LoKO.step needs a closure returning (prediction, target, jacobians) "
+                "(see loko_lightning.jacobian); in a LightningModule, self.optimizers().step() without a closure "
+                "passes an empty one: call self.optimizers().step(closure) in training_step"
+            )
+        if isinstance(result, Tensor):
+            raise ValueError(
+                "Invalid closure result: a tensor (a loss?), but LoKO's closure returns (prediction, target, "
+                "jacobians) (see loko_lightning.jacobian), not a loss. In a LightningModule this is Lightning's "
+                "automatic optimization calling step(): set self.automatic_optimization = False and call "
+                "self.optimizers().step(closure) in training_step"
+            )
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             got = f"{len(result)} items" if isinstance(result, (tuple, list)) else type(result)
             raise ValueError(f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {got}")
@@ -304,6 +366,8 @@ class LoKO(torch.optim.Optimizer):
             check_observation(prediction, target, jacobians, params, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
+        else:  # the same layout: the same check on the device, read every CHECK_EVERY steps
+            prediction = self._check_on_device(prediction, target, samples)
         m = prediction.shape[0] // samples
         aggregation = None
         observed = self.observation.observed(prediction.detach().view(samples, m), target.detach().view(samples, m))
@@ -393,23 +457,55 @@ def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, gener
     return draw.to(dtype=dtype, device=param.device)
 
 
+def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor]) -> None:
+    """Refuse a state dict that is not LoKO's for these parameters (another optimizer's, or other shapes)."""
+    if not saved:
+        return
+    foreign = sorted({key for state in saved.values() for key in state} - {"cov", "R", "step", "skipped"})
+    if foreign or any("cov" not in state for state in saved.values()):
+        raise ValueError(
+            f"Invalid state dict: it is not LoKO's (its per-parameter state holds {foreign or 'no cov'}; LoKO keeps "
+            "cov, R, step, skipped): it comes from another optimizer, e.g. AdamW. Load it into that optimizer, or "
+            "start LoKO from its initial state"
+        )
+    for index, state in saved.items():
+        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        cov = state["cov"]
+        if param is None or not isinstance(cov, Tensor) or tuple(cov.shape) != tuple(param.shape):
+            got = tuple(cov.shape) if isinstance(cov, Tensor) else type(cov).__name__
+            want = tuple(param.shape) if param is not None else f"one of {len(params)} parameters"
+            raise ValueError(
+                f"Invalid state dict: parameter {index}'s covariance has shape {got}, this optimizer's parameter is "
+                f"{want}: the state comes from another model (other adapters, rank or head); load it into that "
+                "model's optimizer"
+            )
+
+
+def _real(value: Any) -> bool:
+    """A plain real number: an int or a float, not a bool, a string or a tensor."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_group(group: dict[str, Any]) -> None:
     p0 = group["p0"]
-    if not (isinstance(p0, (int, float)) and p0 > 0 and p0 < float("inf")):
+    if not (_real(p0) and p0 > 0 and p0 < float("inf")):
         auto = ""
         if p0 == "auto":
             auto = "; p0: auto is for OnlineClassifier (loko fit) or loko_lightning.learner.selection"
-        message = f"Invalid p0: {p0} (must be a finite number > 0; the paper's default is 0.2{auto})"
+        message = (
+            f"Invalid p0: {p0!r} ({type(p0).__name__}; must be a finite number > 0, an int or a float; the paper's "
+            f"default is 0.2{auto})"
+        )
         raise ConfigError(message, field="p0", owner=LoKO)
     if group["p0_init"] not in P0_INITS:
         raise ConfigError(
             f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=LoKO
         )
     q = group["process_noise"]
-    if not (isinstance(q, (int, float)) and 0 <= q < float("inf")):
+    if not (_real(q) and 0 <= q < float("inf")):
         message = f"Invalid process_noise: {q} (must be a finite number >= 0)"
         raise ConfigError(message, field="process_noise", owner=LoKO)
     floor = group["p_floor"]
-    if not (isinstance(floor, (int, float)) and 0 <= floor < float("inf")):
+    if not (_real(floor) and 0 <= floor < float("inf")):
         message = f"Invalid p_floor: {floor} (must be a finite number >= 0; 0 is no floor, the paper)"
         raise ConfigError(message, field="p_floor", owner=LoKO)

@@ -71,7 +71,7 @@ def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrit
         )
     network = copy.deepcopy(learner.network).cpu().float().eval()
     peft_model = _peft_model(network)
-    classes = list(learner.class_names or [str(i) for i in range(factory.num_classes)])
+    classes = learner.label_names()
     text = factory.modality == "text"
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))

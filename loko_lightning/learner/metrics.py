@@ -60,12 +60,28 @@ class OnlineAccuracy(OnlineMean):
         self.top_k = top_k
 
     def update(self, prediction: Tensor, label: Tensor, weight: Tensor | float = 1.0) -> None:
-        """Score one prediction (``(m,)`` scores or probabilities) against its label (0-d), with ``weight``."""
-        if self.top_k == 1:
-            correct = prediction.argmax() == label
-        else:
-            correct = (prediction.topk(min(self.top_k, prediction.shape[-1])).indices == label).any()
-        super().update(correct.float(), torch.as_tensor(weight, dtype=torch.float32, device=prediction.device))
+        """Score one prediction against its label, or a batch of them, with ``weight`` (a number, or one per sample).
+
+        One prediction: ``(m,)`` scores or probabilities and a 0-d label; a batch: ``(B, m)`` and ``(B,)`` labels.
+
+        Raises:
+            ValueError: the shapes are neither of those.
+        """
+        label = torch.as_tensor(label, device=prediction.device)
+        single = prediction.dim() == 1 and label.dim() == 0
+        batch = prediction.dim() == 2 and label.dim() == 1 and label.shape[0] == prediction.shape[0]
+        if not (single or batch):
+            raise ValueError(
+                f"Invalid prediction and label: expected (m,) scores with a 0-d label, or (B, m) with (B,) labels; "
+                f"got {tuple(prediction.shape)} and {tuple(label.shape)}"
+            )
+        scores, labels = prediction.reshape(-1, prediction.shape[-1]), label.reshape(-1)
+        top = scores.topk(min(self.top_k, scores.shape[-1]), dim=-1).indices
+        correct = (top == labels[:, None]).any(-1) if self.top_k > 1 else scores.argmax(-1) == labels
+        weight = torch.as_tensor(weight, dtype=torch.float32, device=prediction.device).expand(correct.shape)
+        # The sums of one update per sample.
+        self.mean_value += (correct.float() * weight).sum().to(self.mean_value.dtype)
+        self.weight += weight.sum().to(self.weight.dtype)
 
 
 class MovingAverage(Metric):

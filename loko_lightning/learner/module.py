@@ -108,6 +108,14 @@ class OnlineClassifier(pl.LightningModule):
         super().__init__()
         if isinstance(network, Mapping):
             network = NetworkFactory.from_spec(network)
+        if not isinstance(network, NetworkFactory):
+            raise ConfigError(
+                f"network must be a network factory, got {network!r} ({type(network).__name__}): e.g. "
+                "TimmClassifier('resnet18', num_classes=10) or TransformersClassifier('roberta-base', num_classes=2) "
+                "from loko_lightning.models (the learner builds the network after checking the optimizer)",
+                field="network",
+                owner=OnlineClassifier,
+            )
         # The factories are objects; checkpoints keep plain values: the network factory as its configuration (what
         # load_from_checkpoint rebuilds it from), the optimizer and schedule not (a checkpoint is used, or resumed
         # with the optimizer configured by the caller).
@@ -153,6 +161,11 @@ class OnlineClassifier(pl.LightningModule):
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The adapter and head parameters, in a fixed order (the optimizer's and the Jacobian's)."""
         return [p for p in self.network.parameters() if p.requires_grad]
+
+    def label_names(self) -> list[str]:
+        """A name for each of the network's ``m`` outputs: the training data's class names, the ids beyond them."""
+        names = list(self.class_names or [])[: self.num_classes]
+        return names + [str(i) for i in range(len(names), self.num_classes)]
 
     def train(self, mode: bool = True) -> OnlineClassifier:
         """Switch modes but keep the backbone's normalisation layers in eval mode (batch size 1)."""
@@ -235,7 +248,14 @@ class OnlineClassifier(pl.LightningModule):
             checkpoint["preprocessing"] = dict(self.preprocessing)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Read the step's state; resume with an empty recent window from a checkpoint that has none."""
+        """Read the step's state; resume with an empty recent window from a checkpoint that has none.
+
+        Raises:
+            ConfigError: resuming training with another kind of optimizer than the checkpoint's (LoKO's state into
+                AdamW, or the reverse).
+        """
+        if self._trainer is not None and self.trainer.state.fn == "fit":
+            _check_optimizer_kind(checkpoint, self.is_kalman)
         if checkpoint.get("class_names") is not None:
             self.class_names = [str(name) for name in checkpoint["class_names"]]
         if checkpoint.get("preprocessing") is not None:
@@ -286,6 +306,27 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
         self._eval_step(batch, "test", self.test_metrics)
+
+
+def _check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool) -> None:
+    """A checkpoint's optimizer state must be the kind this learner resumes with (LoKO's ``cov`` or not)."""
+    states = checkpoint.get("optimizer_states") or []
+    per_parameter = [state for saved in states for state in (saved.get("state") or {}).values()]
+    if not per_parameter:
+        return  # nothing saved (weights only), or not training yet: any optimizer starts fresh
+    saved_kalman = any("cov" in state for state in per_parameter)
+    if saved_kalman == kalman:
+        return
+    saved, current = ("LoKO", "a gradient optimizer") if saved_kalman else ("a gradient optimizer", "LoKO")
+    keys = sorted({key for state in per_parameter for key in state})
+    raise ConfigError(
+        f"the checkpoint's optimizer state is {saved}'s ({', '.join(keys)}), but this run resumes with {current}: "
+        "the state cannot carry over. To fix it: resume with the checkpoint's optimizer, or start from its weights "
+        "without its optimizer state (OnlineClassifier.load_from_checkpoint(path, optimizer=...), then fit without "
+        "ckpt_path)",
+        field="optimizer",
+        owner=OnlineClassifier,
+    )
 
 
 def _data_preprocessing(datamodule: Any) -> dict[str, Any] | None:

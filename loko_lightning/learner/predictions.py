@@ -75,7 +75,8 @@ def prediction_rows(
     for output in outputs:
         probabilities = output["probabilities"]
         m = probabilities.shape[-1]
-        labels = classes if classes is not None and len(classes) == m else [str(i) for i in range(m)]
+        named = list(classes or [])[:m]
+        labels = named + [str(i) for i in range(len(named), m)]  # outputs beyond the data's classes: their ids
         indices = output.get("index", torch.arange(len(rows), len(rows) + len(probabilities)))
         for i, scores in enumerate(probabilities):
             position = int(indices[i])
