@@ -22,7 +22,10 @@ class DenseModelFilter:
     :func:`~loko_lightning.kalman.reference.loko_step_reference`. Shares no code with the fast path but the
     reference."""
 
-    def __init__(self, model, p0, *, beta, r_estimator, process_noise=0.0, output="softmax", p_floor=0.0):
+    def __init__(
+        self, model, p0, *, beta, r_estimator, process_noise=0.0, output="softmax", p_floor=0.0, shrinkage=0.0,
+        inflation=0.0,
+    ):  # fmt: skip
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
@@ -32,7 +35,7 @@ class DenseModelFilter:
         self.R = None
         self.k = 0
         self.beta, self.r_estimator, self.q, self.output = beta, r_estimator, process_noise, output
-        self.p_floor = p_floor
+        self.p_floor, self.shrinkage, self.inflation = p_floor, shrinkage, inflation
 
     def unflatten(self, theta):
         out, start = {}, 0
@@ -59,6 +62,7 @@ class DenseModelFilter:
         self.theta, self.p, self.R = loko_step_reference(
             self.theta, self.p, self.R, H, y_hat, y, self.k,
             beta=self.beta, r_estimator=self.r_estimator, process_noise=self.q, rcond=RTOL, p_floor=self.p_floor,
+            shrinkage=self.shrinkage, inflation=self.inflation,
         )  # fmt: skip
         eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + self.R)  # S
         rel = eig.abs() / eig.abs().max()

@@ -73,8 +73,8 @@ class LoKO(torch.optim.Optimizer):
     :func:`~loko_lightning.kalman.reference.loko_step_reference` a slow dense float64 version of it.
 
     Args:
-        params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise`` and
-            ``p_floor``.
+        params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise``,
+            ``p_floor``, ``shrinkage`` and ``inflation``.
         p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
             constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
         p0_init: ``"uniform"`` (paper method 2, default), ``"constant"`` (method 1), or ``"fan_in"`` (not the paper:
@@ -93,6 +93,13 @@ class LoKO(torch.optim.Optimizer):
             :math:`\hat p_k \leftarrow \max(\hat p_k, \text{p\_floor})`, so the steps never shrink below a
             minimum however long the stream. Unlike ``process_noise`` it leaves :math:`\hat p` alone while it is
             above the floor.
+        shrinkage: ``λ`` in ``[0, 1)`` of a shrinkage process model :math:`\tilde\theta_{k+1|k} = (1 - \lambda)
+            \tilde\theta_k` (not the paper; 0, the default, is the paper's identity model): after every applied
+            update the parameters are scaled by :math:`1 - \lambda` and :math:`\hat p` by :math:`(1 - \lambda)^2`,
+            the Kalman form of decoupled weight decay (towards 0: LoRA ``B`` and the head start there).
+        inflation: ``α >= 0`` of a multiplicative covariance inflation :math:`P \leftarrow (1 + \alpha) P` after
+            every applied update (not the paper; 0, the default, is none): old information loses weight
+            geometrically, so :math:`\hat p` does not settle (forgetting, as in rebayes' LoFi).
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
         observation: what the prediction is (:mod:`loko_lightning.observation`; give the Jacobian engine the same).
             ``"softmax"`` (default): class probabilities, the paper's classification setting; when the target is a
@@ -139,6 +146,8 @@ class LoKO(torch.optim.Optimizer):
         r_estimator: REstimator | None = None,
         process_noise: float = 0.0,
         p_floor: float = 0.0,
+        shrinkage: float = 0.0,
+        inflation: float = 0.0,
         rcond: float | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
@@ -190,6 +199,8 @@ class LoKO(torch.optim.Optimizer):
             r_estimator=r_estimator,
             process_noise=process_noise,
             p_floor=p_floor,
+            shrinkage=shrinkage,
+            inflation=inflation,
             rcond=rcond,
             observation=self.observation.spec,
         )
@@ -230,10 +241,11 @@ class LoKO(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``.
 
-        Groups saved before ``p_floor`` existed get its default, 0 (no floor).
+        Groups saved before ``p_floor``, ``shrinkage`` or ``inflation`` existed get their defaults, 0 (none).
         """
         super().__setstate__(state)
-        self.param_groups = [_ParamGroup({"p_floor": 0.0, **group}) for group in self.param_groups]
+        defaults = {"p_floor": 0.0, "shrinkage": 0.0, "inflation": 0.0}
+        self.param_groups = [_ParamGroup({**defaults, **group}) for group in self.param_groups]
 
     def _arith_dtype(self, param: Tensor) -> torch.dtype:
         if self._dtype is not None:
@@ -361,7 +373,10 @@ class LoKO(torch.optim.Optimizer):
             prediction, target, jacobians = stack_observations(prediction, target, jacobians, rows)
         process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
         p_floor = [g["p_floor"] for g in self.param_groups for _ in g["params"]]
-        key = layout_key(prediction, target, jacobians, (tuple(process_noise), tuple(p_floor), samples))
+        shrinkage = [g["shrinkage"] for g in self.param_groups for _ in g["params"]]
+        inflation = [g["inflation"] for g in self.param_groups for _ in g["params"]]
+        time_update = (tuple(process_noise), tuple(p_floor), tuple(shrinkage), tuple(inflation))
+        key = layout_key(prediction, target, jacobians, (*time_update, samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             check_observation(prediction, target, jacobians, params, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
@@ -378,8 +393,9 @@ class LoKO(torch.optim.Optimizer):
         if self._plan is None:
             shapes = [p.shape for p in params]
             self._plan = UpdatePlan(
-                jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor
-            )
+                jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor,
+                shrinkage=shrinkage, inflation=inflation,
+            )  # fmt: skip
             self._plan_key, self._cov_flat = key, None
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(params, covs)
@@ -509,3 +525,11 @@ def _check_group(group: dict[str, Any]) -> None:
     if not (_real(floor) and 0 <= floor < float("inf")):
         message = f"Invalid p_floor: {floor} (must be a finite number >= 0; 0 is no floor, the paper)"
         raise ConfigError(message, field="p_floor", owner=LoKO)
+    lam = group["shrinkage"]
+    if not (_real(lam) and 0 <= lam < 1):
+        message = f"Invalid shrinkage: {lam!r} (must be a number in [0, 1); 0 is the paper's identity process model)"
+        raise ConfigError(message, field="shrinkage", owner=LoKO)
+    alpha = group["inflation"]
+    if not (_real(alpha) and 0 <= alpha < float("inf")):
+        message = f"Invalid inflation: {alpha!r} (must be a finite number >= 0; 0 is none, the paper)"
+        raise ConfigError(message, field="inflation", owner=LoKO)

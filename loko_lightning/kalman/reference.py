@@ -40,6 +40,7 @@ __all__ = [
     "loko_step_reference_batch",
     "natural_step_reference",
     "pinv_reference",
+    "time_update_reference",
     "topk_step_reference",
 ]
 
@@ -89,6 +90,8 @@ def loko_step_reference(
     process_noise: float | Tensor = 0.0,
     rcond: float | None = None,
     p_floor: float | Tensor = 0.0,
+    shrinkage: float | Tensor = 0.0,
+    inflation: float | Tensor = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One LoKO step (Algorithm 1), dense and in float64.
 
@@ -106,6 +109,8 @@ def loko_step_reference(
         process_noise: ``q`` added to ``p̂`` in the predict step, one value or one per entry of ``θ̃``.
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S`` (see :func:`pinv_reference`).
         p_floor: a floor on ``p̂_k`` (not the paper), one value or one per entry of ``θ̃``.
+        shrinkage: ``λ`` of the shrinkage process model (not the paper), see :func:`time_update_reference`.
+        inflation: ``α`` of the covariance inflation (not the paper), see :func:`time_update_reference`.
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -123,7 +128,24 @@ def loko_step_reference(
         process_noise=process_noise,
         rcond=rcond,
         p_floor=p_floor,
+        shrinkage=shrinkage,
+        inflation=inflation,
     )
+
+
+def time_update_reference(
+    theta: Tensor, p: Tensor, *, shrinkage: float | Tensor, inflation: float | Tensor, p_floor: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    r"""The time update after an applied step, from the process model, in float64 (not the paper when not 0).
+
+    The process model :math:`	ilde	heta_{k+1} = (1 - \lambda)	ilde	heta_k + w`, with covariance inflation
+    :math:`(1 + lpha)`, predicts :math:`	ilde	heta_{k+1|k} = (1 - \lambda)	ilde	heta_k` and
+    :math:`P_{k+1|k} = (1 + lpha)(1 - \lambda)^2 P_k` (the process noise ``q`` is added at the next step, as in
+    Algorithm 1); the floor applies to the result. ``λ = α = 0`` is Algorithm 1's identity model.
+    """
+    lam = shrinkage.double() if isinstance(shrinkage, Tensor) else shrinkage
+    alpha = inflation.double() if isinstance(inflation, Tensor) else inflation
+    return (1 - lam) * theta, _floored((1 + alpha) * (1 - lam) ** 2 * p, p_floor)
 
 
 def loko_step_reference_batch(
@@ -140,6 +162,8 @@ def loko_step_reference_batch(
     process_noise: float | Tensor = 0.0,
     rcond: float | None = None,
     p_floor: float | Tensor = 0.0,
+    shrinkage: float | Tensor = 0.0,
+    inflation: float | Tensor = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One joint LoKO step on ``B`` samples (the multistream EKF), dense and in float64.
 
@@ -161,6 +185,8 @@ def loko_step_reference_batch(
         process_noise: ``q`` added to ``p̂`` in the predict step.
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
         p_floor: a floor on ``p̂_k``.
+        shrinkage: ``λ`` (:func:`time_update_reference`).
+        inflation: ``α`` (:func:`time_update_reference`).
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -195,7 +221,9 @@ def loko_step_reference_batch(
     # 6. Update: θ̃_k = θ̃_{k|k-1} + K e and p̂_k,i = p̂_i - (Σ_j K_ij H_ji) p̂_i, the diagonal of P - K H P.
     theta = theta + K @ e
     p = p - (K * Hs.T).sum(1) * p
-    return theta, _floored(p, p_floor), R
+    # 7. Time update to the next step's prior (the identity in Algorithm 1).
+    theta, p = time_update_reference(theta, p, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor)
+    return theta, p, R
 
 
 def natural_step_reference(
@@ -208,6 +236,8 @@ def natural_step_reference(
     fisher: str,
     process_noise: float | Tensor = 0.0,
     p_floor: float | Tensor = 0.0,
+    shrinkage: float | Tensor = 0.0,
+    inflation: float | Tensor = 0.0,
 ) -> tuple[Tensor, Tensor]:
     r"""One step of the diagonal natural-gradient filter on ``B`` samples, dense and in float64, from its definition.
 
@@ -234,6 +264,8 @@ def natural_step_reference(
         fisher: ``"exact"`` or ``"empirical"``.
         process_noise: ``q``, one value or one per entry.
         p_floor: a floor on the new ``p̂``.
+        shrinkage: ``λ`` (:func:`time_update_reference`, after the mean's update with the floored posterior).
+        inflation: ``α`` (:func:`time_update_reference`).
 
     Returns:
         ``(θ̃_k, p̂_k)``, float64.
@@ -254,7 +286,8 @@ def natural_step_reference(
         direction = direction + d
         precision = precision + (torch.diagonal(H.T @ R_pinv @ H) if fisher == "exact" else d * d)
     p_new = _floored(1.0 / precision, p_floor)
-    return theta.double() + p_new * direction, p_new
+    theta_new = theta.double() + p_new * direction
+    return time_update_reference(theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor)
 
 
 def topk_step_reference(

@@ -121,6 +121,11 @@ class UpdatePlan:
         samples: ``B``, the number of samples the ``m`` rows of the blocks stack (the multistream update):
             ``m / B`` outputs each, with a block-diagonal ``R``. 1: the paper's single observation.
         p_floor: the floor on ``p̂`` per parameter (the updated ``p̂`` is at least this); default: none (0).
+        shrinkage: ``λ`` per parameter of the shrinkage process model ``θ̃_{k+1|k} = (1 − λ) θ̃_k`` (not the paper;
+            default none, 0): the time update after each applied step scales the parameters by ``1 − λ`` and ``p̂``
+            by ``(1 − λ)²``, the Kalman form of decoupled weight decay.
+        inflation: ``α`` per parameter of multiplicative covariance inflation (not the paper; default none, 0): the
+            time update scales ``p̂`` by ``1 + α`` (forgetting: old information loses weight geometrically).
     """
 
     def __init__(
@@ -132,6 +137,8 @@ class UpdatePlan:
         device: torch.device,
         samples: int = 1,
         p_floor: Sequence[float] | None = None,
+        shrinkage: Sequence[float] | None = None,
+        inflation: Sequence[float] | None = None,
     ) -> None:
         if not jacobians:
             raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
@@ -155,6 +162,14 @@ class UpdatePlan:
             position += numels[i]
         self.q = self._per_entry(process_noise, numels)
         self.floor = None if p_floor is None else self._per_entry(p_floor, numels)
+        # The time update after an applied step (not the paper): θ̃ ← keep ⊙ θ̃, p̂ ← scale ⊙ p̂.
+        lam = None if shrinkage is None else self._per_entry(shrinkage, numels)
+        alpha = None if inflation is None else self._per_entry(inflation, numels)
+        self.keep = None if lam is None else torch.as_tensor(1.0 - lam, dtype=dtype, device=device)
+        self.scale = None
+        if lam is not None or alpha is not None:
+            keep2 = 1.0 if lam is None else (1.0 - lam) ** 2
+            self.scale = torch.as_tensor((1.0 if alpha is None else 1.0 + alpha) * keep2, dtype=dtype, device=device)
         # Work vectors of every step: the update K e and diag(Hᵀ S⁺ H) (then the new p̂).
         self._update = torch.empty(self.n, dtype=dtype, device=device)
         self._quad = torch.empty(self.n, dtype=dtype, device=device)
@@ -235,7 +250,7 @@ class UpdatePlan:
         # 6. p̂_k,i = p̂_i - (K H)_ii p̂_i; (K H)_ii lies in [0, 1] in exact arithmetic, the floor keeps p̂ > 0.
         posterior = torch.addcmul(self._one, prior, quad, value=-1.0, out=quad)
         posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
-        self._floor(posterior)
+        self._time_update(posterior)
         # 6. θ̃_k = θ̃_{k|k-1} + K e, unless something is non-finite.
         applied = self._apply(params, cov, posterior, finite)
         torch.where(applied, R_k, R, out=R)
@@ -243,6 +258,12 @@ class UpdatePlan:
 
         diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": cond}
         return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+
+    def _time_update(self, posterior: Tensor) -> Tensor:
+        """``p̂`` of the next step's prior, in place: ``scale ⊙ p̂`` (shrinkage, inflation), then the floor."""
+        if self.scale is not None:
+            posterior.mul_(self.scale)
+        return self._floor(posterior)
 
     def _floor(self, posterior: Tensor) -> Tensor:
         """The floor on ``p̂`` (not the paper), in place: steps stay above a minimum however long the stream."""
@@ -262,6 +283,12 @@ class UpdatePlan:
         applied = finite & torch.isfinite(update.sum() + posterior.sum())
         torch.where(applied, update, self._zero, out=update)
         torch.where(applied, posterior, cov, out=cov)
+        if self.keep is not None:  # θ̃ ← (1 − λ)(θ̃ + K e): the shrinkage time update, on applied steps only
+            keep = torch.where(applied, self.keep, self._one)
+            update.mul_(keep)
+            factors = self.views(keep) if keep.dim() else [keep] * len(params)
+            for param, factor in zip(params, factors, strict=True):
+                param.mul_(factor.to(param.dtype))
         if all(p.dtype == self.dtype for p in params):
             torch._foreach_add_(list(params), self._update_views)
         else:
@@ -315,6 +342,8 @@ class UpdatePlan:
         # p̂_k = p̂_{k|k-1} / (1 + p̂_{k|k-1} ⊙ info), the mean with the posterior p̂_k.
         posterior = info.mul_(prior).add_(self._one).reciprocal_().mul_(prior)
         update.mul_(self._floor(posterior))
+        if self.scale is not None:  # the time update of p̂ after the mean used the posterior
+            self._time_update(posterior)
         applied = self._apply(params, cov, posterior, torch.isfinite(innovation).all())
         step.add_(applied.to(step.dtype))
         nan = torch.full((), math.nan, dtype=dtype, device=self.device)
@@ -353,6 +382,8 @@ def loko_update(
     p_floor: Sequence[float] | float = 0.0,
     form: str = "covariance",
     aggregation: tuple[Tensor, Tensor] | None = None,
+    shrinkage: Sequence[float] | float = 0.0,
+    inflation: Sequence[float] | float = 0.0,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -406,6 +437,10 @@ def loko_update(
         form: ``"covariance"``: the above; ``"information"``: the diagonal information-form update of a
             :class:`~loko_lightning.observation.NaturalGradient` observation (:meth:`UpdatePlan.run_information`;
             ``R``, ``beta``, ``r_estimator`` and ``rcond`` are then unused).
+        shrinkage: ``λ`` of the shrinkage process model (not the paper; 0: none), see :class:`UpdatePlan`; one value
+            or one per parameter. Ignored when ``plan`` is given.
+        inflation: ``α`` of the covariance inflation (not the paper; 0: none), see :class:`UpdatePlan`. Ignored when
+            ``plan`` is given.
         aggregation: ``(A, G)`` for an observation of an aggregation of the outputs
             (:class:`~loko_lightning.observation.TopK`): ``prediction`` and ``target`` are then the observed
             coordinates and ``R`` the ``m x m`` noise of the outputs
@@ -422,10 +457,15 @@ def loko_update(
             process_noise = [float(process_noise)] * len(params)
         if isinstance(p_floor, (int, float)):
             p_floor = [float(p_floor)] * len(params)
+        if isinstance(shrinkage, (int, float)):
+            shrinkage = [float(shrinkage)] * len(params)
+        if isinstance(inflation, (int, float)):
+            inflation = [float(inflation)] * len(params)
         shapes = [p.shape for p in params]
         plan = UpdatePlan(
-            jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor
-        )
+            jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor,
+            shrinkage=shrinkage, inflation=inflation,
+        )  # fmt: skip
     if form not in ("covariance", "information"):
         raise ValueError(f"Invalid form: {form!r} (expected 'covariance' or 'information')")
 

@@ -1,0 +1,118 @@
+"""The time update beyond Algorithm 1's identity: a shrinkage process model θ̃ ← (1 − λ)θ̃ (the Kalman form of
+decoupled weight decay) and covariance inflation P ← (1 + α)P (forgetting), each against the float64 reference, each
+reducing to the paper's update when its parameter is 0, and every bad value refused naming the field."""
+
+import copy
+
+import pytest
+import torch
+from loko_helpers import DenseModelFilter, flat, flat_cov, loko_closure, mlp, teacher_stream
+from test_natural import _run as natural_run
+
+from loko_lightning import LoKO
+from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.reference import loko_step_reference, time_update_reference
+
+
+@pytest.mark.parametrize(
+    ("shrinkage", "inflation"), [(0.02, 0.0), (0.0, 0.05), (0.02, 0.05)], ids=["shrink", "inflate", "both"]
+)
+def test_time_update_matches_the_float64_reference(shrinkage, inflation):
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.3, beta=0.9, seed=3, shrinkage=shrinkage, inflation=inflation)
+    reference = DenseModelFilter(
+        copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor", shrinkage=shrinkage,
+        inflation=inflation,
+    )  # fmt: skip
+    plain = DenseModelFilter(copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor")
+    for x, y in teacher_stream(60):
+        y_ref = reference.step(x, y)
+        plain.step(x, y)
+        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    # float64 on both sides, the same arithmetic in another order (as test_functional's reference tests).
+    torch.testing.assert_close(flat(model.parameters()).detach(), reference.theta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
+    assert not torch.allclose(reference.theta, plain.theta, rtol=1e-6, atol=0)  # the option changed the run
+
+
+def test_a_shrinkage_per_group_shrinks_only_that_group():
+    model = mlp()
+    head = list(model[2].parameters())
+    groups = [{"params": list(model[0].parameters())}, {"params": head, "shrinkage": 0.05}]
+    opt = LoKO(groups, p0=0.3, beta=0.9, seed=3)
+    sizes = [sum(p.numel() for p in model[0].parameters()), sum(p.numel() for p in head)]
+    lam = torch.cat([torch.zeros(sizes[0], dtype=torch.float64), torch.full((sizes[1],), 0.05, dtype=torch.float64)])
+    reference = DenseModelFilter(
+        copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor",
+        shrinkage=lam,
+    )  # fmt: skip
+    for x, y in teacher_stream(30):
+        reference.step(x, y)
+        opt.step(loko_closure(model, x, y, factorize=True))
+    torch.testing.assert_close(flat(model.parameters()).detach(), reference.theta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "exact"])
+def test_time_update_in_the_information_form_matches_the_reference(fisher):
+    natural_run(mlp(), teacher_stream(30), fisher, factorize=False, shrinkage=0.02, inflation=0.05)
+
+
+def test_zero_shrinkage_and_inflation_are_the_papers_update_bit_for_bit():
+    model, twin = mlp(), mlp()
+    plain = LoKO(model.parameters(), p0=0.3, seed=1)
+    zero = LoKO(twin.parameters(), p0=0.3, seed=1, shrinkage=0.0, inflation=0.0)
+    for x, y in teacher_stream(20):
+        plain.step(loko_closure(model, x, y, factorize=True))
+        zero.step(loko_closure(twin, x, y, factorize=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert torch.equal(flat_cov(plain, model.parameters()), flat_cov(zero, twin.parameters()))
+    theta, p = torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            time_update_reference(theta, p, shrinkage=0.0, inflation=0.0, p_floor=0.0), (theta, p), strict=True
+        )
+    )
+
+
+def test_a_skipped_step_applies_no_time_update():
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.3, seed=1, shrinkage=0.1, inflation=0.1)
+    x, y = next(teacher_stream(1))
+    opt.step(loko_closure(model, x, y))
+    before = [p.clone() for p in model.parameters()], flat_cov(opt, model.parameters())
+    opt.step(loko_closure(model, torch.full_like(x, float("nan")), y))
+    assert not bool(opt.diagnostics["applied"])
+    assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters(), strict=True))
+    assert torch.equal(before[1], flat_cov(opt, model.parameters()))
+
+
+def test_the_reference_time_update_is_the_process_model():
+    theta, p = torch.tensor([1.0, -2.0], dtype=torch.float64), torch.tensor([0.5, 0.1], dtype=torch.float64)
+    new_theta, new_p = time_update_reference(theta, p, shrinkage=0.1, inflation=0.5, p_floor=0.0)
+    torch.testing.assert_close(new_theta, 0.9 * theta, rtol=0, atol=0)
+    torch.testing.assert_close(new_p, 1.5 * 0.81 * p, rtol=1e-15, atol=0)
+    assert (
+        loko_step_reference.__kwdefaults__["shrinkage"] == 0.0
+        and loko_step_reference.__kwdefaults__["inflation"] == 0.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "field"),
+    [
+        ({"shrinkage": 1.0}, "shrinkage"),
+        ({"shrinkage": -0.1}, "shrinkage"),
+        ({"shrinkage": "0.01"}, "shrinkage"),
+        ({"shrinkage": True}, "shrinkage"),
+        ({"inflation": -1e-3}, "inflation"),
+        ({"inflation": float("inf")}, "inflation"),
+        ({"inflation": None}, "inflation"),
+    ],
+)
+def test_bad_shrinkage_or_inflation_is_refused_naming_the_field(arguments, field):
+    with pytest.raises(ConfigError, match=f"Invalid {field}") as err:
+        LoKO(mlp().parameters(), p0=0.1, **arguments)
+    assert err.value.field == field
