@@ -95,8 +95,8 @@ class LoKO(torch.optim.Optimizer):
             above the floor.
         shrinkage: ``λ`` in ``[0, 1)`` of a shrinkage process model :math:`\tilde\theta_{k+1|k} = (1 - \lambda)
             \tilde\theta_k` (not the paper; 0, the default, is the paper's identity model): after every applied
-            update the parameters are scaled by :math:`1 - \lambda` and :math:`\hat p` by :math:`(1 - \lambda)^2`,
-            the Kalman form of decoupled weight decay (towards 0: LoRA ``B`` and the head start there).
+            update the parameters are scaled by :math:`1 - \lambda` and :math:`\hat p` is kept, the Kalman form of
+            decoupled weight decay (towards 0: LoRA ``B`` and the head start there).
         inflation: ``α >= 0`` of a multiplicative covariance inflation :math:`P \leftarrow (1 + \alpha) P` after
             every applied update (not the paper; 0, the default, is none): old information loses weight
             geometrically, so :math:`\hat p` does not settle (forgetting, as in rebayes' LoFi).

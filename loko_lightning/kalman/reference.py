@@ -138,14 +138,15 @@ def time_update_reference(
 ) -> tuple[Tensor, Tensor]:
     r"""The time update after an applied step, from the process model, in float64 (not the paper when not 0).
 
-    The process model :math:`	ilde	heta_{k+1} = (1 - \lambda)	ilde	heta_k + w`, with covariance inflation
-    :math:`(1 + lpha)`, predicts :math:`	ilde	heta_{k+1|k} = (1 - \lambda)	ilde	heta_k` and
-    :math:`P_{k+1|k} = (1 + lpha)(1 - \lambda)^2 P_k` (the process noise ``q`` is added at the next step, as in
-    Algorithm 1); the floor applies to the result. ``λ = α = 0`` is Algorithm 1's identity model.
+    The process model :math:`\tilde\theta_{k+1} = (1 - \lambda)\tilde\theta_k + w_k` with
+    :math:`\operatorname{Cov}(w_k) = (1 + \alpha) P_k - (1 - \lambda)^2 P_k` predicts
+    :math:`\tilde\theta_{k+1|k} = (1 - \lambda)\tilde\theta_k` and :math:`P_{k+1|k} = (1 + \alpha) P_k`: the mean
+    shrinks, the covariance is kept (shrinkage alone) or inflated. The process noise ``q`` is added at the next step,
+    as in Algorithm 1; the floor applies to the result. ``λ = α = 0`` is Algorithm 1's identity model.
     """
     lam = shrinkage.double() if isinstance(shrinkage, Tensor) else shrinkage
     alpha = inflation.double() if isinstance(inflation, Tensor) else inflation
-    return (1 - lam) * theta, _floored((1 + alpha) * (1 - lam) ** 2 * p, p_floor)
+    return (1 - lam) * theta, _floored((1 + alpha) * p, p_floor)
 
 
 def loko_step_reference_batch(

@@ -122,8 +122,9 @@ class UpdatePlan:
             ``m / B`` outputs each, with a block-diagonal ``R``. 1: the paper's single observation.
         p_floor: the floor on ``p̂`` per parameter (the updated ``p̂`` is at least this); default: none (0).
         shrinkage: ``λ`` per parameter of the shrinkage process model ``θ̃_{k+1|k} = (1 − λ) θ̃_k`` (not the paper;
-            default none, 0): the time update after each applied step scales the parameters by ``1 − λ`` and ``p̂``
-            by ``(1 − λ)²``, the Kalman form of decoupled weight decay.
+            default none, 0): the time update after each applied step scales the parameters by ``1 − λ`` and keeps
+            ``p̂`` (the process noise ``(1 − (1 − λ)²) p̂`` that restores it is implied), the Kalman form of decoupled
+            weight decay.
         inflation: ``α`` per parameter of multiplicative covariance inflation (not the paper; default none, 0): the
             time update scales ``p̂`` by ``1 + α`` (forgetting: old information loses weight geometrically).
     """
@@ -166,10 +167,7 @@ class UpdatePlan:
         lam = None if shrinkage is None else self._per_entry(shrinkage, numels)
         alpha = None if inflation is None else self._per_entry(inflation, numels)
         self.keep = None if lam is None else torch.as_tensor(1.0 - lam, dtype=dtype, device=device)
-        self.scale = None
-        if lam is not None or alpha is not None:
-            keep2 = 1.0 if lam is None else (1.0 - lam) ** 2
-            self.scale = torch.as_tensor((1.0 if alpha is None else 1.0 + alpha) * keep2, dtype=dtype, device=device)
+        self.scale = None if alpha is None else torch.as_tensor(1.0 + alpha, dtype=dtype, device=device)
         # Work vectors of every step: the update K e and diag(Hᵀ S⁺ H) (then the new p̂).
         self._update = torch.empty(self.n, dtype=dtype, device=device)
         self._quad = torch.empty(self.n, dtype=dtype, device=device)
