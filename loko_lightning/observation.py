@@ -32,6 +32,7 @@ from loko_lightning.errors import ConfigError
 __all__ = [
     "FISHERS",
     "OBSERVATIONS",
+    "LowRankNatural",
     "NaturalGradient",
     "Observation",
     "Regression",
@@ -279,6 +280,47 @@ class NaturalGradient(Softmax):
         return f"NaturalGradient(fisher={self.fisher!r})"
 
 
+class LowRankNatural(NaturalGradient):
+    r"""The natural-gradient filter with a low-rank plus diagonal precision (LoFi, Chang et al. 2023).
+
+    Not the paper's update. The observation is :class:`NaturalGradient`'s with the exact Fisher (``m + 1`` rows:
+    :math:`d = J_z^\top e` and the factors :math:`f_r = J_z^\top a_r`, :math:`\sum_r f_r f_r^\top = F`), and the
+    filter keeps the precision :math:`\Lambda = \mathrm{diag}(\upsilon) + W W^\top` with ``W`` of ``rank`` columns:
+
+    .. math::
+
+        \tilde W = [W, f_1, \dots, f_m], \qquad
+        \tilde\theta_k = \tilde\theta_{k-1} + (\mathrm{diag}(\upsilon) + \tilde W \tilde W^\top)^{-1} d
+
+    (Woodbury: one ``(rank + m)``-square solve), then the ``rank`` leading directions of :math:`\tilde W \tilde
+    W^\top` stay in ``W`` and the diagonal of the others moves to :math:`\upsilon`, so :math:`\Lambda`'s diagonal is
+    kept exactly. :math:`\upsilon_0 = 1/\hat p_0`; the process noise ``q`` acts on the diagonal
+    (:math:`\upsilon \leftarrow 1/(1/\upsilon + q)`). Cost per step: the ``m + 1`` reverse rows of ``natural_exact``
+    and :math:`O(n (\text{rank} + m)^2)`; memory: ``rank`` more copies of the adapted parameters.
+    """
+
+    name = "lofi"
+    form = "low_rank"
+
+    def __init__(self, rank: int = 10) -> None:
+        super().__init__("exact")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ConfigError(
+                f"Invalid rank: {rank!r} (the columns of the low-rank precision, an int >= 1; e.g. lofi10)",
+                field="observation",
+                owner=LowRankNatural,
+            )
+        self.rank = rank
+
+    @property
+    def spec(self) -> str:
+        """``"lofi<rank>"``."""
+        return f"lofi{self.rank}"
+
+    def __repr__(self) -> str:
+        return f"LowRankNatural(rank={self.rank})"
+
+
 class TopK(Softmax):
     r"""Class probabilities, of which each step observes only the label, the most probable classes and the rest.
 
@@ -405,10 +447,12 @@ def get_observation(observation: str | Observation, *, owner: type | None = None
     cls = OBSERVATIONS.get(observation) if isinstance(observation, str) else None
     if cls is None and isinstance(observation, str) and observation.startswith("topk") and observation[4:].isdigit():
         cls = partial(TopK, k=int(observation[4:]))
+    if cls is None and isinstance(observation, str) and observation.startswith("lofi") and observation[4:].isdigit():
+        cls = partial(LowRankNatural, rank=int(observation[4:]))
     if cls is None:
         raise ConfigError(
             f"Invalid observation: {observation!r} (expected one of {tuple(OBSERVATIONS)}, topk<k> such as topk3, "
-            "or an Observation)",
+            "lofi<rank> such as lofi10, or an Observation)",
             field="observation",
             owner=owner,
         )

@@ -418,6 +418,7 @@ class LoKO(torch.optim.Optimizer):
             statistics=self._cov_flat is None,
             form=self.observation.form,
             aggregation=aggregation,
+            low_rank=self._low_rank(params, covs) if self.observation.form == "low_rank" else None,
         )
         shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
         diagnostics["skipped"] = shared["skipped"]
@@ -425,6 +426,17 @@ class LoKO(torch.optim.Optimizer):
         self._diagnostics = diagnostics
         self._statistics_pending = self._cov_flat is not None
         return result
+
+    def _low_rank(self, params: Sequence[Tensor], covs: Sequence[Tensor]) -> list[Tensor]:
+        """The low-rank factor ``W`` of the precision, one ``(numel, rank)`` block per parameter (zeros at first)."""
+        rank = self.observation.rank
+        blocks = []
+        for param, cov in zip(params, covs, strict=True):
+            state = self.state[param]
+            if "W" not in state or tuple(state["W"].shape) != (param.numel(), rank):
+                state["W"] = torch.zeros(param.numel(), rank, dtype=cov.dtype, device=cov.device)
+            blocks.append(state["W"])
+        return blocks
 
     @property
     def diagnostics(self) -> dict[str, Tensor]:
@@ -477,12 +489,12 @@ def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor
     """Refuse a state dict that is not LoKO's for these parameters (another optimizer's, or other shapes)."""
     if not saved:
         return
-    foreign = sorted({key for state in saved.values() for key in state} - {"cov", "R", "step", "skipped"})
+    foreign = sorted({key for state in saved.values() for key in state} - {"cov", "R", "step", "skipped", "W"})
     if foreign or any("cov" not in state for state in saved.values()):
         raise ValueError(
             f"Invalid state dict: it is not LoKO's (its per-parameter state holds {foreign or 'no cov'}; LoKO keeps "
-            "cov, R, step, skipped): it comes from another optimizer, e.g. AdamW. Load it into that optimizer, or "
-            "start LoKO from its initial state"
+            "cov, R, step, skipped and, for lofi, W): it comes from another optimizer, e.g. AdamW. Load it into that "
+            "optimizer, or start LoKO from its initial state"
         )
     for index, state in saved.items():
         param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None

@@ -39,6 +39,7 @@ __all__ = [
     "loko_step_reference",
     "loko_step_reference_batch",
     "natural_step_reference",
+    "lofi_step_reference",
     "pinv_reference",
     "time_update_reference",
     "topk_step_reference",
@@ -289,6 +290,77 @@ def natural_step_reference(
     p_new = _floored(1.0 / precision, p_floor)
     theta_new = theta.double() + p_new * direction
     return time_update_reference(theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor)
+
+
+def lofi_step_reference(
+    theta: Tensor,
+    p: Tensor,
+    W: Tensor,
+    Jz: Tensor,
+    prediction: Tensor,
+    target: Tensor,
+    *,
+    process_noise: float | Tensor = 0.0,
+    p_floor: float | Tensor = 0.0,
+    shrinkage: float | Tensor = 0.0,
+    inflation: float | Tensor = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""One step of the low-rank plus diagonal precision filter on ``B`` samples, dense and in float64, by definition.
+
+    The filter is :class:`~loko_lightning.observation.LowRankNatural` (``LoKO(observation="lofi<L>")``). With the
+    categorical noise :math:`R_b = J_{s,b}` and :math:`H_b = J_{s,b} J_{z,b}` as in :func:`natural_step_reference`,
+    the precision :math:`\Lambda = \mathrm{diag}(\upsilon) + W W^\top` (:math:`\upsilon = 1/(\hat p + q)`) gets the
+    information of the samples, :math:`\Lambda' = \Lambda + \sum_b H_b^\top R_b^{+} H_b`, and
+
+    .. math::
+
+        \tilde\theta \leftarrow \tilde\theta + \Lambda'^{-1} \sum_b H_b^\top R_b^{+} e_b
+
+    solved densely (``n x n``). Then the low-rank part :math:`M = W W^\top + \sum_b H_b^\top R_b^{+} H_b` is cut to its
+    ``L`` leading eigenpairs, :math:`W' = V_L \Sigma_L^{1/2}`, and :math:`\upsilon' = \upsilon +
+    \mathrm{diag}(M - W' W'^\top)`, so the diagonal of :math:`\Lambda'` is kept. ``W`` is defined up to the signs and
+    rotation of its columns: compare :math:`W W^\top`.
+
+    Args:
+        theta: ``θ̃``, ``(n,)``.
+        p: ``1/υ`` before the process noise, ``(n,)``.
+        W: ``(n, L)``.
+        Jz: the Jacobians of the logits, ``(B, m, n)`` (or ``(m, n)``).
+        prediction: ``ŷ``, ``(B, m)`` (or ``(m,)``).
+        target: ``y``, like ``prediction``.
+        process_noise: ``q`` on the diagonal part.
+        p_floor: a floor on the new ``1/υ``.
+        shrinkage: ``λ`` (:func:`time_update_reference`).
+        inflation: ``α`` (:func:`time_update_reference`; ``W`` is scaled by :math:`1/\sqrt{1 + \alpha}`).
+
+    Returns:
+        ``(θ̃_k, 1/υ_k, W_k)``, float64.
+    """
+    Jz, y_hat, y = Jz.double(), prediction.double(), target.double()
+    if Jz.dim() == 2:
+        Jz, y_hat, y = Jz[None], y_hat[None], y[None]
+    q = process_noise.double() if isinstance(process_noise, Tensor) else process_noise
+    W = W.double()
+    ups = 1.0 / (p.double() + q)
+    low = W @ W.T
+    direction = torch.zeros_like(ups)
+    for b in range(Jz.shape[0]):
+        Js = torch.diag(y_hat[b]) - torch.outer(y_hat[b], y_hat[b])
+        H = Js @ Jz[b]
+        R_pinv = pinv_reference(Js)
+        low = low + H.T @ R_pinv @ H
+        direction = direction + H.T @ R_pinv @ (y[b] - y_hat[b])
+    theta_new = theta.double() + torch.linalg.solve(torch.diag(ups) + low, direction)
+    values, vectors = torch.linalg.eigh(low)
+    rank = W.shape[1]
+    W_new = vectors[:, -rank:] * values[-rank:].clamp_min(0).sqrt()
+    ups_new = ups + torch.diagonal(low) - (W_new * W_new).sum(1)
+    p_new = _floored(1.0 / ups_new, p_floor)
+    theta_new, p_new = time_update_reference(
+        theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor
+    )  # fmt: skip
+    alpha = inflation.double() if isinstance(inflation, Tensor) else torch.tensor(float(inflation), dtype=torch.float64)
+    return theta_new, p_new, W_new / (1 + alpha).sqrt().reshape(-1, 1)
 
 
 def topk_step_reference(

@@ -348,6 +348,66 @@ class UpdatePlan:
         diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": nan}
         return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
 
+    def run_low_rank(
+        self,
+        params: Sequence[Tensor],
+        jacobians: Sequence[JacobianBlock],
+        cov: Tensor,
+        low_rank: Tensor,
+        prediction: Tensor,
+        target: Tensor,
+        step: Tensor,
+        *,
+        statistics: bool = True,
+    ) -> dict[str, Tensor]:
+        r"""One update of the low-rank plus diagonal precision filter (``LowRankNatural``, LoFi).
+
+        ``cov`` is the flat :math:`1/\upsilon` (the diagonal part's variances), ``low_rank`` the flat ``(n, L)``
+        ``W`` in this plan's order; both are updated in place. Each sample's rows are :class:`NaturalGradient`'s
+        with the exact Fisher: row 0 is :math:`d_b`, rows ``1 … m`` the factors :math:`f_{b,r}`. With
+        :math:`\tilde W = [W, f_{b,r}]` (``n x (L + B m)``) and :math:`u = 1/\upsilon_{k|k-1}`:
+
+        .. math::
+
+            \tilde\theta_k = \tilde\theta_{k-1} + u \odot d - u \odot \tilde W (I + \tilde W^\top (u \odot
+            \tilde W))^{-1} \tilde W^\top (u \odot d), \qquad d = \sum_b d_b
+
+        then the eigendecomposition :math:`\tilde W^\top \tilde W = U \Sigma U^\top` gives :math:`\tilde W U` (the
+        left singular vectors times the singular values): the ``L`` leading columns are the new ``W``, the squares of
+        the others are added to :math:`\upsilon`. The time update, the floor and the skip of a non-finite step are
+        :meth:`run`'s (inflation also scales ``W`` by :math:`1/\sqrt{1 + \alpha}`).
+        """
+        dtype = self.dtype
+        prior = cov if self.q is None else cov + self.q
+        innovation = target.to(dtype) - prediction.to(dtype)
+        rows = self.rows_matrix(jacobians).view(self.samples, self.m // self.samples, self.n)
+        update = self._update
+        direction = rows[:, 0].sum(0)
+        rank = low_rank.shape[1]
+        wide = torch.cat([low_rank, rows[:, 1:].reshape(-1, self.n).T], dim=1)  # n x (L + B m)
+        finite = torch.isfinite(innovation).all() & torch.isfinite(wide.sum())
+        wide = torch.where(finite, wide, 0.0)
+        scaled = prior[:, None] * wide
+        inner = torch.eye(wide.shape[1], dtype=dtype, device=self.device) + wide.T @ scaled
+        v = prior * direction
+        torch.sub(v, scaled @ torch.linalg.solve(inner, wide.T @ v), out=update)
+        gram = wide.T @ wide
+        _, vectors = torch.linalg.eigh(torch.where(finite, gram, torch.eye(gram.shape[0], dtype=dtype)))
+        rotated = wide @ vectors  # ascending: the last L columns are the leading directions
+        dropped = rotated[:, : rotated.shape[1] - rank].square().sum(1)
+        posterior = self._quad
+        torch.reciprocal(prior, out=posterior).add_(dropped).reciprocal_()
+        kept = rotated[:, rotated.shape[1] - rank :]
+        self._time_update(posterior)
+        if self.scale is not None:
+            kept = kept / self.scale.sqrt()[..., None] if self.scale.dim() else kept / self.scale.sqrt()
+        applied = self._apply(params, cov, posterior, finite)
+        torch.where(applied, kept, low_rank, out=low_rank)
+        step.add_(applied.to(step.dtype))
+        nan = torch.full((), math.nan, dtype=dtype, device=self.device)
+        diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": nan}
+        return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+
     def statistics(self, cov: Tensor) -> dict[str, Tensor]:
         """``p_mean``, ``p_min``, ``p_max`` of the flat ``p̂`` ``cov`` and ``gain_norm`` of the last :meth:`run`."""
         p_min, p_max = torch.aminmax(cov)
@@ -382,6 +442,7 @@ def loko_update(
     aggregation: tuple[Tensor, Tensor] | None = None,
     shrinkage: Sequence[float] | float = 0.0,
     inflation: Sequence[float] | float = 0.0,
+    low_rank: Sequence[Tensor] | None = None,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -434,11 +495,15 @@ def loko_update(
             \max(\hat p_k, \text{p\_floor})`, one value or one per parameter. Ignored when ``plan`` is given.
         form: ``"covariance"``: the above; ``"information"``: the diagonal information-form update of a
             :class:`~loko_lightning.observation.NaturalGradient` observation (:meth:`UpdatePlan.run_information`;
-            ``R``, ``beta``, ``r_estimator`` and ``rcond`` are then unused).
+            ``R``, ``beta``, ``r_estimator`` and ``rcond`` are then unused); ``"low_rank"``: that update with a
+            low-rank plus diagonal precision (:class:`~loko_lightning.observation.LowRankNatural`,
+            :meth:`UpdatePlan.run_low_rank`; needs ``low_rank``).
         shrinkage: ``λ`` of the shrinkage process model (not the paper; 0: none), see :class:`UpdatePlan`; one value
             or one per parameter. Ignored when ``plan`` is given.
         inflation: ``α`` of the covariance inflation (not the paper; 0: none), see :class:`UpdatePlan`. Ignored when
             ``plan`` is given.
+        low_rank: ``form="low_rank"``: the low-rank factor ``W`` of the precision, one ``(numel, L)`` block per
+            parameter, updated in place (:meth:`UpdatePlan.run_low_rank`).
         aggregation: ``(A, G)`` for an observation of an aggregation of the outputs
             (:class:`~loko_lightning.observation.TopK`): ``prediction`` and ``target`` are then the observed
             coordinates and ``R`` the ``m x m`` noise of the outputs
@@ -464,10 +529,21 @@ def loko_update(
             jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor,
             shrinkage=shrinkage, inflation=inflation,
         )  # fmt: skip
-    if form not in ("covariance", "information"):
-        raise ValueError(f"Invalid form: {form!r} (expected 'covariance' or 'information')")
+    if form not in ("covariance", "information", "low_rank"):
+        raise ValueError(f"Invalid form: {form!r} (expected 'covariance', 'information' or 'low_rank')")
+    if form == "low_rank" and not low_rank:
+        raise ValueError("Invalid low_rank: form 'low_rank' needs the factor W, one (numel, L) block per parameter")
 
     def run(flat: Tensor) -> dict[str, Tensor]:
+        if form == "low_rank":
+            W = torch.cat([low_rank[i].to(plan.dtype) for i in plan.order])
+            diagnostics = plan.run_low_rank(
+                params, jacobians, flat, W, prediction, target, step, statistics=statistics
+            )  # fmt: skip
+            offsets = [plan.offsets[i] for i in range(len(params))]
+            for block, start in zip(low_rank, offsets, strict=True):
+                block.copy_(W[start : start + block.shape[0]])
+            return diagnostics
         if form == "information":
             return plan.run_information(params, jacobians, flat, prediction, target, step, statistics=statistics)
         kwargs = dict(beta=beta, r_estimator=r_estimator, rcond=rcond, statistics=statistics, aggregation=aggregation)

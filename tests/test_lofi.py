@@ -1,0 +1,103 @@
+"""LoFi, the low-rank plus diagonal precision filter (observation lofi<L>), against its float64 definition."""
+
+import copy
+
+import pytest
+import torch
+from loko_helpers import SmallConvNet, conv_stream, flat, jacrev_rows, mlp, teacher_stream
+
+from loko_lightning import JacobianEngine, LoKO
+from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.reference import lofi_step_reference
+from loko_lightning.observation import LowRankNatural, get_observation
+
+
+def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", **options):
+    """The fast path and a copy of the model with the reference, step by step; compared after every step."""
+    reference_model = copy.deepcopy(model)
+    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, observation=LowRankNatural(rank), **options)
+    theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
+    W = torch.zeros(theta.numel(), rank, dtype=torch.float64)
+    engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
+    samples = list(stream)
+    for start in range(0, len(samples), batch):
+        chunk = samples[start : start + batch]
+        x = torch.cat([s[0] for s in chunk])
+        label = torch.stack([s[1].argmax() for s in chunk])
+        jz, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=False) for s in chunk), strict=True)
+        targets = torch.stack([s[1] for s in chunk])
+        theta, p, W = lofi_step_reference(theta, p, W, torch.stack(jz), torch.stack(y_hat), targets, **options)
+        torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
+        prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
+        opt.step(lambda prediction=prediction, target=target, jacobians=jacobians: (prediction, target, jacobians))
+        assert bool(opt.diagnostics["applied"])
+        fast_W = torch.cat([opt.state[q]["W"] for q in model.parameters()])
+        # float64 on both sides: the fast path solves an (L + B m)-square system by Woodbury and truncates by the
+        # eigendecomposition of W̃ᵀW̃, the reference solves n x n and decomposes W Wᵀ + info: the same numbers up to
+        # float64 rounding amplified by the conditioning of those systems.
+        torch.testing.assert_close(flat(model.parameters()).detach(), theta, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(flat(opt.state[q]["cov"] for q in model.parameters()), p, rtol=1e-8, atol=1e-11)
+        torch.testing.assert_close(fast_W @ fast_W.T, W @ W.T, rtol=1e-8, atol=1e-10)  # W up to signs of columns
+    return opt
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_lofi_matches_the_float64_reference_on_dense_blocks(rank):
+    opt = _run(mlp(), teacher_stream(30), rank, factorize=False)
+    assert all(opt.state[q]["W"].shape[1] == rank for q in opt.param_groups[0]["params"])
+
+
+def test_lofi_matches_the_reference_on_factored_blocks_with_process_noise():
+    torch.manual_seed(0)
+    _run(SmallConvNet().double(), conv_stream(20), 3, factorize=True, p0_init="constant", process_noise=1e-3)
+
+
+def test_lofi_joint_step_of_several_samples_matches_the_reference():
+    torch.manual_seed(0)
+    _run(SmallConvNet().double(), conv_stream(18), 2, factorize=True, batch=3)
+
+
+def test_lofi_with_shrinkage_and_inflation_matches_the_reference():
+    _run(mlp(), teacher_stream(20), 2, factorize=False, shrinkage=0.01, inflation=0.02)
+
+
+def test_lofi_keeps_the_diagonal_of_the_precision_exactly():
+    """Cutting the low-rank part to rank L moves the rest to the diagonal: diag(Λ) = 1/p̂₀ + Σ diag(information)."""
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.5, p0_init="constant", observation="lofi2")
+    engine = JacobianEngine(model, observation=opt.observation)
+    information = torch.zeros(sum(q.numel() for q in model.parameters()), dtype=torch.float64)
+    for x, y in teacher_stream(10):
+        prediction, target, jacobians = engine.observe(x, y.argmax()[None])
+        rows = jacobians[0].shape[0]  # d, then the m Fisher factors
+        information += sum(torch.cat([j[r].reshape(-1) for j in jacobians]) ** 2 for r in range(1, rows))
+        opt.step(lambda p=prediction, t=target, j=jacobians: (p, t, j))
+    W = torch.cat([opt.state[q]["W"] for q in model.parameters()])
+    diagonal = 1 / flat(opt.state[q]["cov"] for q in model.parameters()) + (W * W).sum(1)
+    torch.testing.assert_close(diagonal, 1 / 0.5 + information, rtol=1e-10, atol=1e-12)  # float64 sums
+
+
+def test_lofi_resumes_from_its_state_dict_exactly():
+    model, twin = mlp(), mlp()
+    first = LoKO(model.parameters(), p0=0.5, seed=1, observation="lofi3")
+    stream = list(teacher_stream(12))
+    engine = JacobianEngine(model, observation=first.observation)
+    for x, y in stream[:6]:
+        first.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
+    twin.load_state_dict(model.state_dict())
+    second = LoKO(twin.parameters(), p0=0.5, seed=1, observation="lofi3")
+    second.load_state_dict(first.state_dict())
+    twin_engine = JacobianEngine(twin, observation=second.observation)
+    for x, y in stream[6:]:
+        first.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
+        second.step(lambda x=x, y=y: twin_engine.observe(x, y.argmax()[None]))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("rank", [0, -1, True, 2.5])
+def test_a_bad_rank_is_refused(rank):
+    with pytest.raises(ConfigError, match="Invalid rank"):
+        LowRankNatural(rank)
+    assert get_observation("lofi10").rank == 10 and get_observation("lofi10").spec == "lofi10"
+    with pytest.raises(ConfigError, match="lofi<rank>"):
+        get_observation("lofi")
