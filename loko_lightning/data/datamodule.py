@@ -283,19 +283,14 @@ class StreamDataModule(pl.LightningDataModule):
         """``predict_inputs`` in the order given (folders sorted), or the held-out split in a fixed order."""
         if self.predict_dataset is None:
             self.setup("predict")
-        return DataLoader(
-            self.predict_dataset,
-            batch_size=self.eval_batch_size,
-            shuffle=False,
-            num_workers=self.num_workers,
-            collate_fn=getattr(self.transform, "collate", None),
-        )
+        return self._eval_dataloader(self.predict_dataset)
 
-    def _eval_dataloader(self) -> DataLoader:
-        if self.eval_dataset is None:
+    def _eval_dataloader(self, dataset: Any = None) -> DataLoader:
+        """``dataset`` (default: the held-out split) in a fixed order, in batches of ``eval_batch_size``."""
+        if dataset is None and self.eval_dataset is None:
             self.setup("validate")
         return DataLoader(
-            self.eval_dataset,
+            self.eval_dataset if dataset is None else dataset,
             batch_size=self.eval_batch_size,
             shuffle=False,
             num_workers=self.num_workers,

@@ -228,6 +228,24 @@ def loko_step_reference_batch(
     return theta, p, R
 
 
+def _categorical_terms(Jz: Tensor, prediction: Tensor, target: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per sample, ``(Hᵀ R⁺ H, Hᵀ R⁺ e)`` for the categorical noise ``R = J_s``, formed as written (float64).
+
+    ``H = J_s J_z`` with ``J_s = diag(ŷ) − ŷŷᵀ`` and ``R⁺`` by eigendecomposition (:func:`pinv_reference`); ``Jz``
+    is ``(B, m, ñ)`` (or ``(m, ñ)`` for one sample), ``prediction`` and ``target`` ``(B, m)`` (or ``(m,)``).
+    """
+    Jz, y_hat, y = Jz.double(), prediction.double(), target.double()
+    if Jz.dim() == 2:
+        Jz, y_hat, y = Jz[None], y_hat[None], y[None]
+    terms = []
+    for b in range(Jz.shape[0]):
+        Js = torch.diag(y_hat[b]) - torch.outer(y_hat[b], y_hat[b])
+        H = Js @ Jz[b]
+        R_pinv = pinv_reference(Js)
+        terms.append((H.T @ R_pinv @ H, H.T @ R_pinv @ (y[b] - y_hat[b])))
+    return terms
+
+
 def natural_step_reference(
     theta: Tensor,
     p: Tensor,
@@ -274,19 +292,12 @@ def natural_step_reference(
     """
     if fisher not in ("exact", "empirical"):
         raise ValueError(f"Invalid fisher: {fisher!r}")
-    Jz, y_hat, y = Jz.double(), prediction.double(), target.double()
-    if Jz.dim() == 2:
-        Jz, y_hat, y = Jz[None], y_hat[None], y[None]
     q = process_noise.double() if isinstance(process_noise, Tensor) else process_noise
     precision = 1.0 / (p.double() + q)
     direction = torch.zeros_like(precision)
-    for b in range(Jz.shape[0]):
-        Js = torch.diag(y_hat[b]) - torch.outer(y_hat[b], y_hat[b])
-        H = Js @ Jz[b]
-        R_pinv = pinv_reference(Js)
-        d = H.T @ R_pinv @ (y[b] - y_hat[b])
+    for information, d in _categorical_terms(Jz, prediction, target):
         direction = direction + d
-        precision = precision + (torch.diagonal(H.T @ R_pinv @ H) if fisher == "exact" else d * d)
+        precision = precision + (torch.diagonal(information) if fisher == "exact" else d * d)
     p_new = _floored(1.0 / precision, p_floor)
     theta_new = theta.double() + p_new * direction
     return time_update_reference(theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor)
@@ -336,20 +347,14 @@ def lofi_step_reference(
     Returns:
         ``(θ̃_k, 1/υ_k, W_k)``, float64.
     """
-    Jz, y_hat, y = Jz.double(), prediction.double(), target.double()
-    if Jz.dim() == 2:
-        Jz, y_hat, y = Jz[None], y_hat[None], y[None]
     q = process_noise.double() if isinstance(process_noise, Tensor) else process_noise
     W = W.double()
     ups = 1.0 / (p.double() + q)
     low = W @ W.T
     direction = torch.zeros_like(ups)
-    for b in range(Jz.shape[0]):
-        Js = torch.diag(y_hat[b]) - torch.outer(y_hat[b], y_hat[b])
-        H = Js @ Jz[b]
-        R_pinv = pinv_reference(Js)
-        low = low + H.T @ R_pinv @ H
-        direction = direction + H.T @ R_pinv @ (y[b] - y_hat[b])
+    for information, d in _categorical_terms(Jz, prediction, target):
+        low = low + information
+        direction = direction + d
     theta_new = theta.double() + torch.linalg.solve(torch.diag(ups) + low, direction)
     values, vectors = torch.linalg.eigh(low)
     rank = W.shape[1]
