@@ -90,7 +90,8 @@ class OnlineReport(pl.Callback):
         logger = trainer.logger
         if logger is not None:
             logger.save()
-        log_dir = trainer.log_dir if logger is not None else None
+        # The logger's own folder: Trainer.log_dir broadcasts, and only rank 0 is here (the others would never answer).
+        log_dir = None if logger is None else getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
         folder = Path(log_dir) if log_dir else Path(trainer.default_root_dir)
         if logger is not None:
             metrics = folder / "metrics.csv"
