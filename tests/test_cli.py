@@ -36,7 +36,9 @@ def test_debug_config_end_to_end(tmp_path, caplog):
     assert "test/acc" in (tmp_path / "eval" / "version_0" / "metrics.csv").read_text()
 
 
-@pytest.mark.parametrize(("preset", "observation"), [("loko_topk", "topk5"), ("loko_natural", "natural")])
+@pytest.mark.parametrize(
+    ("preset", "observation"), [("loko_topk", "topk5"), ("loko_natural", "natural"), ("loko_lofi", "lofi10")]
+)
 def test_the_cheap_observation_presets_train_from_the_command_line(tmp_path, preset, observation):
     """A random-weight timm test network on 12 glyphs100 samples (100 classes) with each cheap observation's preset."""
     network = ["--model.network.backbone", "test_resnet", "--model.network.weights", "null"]

@@ -90,6 +90,7 @@ PAPER_LOKO = {
     [
         ("loko_topk", {"observation": "topk5", "r_estimator": "taylor", "p0": 0.2}),
         ("loko_natural", {"observation": "natural", "r_estimator": "softmax", "p0": 0.03}),
+        ("loko_lofi", {"observation": "lofi10", "r_estimator": "softmax", "p0": 0.03}),
     ],
 )
 def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected, tmp_path):
