@@ -342,11 +342,8 @@ class UpdatePlan:
         update.mul_(self._floor(posterior))
         if self.scale is not None:  # the time update of p̂ after the mean used the posterior
             self._time_update(posterior)
-        applied = self._apply(params, cov, posterior, torch.isfinite(innovation).all())
-        step.add_(applied.to(step.dtype))
-        nan = torch.full((), math.nan, dtype=dtype, device=self.device)
-        diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": nan}
-        return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+        return self._finish_information(params, cov, posterior, torch.isfinite(innovation).all(), innovation, step,
+                                        statistics)  # fmt: skip
 
     def run_low_rank(
         self,
@@ -400,11 +397,28 @@ class UpdatePlan:
         kept = rotated[:, rotated.shape[1] - rank :]
         self._time_update(posterior)
         if self.scale is not None:
-            kept = kept / self.scale.sqrt()[..., None] if self.scale.dim() else kept / self.scale.sqrt()
+            kept = kept / self.scale.sqrt().reshape(-1, 1)  # Λ/(1 + α): W/√(1 + α), one factor or one per row
+        diagnostics = self._finish_information(params, cov, posterior, finite, innovation, step, statistics)
+        torch.where(diagnostics["applied"], kept, low_rank, out=low_rank)
+        return diagnostics
+
+    def _finish_information(
+        self,
+        params: Sequence[Tensor],
+        cov: Tensor,
+        posterior: Tensor,
+        finite: Tensor,
+        innovation: Tensor,
+        step: Tensor,
+        statistics: bool,
+    ) -> dict[str, Tensor]:
+        """Apply an information-form step (:meth:`run_information`, :meth:`run_low_rank`) and its diagnostics.
+
+        ``cond`` has no meaning without ``S`` and is NaN.
+        """
         applied = self._apply(params, cov, posterior, finite)
-        torch.where(applied, kept, low_rank, out=low_rank)
         step.add_(applied.to(step.dtype))
-        nan = torch.full((), math.nan, dtype=dtype, device=self.device)
+        nan = torch.full((), math.nan, dtype=self.dtype, device=self.device)
         diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": nan}
         return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
 
