@@ -20,6 +20,7 @@ registered in :data:`OBSERVATIONS` (or passed as an instance).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from functools import partial
 from typing import ClassVar
@@ -283,8 +284,9 @@ class NaturalGradient(Softmax):
 class LowRankNatural(NaturalGradient):
     r"""The natural-gradient filter with a low-rank plus diagonal precision (LoFi, Chang et al. 2023).
 
-    Not the paper's update. The observation is :class:`NaturalGradient`'s with the exact Fisher (``m + 1`` rows:
-    :math:`d = J_z^\top e` and the factors :math:`f_r = J_z^\top a_r`, :math:`\sum_r f_r f_r^\top = F`), and the
+    Not the paper's update. The observation is :class:`NaturalGradient`'s, by default with the exact Fisher
+    (``m + 1`` rows: :math:`d = J_z^\top e` and the factors :math:`f_r = J_z^\top a_r`, :math:`\sum_r f_r f_r^\top =
+    F`; ``fisher="empirical"``: one row, :math:`d` itself is the only factor, :math:`F \approx d d^\top`), and the
     filter keeps the precision :math:`\Lambda = \mathrm{diag}(\upsilon) + W W^\top` with ``W`` of ``rank`` columns:
 
     .. math::
@@ -296,14 +298,15 @@ class LowRankNatural(NaturalGradient):
     W^\top` stay in ``W`` and the diagonal of the others moves to :math:`\upsilon`, so :math:`\Lambda`'s diagonal is
     kept exactly. :math:`\upsilon_0 = 1/\hat p_0`; the process noise ``q`` acts on the diagonal
     (:math:`\upsilon \leftarrow 1/(1/\upsilon + q)`). Cost per step: the ``m + 1`` reverse rows of ``natural_exact``
-    and :math:`O(n (\text{rank} + m)^2)`; memory: ``rank`` more copies of the adapted parameters.
+    and :math:`O(n (\text{rank} + m)^2)`; with the empirical Fisher one reverse row and :math:`O(n (\text{rank} +
+    1)^2)`, whatever ``m``. Memory: ``rank`` more copies of the adapted parameters.
     """
 
     name = "lofi"
     form = "low_rank"
 
-    def __init__(self, rank: int = 10) -> None:
-        super().__init__("exact")
+    def __init__(self, rank: int = 10, fisher: str = "exact") -> None:
+        super().__init__(fisher)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ConfigError(
                 f"Invalid rank: {rank!r} (the columns of the low-rank precision, an int >= 1; e.g. lofi10)",
@@ -314,11 +317,11 @@ class LowRankNatural(NaturalGradient):
 
     @property
     def spec(self) -> str:
-        """``"lofi<rank>"``."""
-        return f"lofi{self.rank}"
+        """``"lofi<rank>"`` (exact Fisher) or ``"lofi<rank>_empirical"``."""
+        return f"lofi{self.rank}" + ("_empirical" if self.fisher == "empirical" else "")
 
     def __repr__(self) -> str:
-        return f"LowRankNatural(rank={self.rank})"
+        return f"LowRankNatural(rank={self.rank}, fisher={self.fisher!r})"
 
 
 class TopK(Softmax):
@@ -447,12 +450,13 @@ def get_observation(observation: str | Observation, *, owner: type | None = None
     cls = OBSERVATIONS.get(observation) if isinstance(observation, str) else None
     if cls is None and isinstance(observation, str) and observation.startswith("topk") and observation[4:].isdigit():
         cls = partial(TopK, k=int(observation[4:]))
-    if cls is None and isinstance(observation, str) and observation.startswith("lofi") and observation[4:].isdigit():
-        cls = partial(LowRankNatural, rank=int(observation[4:]))
+    lofi = re.fullmatch(r"lofi(\d+)(_empirical)?", observation) if isinstance(observation, str) else None
+    if cls is None and lofi is not None:
+        cls = partial(LowRankNatural, rank=int(lofi[1]), fisher="empirical" if lofi[2] else "exact")
     if cls is None:
         raise ConfigError(
             f"Invalid observation: {observation!r} (expected one of {tuple(OBSERVATIONS)}, topk<k> such as topk3, "
-            "lofi<rank> such as lofi10, or an Observation)",
+            "lofi<rank> such as lofi10, lofi<rank>_empirical, or an Observation)",
             field="observation",
             owner=owner,
         )

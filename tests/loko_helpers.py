@@ -24,7 +24,7 @@ class DenseModelFilter:
 
     def __init__(
         self, model, p0, *, beta, r_estimator, process_noise=0.0, output="softmax", p_floor=0.0, shrinkage=0.0,
-        inflation=0.0,
+        inflation=0.0, forgetting=0.0, reference=1.0,
     ):  # fmt: skip
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -36,6 +36,7 @@ class DenseModelFilter:
         self.k = 0
         self.beta, self.r_estimator, self.q, self.output = beta, r_estimator, process_noise, output
         self.p_floor, self.shrinkage, self.inflation = p_floor, shrinkage, inflation
+        self.forgetting, self.reference = forgetting, reference
 
     def unflatten(self, theta):
         out, start = {}, 0
@@ -62,7 +63,7 @@ class DenseModelFilter:
         self.theta, self.p, self.R = loko_step_reference(
             self.theta, self.p, self.R, H, y_hat, y, self.k,
             beta=self.beta, r_estimator=self.r_estimator, process_noise=self.q, rcond=RTOL, p_floor=self.p_floor,
-            shrinkage=self.shrinkage, inflation=self.inflation,
+            shrinkage=self.shrinkage, inflation=self.inflation, forgetting=self.forgetting, reference=self.reference,
         )  # fmt: skip
         eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + self.R)  # S
         rel = eig.abs() / eig.abs().max()

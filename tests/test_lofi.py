@@ -9,13 +9,14 @@ from loko_helpers import SmallConvNet, conv_stream, flat, jacrev_rows, mlp, teac
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.reference import lofi_step_reference
+from loko_lightning.kalman.update import loko_update
 from loko_lightning.observation import LowRankNatural, get_observation
 
 
-def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", **options):
+def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", fisher="exact", **options):
     """The fast path and a copy of the model with the reference, step by step; compared after every step."""
     reference_model = copy.deepcopy(model)
-    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, observation=LowRankNatural(rank), **options)
+    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, observation=LowRankNatural(rank, fisher), **options)
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     W = torch.zeros(theta.numel(), rank, dtype=torch.float64)
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
@@ -26,7 +27,9 @@ def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", **options):
         label = torch.stack([s[1].argmax() for s in chunk])
         jz, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=False) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
-        theta, p, W = lofi_step_reference(theta, p, W, torch.stack(jz), torch.stack(y_hat), targets, **options)
+        theta, p, W = lofi_step_reference(
+            theta, p, W, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher, reference=0.5, **options
+        )
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
         opt.step(lambda prediction=prediction, target=target, jacobians=jacobians: (prediction, target, jacobians))
@@ -61,6 +64,31 @@ def test_lofi_with_shrinkage_and_inflation_matches_the_reference():
     _run(mlp(), teacher_stream(20), 2, factorize=False, shrinkage=0.01, inflation=0.02)
 
 
+@pytest.mark.parametrize(
+    ("model", "stream", "factorize", "batch"),
+    [(mlp, lambda: teacher_stream(24), False, 1), (lambda: SmallConvNet().double(), lambda: conv_stream(18), True, 3)],
+    ids=["dense", "factored-joint"],
+)
+def test_lofi_with_the_empirical_fisher_matches_the_reference(model, stream, factorize, batch):
+    """One reverse row (d) per sample, which is also the only factor of the information: W̃ = [W, d_1 … d_B]."""
+    torch.manual_seed(0)
+    opt = _run(model(), stream(), 3, factorize=factorize, batch=batch, fisher="empirical")
+    assert opt.observation.rows(10) == opt.observation.reverse_rows(10) == 1
+
+
+def test_lofi_with_forgetting_matches_the_reference():
+    opt = _run(mlp(), teacher_stream(24), 2, factorize=False, forgetting=0.05, process_noise=1e-3)
+    assert opt.param_groups[0]["forgetting"] == 0.05
+
+
+def test_lofi_empirical_names_round_trip():
+    observation = get_observation("lofi7_empirical")
+    assert (observation.rank, observation.fisher, observation.spec) == (7, "empirical", "lofi7_empirical")
+    assert get_observation(observation.spec) == observation and get_observation("lofi7").fisher == "exact"
+    with pytest.raises(ConfigError, match="lofi<rank>_empirical"):
+        get_observation("lofi7_exact")
+
+
 def test_lofi_keeps_the_diagonal_of_the_precision_exactly():
     """Cutting the low-rank part to rank L moves the rest to the diagonal: diag(Λ) = 1/p̂₀ + Σ diag(information)."""
     model = mlp()
@@ -75,6 +103,27 @@ def test_lofi_keeps_the_diagonal_of_the_precision_exactly():
     W = torch.cat([opt.state[q]["W"] for q in model.parameters()])
     diagonal = 1 / flat(opt.state[q]["cov"] for q in model.parameters()) + (W * W).sum(1)
     torch.testing.assert_close(diagonal, 1 / 0.5 + information, rtol=1e-10, atol=1e-12)  # float64 sums
+
+
+def test_lofi_keeps_w_as_views_of_one_flat_tensor_with_the_gathering_path_s_numbers():
+    """The optimizer keeps W flat in the plan's order (the states are views, nothing is gathered or copied per step);
+    the functional update, which gathers and scatters the blocks every call, gives the same numbers bit for bit."""
+    model, twin = mlp(), mlp()
+    opt = LoKO(model.parameters(), p0=0.5, seed=1, observation="lofi3_empirical")
+    covs = [opt.state[q]["cov"].clone() for q in model.parameters()]
+    blocks = [torch.zeros(q.numel(), 3, dtype=torch.float64) for q in model.parameters()]
+    R, step = torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+    engine, twin_engine = (JacobianEngine(m, observation=opt.observation) for m in (model, twin))
+    for x, y in teacher_stream(8):
+        opt.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
+        prediction, target, jacobians = twin_engine.observe(x, y.argmax()[None])
+        with torch.no_grad():
+            loko_update(list(twin.parameters()), jacobians, covs, prediction, target, R, step, beta=0.95,
+                        r_estimator="softmax", form="low_rank", low_rank=blocks)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    states = [opt.state[q]["W"] for q in model.parameters()]
+    assert all(torch.equal(w, b) for w, b in zip(states, blocks, strict=True))
+    assert len({w.untyped_storage().data_ptr() for w in states}) == 1  # one storage: views of the flat W
 
 
 def test_lofi_resumes_from_its_state_dict_exactly():

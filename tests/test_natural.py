@@ -14,12 +14,13 @@ from loko_lightning.observation import NaturalGradient, get_observation
 
 def _run(
     model, stream, fisher, factorize, p0_init="uniform", process_noise=0.0, batch=1, p_floor=0.0, shrinkage=0.0,
-    inflation=0.0,
+    inflation=0.0, forgetting=0.0,
 ):  # fmt: skip
     """Train ``model`` with the fast path and a copy with the reference, step by step; compare after every step."""
     reference_model = copy.deepcopy(model)
     opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, process_noise=process_noise, p_floor=p_floor,
-               shrinkage=shrinkage, inflation=inflation, observation=NaturalGradient(fisher))  # fmt: skip
+               shrinkage=shrinkage, inflation=inflation, forgetting=forgetting,
+               observation=NaturalGradient(fisher))  # fmt: skip
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
     samples = list(stream)
@@ -31,7 +32,7 @@ def _run(
         targets = torch.stack([s[1] for s in chunk])
         theta, p = natural_step_reference(theta, p, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher,
                                           process_noise=process_noise, p_floor=p_floor, shrinkage=shrinkage,
-                                          inflation=inflation)  # fmt: skip
+                                          inflation=inflation, forgetting=forgetting, reference=0.5)  # fmt: skip
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
         opt.step(lambda prediction=prediction, target=target, jacobians=jacobians: (prediction, target, jacobians))

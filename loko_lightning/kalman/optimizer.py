@@ -74,7 +74,7 @@ class LoKO(torch.optim.Optimizer):
 
     Args:
         params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise``,
-            ``p_floor``, ``shrinkage`` and ``inflation``.
+            ``p_floor``, ``shrinkage``, ``inflation`` and ``forgetting``.
         p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
             constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
         p0_init: ``"uniform"`` (paper method 2, default), ``"constant"`` (method 1), or ``"fan_in"`` (not the paper:
@@ -100,6 +100,13 @@ class LoKO(torch.optim.Optimizer):
         inflation: ``α >= 0`` of a multiplicative covariance inflation :math:`P \leftarrow (1 + \alpha) P` after
             every applied update (not the paper; 0, the default, is none): old information loses weight
             geometrically, so :math:`\hat p` does not settle (forgetting, as in rebayes' LoFi).
+        forgetting: ``γ`` in ``[0, 1)`` of stabilised forgetting after every applied update (not the paper; 0, the
+            default, is none): the precision is mixed with that of the prior's scale,
+            :math:`1/\hat p \leftarrow (1 - \gamma)/\hat p + \gamma/p_{\mathrm{ref}}` (``W W^T`` scaled by
+            :math:`1 - \gamma` too for ``lofi``), with :math:`p_{\mathrm{ref}}` = ``p0`` (``p0 / fan_in`` for
+            ``p0_init="fan_in"``), the mean kept. Information older than about :math:`1/\gamma` steps fades, so the
+            steps stop shrinking like :math:`1/k`, and :math:`\hat p` never exceeds :math:`p_{\mathrm{ref}}` (where
+            ``inflation`` grows it without bound on parameters the data do not inform).
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
         observation: what the prediction is (:mod:`loko_lightning.observation`; give the Jacobian engine the same).
             ``"softmax"`` (default): class probabilities, the paper's classification setting; when the target is a
@@ -148,6 +155,7 @@ class LoKO(torch.optim.Optimizer):
         p_floor: float = 0.0,
         shrinkage: float = 0.0,
         inflation: float = 0.0,
+        forgetting: float = 0.0,
         rcond: float | None = None,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
@@ -201,6 +209,7 @@ class LoKO(torch.optim.Optimizer):
             p_floor=p_floor,
             shrinkage=shrinkage,
             inflation=inflation,
+            forgetting=forgetting,
             rcond=rcond,
             observation=self.observation.spec,
         )
@@ -213,6 +222,8 @@ class LoKO(torch.optim.Optimizer):
         self._unchecked = 0
         self._cov_flat: Tensor | None = None
         self._cov_views: list[Tensor] = []
+        self._low_rank_flat: Tensor | None = None  # LoFi's W, the same way: one (n, L) tensor, "W" states views of it
+        self._low_rank_views: list[Tensor] = []
         super().__init__(params, defaults)
         shared = ("beta", "r_estimator", "rcond", "observation")
         for group in self.param_groups:
@@ -241,10 +252,11 @@ class LoKO(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``.
 
-        Groups saved before ``p_floor``, ``shrinkage`` or ``inflation`` existed get their defaults, 0 (none).
+        Groups saved before ``p_floor``, ``shrinkage``, ``inflation`` or ``forgetting`` existed get their defaults, 0
+        (none).
         """
         super().__setstate__(state)
-        defaults = {"p_floor": 0.0, "shrinkage": 0.0, "inflation": 0.0}
+        defaults = {"p_floor": 0.0, "shrinkage": 0.0, "inflation": 0.0, "forgetting": 0.0}
         self.param_groups = [_ParamGroup({**defaults, **group}) for group in self.param_groups]
 
     def _arith_dtype(self, param: Tensor) -> torch.dtype:
@@ -375,7 +387,9 @@ class LoKO(torch.optim.Optimizer):
         p_floor = [g["p_floor"] for g in self.param_groups for _ in g["params"]]
         shrinkage = [g["shrinkage"] for g in self.param_groups for _ in g["params"]]
         inflation = [g["inflation"] for g in self.param_groups for _ in g["params"]]
-        time_update = (tuple(process_noise), tuple(p_floor), tuple(shrinkage), tuple(inflation))
+        forgetting = [g["forgetting"] for g in self.param_groups for _ in g["params"]]
+        reference = [_reference_cov(p, g) for g in self.param_groups for p in g["params"]]
+        time_update = tuple(map(tuple, (process_noise, p_floor, shrinkage, inflation, forgetting, reference)))
         key = layout_key(prediction, target, jacobians, (*time_update, samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             check_observation(prediction, target, jacobians, params, batched=False, rows=rows and rows * samples)
@@ -394,12 +408,13 @@ class LoKO(torch.optim.Optimizer):
             shapes = [p.shape for p in params]
             self._plan = UpdatePlan(
                 jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor,
-                shrinkage=shrinkage, inflation=inflation,
+                shrinkage=shrinkage, inflation=inflation, forgetting=forgetting, reference=reference,
             )  # fmt: skip
-            self._plan_key, self._cov_flat = key, None
+            self._plan_key, self._cov_flat, self._low_rank_flat = key, None, None
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(params, covs)
             covs = [self.state[p]["cov"] for p in params]
+        low_rank = self._low_rank(params, covs) if self.observation.form == "low_rank" else None
         diagnostics = loko_update(
             params,
             jacobians,
@@ -418,7 +433,8 @@ class LoKO(torch.optim.Optimizer):
             statistics=self._cov_flat is None,
             form=self.observation.form,
             aggregation=aggregation,
-            low_rank=self._low_rank(params, covs) if self.observation.form == "low_rank" else None,
+            low_rank=low_rank,
+            low_rank_flat=self._low_rank_flat if low_rank is not None else None,
         )
         shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
         diagnostics["skipped"] = shared["skipped"]
@@ -428,7 +444,11 @@ class LoKO(torch.optim.Optimizer):
         return result
 
     def _low_rank(self, params: Sequence[Tensor], covs: Sequence[Tensor]) -> list[Tensor]:
-        """The low-rank factor ``W`` of the precision, one ``(numel, rank)`` block per parameter (zeros at first)."""
+        """The low-rank factor ``W`` of the precision, one ``(numel, rank)`` block per parameter (zeros at first).
+
+        Like ``p̂``, kept as one flat ``(n, rank)`` tensor in the plan's order whose views the ``"W"`` states are
+        (when ``p̂`` is: the same dtype and device), so a step gathers and copies nothing.
+        """
         rank = self.observation.rank
         blocks = []
         for param, cov in zip(params, covs, strict=True):
@@ -436,6 +456,18 @@ class LoKO(torch.optim.Optimizer):
             if "W" not in state or tuple(state["W"].shape) != (param.numel(), rank):
                 state["W"] = torch.zeros(param.numel(), rank, dtype=cov.dtype, device=cov.device)
             blocks.append(state["W"])
+        plan = self._plan
+        if self._cov_flat is None or any(w.dtype != plan.dtype or w.device != plan.device for w in blocks):
+            self._low_rank_flat, self._low_rank_views = None, []
+            return blocks
+        if self._low_rank_flat is None or any(w is not v for w, v in zip(blocks, self._low_rank_views, strict=True)):
+            self._low_rank_flat = torch.cat([blocks[i] for i in plan.order])
+            self._low_rank_views = [
+                self._low_rank_flat[plan.offsets[i] : plan.offsets[i] + param.numel()] for i, param in enumerate(params)
+            ]
+            for param, view in zip(params, self._low_rank_views, strict=True):
+                self.state[param]["W"] = view
+            blocks = list(self._low_rank_views)
         return blocks
 
     @property
@@ -483,6 +515,13 @@ def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, gener
     # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
     draw = (1.0 - draw) * float(group["p0"])
     return draw.to(dtype=dtype, device=param.device)
+
+
+def _reference_cov(param: Tensor, group: dict[str, Any]) -> float:
+    """The reference variance of ``forgetting``: the largest ``p̂₀`` the group's ``p0_init`` draws (``p0``)."""
+    if group["p0_init"] == "fan_in":
+        return float(group["p0"]) / (param.shape[1:].numel() if param.dim() > 1 else 1)
+    return float(group["p0"])
 
 
 def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor]) -> None:
@@ -545,3 +584,10 @@ def _check_group(group: dict[str, Any]) -> None:
     if not (_real(alpha) and 0 <= alpha < float("inf")):
         message = f"Invalid inflation: {alpha!r} (must be a finite number >= 0; 0 is none, the paper)"
         raise ConfigError(message, field="inflation", owner=LoKO)
+    gamma = group["forgetting"]
+    if not (_real(gamma) and 0 <= gamma < 1):
+        message = (
+            f"Invalid forgetting: {gamma!r} (must be a number in [0, 1): the weight of the reference precision per "
+            "step, e.g. 1e-3 forgets over about 1,000 steps; 0 is none, the paper)"
+        )
+        raise ConfigError(message, field="forgetting", owner=LoKO)

@@ -93,6 +93,8 @@ def loko_step_reference(
     p_floor: float | Tensor = 0.0,
     shrinkage: float | Tensor = 0.0,
     inflation: float | Tensor = 0.0,
+    forgetting: float | Tensor = 0.0,
+    reference: float | Tensor = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One LoKO step (Algorithm 1), dense and in float64.
 
@@ -112,6 +114,8 @@ def loko_step_reference(
         p_floor: a floor on ``p̂_k`` (not the paper), one value or one per entry of ``θ̃``.
         shrinkage: ``λ`` of the shrinkage process model (not the paper), see :func:`time_update_reference`.
         inflation: ``α`` of the covariance inflation (not the paper), see :func:`time_update_reference`.
+        forgetting: ``γ`` of stabilised forgetting (not the paper), see :func:`time_update_reference`.
+        reference: the reference variance of ``forgetting``.
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -131,23 +135,40 @@ def loko_step_reference(
         p_floor=p_floor,
         shrinkage=shrinkage,
         inflation=inflation,
+        forgetting=forgetting,
+        reference=reference,
     )
 
 
 def time_update_reference(
-    theta: Tensor, p: Tensor, *, shrinkage: float | Tensor, inflation: float | Tensor, p_floor: float | Tensor
+    theta: Tensor,
+    p: Tensor,
+    *,
+    shrinkage: float | Tensor,
+    inflation: float | Tensor,
+    p_floor: float | Tensor,
+    forgetting: float | Tensor = 0.0,
+    reference: float | Tensor = 1.0,
 ) -> tuple[Tensor, Tensor]:
     r"""The time update after an applied step, from the process model, in float64 (not the paper when not 0).
 
     The process model :math:`\tilde\theta_{k+1} = (1 - \lambda)\tilde\theta_k + w_k` with
     :math:`\operatorname{Cov}(w_k) = (1 + \alpha) P_k - (1 - \lambda)^2 P_k` predicts
     :math:`\tilde\theta_{k+1|k} = (1 - \lambda)\tilde\theta_k` and :math:`P_{k+1|k} = (1 + \alpha) P_k`: the mean
-    shrinks, the covariance is kept (shrinkage alone) or inflated. The process noise ``q`` is added at the next step,
-    as in Algorithm 1; the floor applies to the result. ``λ = α = 0`` is Algorithm 1's identity model.
+    shrinks, the covariance is kept (shrinkage alone) or inflated. Stabilised forgetting then takes the geometric
+    mixture :math:`p^{1-\gamma} p_{\mathrm{ref}}^{\gamma}` of that Gaussian with a reference one of the same mean and
+    covariance ``reference · I``: the precisions mix, :math:`P^{-1} \leftarrow (1 - \gamma) P^{-1} + \gamma /
+    p_{\mathrm{ref}}`, and the mean is kept. The process noise ``q`` is added at the next step, as in Algorithm 1; the
+    floor applies to the result. ``λ = α = γ = 0`` is Algorithm 1's identity model.
     """
     lam = shrinkage.double() if isinstance(shrinkage, Tensor) else shrinkage
     alpha = inflation.double() if isinstance(inflation, Tensor) else inflation
-    return (1 - lam) * theta, _floored((1 + alpha) * p, p_floor)
+    gamma = forgetting.double() if isinstance(forgetting, Tensor) else forgetting
+    ref = reference.double() if isinstance(reference, Tensor) else reference
+    p = (1 + alpha) * p
+    if isinstance(gamma, Tensor) or gamma:
+        p = 1.0 / ((1 - gamma) / p + gamma / ref)
+    return (1 - lam) * theta, _floored(p, p_floor)
 
 
 def loko_step_reference_batch(
@@ -166,6 +187,8 @@ def loko_step_reference_batch(
     p_floor: float | Tensor = 0.0,
     shrinkage: float | Tensor = 0.0,
     inflation: float | Tensor = 0.0,
+    forgetting: float | Tensor = 0.0,
+    reference: float | Tensor = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One joint LoKO step on ``B`` samples (the multistream EKF), dense and in float64.
 
@@ -189,6 +212,8 @@ def loko_step_reference_batch(
         p_floor: a floor on ``p̂_k``.
         shrinkage: ``λ`` (:func:`time_update_reference`).
         inflation: ``α`` (:func:`time_update_reference`).
+        forgetting: ``γ`` of stabilised forgetting (not the paper), see :func:`time_update_reference`.
+        reference: the reference variance of ``forgetting``.
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -224,7 +249,9 @@ def loko_step_reference_batch(
     theta = theta + K @ e
     p = p - (K * Hs.T).sum(1) * p
     # 7. Time update to the next step's prior (the identity in Algorithm 1).
-    theta, p = time_update_reference(theta, p, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor)
+    theta, p = time_update_reference(
+        theta, p, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor, forgetting=forgetting, reference=reference
+    )
     return theta, p, R
 
 
@@ -258,6 +285,8 @@ def natural_step_reference(
     p_floor: float | Tensor = 0.0,
     shrinkage: float | Tensor = 0.0,
     inflation: float | Tensor = 0.0,
+    forgetting: float | Tensor = 0.0,
+    reference: float | Tensor = 1.0,
 ) -> tuple[Tensor, Tensor]:
     r"""One step of the diagonal natural-gradient filter on ``B`` samples, dense and in float64, from its definition.
 
@@ -286,6 +315,8 @@ def natural_step_reference(
         p_floor: a floor on the new ``p̂``.
         shrinkage: ``λ`` (:func:`time_update_reference`, after the mean's update with the floored posterior).
         inflation: ``α`` (:func:`time_update_reference`).
+        forgetting: ``γ`` of stabilised forgetting (not the paper), see :func:`time_update_reference`.
+        reference: the reference variance of ``forgetting``.
 
     Returns:
         ``(θ̃_k, p̂_k)``, float64.
@@ -300,7 +331,10 @@ def natural_step_reference(
         precision = precision + (torch.diagonal(information) if fisher == "exact" else d * d)
     p_new = _floored(1.0 / precision, p_floor)
     theta_new = theta.double() + p_new * direction
-    return time_update_reference(theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor)
+    return time_update_reference(
+        theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor, forgetting=forgetting,
+        reference=reference,
+    )  # fmt: skip
 
 
 def lofi_step_reference(
@@ -311,10 +345,13 @@ def lofi_step_reference(
     prediction: Tensor,
     target: Tensor,
     *,
+    fisher: str = "exact",
     process_noise: float | Tensor = 0.0,
     p_floor: float | Tensor = 0.0,
     shrinkage: float | Tensor = 0.0,
     inflation: float | Tensor = 0.0,
+    forgetting: float | Tensor = 0.0,
+    reference: float | Tensor = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""One step of the low-rank plus diagonal precision filter on ``B`` samples, dense and in float64, by definition.
 
@@ -339,10 +376,14 @@ def lofi_step_reference(
         Jz: the Jacobians of the logits, ``(B, m, n)`` (or ``(m, n)``).
         prediction: ``ŷ``, ``(B, m)`` (or ``(m,)``).
         target: ``y``, like ``prediction``.
+        fisher: ``"exact"``: the information :math:`H_b^\top R_b^{+} H_b` as above; ``"empirical"``: the outer product
+            :math:`d_b d_b^\top` of :math:`d_b = H_b^\top R_b^{+} e_b` in its place.
         process_noise: ``q`` on the diagonal part.
         p_floor: a floor on the new ``1/υ``.
         shrinkage: ``λ`` (:func:`time_update_reference`).
         inflation: ``α`` (:func:`time_update_reference`; ``W`` is scaled by :math:`1/\sqrt{1 + \alpha}`).
+        forgetting: ``γ`` (:func:`time_update_reference`; ``W`` is scaled by :math:`\sqrt{1 - \gamma}` too).
+        reference: the reference variance of ``forgetting``.
 
     Returns:
         ``(θ̃_k, 1/υ_k, W_k)``, float64.
@@ -352,8 +393,10 @@ def lofi_step_reference(
     ups = 1.0 / (p.double() + q)
     low = W @ W.T
     direction = torch.zeros_like(ups)
+    if fisher not in ("exact", "empirical"):
+        raise ValueError(f"Invalid fisher: {fisher!r}")
     for information, d in _categorical_terms(Jz, prediction, target):
-        low = low + information
+        low = low + (information if fisher == "exact" else torch.outer(d, d))
         direction = direction + d
     theta_new = theta.double() + torch.linalg.solve(torch.diag(ups) + low, direction)
     values, vectors = torch.linalg.eigh(low)
@@ -362,10 +405,12 @@ def lofi_step_reference(
     ups_new = ups + torch.diagonal(low) - (W_new * W_new).sum(1)
     p_new = _floored(1.0 / ups_new, p_floor)
     theta_new, p_new = time_update_reference(
-        theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor
+        theta_new, p_new, shrinkage=shrinkage, inflation=inflation, p_floor=p_floor, forgetting=forgetting,
+        reference=reference,
     )  # fmt: skip
-    alpha = inflation.double() if isinstance(inflation, Tensor) else torch.tensor(float(inflation), dtype=torch.float64)
-    return theta_new, p_new, W_new / (1 + alpha).sqrt().reshape(-1, 1)
+    alpha = torch.as_tensor(inflation, dtype=torch.float64)
+    gamma = torch.as_tensor(forgetting, dtype=torch.float64)
+    return theta_new, p_new, W_new * ((1 - gamma) / (1 + alpha)).sqrt().reshape(-1, 1)
 
 
 def topk_step_reference(

@@ -127,6 +127,10 @@ class UpdatePlan:
             weight decay.
         inflation: ``α`` per parameter of multiplicative covariance inflation (not the paper; default none, 0): the
             time update scales ``p̂`` by ``1 + α`` (forgetting: old information loses weight geometrically).
+        forgetting: ``γ`` per parameter of stabilised forgetting (not the paper; default none, 0): the time update
+            mixes the precision with a reference one, ``1/p̂ ← (1 − γ)/p̂ + γ/reference``, so old information loses
+            weight geometrically but ``p̂`` stays below ``reference`` (where inflation lets it grow without bound).
+        reference: the reference variance of ``forgetting`` per parameter (``p0``, or ``p0 / fan_in``).
     """
 
     def __init__(
@@ -140,6 +144,8 @@ class UpdatePlan:
         p_floor: Sequence[float] | None = None,
         shrinkage: Sequence[float] | None = None,
         inflation: Sequence[float] | None = None,
+        forgetting: Sequence[float] | None = None,
+        reference: Sequence[float] | None = None,
     ) -> None:
         if not jacobians:
             raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
@@ -168,6 +174,15 @@ class UpdatePlan:
         alpha = None if inflation is None else self._per_entry(inflation, numels)
         self.keep = None if lam is None else torch.as_tensor(1.0 - lam, dtype=dtype, device=device)
         self.scale = None if alpha is None else torch.as_tensor(1.0 + alpha, dtype=dtype, device=device)
+        # Stabilised forgetting (not the paper): 1/p̂ ← (1 − γ)/p̂ + γ/reference, i.e. p̂ ← p̂ / ((1 − γ) + (γ/ref) p̂).
+        self.forget_keep = self.forget_rate = None
+        if forgetting is not None and any(forgetting):
+            if reference is None:
+                raise ValueError("Invalid reference: forgetting needs the reference variance of every parameter")
+            rates = [g / r for g, r in zip(forgetting, reference, strict=True)]
+            self.forget_keep = torch.as_tensor(1.0 - self._per_entry(forgetting, numels), dtype=dtype, device=device)
+            rate = self._per_entry(rates, numels)
+            self.forget_rate = torch.as_tensor(0.0 if rate is None else rate, dtype=dtype, device=device)
         # Work vectors of every step: the update K e and diag(Hᵀ S⁺ H) (then the new p̂).
         self._update = torch.empty(self.n, dtype=dtype, device=device)
         self._quad = torch.empty(self.n, dtype=dtype, device=device)
@@ -257,11 +272,26 @@ class UpdatePlan:
         diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": cond}
         return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
 
+    @property
+    def time_updates_covariance(self) -> bool:
+        """Whether the time update changes ``p̂`` (inflation or forgetting), not only the mean (shrinkage)."""
+        return self.scale is not None or self.forget_keep is not None
+
     def _time_update(self, posterior: Tensor) -> Tensor:
-        """``p̂`` of the next step's prior, in place: ``scale ⊙ p̂`` (shrinkage, inflation), then the floor."""
+        """``p̂`` of the next step's prior, in place: ``scale ⊙ p̂`` (inflation), forgetting, then the floor."""
         if self.scale is not None:
             posterior.mul_(self.scale)
+        if self.forget_keep is not None:  # p̂ / ((1 − γ) + (γ/ref) p̂): the precision's mixture with the reference
+            posterior.div_(torch.addcmul(self.forget_keep, posterior, self.forget_rate))
         return self._floor(posterior)
+
+    def _low_rank_time_update(self, kept: Tensor) -> Tensor:
+        """``W`` of the next step's prior: ``Λ`` scaled by ``(1 − γ)/(1 + α)`` scales ``W`` by its square root."""
+        if self.scale is not None:
+            kept = kept / self.scale.sqrt().reshape(-1, 1)  # one factor or one per row
+        if self.forget_keep is not None:
+            kept = kept * self.forget_keep.sqrt().reshape(-1, 1)
+        return kept
 
     def _floor(self, posterior: Tensor) -> Tensor:
         """The floor on ``p̂`` (not the paper), in place: steps stay above a minimum however long the stream."""
@@ -340,7 +370,7 @@ class UpdatePlan:
         # p̂_k = p̂_{k|k-1} / (1 + p̂_{k|k-1} ⊙ info), the mean with the posterior p̂_k.
         posterior = info.mul_(prior).add_(self._one).reciprocal_().mul_(prior)
         update.mul_(self._floor(posterior))
-        if self.scale is not None:  # the time update of p̂ after the mean used the posterior
+        if self.time_updates_covariance:  # the time update of p̂ after the mean used the posterior
             self._time_update(posterior)
         return self._finish_information(params, cov, posterior, torch.isfinite(innovation).all(), innovation, step,
                                         statistics)  # fmt: skip
@@ -360,9 +390,10 @@ class UpdatePlan:
         r"""One update of the low-rank plus diagonal precision filter (``LowRankNatural``, LoFi).
 
         ``cov`` is the flat :math:`1/\upsilon` (the diagonal part's variances), ``low_rank`` the flat ``(n, L)``
-        ``W`` in this plan's order; both are updated in place. Each sample's rows are :class:`NaturalGradient`'s
-        with the exact Fisher: row 0 is :math:`d_b`, rows ``1 … m`` the factors :math:`f_{b,r}`. With
-        :math:`\tilde W = [W, f_{b,r}]` (``n x (L + B m)``) and :math:`u = 1/\upsilon_{k|k-1}`:
+        ``W`` in this plan's order; both are updated in place. Each sample's rows are :class:`NaturalGradient`'s:
+        with the exact Fisher row 0 is :math:`d_b` and rows ``1 … m`` the factors :math:`f_{b,r}`; with the empirical
+        one the single row :math:`d_b` is also the only factor. With :math:`\tilde W = [W, f_{b,r}]`
+        (``n x (L + B m)``, or ``n x (L + B)``) and :math:`u = 1/\upsilon_{k|k-1}`:
 
         .. math::
 
@@ -372,7 +403,7 @@ class UpdatePlan:
         then the eigendecomposition :math:`\tilde W^\top \tilde W = U \Sigma U^\top` gives :math:`\tilde W U` (the
         left singular vectors times the singular values): the ``L`` leading columns are the new ``W``, the squares of
         the others are added to :math:`\upsilon`. The time update, the floor and the skip of a non-finite step are
-        :meth:`run`'s (inflation also scales ``W`` by :math:`1/\sqrt{1 + \alpha}`).
+        :meth:`run`'s (inflation and forgetting also scale ``W``, by :math:`\sqrt{(1 - \gamma)/(1 + \alpha)}`).
         """
         dtype = self.dtype
         prior = cov if self.q is None else cov + self.q
@@ -381,7 +412,8 @@ class UpdatePlan:
         update = self._update
         direction = rows[:, 0].sum(0)
         rank = low_rank.shape[1]
-        wide = torch.cat([low_rank, rows[:, 1:].reshape(-1, self.n).T], dim=1)  # n x (L + B m)
+        factors = rows[:, :1] if rows.shape[1] == 1 else rows[:, 1:]  # the empirical Fisher: d_b is the factor
+        wide = torch.cat([low_rank, factors.reshape(-1, self.n).T], dim=1)  # n x (L + B m), or n x (L + B)
         finite = torch.isfinite(innovation).all() & torch.isfinite(wide.sum())
         wide = torch.where(finite, wide, 0.0)
         scaled = prior[:, None] * wide
@@ -396,8 +428,7 @@ class UpdatePlan:
         torch.reciprocal(prior, out=posterior).add_(dropped).reciprocal_()
         kept = rotated[:, rotated.shape[1] - rank :]
         self._time_update(posterior)
-        if self.scale is not None:
-            kept = kept / self.scale.sqrt().reshape(-1, 1)  # Λ/(1 + α): W/√(1 + α), one factor or one per row
+        kept = self._low_rank_time_update(kept)
         diagnostics = self._finish_information(params, cov, posterior, finite, innovation, step, statistics)
         torch.where(diagnostics["applied"], kept, low_rank, out=low_rank)
         return diagnostics
@@ -457,6 +488,9 @@ def loko_update(
     shrinkage: Sequence[float] | float = 0.0,
     inflation: Sequence[float] | float = 0.0,
     low_rank: Sequence[Tensor] | None = None,
+    forgetting: Sequence[float] | float = 0.0,
+    reference: Sequence[float] | float | None = None,
+    low_rank_flat: Tensor | None = None,
 ) -> dict[str, Tensor]:
     r"""One LoKO step (Algorithm 1 with a diagonal covariance), in place and without host syncs.
 
@@ -518,6 +552,11 @@ def loko_update(
             ``plan`` is given.
         low_rank: ``form="low_rank"``: the low-rank factor ``W`` of the precision, one ``(numel, L)`` block per
             parameter, updated in place (:meth:`UpdatePlan.run_low_rank`).
+        forgetting: ``γ`` of stabilised forgetting (not the paper; 0: none), see :class:`UpdatePlan`; one value or
+            one per parameter. Ignored when ``plan`` is given.
+        reference: the reference variance of ``forgetting``, one value or one per parameter (needed with it).
+        low_rank_flat: ``W`` as one ``(n, L)`` tensor in ``plan``'s order of which the ``low_rank`` blocks are views
+            (as ``cov_flat`` for ``p̂``): then it is updated in place and nothing is gathered or copied. Needs ``plan``.
         aggregation: ``(A, G)`` for an observation of an aggregation of the outputs
             (:class:`~loko_lightning.observation.TopK`): ``prediction`` and ``target`` are then the observed
             coordinates and ``R`` the ``m x m`` noise of the outputs
@@ -538,17 +577,26 @@ def loko_update(
             shrinkage = [float(shrinkage)] * len(params)
         if isinstance(inflation, (int, float)):
             inflation = [float(inflation)] * len(params)
+        if isinstance(forgetting, (int, float)):
+            forgetting = [float(forgetting)] * len(params)
+        if isinstance(reference, (int, float)):
+            reference = [float(reference)] * len(params)
         shapes = [p.shape for p in params]
         plan = UpdatePlan(
             jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor,
-            shrinkage=shrinkage, inflation=inflation,
+            shrinkage=shrinkage, inflation=inflation, forgetting=forgetting, reference=reference,
         )  # fmt: skip
     if form not in ("covariance", "information", "low_rank"):
         raise ValueError(f"Invalid form: {form!r} (expected 'covariance', 'information' or 'low_rank')")
-    if form == "low_rank" and not low_rank:
+    if form == "low_rank" and not low_rank and low_rank_flat is None:
         raise ValueError("Invalid low_rank: form 'low_rank' needs the factor W, one (numel, L) block per parameter")
+    if low_rank_flat is not None and cov_flat is None:
+        raise ValueError("Invalid low_rank_flat: it is laid out by a plan, so pass the plan and cov_flat as well")
 
     def run(flat: Tensor) -> dict[str, Tensor]:
+        if form == "low_rank" and low_rank_flat is not None:
+            return plan.run_low_rank(params, jacobians, flat, low_rank_flat, prediction, target, step,
+                                     statistics=statistics)  # fmt: skip
         if form == "low_rank":
             W = torch.cat([low_rank[i].to(plan.dtype) for i in plan.order])
             diagnostics = plan.run_low_rank(
