@@ -190,3 +190,37 @@ def test_batched_stream_resumes_mid_stream_exactly(cifar10, tmp_path):
     resumed = BatchRecorder()
     trainer(tmp_path).fit(resumed, datamodule=datamodule(), ckpt_path=ckpt)
     assert resumed.seen == full.seen[6:]
+
+
+@quiet_trainer
+@pytest.mark.parametrize(("before", "after"), [(3, 2), (1, 4), (4, 1)], ids=["3-to-2", "1-to-4", "4-to-1"])
+def test_resume_with_another_batch_size_continues_at_the_next_unseen_position(cifar10, tmp_path, before, after):
+    """The checkpoint holds the stream position, not a batch count: a run resumed with another batch_size starts at
+    the first position not trained on and goes on in steps of the new size, so the two runs together train on every
+    position once, in stream order (the filter's state does not depend on the batch size)."""
+
+    class BatchRecorder(Recorder):
+        def training_step(self, batch, batch_idx):
+            self.seen += [int(p) for p in batch["position"]]
+            self.sizes.append(len(batch["position"]))
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward((self.weight * batch["inputs"].mean()).sum())
+            optimizer.step()
+
+    def datamodule(batch_size):
+        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3, batch_size=batch_size)
+
+    ckpt = tmp_path / "mid.ckpt"
+    first = BatchRecorder()
+    first.sizes = []
+    trainer(tmp_path, callbacks=[SaveAt(ckpt, 2)]).fit(first, datamodule=datamodule(before))
+    position = torch.load(ckpt, weights_only=False)["StreamDataModule"]["position"]
+    assert position == 2 * before
+    resumed = BatchRecorder()
+    resumed.sizes = []
+    trainer(tmp_path).fit(resumed, datamodule=datamodule(after), ckpt_path=ckpt)
+    assert first.seen[:position] + resumed.seen == list(range(N_TRAIN))
+    assert resumed.sizes == [after] * ((N_TRAIN - position) // after) + [(N_TRAIN - position) % after] * (
+        (N_TRAIN - position) % after > 0
+    )

@@ -274,6 +274,28 @@ def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path):
         assert torch.equal(again["state_dict"][key], last["state_dict"][key]), key
 
 
+def test_a_resume_with_another_number_of_processes_goes_on_at_the_next_unseen_sample(tmp_path):
+    """The step-3 checkpoint of 2 processes (6 samples), resumed by one process, and the step-6 checkpoint of one
+    process, resumed by 2: each goes on at the next unseen stream position and ends the pass after the last sample,
+    every sample scored once and none trained twice (the filter's state does not depend on the number of processes;
+    the trajectory does, as a joint update of 2 samples is not two updates of one)."""
+    single = ["--trainer.strategy", "auto", "--trainer.devices", "1"]
+    _, two, _ = loko_ddp(tmp_path, "two", every=3, samples=12)
+    _, one, _ = loko_ddp(tmp_path, "one", *single, every=3, samples=12)
+    for name, checkpoint, extra, steps in (
+        ("two-then-one", two / "epoch=0-step=3.ckpt", single, 3 + 6),
+        ("one-then-two", one / "epoch=0-step=6.ckpt", (), 6 + 3),
+    ):
+        result, checkpoints, _ = loko_ddp(tmp_path, name, *extra, "--ckpt_path", str(checkpoint), every=3, samples=12)
+        states = result["states"]  # one process: its own vector; two: one row per rank
+        assert states.dim() == 1 or torch.equal(states[0], states[1]), name
+        last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+        assert last["StreamDataModule"]["position"] == 12 and last["StreamDataModule"]["steps"] == steps, name
+        assert last["global_step"] == steps, name
+        assert last["state_dict"]["online_acc.weight"].item() == 12, name  # every sample scored once
+        assert last["optimizer_states"][0]["state"][0]["step"].item() == steps, name  # one update per step
+
+
 def test_gradient_baseline_under_ddp_all_reduces_and_scores_every_process(tmp_path):
     """AdamW under DDP: DDP's gradient all-reduce keeps the ranks' parameters equal; the metrics count both ranks."""
     adamw = ["--config", str(ROOT / "configs" / "baselines" / "adamw.yaml"), "--model.lr_scheduler.total_iters", "6"]

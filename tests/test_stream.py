@@ -92,7 +92,7 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
     loader = dm.train_dataloader()
     assert len(loader) == N_TRAIN and [int(b["position"]) for b in loader] == list(range(13, N_TRAIN))
     # Only samples that reach training advance it (on_before_batch_transfer); the class names (label ids) come too.
-    assert dm.state_dict() == {**state, "drift_every": None, "classes": dm.classes}
+    assert dm.state_dict() == {**state, "drift_every": None, "steps": None, "classes": dm.classes}
     assert [int(b["position"]) for b in loader] == list(range(N_TRAIN))  # the next pass is the whole stream
     assert loader.state_dict() == {}  # the position is saved once, by the DataModule
     assert int(next(iter(dm.train_dataloader()))["position"]) == 0  # a fresh fit starts over
@@ -118,7 +118,7 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
     cursor = StreamCursor("cifar10", 0, N_TRAIN, None)
     cursor.load_state_dict(state)
     cursor.advance_past(15)
-    assert cursor.state_dict() == {**state, "drift_every": None, "position": 16}
+    assert cursor.state_dict() == {**state, "drift_every": None, "position": 16, "steps": None}
 
 
 # ---------------------------------------------------------------- drifting labels

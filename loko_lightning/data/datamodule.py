@@ -264,11 +264,13 @@ class StreamDataModule(pl.LightningDataModule):
                 owner=pl.Trainer,
             )
         start, self._resume_position = self._resume_position or 0, None
+        steps_before = self.cursor.steps if start else None  # the saving run's steps: its batch size and ranks
         self.cursor.position = start
         collate = getattr(self.transform, "collate", None)
         self._train_loader = StreamDataLoader(
-            self.train_stream, start, self.num_workers, self.batch_size, world_size, rank, collate_fn=collate
-        )
+            self.train_stream, start, self.num_workers, self.batch_size, world_size, rank, collate_fn=collate,
+            steps_before=steps_before,
+        )  # fmt: skip
         return self._train_loader
 
     def val_dataloader(self) -> DataLoader:
@@ -318,8 +320,9 @@ class StreamDataModule(pl.LightningDataModule):
         training = self.trainer is not None and self.trainer.training
         if self.cursor is not None and training and isinstance(batch, dict) and "position" in batch:
             last = int(batch["position"][-1])  # past the whole step (all processes' samples), as every rank sees it
-            end = self._train_loader.step_end(last) if self._train_loader is not None else last + 1
-            self.cursor.advance_past(end - 1)
+            loader = self._train_loader
+            end = loader.step_end(last) if loader is not None else last + 1
+            self.cursor.advance_past(end - 1, loader.steps_through(last) if loader is not None else None)
         return batch
 
     def state_dict(self) -> dict[str, Any]:

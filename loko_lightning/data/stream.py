@@ -152,6 +152,12 @@ class StreamCursor:
         position: next stream position to train on.
         owner: the class whose arguments (``dataset``, ``seed``, ...) define the stream, named in errors.
         drift_every: drift period (``None``: no drift).
+
+    Attributes:
+        steps: the (global) training steps of the current pass up to ``position`` (``None``: not counted, e.g. a
+            checkpoint written before they were); they depend on the batch size and the number of processes, the
+            position does not, so a run resumed with others goes on at ``position`` and ends its pass after the last
+            sample.
     """
 
     # A differing saved value, and the argument that makes it match again.
@@ -180,15 +186,18 @@ class StreamCursor:
         self.drift_every = drift_every
         self.position = position
         self.owner = owner
+        self.steps: int | None = None
 
-    def advance_past(self, position: int) -> None:
-        """Record that stream ``position`` has been trained on: the next one is ``position + 1``."""
+    def advance_past(self, position: int, steps: int | None = None) -> None:
+        """Record that ``position`` has been trained on (the next one is ``position + 1``), in ``steps`` steps."""
         self.position = position + 1
+        self.steps = steps
 
     def state_dict(self) -> dict[str, Any]:
         """The position and the stream identity, for a checkpoint."""
         return {
             "position": self.position,
+            "steps": self.steps,
             "seed": self.seed,
             "length": self.length,
             "dataset": self.dataset,
@@ -227,21 +236,32 @@ class StreamCursor:
         if not 0 <= position <= self.length:
             raise ValueError(f"the checkpoint's stream position {position} is outside [0, {self.length}].")
         self.position = position
+        self.steps = state.get("steps")
 
 
 class _StreamSampler(Sampler[int]):
-    """Stream positions ``start, ..., length - 1``, then whole passes; its length is the whole stream."""
+    """Stream positions ``start, ..., length - 1``, then whole passes.
 
-    def __init__(self, length: int, start: int = 0) -> None:
+    Its length is the steps taken before ``start`` in this pass (``steps_before``, by default ``start``: one sample a
+    step) plus the rest of the stream, and at least the whole stream.
+    """
+
+    def __init__(self, length: int, start: int = 0, steps_before: int | None = None) -> None:
         self.length = length
-        self.start = start
+        self.start = self.pass_start = start
+        self.steps_before = self.pass_steps_before = start if steps_before is None else steps_before
 
     def __len__(self) -> int:
-        return self.length
+        return max(self.length, self.steps_before + self.length - self.start)
+
+    def steps_through(self, position: int) -> int:
+        """The steps of the current pass up to and including the one that trains on ``position``."""
+        return self.pass_steps_before + position - self.pass_start + 1
 
     def __iter__(self) -> Iterator[int]:
-        start, self.start = self.start, 0  # a later pass (epoch) covers the whole stream
-        yield from range(start, self.length)
+        self.pass_start, self.start = self.start, 0  # a later pass (epoch) covers the whole stream
+        self.pass_steps_before, self.steps_before = self.steps_before, 0
+        yield from range(self.pass_start, self.length)
 
 
 class _StreamBatchSampler(Sampler[list[int]]):
@@ -252,12 +272,25 @@ class _StreamBatchSampler(Sampler[list[int]]):
     in rank order, are the step's positions in stream order. A last step with ``R < W·B`` positions is split as
     evenly as possible (chunks of ``⌈R/W⌉`` or ``⌊R/W⌋``); if ``R < W`` some ranks would have nothing, and those
     last ``R`` positions are not trained on (every rank must take part in every step).
+
+    ``steps_before``: the global steps a resumed pass took before ``start`` (by default ``⌈start / (W·B)⌉``, those of
+    this ``W`` and ``B``; another when the run that saved the position had another ``W`` or ``B``).
     """
 
-    def __init__(self, length: int, start: int, batch_size: int, world_size: int = 1, rank: int = 0) -> None:
+    def __init__(
+        self,
+        length: int,
+        start: int,
+        batch_size: int,
+        world_size: int = 1,
+        rank: int = 0,
+        steps_before: int | None = None,
+    ) -> None:
         self.length, self.start = length, start
         self.batch_size, self.world_size, self.rank = batch_size, world_size, rank
         self.pass_start = start  # where the current pass began (the step layout is counted from there)
+        self.steps_before = -(-start // self.per_step) if steps_before is None else steps_before
+        self.pass_steps_before = self.steps_before
 
     @property
     def per_step(self) -> int:
@@ -268,8 +301,9 @@ class _StreamBatchSampler(Sampler[list[int]]):
         return count // self.per_step + (1 if count % self.per_step >= self.world_size else 0)
 
     def __len__(self) -> int:
-        # Steps already taken before start (counted by Lightning's restored batch counter) plus the remaining ones.
-        return -(-self.start // self.per_step) + self._steps(self.length - self.start)
+        # Steps already taken before start (counted by Lightning's restored batch counter) plus the remaining ones;
+        # at least a whole pass, which later passes (epochs) take.
+        return max(self.steps_before + self._steps(self.length - self.start), self._steps(self.length))
 
     def chunk(self, step: int) -> range:
         """This rank's positions in global step ``step`` of the current pass."""
@@ -286,8 +320,13 @@ class _StreamBatchSampler(Sampler[list[int]]):
         step = (position - self.pass_start) // self.per_step
         return min(self.pass_start + (step + 1) * self.per_step, self.length)
 
+    def steps_through(self, position: int) -> int:
+        """The global steps of the current pass up to and including the one that trains on ``position``."""
+        return self.pass_steps_before + (position - self.pass_start) // self.per_step + 1
+
     def __iter__(self) -> Iterator[list[int]]:
         self.pass_start, self.start = self.start, 0  # a later pass (epoch) covers the whole stream
+        self.pass_steps_before, self.steps_before = self.steps_before, 0
         for step in range(self._steps(self.length - self.pass_start)):
             yield list(self.chunk(step))
 
@@ -299,9 +338,11 @@ class StreamDataLoader(DataLoader):
     takes a disjoint share of every global step of ``world_size · batch_size`` consecutive positions (see
     :class:`_StreamBatchSampler`), so the ranks' batches in rank order are the stream in order.
 
-    ``len()`` is the whole stream's number of steps, so that Lightning's restored batch counter (which already counts
-    the trained steps) ends a resumed epoch after the last sample. A finished stream (``start == len(dataset)``) and
-    every later pass (epoch) start at position 0.
+    ``len()`` is the steps taken before ``start`` in this pass (``steps_before``, saved with the position: they
+    depend on the batch size and the number of ranks of the run that saved it) plus the remaining ones, and at least
+    a whole pass, so that Lightning's restored batch counter (which already counts the trained steps) ends a resumed
+    epoch after the last sample, whatever batch size and number of ranks either run had. A finished stream
+    (``start == len(dataset)``) and every later pass (epoch) start at position 0.
 
     The loader keeps no state of its own: the position lives in a :class:`StreamCursor` that its owner saves
     (:class:`~loko_lightning.data.StreamDataModule`). :meth:`state_dict` and :meth:`load_state_dict` exist so that
@@ -316,6 +357,8 @@ class StreamDataLoader(DataLoader):
         rank: this rank.
         collate_fn: how samples are batched (text: :meth:`~loko_lightning.data.TextTransform.collate`); default
             torch's.
+        steps_before: the steps of this pass already taken before ``start`` (default: those of this batch size and
+            number of ranks).
     """
 
     def __init__(
@@ -327,13 +370,15 @@ class StreamDataLoader(DataLoader):
         world_size: int = 1,
         rank: int = 0,
         collate_fn: Callable | None = None,
+        steps_before: int | None = None,
     ) -> None:
-        start = start if start < len(dataset) else 0
+        if start >= len(dataset):
+            start, steps_before = 0, None
         if batch_size == 1 and world_size == 1:
-            sampler = _StreamSampler(len(dataset), start)
+            sampler = _StreamSampler(len(dataset), start, steps_before)
             super().__init__(dataset, batch_size=1, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
         else:
-            batches = _StreamBatchSampler(len(dataset), start, batch_size, world_size, rank)
+            batches = _StreamBatchSampler(len(dataset), start, batch_size, world_size, rank, steps_before)
             super().__init__(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn)
 
     def step_end(self, position: int) -> int:
@@ -341,6 +386,11 @@ class StreamDataLoader(DataLoader):
         if isinstance(self.batch_sampler, _StreamBatchSampler):
             return self.batch_sampler.step_end(position)
         return position + 1
+
+    def steps_through(self, position: int) -> int:
+        """The (global) steps of the current pass up to and including the one that trains on ``position``."""
+        sampler = self.batch_sampler if isinstance(self.batch_sampler, _StreamBatchSampler) else self.sampler
+        return sampler.steps_through(position)
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the stream position is saved with the cursor, by the loader's owner."""
