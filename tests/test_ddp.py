@@ -236,8 +236,8 @@ def test_factored_blocks_with_different_positions_per_process_are_gathered_zero_
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def loko_ddp(tmp_path, name, *extra, every=6, samples=24, callbacks=()):
-    """``loko fit`` on the debug config under DDP (2 CPU processes, gloo) in a subprocess, as a user runs it."""
+def _loko_command(tmp_path, name, *extra, every=6, samples=24, callbacks=()):
+    """The ``loko fit`` command line of a debug-config run writing into ``tmp_path``, and its environment."""
     args = outputs(tmp_path, name, every=every, keep_all=True, plot=False)
     config = yaml.safe_load(Path(args[1]).read_text())
     checksum = {"class_path": "ddp_checksum.Checksum", "init_args": {"path": str(tmp_path / f"{name}.pt")}}
@@ -249,15 +249,47 @@ def loko_ddp(tmp_path, name, *extra, every=6, samples=24, callbacks=()):
         "--data.max_samples", str(samples), "--data.eval_max_samples", "8", *args, *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    return command, env
+
+
+def loko_ddp(tmp_path, name, *extra, every=6, samples=24, callbacks=()):
+    """``loko fit`` on the debug config under DDP (2 CPU processes, gloo) in a subprocess, as a user runs it."""
+    command, env = _loko_command(tmp_path, name, *extra, every=every, samples=samples, callbacks=callbacks)
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(tmp_path / f"{name}.pt"), tmp_path / name / "checkpoints", done.stderr
 
 
-def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path):
+def loko_two_nodes(tmp_path, name, *extra, every=6, samples=24):
+    """``loko fit`` as 2 "nodes" of one process each, started by hand as on a cluster without a launcher: the same
+    command on each node with ``--trainer.num_nodes 2 --trainer.devices 1`` and ``NODE_RANK`` 0 and 1, the master's
+    address and port in the environment (here loopback: both "nodes" are this machine)."""
+    nodes = ("--trainer.num_nodes", "2", "--trainer.devices", "1")
+    command, env = _loko_command(tmp_path, name, *nodes, *extra, every=every, samples=samples)
+    # One thread each, as Lightning gives each of 2 processes on one node of this 2-core machine (cores // processes
+    # when OMP_NUM_THREADS is unset): another thread count sums in another order and changes the trajectory.
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(command, cwd=tmp_path, env={**env, "NODE_RANK": str(node)}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+        for node in range(2)
+    ]  # fmt: skip
+    errors = [proc.communicate(timeout=600)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    return torch.load(tmp_path / f"{name}.pt"), tmp_path / name / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """One 2-process ``loko fit`` of 24 samples (12 joint steps), checkpoints every 6 steps, shared by the tests."""
+    tmp_path = tmp_path_factory.mktemp("two_processes")
+    return loko_ddp(tmp_path, "full")
+
+
+def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path, two_processes):
     """A real `loko fit --trainer.strategy ddp --trainer.devices 2`: 24 samples in 12 joint steps of 2; both ranks end
     with the same θ̃, p̂ and R; a run resumed under DDP from the step-6 checkpoint ends bit for bit like it."""
-    full, checkpoints, _ = loko_ddp(tmp_path, "full")
+    full, checkpoints, _ = two_processes
     assert full["world_size"] == 2
     first, second = full["states"]
     assert torch.equal(first, second)
@@ -274,25 +306,41 @@ def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path):
         assert torch.equal(again["state_dict"][key], last["state_dict"][key]), key
 
 
-def test_a_resume_with_another_number_of_processes_goes_on_at_the_next_unseen_sample(tmp_path):
-    """The step-3 checkpoint of 2 processes (6 samples), resumed by one process, and the step-6 checkpoint of one
+def test_two_nodes_of_one_process_equal_one_node_of_two_and_resume_exactly(tmp_path, two_processes):
+    """2 "nodes" × 1 process (``NODE_RANK`` 0 and 1, ``--trainer.num_nodes 2``, loopback) through the real ``loko fit``:
+    the ranks end bit-equal, and equal to one node of 2 processes (the same W = 2, the same stream split, the same
+    thread count per process); the metrics cover every sample once; a 2-node run resumed from the step-6 checkpoint
+    ends bit for bit like them."""
+    full, _, _ = two_processes
+    nodes, checkpoints = loko_two_nodes(tmp_path, "nodes")
+    assert nodes["world_size"] == 2
+    assert torch.equal(nodes["states"][0], nodes["states"][1])
+    assert torch.equal(nodes["states"][0], full["states"][0])
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 12 and last["state_dict"]["online_acc.weight"].item() == 24
+    resumed, _ = loko_two_nodes(tmp_path, "nodes_resumed", "--ckpt_path", str(checkpoints / "epoch=0-step=6.ckpt"))
+    assert torch.equal(resumed["states"][0], full["states"][0]) and torch.equal(resumed["states"][1], full["states"][0])
+
+
+def test_a_resume_with_another_number_of_processes_goes_on_at_the_next_unseen_sample(tmp_path, two_processes):
+    """The step-6 checkpoint of 2 processes (12 samples), resumed by one process, and the step-12 checkpoint of one
     process, resumed by 2: each goes on at the next unseen stream position and ends the pass after the last sample,
     every sample scored once and none trained twice (the filter's state does not depend on the number of processes;
     the trajectory does, as a joint update of 2 samples is not two updates of one)."""
     single = ["--trainer.strategy", "auto", "--trainer.devices", "1"]
-    _, two, _ = loko_ddp(tmp_path, "two", every=3, samples=12)
-    _, one, _ = loko_ddp(tmp_path, "one", *single, every=3, samples=12)
+    _, two, _ = two_processes
+    _, one, _ = loko_ddp(tmp_path, "one", *single)
     for name, checkpoint, extra, steps in (
-        ("two-then-one", two / "epoch=0-step=3.ckpt", single, 3 + 6),
-        ("one-then-two", one / "epoch=0-step=6.ckpt", (), 6 + 3),
+        ("two-then-one", two / "epoch=0-step=6.ckpt", single, 6 + 12),
+        ("one-then-two", one / "epoch=0-step=12.ckpt", (), 12 + 6),
     ):
-        result, checkpoints, _ = loko_ddp(tmp_path, name, *extra, "--ckpt_path", str(checkpoint), every=3, samples=12)
+        result, checkpoints, _ = loko_ddp(tmp_path, name, *extra, "--ckpt_path", str(checkpoint))
         states = result["states"]  # one process: its own vector; two: one row per rank
         assert states.dim() == 1 or torch.equal(states[0], states[1]), name
         last = torch.load(checkpoints / "last.ckpt", weights_only=False)
-        assert last["StreamDataModule"]["position"] == 12 and last["StreamDataModule"]["steps"] == steps, name
+        assert last["StreamDataModule"]["position"] == 24 and last["StreamDataModule"]["steps"] == steps, name
         assert last["global_step"] == steps, name
-        assert last["state_dict"]["online_acc.weight"].item() == 12, name  # every sample scored once
+        assert last["state_dict"]["online_acc.weight"].item() == 24, name  # every sample scored once
         assert last["optimizer_states"][0]["state"][0]["step"].item() == steps, name  # one update per step
 
 
