@@ -27,6 +27,7 @@ import inspect
 import os
 import pickle
 import re
+import signal
 import sys
 import types
 import typing
@@ -38,6 +39,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
@@ -45,7 +47,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from loko_lightning.data import SOURCES, StreamDataModule
-from loko_lightning.errors import ConfigError, DivergenceError
+from loko_lightning.errors import ConfigError, DivergenceError, LostProcessError
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable, unreadable_checkpoint
 from loko_lightning.learner.export import export
 from loko_lightning.learner.module import OnlineClassifier, ignore_intended_warnings
@@ -63,6 +65,14 @@ LINKS = (
 )
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
+EXIT_LOST_PROCESS = 4
+# How the collective backends say that another process is gone (gloo's socket errors, a wait past its timeout, NCCL's
+# abort); an error of torch.distributed's own types counts too.
+LOST_PROCESS_WORDING = re.compile(
+    r"connection reset by peer|connection closed by peer|broken pipe|timed out|timeout|nccl communicator was aborted|"
+    r"connection refused",
+    re.IGNORECASE,
+)
 # What jsonargparse says only in words, one pattern each; the rest comes from the exceptions' types and chain of
 # causes, the parser's keys and the configured classes' signatures. tests/test_cli_errors.py reads real jsonargparse
 # errors with each pattern, so a change of wording fails there instead of turning a user's error into a worse one.
@@ -226,8 +236,23 @@ class LoKOCLI(LightningCLI):
             )
 
     def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; under DDP, a collective failing because another process is gone becomes a :class:`LostProcessError`.
+
+        Lightning has already stopped this process's part of the run when the error reaches here; the processes it
+        started on this node are killed (one that hangs would otherwise outlive this one).
+        """
         with self._naming_errors(), ignore_intended_warnings():
-            super()._run_subcommand(subcommand)
+            try:
+                super()._run_subcommand(subcommand)
+            except Exception as err:
+                lost = lost_process_error(err, self.trainer)
+                if lost is None:
+                    raise
+                # The processes Lightning started on this node (a hung one would outlive this one).
+                launcher = getattr(self.trainer.strategy, "launcher", None)
+                if callable(getattr(launcher, "kill", None)):
+                    launcher.kill(signal.SIGKILL)
+                raise lost from err
 
     @contextlib.contextmanager
     def _naming_errors(self) -> Iterator[None]:
@@ -505,8 +530,9 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the ``loko`` console script.
 
     Configuration errors (unknown option or backbone, missing data, bad hyperparameters, ...) end with a one-line
-    message and exit status 2, a diverged run with a one-line message and exit status 3; set ``LOKO_TRACEBACK=1`` to
-    see the full traceback.
+    message and exit status 2, a diverged run with a one-line message and exit status 3, a distributed run that lost
+    a process (killed, or hung past ``model.collective_timeout``) with a one-line message and exit status 4; set
+    ``LOKO_TRACEBACK=1`` to see the full traceback.
     """
     from_command_line = args is None
     args = sys.argv[1:] if args is None else list(args)
@@ -534,13 +560,48 @@ def main(args: list[str] | None = None) -> None:
                 "version": version("loko-lightning"),
             },
         )
-    except USER_ERRORS as err:
+    except (*USER_ERRORS, LostProcessError) as err:
         if os.environ.get("LOKO_TRACEBACK"):
             raise
         key = getattr(err, "key", None) or getattr(err, "field", None)
         where = f"--{key}: " if key else ""
         print(f"loko: error: {where}{' '.join(str(err).split())}", file=sys.stderr)
-        raise SystemExit(EXIT_DIVERGED if isinstance(err, DivergenceError) else EXIT_USER_ERROR) from None
+        codes = {DivergenceError: EXIT_DIVERGED, LostProcessError: EXIT_LOST_PROCESS}
+        raise SystemExit(codes.get(type(err), EXIT_USER_ERROR)) from None
+
+
+def lost_process_error(err: BaseException, trainer: Trainer) -> LostProcessError | None:
+    """The one-line account of a distributed run that lost a process, or ``None`` if ``err`` is something else.
+
+    It names this process and the lost one (with 2 processes: the other rank), the step, the backend's reason, the
+    newest checkpoint (only the steps after it are lost) and how to resume.
+    """
+    world, rank = trainer.world_size, trainer.global_rank
+    chain, cause = [], err
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if world < 2 or not any(isinstance(e, dist_error) or LOST_PROCESS_WORDING.search(str(e)) for e in chain):
+        return None
+    reason = next((line.strip() for e in chain for line in str(e).splitlines() if line.strip()), type(err).__name__)
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", reason).split(". ")[0]  # gloo's "[file.cc:545] Read error ...: reset..."
+    lost = f"rank {1 - rank}" if world == 2 else "another process"
+    found = []
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):
+            found += Path(callback.dirpath).glob("*.ckpt")
+    newest = max(found, key=lambda path: path.stat().st_mtime, default=None)
+    saved = (
+        f"The newest checkpoint is {newest}: only the steps after it are lost. To resume, start every process again "
+        "with the same command and --ckpt_path last"
+        if newest is not None
+        else "No checkpoint was written yet: start every process again with the same command"
+    )
+    return LostProcessError(
+        f"lost {lost} of the {world} processes at training step {trainer.global_step + 1} ({reason[:200]}); this "
+        f"process (rank {rank}) stops too. {saved}"
+    )
 
 
 def _preprocessing(network: Any) -> Any:

@@ -47,6 +47,10 @@ class DivergenceError(RuntimeError):
         self.owner = owner if owner is None or isinstance(owner, type) else type(owner)
 
 
+class LostProcessError(RuntimeError):
+    """A process of a distributed run was lost (killed, or hung past the timeout): which one, and how to resume."""
+
+
 class NoLearningRateError(KeyError):
     """Raised when a tool (a torch LR scheduler, Lightning's ``LearningRateMonitor``) reads ``lr`` from LoKO.
 

@@ -1,5 +1,8 @@
 """A callback for the DDP CLI test, loaded by class path in the ``loko`` processes (tests/ is on their PYTHONPATH)."""
 
+import os
+import signal
+
 import lightning.pytorch as pl
 import torch
 
@@ -31,3 +34,14 @@ class PoisonOneRank(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         if trainer.global_rank == self.rank and batch_idx == self.step:
             batch["inputs"].view(-1)[0] = float("nan")
+
+
+class LoseOneRank(pl.Callback):
+    """One process dies (``SIGKILL``, as the OOM killer does) or hangs (``SIGSTOP``) before training step ``step``."""
+
+    def __init__(self, rank: int, step: int, signal: str = "SIGKILL") -> None:
+        self.rank, self.step, self.signal = rank, step, signal
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), getattr(signal, self.signal))

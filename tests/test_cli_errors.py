@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.cli import LightningCLI
 
-from loko_lightning.cli import JSONARGPARSE_WORDING, ParseError, read_parse_error
+from loko_lightning.cli import JSONARGPARSE_WORDING, ParseError, lost_process_error, read_parse_error
 from loko_lightning.data import StreamDataModule
+from loko_lightning.errors import ConfigError
 from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models import TimmClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
@@ -92,3 +94,32 @@ def test_jsonargparse_errors_read_as_before(case, tmp_path):
     assert isinstance(read, ParseError)
     got = {field: getattr(read, field) for field in expected}
     assert got == expected, f"jsonargparse's wording changed? patterns {sorted(patterns)}: {read.message}"
+
+
+class _FakeTrainer:
+    """What lost_process_error reads of a trainer."""
+
+    def __init__(self, world_size, rank, dirpath=None):
+        self.world_size, self.global_rank, self.global_step = world_size, rank, 41
+        self.checkpoint_callbacks = [type("Checkpoint", (), {"dirpath": dirpath})()]
+
+
+def test_a_collective_error_becomes_the_lost_process_line_and_anything_else_stays_itself(tmp_path):
+    gloo = RuntimeError("[/x/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:1: Connection reset by peer. Check")
+    (tmp_path / "epoch=0-step=40.ckpt").write_bytes(b"")
+    two = lost_process_error(gloo, _FakeTrainer(2, 1, str(tmp_path)))
+    assert str(two).startswith("lost rank 0 of the 2 processes at training step 42 (Read error [127.0.0.1]:1: ")
+    assert str(tmp_path / "epoch=0-step=40.ckpt") in str(two) and "--ckpt_path last" in str(two)
+    timed_out = RuntimeError("wrapper")
+    timed_out.__cause__ = RuntimeError("Operation timed out!")
+    three = lost_process_error(timed_out, _FakeTrainer(3, 0))
+    assert "lost another process of the 3 processes" in str(three) and "No checkpoint was written yet" in str(three)
+    assert lost_process_error(gloo, _FakeTrainer(1, 0)) is None  # one process: not a lost peer
+    assert lost_process_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), _FakeTrainer(2, 0)) is None
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), "60", True])
+def test_a_bad_collective_timeout_is_refused_naming_the_field(value):
+    with pytest.raises(ConfigError, match="collective_timeout") as err:
+        OnlineClassifier(TimmClassifier("test_resnet", 4, pretrained=False), collective_timeout=value)
+    assert err.value.field == "collective_timeout"

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -342,6 +343,29 @@ def test_a_resume_with_another_number_of_processes_goes_on_at_the_next_unseen_sa
         assert last["global_step"] == steps, name
         assert last["state_dict"]["online_acc.weight"].item() == 24, name  # every sample scored once
         assert last["optimizer_states"][0]["state"][0]["step"].item() == steps, name  # one update per step
+
+
+@pytest.mark.parametrize("signal", ["SIGKILL", "SIGSTOP"], ids=["killed", "hung"])
+def test_a_lost_process_ends_the_run_in_one_line_and_resumes_exactly(tmp_path, two_processes, signal):
+    """Rank 1 dies (SIGKILL) or hangs (SIGSTOP) before step 7, after the step-6 checkpoint: the survivor (rank 0)
+    exits within a bounded time (the 5-second collective timeout for the hang) with one line naming the lost rank, the
+    checkpoint and the resume command, no traceback; ``--ckpt_path last`` then ends bit for bit like the uninterrupted
+    run."""
+    lose = {"class_path": "ddp_checksum.LoseOneRank", "init_args": {"rank": 1, "step": 6, "signal": signal}}
+    command, env = _loko_command(tmp_path, "lost", "--model.collective_timeout", "5", callbacks=[lose])
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 4, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("loko: error:")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    checkpoints = tmp_path / "lost" / "checkpoints"
+    assert "lost rank 1 of the 2 processes at training step 7" in lines[0]
+    assert str(checkpoints) in lines[0] and "--ckpt_path last" in lines[0]
+    assert elapsed < 120, elapsed  # the run itself takes about 30 s here; a hang would wait for the timeout
+    full, _, _ = two_processes
+    resumed, _, _ = loko_ddp(tmp_path, "lost_resumed", "--ckpt_path", str(checkpoints / "last.ckpt"))
+    assert torch.equal(resumed["states"][0], full["states"][0]) and torch.equal(resumed["states"][1], full["states"][0])
 
 
 def test_gradient_baseline_under_ddp_all_reduces_and_scores_every_process(tmp_path):

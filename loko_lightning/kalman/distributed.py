@@ -18,6 +18,7 @@ size of the Jacobian factors, not with the number of parameters for factored blo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ def all_gather_observations(
     target: Tensor,
     jacobians: Sequence[JacobianBlock],
     group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
 ) -> tuple[Tensor, Tensor, list[JacobianBlock]]:
     """Every process's batch of observations, concatenated in rank order, on every process.
 
@@ -67,6 +69,8 @@ def all_gather_observations(
             fewer positions is padded with zero positions, which add nothing to its Jacobian. ``B_r`` may differ too
             (the stream's short last step), the gather pads and trims.
         group: the process group (default: the world).
+        timeout: seconds each of the two collectives may wait for the other processes before it raises (a process
+            that died or hangs); ``None``: the process group's own timeout (torch's default is 30 minutes).
 
     Returns:
         ``(prediction, target, jacobians)`` with ``Σ_r B_r`` samples, in the dtype of ``prediction``.
@@ -76,7 +80,7 @@ def all_gather_observations(
     positions = [k for k in (kind(jac).positions(jac) for jac in jacobians) if k is not None]
     count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
+    _all_gather(counts, count, group, timeout)
     # One host read: the ranks' batch sizes (equal except at the stream's end) and factored blocks' positions.
     table = torch.stack(counts).tolist()
     sizes = [row[0] for row in table]
@@ -91,13 +95,21 @@ def all_gather_observations(
         local[offset : offset + part.numel()] = part.reshape(-1).to(dtype)
         offset += top * numel
     gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=group)
+    _all_gather(gathered, local, group, timeout)
     joined, offset = [], 0
     for part, numel in zip(parts, per_sample, strict=True):
         pieces = [buffer[offset : offset + size * numel] for buffer, size in zip(gathered, sizes, strict=True)]
         joined.append(torch.cat(pieces).view(sum(sizes), *part.shape[1:]))
         offset += top * numel
     return _rebuild(joined, jacobians)
+
+
+def _all_gather(out: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None, timeout: float | None) -> None:
+    """``dist.all_gather``, waiting at most ``timeout`` seconds (``None``: the group's timeout)."""
+    if timeout is None:
+        dist.all_gather(out, tensor, group=group)
+    else:
+        dist.all_gather(out, tensor, group=group, async_op=True).wait(timedelta(seconds=timeout))
 
 
 def _pad_positions(jacobians: Sequence[JacobianBlock], positions: list[int]) -> list[JacobianBlock]:

@@ -88,6 +88,11 @@ class OnlineClassifier(pl.LightningModule):
             AdamW's ``lr`` among 1e-4 ... 3e-3 on the first 500 samples. ``p0: auto`` in a LoKO optimizer is
             ``Candidates()`` (p0 among ``AUTO_P0`` on ``AUTO_SAMPLES`` samples; ``select.samples`` or
             ``select.values`` change them). Logged while it runs: ``select/<name>``, the leader's value.
+        collective_timeout: under DDP, the seconds the learner's gather of the processes' observations (every step)
+            waits for the others before the run stops with a one-line error naming the lost process and the last
+            checkpoint (a process killed or hung). The other collectives (metric sync, checkpoint barriers, the
+            baselines' gradient all-reduce) use the strategy's own timeout (torch's default: 30 minutes;
+            ``--trainer.strategy lightning.pytorch.strategies.DDPStrategy --trainer.strategy.timeout 0:05:00``).
 
     Example:
         >>> from functools import partial
@@ -104,6 +109,7 @@ class OnlineClassifier(pl.LightningModule):
         recent_window: int = 500,
         held_out_metrics: list[HeldOutMetric] | None = None,
         select: Candidates | None = None,
+        collective_timeout: float = 300.0,
     ) -> None:
         super().__init__()
         if isinstance(network, Mapping):
@@ -128,6 +134,15 @@ class OnlineClassifier(pl.LightningModule):
             raise ConfigError(
                 f"recent_window must be a positive integer, got {recent_window}", field="recent_window", owner=self
             )
+        if not (isinstance(collective_timeout, (int, float)) and not isinstance(collective_timeout, bool)) or not (
+            0 < collective_timeout < float("inf")
+        ):
+            raise ConfigError(
+                f"collective_timeout must be a finite number of seconds > 0, got {collective_timeout!r}",
+                field="collective_timeout",
+                owner=self,
+            )
+        self.collective_timeout = float(collective_timeout)
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
         step = KalmanStep if isinstance(probe(optimizer), LoKO) else GradientStep

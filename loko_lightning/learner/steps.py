@@ -59,6 +59,11 @@ class OnlineStep:
         """Release what the steps held on to (called when training ends)."""
 
 
+def collective_timeout(module: pl.LightningModule) -> float | None:
+    """The seconds the step's gather waits for the other processes (``OnlineClassifier.collective_timeout``)."""
+    return getattr(module, "collective_timeout", None)
+
+
 class KalmanStep(OnlineStep):
     """:class:`~loko_lightning.LoKO`'s step: the Jacobian engine observes the samples, the filter updates on them.
 
@@ -119,7 +124,7 @@ class KalmanStep(OnlineStep):
             with forward:
                 prediction, target, jacobians = engine.observe(inputs, label, batched=joint)
             if world > 1:  # every process gets every process's observations and applies the same update
-                return all_gather_observations(prediction, target, jacobians)
+                return all_gather_observations(prediction, target, jacobians, timeout=collective_timeout(module))
             return prediction, target, jacobians
 
         with torch.autocast(device, enabled=False) if mixed else contextlib.nullcontext():
@@ -174,7 +179,7 @@ class GradientStep(OnlineStep):
         prediction = logits.detach().softmax(-1)
         if world > 1:  # the metrics score every process's predictions
             target = F.one_hot(label, module.num_classes).to(prediction.dtype)
-            prediction, target, _ = all_gather_observations(prediction, target, [])
+            prediction, target, _ = all_gather_observations(prediction, target, [], timeout=collective_timeout(module))
             label = target.argmax(-1)
         return prediction, label, applied
 
