@@ -350,7 +350,7 @@ def test_a_lost_process_ends_the_run_in_one_line_and_resumes_exactly(tmp_path, t
     """Rank 1 dies (SIGKILL) or hangs (SIGSTOP) before step 7, after the step-6 checkpoint: the survivor (rank 0)
     exits within a bounded time (the 5-second collective timeout for the hang) with one line naming the lost rank, the
     checkpoint and the resume command, no traceback; ``--ckpt_path last`` then ends bit for bit like the uninterrupted
-    run."""
+    run (checked after the kill; the hang leaves the same checkpoint)."""
     lose = {"class_path": "ddp_checksum.LoseOneRank", "init_args": {"rank": 1, "step": 6, "signal": signal}}
     command, env = _loko_command(tmp_path, "lost", "--model.collective_timeout", "5", callbacks=[lose])
     started = time.monotonic()
@@ -363,6 +363,8 @@ def test_a_lost_process_ends_the_run_in_one_line_and_resumes_exactly(tmp_path, t
     assert "lost rank 1 of the 2 processes at training step 7" in lines[0]
     assert str(checkpoints) in lines[0] and "--ckpt_path last" in lines[0]
     assert elapsed < 120, elapsed  # the run itself takes about 30 s here; a hang would wait for the timeout
+    if signal == "SIGSTOP":
+        return  # the checkpoint is the same as when rank 1 is killed: its resume is checked there
     full, _, _ = two_processes
     resumed, _, _ = loko_ddp(tmp_path, "lost_resumed", "--ckpt_path", str(checkpoints / "last.ckpt"))
     assert torch.equal(resumed["states"][0], full["states"][0]) and torch.equal(resumed["states"][1], full["states"][0])
