@@ -36,19 +36,30 @@ def test_debug_config_end_to_end(tmp_path, caplog):
     assert "test/acc" in (tmp_path / "eval" / "version_0" / "metrics.csv").read_text()
 
 
+CHEAP_LOFI = ["--model.optimizer.init_args.observation", "lofi10_empirical", "--model.optimizer.forgetting", "0.001"]
+
+
 @pytest.mark.parametrize(
-    ("preset", "observation"), [("loko_topk", "topk5"), ("loko_natural", "natural"), ("loko_lofi", "lofi10")]
+    ("preset", "observation", "extra"),
+    [
+        ("loko_topk", "topk5", []),
+        ("loko_natural", "natural", []),
+        ("loko_lofi", "lofi10", []),
+        ("loko_lofi", "lofi10_empirical", CHEAP_LOFI),
+    ],
 )
-def test_the_cheap_observation_presets_train_from_the_command_line(tmp_path, preset, observation):
-    """A random-weight timm test network on 12 glyphs100 samples (100 classes) with each cheap observation's preset."""
+def test_the_cheap_observation_presets_train_from_the_command_line(tmp_path, preset, observation, extra):
+    """A random-weight timm test network on 12 glyphs100 samples (100 classes) with each cheap observation's preset
+    (and LoFi on the empirical Fisher with stabilised forgetting, as flags over the LoFi preset)."""
     network = ["--model.network.backbone", "test_resnet", "--model.network.weights", "null"]
     network += ["--model.network.pretrained", "false", "--model.network.num_classes", "100", "--model.window", "4"]
     data = ["--data.dataset", "glyphs100", "--data.max_samples", "12", "--data.eval_max_samples", "4"]
     preset_args = ["--config", str(ROOT / "configs" / "presets" / f"{preset}.yaml")]
-    main(["fit", "--config", DEBUG, *preset_args, *network, *data, *outputs(tmp_path)])
+    main(["fit", "--config", DEBUG, *preset_args, *network, *data, *outputs(tmp_path), *extra])
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     group = checkpoint["optimizer_states"][0]["param_groups"][0]
     assert group["observation"] == observation
+    assert group["forgetting"] == (0.001 if extra else 0.0)
     assert checkpoint["global_step"] == 12
 
 
