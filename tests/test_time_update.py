@@ -48,10 +48,15 @@ def test_a_shrinkage_per_group_shrinks_only_that_group():
     opt = LoKO(groups, p0=0.3, beta=0.9, seed=3)
     sizes = [sum(p.numel() for p in model[0].parameters()), sum(p.numel() for p in head)]
     lam = torch.cat([torch.zeros(sizes[0], dtype=torch.float64), torch.full((sizes[1],), 0.05, dtype=torch.float64)])
+    _matches_the_reference_per_entry(model, opt, shrinkage=lam)
+
+
+def _matches_the_reference_per_entry(model, opt, **options):
+    """30 steps of ``opt`` against the dense float64 filter with per-entry time-update ``options``, then compared
+    (float64 on both sides, the same arithmetic in another order)."""
     reference = DenseModelFilter(
-        copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor",
-        shrinkage=lam,
-    )  # fmt: skip
+        copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor", **options
+    )
     for x, y in teacher_stream(30):
         reference.step(x, y)
         opt.step(loko_closure(model, x, y, factorize=True))
@@ -77,15 +82,7 @@ def test_forgetting_per_group_uses_each_parameters_reference_variance():
                        for i, p in enumerate(model.parameters())])  # fmt: skip
     pairs = zip(model.parameters(), fan_in, strict=True)
     ref = torch.cat([torch.full((p.numel(),), 0.3 / f, dtype=torch.float64) for p, f in pairs])
-    reference = DenseModelFilter(
-        copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor", forgetting=gamma,
-        reference=ref,
-    )  # fmt: skip
-    for x, y in teacher_stream(30):
-        reference.step(x, y)
-        opt.step(loko_closure(model, x, y, factorize=True))
-    torch.testing.assert_close(flat(model.parameters()).detach(), reference.theta, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
+    _matches_the_reference_per_entry(model, opt, forgetting=gamma, reference=ref)
 
 
 def test_forgetting_keeps_p_below_its_reference_where_inflation_does_not():
