@@ -247,7 +247,7 @@ class StepRecorder(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep what an online selection (``select``, ``p0: auto``) chose."""
-        states = getattr(pl_module, "_selection", None)
+        states = getattr(getattr(pl_module, "online_step", None), "states", None)  # a SelectionStep's candidates
         if states is not None:
             self.selection = states.summary()
 

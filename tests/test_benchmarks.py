@@ -471,3 +471,12 @@ def test_drift_recovery_counts_samples_until_a_post_change_window_is_back_to_90_
     drift.main([str(path), "--drift-every", "4", "--window", "2"])
     out = capsys.readouterr().out
     assert "| loko | 2 | 4 ± 0 (pre 80.0%) | 2 ± 0 (pre 75.0%) |" in out
+
+
+def test_a_run_with_an_online_selection_reports_what_it_chose(scripts):
+    """The tuned AdamW's choice of learning rate (and p0: auto's choice of p0) reaches the run's result, the progress
+    line and results.md: where it sits in the grid is part of the study."""
+    tuned = ["--config", str(ROOT / "configs" / "baselines" / "adamw_tuned.yaml")]
+    select = ["--model.select.samples", "4", "--model.lr_scheduler.total_iters", "8"]
+    result = scripts.common.fit([*DEBUG, *tuned, *TINY, "--data.max_samples", "8", *select])
+    assert result.selection is not None and "lr" in result.selection
