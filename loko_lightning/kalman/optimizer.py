@@ -388,7 +388,8 @@ class LoKO(torch.optim.Optimizer):
         shrinkage = [g["shrinkage"] for g in self.param_groups for _ in g["params"]]
         inflation = [g["inflation"] for g in self.param_groups for _ in g["params"]]
         forgetting = [g["forgetting"] for g in self.param_groups for _ in g["params"]]
-        reference = [_reference_cov(p, g) for g in self.param_groups for p in g["params"]]
+        # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
+        reference = [_reference_cov(p, g) if g["forgetting"] else 0.0 for g in self.param_groups for p in g["params"]]
         time_update = tuple(map(tuple, (process_noise, p_floor, shrinkage, inflation, forgetting, reference)))
         key = layout_key(prediction, target, jacobians, (*time_update, samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)

@@ -179,7 +179,7 @@ class UpdatePlan:
         if forgetting is not None and any(forgetting):
             if reference is None:
                 raise ValueError("Invalid reference: forgetting needs the reference variance of every parameter")
-            rates = [g / r for g, r in zip(forgetting, reference, strict=True)]
+            rates = [g / r if g else 0.0 for g, r in zip(forgetting, reference, strict=True)]
             self.forget_keep = torch.as_tensor(1.0 - self._per_entry(forgetting, numels), dtype=dtype, device=device)
             rate = self._per_entry(rates, numels)
             self.forget_rate = torch.as_tensor(0.0 if rate is None else rate, dtype=dtype, device=device)
