@@ -413,3 +413,21 @@ def test_a_nan_on_one_process_skips_the_loko_joint_step_on_both(tmp_path):
     assert last["state_dict"]["skipped"].item() == 2
     assert last["state_dict"]["online_acc.weight"].item() == 10
     assert not all(torch.equal(after_params[k], v) for k, v in trainable(last["state_dict"]).items())
+
+
+def test_a_streamed_source_under_ddp_splits_each_step_and_resumes_exactly(tmp_path):
+    """`--data.dataset hf:parquet` under DDP (2 processes): every process reads the stream and trains on its share
+    of each step, the ranks stay bit-equal, every sample is scored once, and a run resumed from the step-6
+    checkpoint ends bit for bit like the uninterrupted one."""
+    from test_streaming import write_parquet
+
+    root = write_parquet(tmp_path / "data", n_train=30)
+    data = ("--data.dataset", "hf:parquet", "--data.root", str(root), "--data.shuffle_buffer", "7")
+    full, checkpoints, _ = loko_ddp(tmp_path, "streamed", *data)
+    assert torch.equal(full["states"][0], full["states"][1])
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 12 and last["state_dict"]["online_acc.weight"].item() == 24
+    assert last["StreamDataModule"]["position"] == 24
+    middle = str(checkpoints / "epoch=0-step=6.ckpt")
+    resumed, _, _ = loko_ddp(tmp_path, "streamed_resumed", *data, "--ckpt_path", middle)
+    assert torch.equal(resumed["states"][0], full["states"][0]) and torch.equal(resumed["states"][1], full["states"][0])

@@ -11,6 +11,8 @@ skipping nor repeating one.
   :mod:`~loko_lightning.data.text`).
 - :mod:`~loko_lightning.data.perturbations`: OOD samples inserted into the stream.
 - :mod:`~loko_lightning.data.stream`: the stream dataset, its cursor and the resumable loader.
+- :mod:`~loko_lightning.data.streaming`: ``hf:`` sources, Hugging Face datasets read in streaming mode (data larger
+  than the disk), through a seeded shuffle buffer, resumable at any position.
 - :mod:`~loko_lightning.data.datamodule`: :class:`StreamDataModule`, the Lightning DataModule over all of these.
 
 Batches carry ``inputs`` (what the model takes) and ``label``; training batches also ``position`` and ``ood``.

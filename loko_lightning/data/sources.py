@@ -179,14 +179,24 @@ def register_source(source: Source) -> Source:
 
 
 def get_source(name: str) -> Source:
-    """The registered source called ``name``.
+    """The registered source called ``name``, or for ``hf:<path>`` a Hugging Face dataset read in streaming mode.
+
+    ``hf:`` sources (:class:`~loko_lightning.data.streaming.HFStreamSource`) are made on demand, not registered.
 
     Raises:
         ConfigError: no source has that name (``field="dataset"``).
     """
+    if name.startswith("hf:"):  # read in streaming mode, not registered
+        from loko_lightning.data.streaming import HFStreamSource  # noqa: PLC0415 (streaming imports this module)
+
+        return HFStreamSource(name[len("hf:") :])
     if name not in SOURCES:
         known = ", ".join(SOURCES)
-        raise ConfigError(f"dataset={name!r} is not a known dataset; choose one of {known}.", field="dataset")
+        raise ConfigError(
+            f"dataset={name!r} is not a known dataset; choose one of {known}, or hf:<name> for a Hugging Face "
+            "dataset read in streaming mode.",
+            field="dataset",
+        )
     return SOURCES[name]
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from loko_lightning.data.perturbations import Perturbation
+from loko_lightning.data.streaming import IterableStream
 from loko_lightning.errors import ConfigError
 
 
@@ -334,6 +335,9 @@ class _StreamBatchSampler(Sampler[list[int]]):
 class StreamDataLoader(DataLoader):
     """Loader over a :class:`StreamDataset` from stream position ``start`` to the end, one step's batch at a time.
 
+    Over an :class:`~loko_lightning.data.streaming.IterableStream` (a streamed source) it lays out the same steps,
+    which the stream reads in order.
+
     ``batch_size`` samples per step (1, the default, is the paper's online setting); with ``world_size`` ranks each
     takes a disjoint share of every global step of ``world_size · batch_size`` consecutive positions (see
     :class:`_StreamBatchSampler`), so the ranks' batches in rank order are the stream in order.
@@ -363,7 +367,7 @@ class StreamDataLoader(DataLoader):
 
     def __init__(
         self,
-        dataset: StreamDataset,
+        dataset: StreamDataset | IterableStream,
         start: int = 0,
         num_workers: int = 0,
         batch_size: int = 1,
@@ -374,6 +378,10 @@ class StreamDataLoader(DataLoader):
     ) -> None:
         if start >= len(dataset):
             start, steps_before = 0, None
+        if isinstance(dataset, IterableStream):  # read in order: the stream lays out its own steps
+            self.layout = _StreamBatchSampler(len(dataset), start, batch_size, world_size, rank, steps_before)
+            super().__init__(dataset.laid_out(self.layout, collate_fn), batch_size=None, num_workers=num_workers)
+            return
         if batch_size == 1 and world_size == 1:
             sampler = _StreamSampler(len(dataset), start, steps_before)
             super().__init__(dataset, batch_size=1, sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
@@ -381,16 +389,20 @@ class StreamDataLoader(DataLoader):
             batches = _StreamBatchSampler(len(dataset), start, batch_size, world_size, rank, steps_before)
             super().__init__(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn)
 
+    def _layout(self) -> _StreamSampler | _StreamBatchSampler:
+        layout = getattr(self, "layout", None)
+        if layout is not None:
+            return layout
+        return self.batch_sampler if isinstance(self.batch_sampler, _StreamBatchSampler) else self.sampler
+
     def step_end(self, position: int) -> int:
         """The first stream position after the (global) step that trains on ``position``."""
-        if isinstance(self.batch_sampler, _StreamBatchSampler):
-            return self.batch_sampler.step_end(position)
-        return position + 1
+        layout = self._layout()
+        return layout.step_end(position) if isinstance(layout, _StreamBatchSampler) else position + 1
 
     def steps_through(self, position: int) -> int:
         """The (global) steps of the current pass up to and including the one that trains on ``position``."""
-        sampler = self.batch_sampler if isinstance(self.batch_sampler, _StreamBatchSampler) else self.sampler
-        return sampler.steps_through(position)
+        return self._layout().steps_through(position)
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the stream position is saved with the cursor, by the loader's owner."""

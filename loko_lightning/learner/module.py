@@ -35,7 +35,7 @@ HeldOutMetric = Literal["mcc", "f1"]
 
 @contextlib.contextmanager
 def ignore_intended_warnings() -> Iterator[None]:
-    """Silence, while the context lasts, Lightning's two warnings about what :class:`OnlineClassifier` does on purpose.
+    """Silence, while the context lasts, Lightning's warnings about what :class:`OnlineClassifier` does on purpose.
 
     The ``loko`` command runs the trainer inside it; wrap your own ``trainer.fit(...)`` in it for the same quiet log.
     Nothing is changed outside the context (the previous warning filters are restored on exit).
@@ -47,6 +47,8 @@ def ignore_intended_warnings() -> Iterator[None]:
         warnings.filterwarnings(
             "ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps"
         )
+        # A streamed source's length is its steps, exact: it is read in the training process (no workers).
+        warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
         yield
 
 

@@ -1,0 +1,383 @@
+"""Streams read as they go: Hugging Face ``datasets`` in streaming mode, for data larger than the disk.
+
+``dataset: hf:<path>`` reads ``datasets.load_dataset(<path>, streaming=True)`` without downloading or holding it:
+
+- ``hf:<owner>/<name>`` (e.g. ``hf:stanfordnlp/imdb``): a dataset on the Hugging Face hub, read over the network.
+- ``hf:csv``, ``hf:json``, ``hf:parquet``, ``hf:arrow``, ``hf:imagefolder``, ``hf:webdataset``: local files read by
+  that ``datasets`` builder; ``root`` is a file or a glob (``data_files``) or a folder (``data_dir``, whose file
+  names say the split: ``train*``, ``validation*``, ``test*``; an image folder has one sub-folder per class).
+
+The training split is read in order through a seeded shuffle buffer (``shuffle_buffer`` samples, ``datasets``'
+``IterableDataset.shuffle``, which also shuffles the order of the files): stream position ``p`` is the ``p``-th
+sample out of the buffer, a function of the files, the seed and the buffer size alone. A resumed run reopens the
+stream and skips to its saved position (``IterableDataset.skip``: the skipped samples are read, not decoded or
+trained on), so it goes on exactly where the checkpoint was written, with any batch size and number of processes.
+``datasets``' own ``state_dict`` is not used: with a shuffle buffer it restores the files' position but not the
+buffer's content, so the resumed order would differ.
+
+Under DDP every process reads the whole stream and keeps its share of each step, the same positions as an
+in-memory stream gives it (:class:`~loko_lightning.data.stream.StreamDataLoader`): the result does not depend on
+how the files are sharded, at the cost of each process reading every sample (the transform, the expensive part for
+images, runs only on its own).
+
+The held-out split is the first of ``validation`` and ``test`` that the dataset has, its first ``eval_max_samples``
+samples (:data:`EVAL_SAMPLES` by default) read once at setup; without one, there is no validation.
+
+Labels are class ids: a ``ClassLabel`` column names the classes; plain integers need ``num_classes`` (the model's
+head). A streamed dataset's length is not known ahead unless the hub's metadata has it: ``max_samples`` sets it, and
+a stream that ends before ``max_samples`` stops the run with an error instead of ending it early.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, default_collate
+
+from loko_lightning.data.sources import DataNotFoundError, Source
+from loko_lightning.errors import ConfigError
+
+HF_PREFIX = "hf:"
+#: ``datasets`` builders that read local files (``root``) instead of a hub dataset.
+LOCAL_BUILDERS = ("csv", "json", "parquet", "arrow", "imagefolder", "webdataset")
+#: The held-out split: the first of these the dataset has.
+HELD_OUT_SPLITS = ("validation", "test")
+#: Held-out samples read at setup when ``eval_max_samples`` is not set.
+EVAL_SAMPLES = 1000
+
+
+class ExampleList:
+    """Samples read into memory, as a map-style dataset of ``(raw sample, label)`` pairs with ``targets``."""
+
+    def __init__(self, samples: list[Any], targets: list[int]) -> None:
+        self.samples, self.targets = samples, targets
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return self.samples[index], self.targets[index]
+
+
+@dataclass
+class OpenedStream:
+    """What a streamed source gives the data module.
+
+    Attributes:
+        examples: ``examples(start)`` iterates ``(raw sample, label)`` from stream position ``start`` on.
+        length: the training split's length if the dataset's metadata has it, else ``None``.
+        classes: the class names (label ``i`` is ``classes[i]``).
+        held_out: the held-out samples (possibly none).
+    """
+
+    examples: Callable[[int], Iterator[tuple[Any, int]]]
+    length: int | None
+    classes: list[str]
+    held_out: ExampleList
+
+
+class HFStreamSource(Source):
+    """``dataset: hf:<path>``: a Hugging Face dataset read in streaming mode (see the module's description).
+
+    Args:
+        path: what follows ``hf:``: a hub dataset (``owner/name``) or a local builder of :data:`LOCAL_BUILDERS`.
+    """
+
+    streaming = True
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise ConfigError(
+                f"dataset='{HF_PREFIX}' names no dataset. To fix it: {HF_PREFIX}<owner>/<name> for the Hugging Face "
+                f"hub, or {HF_PREFIX}<builder> with root set to local files ({', '.join(LOCAL_BUILDERS)}).",
+                field="dataset",
+            )
+        self.path = path
+        self.name = HF_PREFIX + path
+        self.columns: dict[str, str | None] = {"text_column": "text", "text_pair_column": None, "label_column": "label"}
+
+    @property
+    def local(self) -> bool:
+        """Whether ``path`` is a builder of local files (``root``) rather than a hub dataset."""
+        return self.path in LOCAL_BUILDERS
+
+    def configured(self, **options: Any) -> HFStreamSource:
+        """A copy reading the given columns, for the given ``modality`` (``"image"`` or ``"text"``)."""
+        out = copy.copy(self)
+        out.columns = {**self.columns, **{k: v for k, v in options.items() if k in self.columns}}
+        out.modality = options.get("modality") or self.modality
+        return out
+
+    def location(self, root: Path) -> str:
+        """The local files, or the hub dataset."""
+        if self.local:
+            return f"{root} (read by datasets' {self.path!r} builder)"
+        return f"the Hugging Face hub dataset {self.path!r} (cached in HF_HOME)"
+
+    def load(self, root: Path) -> Any:
+        """Not for a streamed source: the data module calls :meth:`open`."""
+        raise TypeError(f"{self.name} is streamed: use open(), not load().")
+
+    def _splits(self, root: Path) -> Any:
+        """``datasets.load_dataset(..., streaming=True)``: an ``IterableDatasetDict``.
+
+        Raises:
+            DataNotFoundError: ``datasets`` is missing, or the data cannot be opened (no files, no network).
+        """
+        try:
+            import datasets
+        except ImportError as err:
+            raise DataNotFoundError(
+                f"dataset={self.name!r} is read with Hugging Face datasets, which is not installed: pip install "
+                "datasets.",
+                field="dataset",
+            ) from err
+        kwargs: dict[str, Any] = {}
+        if self.local:
+            if root.is_dir():
+                kwargs["data_dir"] = str(root)
+            elif root.is_file() or any(c in str(root) for c in "*?["):
+                kwargs["data_files"] = str(root)
+            else:
+                raise DataNotFoundError(
+                    f"dataset={self.name!r}: no files at root={root}. To fix it: set root to a file, a glob such as "
+                    f"'data/train-*.{self.path}' or a folder whose file names start with train/validation/test.",
+                    field="root",
+                )
+        try:
+            splits = datasets.load_dataset(self.path, streaming=True, **kwargs)
+        except Exception as err:  # the library's own errors vary (hub, network, file formats): one actionable line
+            reason = " ".join(str(err).split())[:300]
+            fix = (
+                f"check root={root} and that its files are {self.path} files"
+                if self.local
+                else "run on a machine that reaches the Hugging Face hub (HF_ENDPOINT for a mirror), check the "
+                "name, and log in (HF_TOKEN) for a gated dataset"
+            )
+            raise DataNotFoundError(
+                f"dataset={self.name!r}: datasets.load_dataset({self.path!r}, streaming=True) failed "
+                f"({type(err).__name__}: {reason}). To fix it: {fix}.",
+                field="root" if self.local else "dataset",
+            ) from err
+        if "train" not in splits:
+            raise DataNotFoundError(
+                f"dataset={self.name!r} has no 'train' split (it has {sorted(splits)}). To fix it: name the training "
+                "files train* (or point root at them alone).",
+                field="root" if self.local else "dataset",
+            )
+        return splits
+
+    def open(
+        self,
+        root: Path,
+        seed: int,
+        shuffle_buffer: int,
+        num_classes: int | None,
+        eval_max_samples: int | None,
+    ) -> OpenedStream:
+        """Open the stream: its classes, its held-out samples and a reader of the training split.
+
+        Args:
+            root: the data root (local builders).
+            seed: the shuffle buffer's seed.
+            shuffle_buffer: samples in the shuffle buffer (0 or 1: the files' order).
+            num_classes: the model's head, needed when the labels are plain integers.
+            eval_max_samples: held-out samples to read (default :data:`EVAL_SAMPLES`).
+
+        Raises:
+            DataNotFoundError: the data cannot be opened.
+            ConfigError: a named column is missing, the labels are not class ids, or their number is unknown.
+        """
+        splits = self._splits(root)
+        train = splits["train"]
+        features = train.features
+        if features is None:  # csv/json: the types are known only once a row is read
+            features = _first_row_features(train)
+        self._check_columns(features)
+        classes = self._classes(features, num_classes)
+        held_name = next((name for name in HELD_OUT_SPLITS if name in splits), None)
+        held_out = ExampleList([], [])
+        if held_name is not None:
+            wanted = EVAL_SAMPLES if eval_max_samples is None else eval_max_samples
+            for row in splits[held_name].take(wanted):
+                held_out.samples.append(self._sample(row))
+                held_out.targets.append(self._label(row, classes, held_name))
+        info = getattr(train.info, "splits", None)
+        length = info["train"].num_examples if info and "train" in info and info["train"].num_examples else None
+
+        def examples(start: int) -> Iterator[tuple[Any, int]]:
+            stream = train.shuffle(seed=seed, buffer_size=shuffle_buffer) if shuffle_buffer > 1 else train
+            if start:
+                stream = stream.skip(start)
+            for row in stream:
+                yield self._sample(row), self._label(row, classes, "train")
+
+        return OpenedStream(examples, length, classes, held_out)
+
+    def _image_column(self, features: dict[str, Any]) -> str:
+        import datasets
+
+        images = [name for name, feature in features.items() if isinstance(feature, datasets.Image)]
+        if images:
+            return images[0]
+        for name in ("image", "img"):
+            if name in features:
+                return name
+        raise ConfigError(
+            f"dataset={self.name!r} has no image column (columns: {sorted(features)}); an image network needs one. "
+            "To fix it: cast the column to datasets.Image, or name it 'image'.",
+            field="dataset",
+        )
+
+    def _check_columns(self, features: dict[str, Any]) -> None:
+        """Every named column exists (text: ``text_column`` and ``text_pair_column``; always ``label_column``)."""
+        names = ["label_column"] + (["text_column", "text_pair_column"] if self.modality == "text" else [])
+        for field in names:
+            column = self.columns[field]
+            if column is not None and column not in features:
+                raise ConfigError(
+                    f"dataset={self.name!r} has no column {column!r} (columns: {sorted(features)}). To fix it: set "
+                    f"{field} to one of them.",
+                    field=field,
+                )
+        if self.modality == "image":
+            self.columns["image_column"] = self._image_column(features)
+
+    def _classes(self, features: dict[str, Any], num_classes: int | None) -> list[str]:
+        import datasets
+
+        column = self.columns["label_column"]
+        feature = features[column]
+        if isinstance(feature, datasets.ClassLabel):
+            return list(feature.names)
+        if getattr(feature, "dtype", "").startswith(("int", "uint")) and num_classes is not None:
+            return [str(i) for i in range(num_classes)]
+        kind = getattr(feature, "dtype", type(feature).__name__)
+        need = "num_classes (the model's head)" if "int" in str(kind) else "integer class ids or a ClassLabel column"
+        raise ConfigError(
+            f"dataset={self.name!r}: the labels in column {column!r} are {kind}; a streamed dataset cannot be read "
+            f"through to count or name its classes, so it needs {need}. To fix it: set num_classes, cast the column "
+            "to datasets.ClassLabel, or use a source read into memory (e.g. dataset=textfile).",
+            field="num_classes" if "int" in str(kind) else "label_column",
+        )
+
+    def _sample(self, row: dict[str, Any]) -> Any:
+        if self.modality == "text":
+            text = row[self.columns["text_column"]]
+            pair = self.columns["text_pair_column"]
+            return text if pair is None else (text, row[pair])
+        return row[self.columns["image_column"]]
+
+    def _label(self, row: dict[str, Any], classes: list[str], split: str) -> int:
+        label = row[self.columns["label_column"]]
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(classes):
+            raise ConfigError(
+                f"dataset={self.name!r}: the {split} split has label {label!r} in column "
+                f"{self.columns['label_column']!r}, not a class id in [0, {len(classes)}). To fix it: set num_classes "
+                "to the number of classes, or correct the data.",
+                field="num_classes",
+            )
+        return label
+
+
+def _first_row_features(split: Any) -> dict[str, Any]:
+    """Column types of a split whose metadata has none (csv, json), inferred from its first row."""
+    import datasets
+
+    row = next(iter(split.take(1)), None)
+    if row is None:
+        return {}
+    out: dict[str, Any] = {}
+    for name, value in row.items():
+        if isinstance(value, bool):
+            out[name] = datasets.Value("bool")
+        elif isinstance(value, int):
+            out[name] = datasets.Value("int64")
+        elif isinstance(value, str):
+            out[name] = datasets.Value("string")
+        else:
+            out[name] = datasets.Value("null") if value is None else type(value)
+    return out
+
+
+class IterableStream(IterableDataset):
+    """The training stream of a streamed source: position ``p`` is the ``p``-th sample read.
+
+    It yields one rank's batch of each step, collated, in the layout of
+    :class:`~loko_lightning.data.stream._StreamBatchSampler` (set by
+    :class:`~loko_lightning.data.stream.StreamDataLoader`): the same items, positions and steps as a
+    :class:`~loko_lightning.data.stream.StreamDataset` over the same samples.
+
+    Args:
+        examples: ``examples(start)`` iterates ``(raw sample, label)`` from position ``start`` on.
+        length: stream positions (``max_samples``).
+        transform: raw sample -> model inputs.
+        drift: relabels each sample from its position (``None``: labels as read).
+    """
+
+    def __init__(
+        self,
+        examples: Callable[[int], Iterator[tuple[Any, int]]],
+        length: int,
+        transform: Callable[[Any], Any],
+        drift: Callable[[int, int], int] | None = None,
+    ) -> None:
+        self.examples, self.length, self.transform, self.drift = examples, length, transform, drift
+        self.layout: Any = None
+        self.collate: Callable = default_collate
+
+    def laid_out(self, layout: Any, collate: Callable | None) -> IterableStream:
+        """This stream read in ``layout``'s steps (a ``_StreamBatchSampler``), batches made by ``collate``."""
+        out = copy.copy(self)
+        out.layout, out.collate = layout, collate or default_collate
+        return out
+
+    def __len__(self) -> int:
+        """Steps (the layout's, Lightning's batches), or positions before a layout is set."""
+        return self.length if self.layout is None else len(self.layout)
+
+    def _item(self, sample: Any, label: int, position: int) -> dict[str, Any]:
+        if self.drift is not None:
+            label = self.drift(label, position)
+        return {
+            "inputs": self.transform(sample),
+            "label": torch.tensor(label, dtype=torch.int64),
+            "position": torch.tensor(position, dtype=torch.int64),
+            "ood": torch.tensor(False),
+        }
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.layout is None:
+            raise RuntimeError("an IterableStream is read through StreamDataLoader, which lays out its steps.")
+        chunks = iter(self.layout)
+        first = next(chunks, None)
+        if first is None:
+            return
+        position = self.layout.pass_start
+        rows = self.examples(position)
+        for chunk in _chain(first, chunks):
+            items = []
+            for wanted in chunk:
+                while position <= wanted:
+                    row = next(rows, None)
+                    if row is None:
+                        raise ConfigError(
+                            f"the stream ended after {position} samples, before max_samples={self.length}. To fix "
+                            f"it: set max_samples to at most {position} (the run resumes from its last checkpoint "
+                            "with the same max_samples only).",
+                            field="max_samples",
+                        )
+                    if position == wanted:
+                        items.append(self._item(row[0], row[1], position))
+                    position += 1
+            yield self.collate(items)
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
