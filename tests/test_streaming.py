@@ -30,12 +30,15 @@ def no_shutdown_sleep(monkeypatch):
     monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0)
 
 
-def write_parquet(root, n_train=23, n_val=5):
-    """``train.parquet`` and ``validation.parquet``: images whose colour encodes their id, a ClassLabel column."""
+def write_parquet(root, n_train=23, n_val=5, files=1, held_out_labels=None):
+    """``train.parquet`` (or ``train-<i>.parquet``, ``files`` shards) and ``validation.parquet``: images whose colour
+    encodes their id, a ClassLabel column (``held_out_labels``: the validation labels, e.g. hidden ones, -1)."""
     root.mkdir(parents=True, exist_ok=True)
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
-    for name, ids in (("train", range(n_train)), ("validation", range(30, 30 + n_val))):
-        rows = {"image": [Image.new("RGB", (12, 10), colour(i)) for i in ids], "label": [i % 3 for i in ids]}
+    shards = [(f"train-{k}" if files > 1 else "train", range(n_train)[k::files]) for k in range(files)]
+    for name, ids in [*shards, ("validation", range(30, 30 + n_val))]:
+        labels = [i % 3 for i in ids] if name != "validation" or held_out_labels is None else held_out_labels
+        rows = {"image": [Image.new("RGB", (12, 10), colour(i)) for i in ids], "label": labels}
         datasets.Dataset.from_dict(rows, features=features).to_parquet(str(root / f"{name}.parquet"))
     return root
 
@@ -85,8 +88,12 @@ def test_the_stream_is_the_shuffle_buffers_order_with_positions_and_labels(tmp_p
     assert [int(b["label"][0]) for b in out] == [i % 3 for i in ids]
     if buffer == 0:
         assert ids == list(range(20))  # the file's order
-    # the held-out split: validation.parquet, in its order
-    assert [decode(item["inputs"]) for item in dm.eval_dataset] == list(range(30, 35))
+    # the held-out split: validation.parquet, through a buffer seeded with HOLDOUT_SEED (a split sorted by class
+    # would otherwise give a one-class held-out set), the same for every stream seed
+    held_out = [decode(item["inputs"]) for item in dm.eval_dataset]
+    assert sorted(held_out) == list(range(30, 35))
+    if buffer == 0:
+        assert held_out == list(range(30, 35))
 
 
 @pytest.mark.parametrize(("batch_size", "world_size"), [(1, 1), (3, 1), (1, 2), (2, 3)])
@@ -94,13 +101,17 @@ def test_ranks_take_their_share_of_each_step_in_stream_order(tmp_path, batch_siz
     """Concatenated in rank order, the ranks' batches of each step are the stream in order, as for data in memory;
     the short last step is split as the in-memory loader splits it."""
     dm = streamed(write_parquet(tmp_path / "data"), seed=2, shuffle_buffer=6)
-    whole = [int(b["position"][0]) for b in batches(dm)]
+    whole = batches(dm)
     per_rank = [batches(dm, batch_size=batch_size, world_size=world_size, rank=r) for r in range(world_size)]
     assert len({len(b) for b in per_rank}) == 1  # every rank takes part in every step
-    joined = [int(p) for step in zip(*per_rank, strict=True) for batch in step for p in batch["position"]]
+    joined = [(int(p), batch["inputs"][i]) for step in zip(*per_rank, strict=True) for batch in step
+              for i, p in enumerate(batch["position"])]  # fmt: skip
     layout = StreamDataLoader(dm.train_stream, 0, 0, batch_size, world_size, 0).layout
-    assert joined == [p for step in range(len(per_rank[0])) for r in range(world_size) for p in _chunk(layout, step, r)]
-    assert joined == whole[: len(joined)] and len(joined) >= 20 - world_size + 1
+    expected = [p for step in range(len(per_rank[0])) for r in range(world_size) for p in _chunk(layout, step, r)]
+    tail = 20 % (batch_size * world_size)
+    assert [p for p, _ in joined] == expected == list(range(20 - (tail if tail < world_size else 0)))
+    for position, inputs in joined:  # the same sample at each position as the one-process stream
+        assert torch.equal(inputs, whole[position]["inputs"][0])
 
 
 def _chunk(layout, step, rank):
@@ -108,11 +119,14 @@ def _chunk(layout, step, rank):
     return list(layout.chunk(step))
 
 
-@pytest.mark.parametrize(("start", "batch_size", "world_size"), [(7, 1, 1), (7, 2, 1), (8, 1, 2), (13, 2, 2)])
-def test_a_resume_at_any_position_goes_on_with_the_same_samples(tmp_path, start, batch_size, world_size):
+@pytest.mark.parametrize(
+    ("start", "batch_size", "world_size", "files"), [(7, 1, 1, 1), (7, 2, 1, 3), (8, 1, 2, 1), (13, 2, 2, 3)]
+)
+def test_a_resume_at_any_position_goes_on_with_the_same_samples(tmp_path, start, batch_size, world_size, files):
     """From a saved position the stream is reopened and skipped to it: the same samples, inputs and labels as the
-    uninterrupted stream from there, whatever batch size and number of processes the resumed run has."""
-    dm = streamed(write_parquet(tmp_path / "data"), seed=4, shuffle_buffer=5)
+    uninterrupted stream from there, whatever batch size and number of processes the resumed run has, also when the
+    buffer shuffles the order of several files."""
+    dm = streamed(write_parquet(tmp_path / "data", files=files), seed=4, shuffle_buffer=5)
     whole = batches(dm)
     resumed = [batches(dm, start, batch_size, world_size, r, steps_before=start) for r in range(world_size)]
     items = sorted(
@@ -124,8 +138,8 @@ def test_a_resume_at_any_position_goes_on_with_the_same_samples(tmp_path, start,
         ),  # fmt: skip
         key=lambda item: item[0],
     )
-    expected = list(range(start, 20))
-    assert [p for p, _, _ in items] == expected[: len(items)] and len(items) >= len(expected) - world_size + 1
+    tail = (20 - start) % (batch_size * world_size)
+    assert [p for p, _, _ in items] == list(range(start, 20 - (tail if tail < world_size else 0)))
     for position, inputs, label in items:
         assert torch.equal(inputs, whole[position]["inputs"][0]) and label == int(whole[position]["label"][0])
 
@@ -135,6 +149,12 @@ def test_the_data_module_saves_and_restores_a_streamed_position(tmp_path):
     dm = streamed(root, seed=1, shuffle_buffer=4)
     dm.cursor.advance_past(10, steps=11)
     state = dm.state_dict()
+    other = StreamDataModule(dataset="hf:parquet", root=str(root), preprocessing=RESNET18, image_size=8,
+                             max_samples=20, seed=1, shuffle_buffer=8)  # fmt: skip
+    other.load_state_dict(state)
+    with pytest.raises(ConfigError, match=r"shuffle_buffer=4 but this run's has shuffle_buffer=8") as err:
+        other.setup("fit")  # another buffer is another order: resuming would repeat and skip samples
+    assert err.value.field == "shuffle_buffer"
     again = StreamDataModule(dataset="hf:parquet", root=str(root), preprocessing=RESNET18, image_size=8,
                              max_samples=20, seed=1, shuffle_buffer=4)  # fmt: skip
     again.load_state_dict(state)
@@ -153,7 +173,13 @@ def test_csv_and_json_lines_text_with_integer_labels_and_num_classes(tmp_path):
     assert out[0]["inputs"]["input_ids"].shape[0] == 1 and len(dm.eval_dataset) == 0  # no held-out split
     dm = text(tmp_path / "train.json", num_classes=2, max_samples=6, text_column="sentence", label_column="y",
               shuffle_buffer=3, seed=1)  # fmt: skip
-    assert sorted(int(b["label"][0]) for b in dm.train_dataloader()) == sorted(i % 2 for i in range(6))
+    order = [row["sentence"] for row in datasets.load_dataset("json", data_files=str(tmp_path / "train.json"),
+             streaming=True)["train"].shuffle(seed=1, buffer_size=3)]  # fmt: skip
+    out = list(dm.train_dataloader())
+    tokenizer = dm.transform.tokenizer
+    assert [tokenizer.decode(b["inputs"]["input_ids"][0], skip_special_tokens=True) for b in out] == order
+    assert order != sorted(order)  # the buffer reordered the lines
+    assert [int(b["label"][0]) for b in out] == [int(text.split()[1]) % 2 for text in order]
 
 
 def test_an_image_folder_streams_with_its_class_folders_as_labels(tmp_path):
@@ -165,16 +191,26 @@ def test_an_image_folder_streams_with_its_class_folders_as_labels(tmp_path):
     dm = make(tmp_path, dataset="hf:imagefolder", max_samples=12, shuffle_buffer=0)
     assert dm.classes == CLASSES
     out = list(dm.train_dataloader())
-    assert sorted(decode(b["inputs"][0]) for b in out) == list(range(12))
+    files = datasets.load_dataset("imagefolder", data_dir=str(tmp_path), streaming=True)["train"]
+    order = [decode(torch.tensor(_pixels(row["image"]))) for row in files]
+    assert [decode(b["inputs"][0]) for b in out] == order and sorted(order) == list(range(12))
     assert all(int(b["label"][0]) == decode(b["inputs"][0]) % 3 for b in out)
     assert sorted(decode(item["inputs"]) for item in dm.eval_dataset) == [30, 31, 32]
 
 
-def test_a_stream_shorter_than_max_samples_stops_with_an_error_naming_max_samples(tmp_path):
-    dm = streamed(write_parquet(tmp_path / "data", n_train=6), max_samples=8)
-    with pytest.raises(ConfigError, match=r"the stream ended after 6 samples, before max_samples=8") as err:
-        batches(dm)
-    assert err.value.field == "max_samples"
+def test_a_stream_shorter_than_max_samples_stops_every_process_at_the_same_step(tmp_path):
+    """10 samples, max_samples 12, 2 processes of 2: the end falls inside step 3 (positions 8-11), where rank 0's
+    share (8, 9) exists and rank 1's does not; both read the whole step and stop there, so neither waits for the
+    other in a collective."""
+    dm = streamed(write_parquet(tmp_path / "data", n_train=10), max_samples=12)
+    for rank in range(2):
+        loader = StreamDataLoader(dm.train_stream, 0, 0, batch_size=2, world_size=2, rank=rank)
+        taken = []
+        with pytest.raises(ConfigError, match=r"the stream ended after 10 samples, before max_samples=12") as err:
+            for batch in loader:
+                taken.append([int(p) for p in batch["position"]])
+        assert err.value.field == "max_samples"
+        assert taken == [[4 * s + 2 * rank, 4 * s + 2 * rank + 1] for s in range(2)]
 
 
 @pytest.mark.parametrize(
@@ -221,6 +257,15 @@ def test_bad_data_is_one_error_naming_the_field(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"labels in column 'label' are string") as err:
         text(tmp_path / "named.csv", max_samples=2)
     assert err.value.field == "label_column"
+    hidden = write_parquet(tmp_path / "hidden", held_out_labels=[-1] * 5)  # a test split whose labels are hidden
+    with pytest.raises(ConfigError, match=r"validation split has label -1 .*set eval_max_samples to 0") as err:
+        make(hidden, dataset="hf:parquet", max_samples=5)
+    assert err.value.field == "eval_max_samples"
+    assert len(make(hidden, dataset="hf:parquet", max_samples=5, eval_max_samples=0).eval_dataset) == 0
+    (tmp_path / "numbers.csv").write_text("text,label\n12,0\n7,1\n")
+    with pytest.raises(ConfigError, match=r"column 'text' holds 12 \(int\), not text") as err:
+        batches(text(tmp_path / "numbers.csv", max_samples=2, num_classes=2))
+    assert err.value.field == "text_column"
     (tmp_path / "ids.csv").write_text("text,label\nx,0\ny,1\n")
     with pytest.raises(ConfigError, match=r"needs num_classes") as err:
         text(tmp_path / "ids.csv", max_samples=2)

@@ -152,8 +152,9 @@ class StreamDataModule(pl.LightningDataModule):
                 text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
                 modality=modality,
             )  # fmt: skip
-            _check_arguments(self.hparams)
-            if getattr(self.source, "streaming", False):
+            streaming = getattr(self.source, "streaming", False)
+            _check_arguments(self.hparams, streaming)
+            if streaming:
                 _check_streaming(self.hparams)
             modality = self.source.modality
             self.transform: Transform = build_transform(modality, preprocessing, image_size, mean, std, max_length)
@@ -281,7 +282,7 @@ class StreamDataModule(pl.LightningDataModule):
                 owner=type(self),
             )
         drift = None if self.drift_every is None else LabelDrift(self.drift_every, len(self.classes), self.seed)
-        self.train_stream = IterableStream(opened.examples, length, self.transform, drift)
+        self.train_stream = IterableStream(opened.examples, length, self.transform, drift, opened.decode)
         indices = np.arange(len(opened.held_out))
         self.eval_dataset = HeldOutDataset(opened.held_out, indices, self.transform)
         if self.predict_inputs is None:
@@ -294,6 +295,7 @@ class StreamDataModule(pl.LightningDataModule):
 
     def _start_cursor(self, length: int) -> None:
         """The cursor of a stream of ``length`` positions; a checkpoint's position waiting for setup is applied."""
+        streamed = getattr(self.source, "streaming", False)
         self.cursor = StreamCursor(
             self.dataset,
             self.seed,
@@ -301,6 +303,7 @@ class StreamDataModule(pl.LightningDataModule):
             self.ood_every,
             owner=type(self),
             drift_every=self.drift_every,
+            shuffle_buffer=self.shuffle_buffer if streamed else None,
         )
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -416,11 +419,12 @@ class StreamDataModule(pl.LightningDataModule):
         self._resume_position = self.cursor.position
 
 
-def _check_arguments(values: dict[str, Any]) -> None:
+def _check_arguments(values: dict[str, Any], streaming: bool = False) -> None:
     """The stream's counts must be positive (or null), ``seed``/``num_workers`` >= 0, the OOD ranges valid.
 
     Args:
         values: the DataModule's arguments by name.
+        streaming: a streamed source, which may take ``eval_max_samples: 0`` (no held-out samples).
 
     Raises:
         ConfigError: naming the first bad argument.
@@ -436,6 +440,8 @@ def _check_arguments(values: dict[str, Any]) -> None:
         "epochs",
     ):
         value = values[name]
+        if streaming and name == "eval_max_samples" and value == 0:
+            continue
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive integer (or null where allowed), got {value}.", field=name)
     for name in ("seed", "num_workers", "shuffle_buffer"):

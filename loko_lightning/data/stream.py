@@ -153,6 +153,7 @@ class StreamCursor:
         position: next stream position to train on.
         owner: the class whose arguments (``dataset``, ``seed``, ...) define the stream, named in errors.
         drift_every: drift period (``None``: no drift).
+        shuffle_buffer: a streamed source's shuffle buffer, which orders it (``None``: a stream held in memory).
 
     Attributes:
         steps: the (global) training steps of the current pass up to ``position`` (``None``: not counted, e.g. a
@@ -168,6 +169,7 @@ class StreamCursor:
         "ood_every": "ood_every",
         "drift_every": "drift_every",
         "length": "max_samples",
+        "shuffle_buffer": "shuffle_buffer",
     }
 
     def __init__(
@@ -179,8 +181,10 @@ class StreamCursor:
         position: int = 0,
         owner: type | None = None,
         drift_every: int | None = None,
+        shuffle_buffer: int | None = None,
     ) -> None:
         self.dataset = dataset
+        self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.length = length
         self.ood_every = ood_every
@@ -204,6 +208,7 @@ class StreamCursor:
             "dataset": self.dataset,
             "ood_every": self.ood_every,
             "drift_every": self.drift_every,
+            "shuffle_buffer": self.shuffle_buffer,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -223,6 +228,7 @@ class StreamCursor:
             "length": "resume with the same data, max_samples and ood_every",
             "ood_every": f"resume with ood_every={state.get('ood_every')}",
             "drift_every": f"resume with drift_every={state.get('drift_every')}",
+            "shuffle_buffer": f"resume with shuffle_buffer={state.get('shuffle_buffer')}",
         }
         for key, field in self._FIELDS.items():
             saved, ours = state.get(key), getattr(self, key)  # checkpoints from before drift_every: no drift

@@ -17,11 +17,14 @@ buffer's content, so the resumed order would differ.
 
 Under DDP every process reads the whole stream and keeps its share of each step, the same positions as an
 in-memory stream gives it (:class:`~loko_lightning.data.stream.StreamDataLoader`): the result does not depend on
-how the files are sharded, at the cost of each process reading every sample (the transform, the expensive part for
-images, runs only on its own).
+how the files are sharded, at the cost of each process reading every sample (images are decoded and transformed
+only for its own). Each process reads every step to its end, so a stream that ends early stops all of them at the
+same step.
 
-The held-out split is the first of ``validation`` and ``test`` that the dataset has, its first ``eval_max_samples``
-samples (:data:`EVAL_SAMPLES` by default) read once at setup; without one, there is no validation.
+The held-out split is the first of ``validation`` and ``test`` that the dataset has: ``eval_max_samples`` samples
+(:data:`EVAL_SAMPLES` by default, 0 for none) read once at setup through a shuffle buffer of the same size seeded
+with :data:`~loko_lightning.data.sources.HOLDOUT_SEED`, and kept in memory; without such a split, there is no
+validation.
 
 Labels are class ids: a ``ClassLabel`` column names the classes; plain integers need ``num_classes`` (the model's
 head). A streamed dataset's length is not known ahead unless the hub's metadata has it: ``max_samples`` sets it, and
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from loko_lightning.data.sources import DataNotFoundError, Source
+from loko_lightning.data.sources import HOLDOUT_SEED, DataNotFoundError, Source
 from loko_lightning.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -69,16 +72,19 @@ class OpenedStream:
     """What a streamed source gives the data module.
 
     Attributes:
-        examples: ``examples(start)`` iterates ``(raw sample, label)`` from stream position ``start`` on.
+        examples: ``examples(start)`` iterates ``(sample, label)`` from stream position ``start`` on; an image sample
+            is still encoded (its bytes): ``decode`` makes it the raw sample, only for the samples a process trains on.
         length: the training split's length if the dataset's metadata has it, else ``None``.
         classes: the class names (label ``i`` is ``classes[i]``).
-        held_out: the held-out samples (possibly none).
+        held_out: the held-out samples (possibly none), decoded.
+        decode: an encoded sample -> the raw sample the transform takes (text: itself).
     """
 
     examples: Callable[[int], Iterator[tuple[Any, int]]]
     length: int | None
     classes: list[str]
     held_out: ExampleList
+    decode: Callable[[Any], Any]
 
 
 class HFStreamSource(Source):
@@ -100,6 +106,7 @@ class HFStreamSource(Source):
         self.path = path
         self.name = HF_PREFIX + path
         self.columns: dict[str, str | None] = {"text_column": "text", "text_pair_column": None, "label_column": "label"}
+        self.class_label = False  # whether the labels are a ClassLabel column (known once opened)
 
     @property
     def local(self) -> bool:
@@ -117,7 +124,7 @@ class HFStreamSource(Source):
         """The local files, or the hub dataset."""
         if self.local:
             return f"{root} (read by datasets' {self.path!r} builder)"
-        return f"the Hugging Face hub dataset {self.path!r} (cached in HF_HOME)"
+        return f"the Hugging Face hub dataset {self.path!r} (read over the network)"
 
     def load(self, root: Path) -> Any:
         """Not for a streamed source: the data module calls :meth:`open`."""
@@ -185,9 +192,11 @@ class HFStreamSource(Source):
         Args:
             root: the data root (local builders).
             seed: the shuffle buffer's seed.
-            shuffle_buffer: samples in the shuffle buffer (0 or 1: the files' order).
+            shuffle_buffer: samples in the shuffle buffer (0 or 1: the files' order); the held-out samples are read
+                through one of the same size seeded with :data:`~loko_lightning.data.sources.HOLDOUT_SEED` (a split
+                sorted by class would otherwise give a one-class held-out set).
             num_classes: the model's head, needed when the labels are plain integers.
-            eval_max_samples: held-out samples to read (default :data:`EVAL_SAMPLES`).
+            eval_max_samples: held-out samples to read (default :data:`EVAL_SAMPLES`; 0: none).
 
         Raises:
             DataNotFoundError: the data cannot be opened.
@@ -200,11 +209,22 @@ class HFStreamSource(Source):
             features = _first_row_features(train)
         self._check_columns(features)
         classes = self._classes(features, num_classes)
+        decode = _identity
+        if self.modality == "image":  # every process reads every row: decode only the ones it trains on
+            import datasets
+
+            column = self.columns["image_column"]
+            if isinstance(features.get(column), datasets.Image):
+                train = train.cast_column(column, datasets.Image(decode=False))
+                decode = datasets.Image().decode_example
         held_name = next((name for name in HELD_OUT_SPLITS if name in splits), None)
         held_out = ExampleList([], [])
-        if held_name is not None:
-            wanted = EVAL_SAMPLES if eval_max_samples is None else eval_max_samples
-            for row in splits[held_name].take(wanted):
+        wanted = EVAL_SAMPLES if eval_max_samples is None else eval_max_samples
+        if held_name is not None and wanted > 0:
+            held = splits[held_name]
+            if shuffle_buffer > 1:
+                held = held.shuffle(seed=HOLDOUT_SEED, buffer_size=shuffle_buffer)
+            for row in held.take(wanted):
                 held_out.samples.append(self._sample(row))
                 held_out.targets.append(self._label(row, classes, held_name))
         info = getattr(train.info, "splits", None)
@@ -217,7 +237,7 @@ class HFStreamSource(Source):
             for row in stream:
                 yield self._sample(row), self._label(row, classes, "train")
 
-        return OpenedStream(examples, length, classes, held_out)
+        return OpenedStream(examples, length, classes, held_out, decode)
 
     def _image_column(self, features: dict[str, Any]) -> str:
         import datasets
@@ -253,7 +273,8 @@ class HFStreamSource(Source):
 
         column = self.columns["label_column"]
         feature = features[column]
-        if isinstance(feature, datasets.ClassLabel):
+        self.class_label = isinstance(feature, datasets.ClassLabel)
+        if self.class_label:
             return list(feature.names)
         if getattr(feature, "dtype", "").startswith(("int", "uint")) and num_classes is not None:
             return [str(i) for i in range(num_classes)]
@@ -267,22 +288,45 @@ class HFStreamSource(Source):
         )
 
     def _sample(self, row: dict[str, Any]) -> Any:
-        if self.modality == "text":
-            text = row[self.columns["text_column"]]
-            pair = self.columns["text_pair_column"]
-            return text if pair is None else (text, row[pair])
-        return row[self.columns["image_column"]]
+        if self.modality == "image":
+            return row[self.columns["image_column"]]
+        texts = []
+        for field in ("text_column", "text_pair_column"):
+            column = self.columns[field]
+            if column is None:
+                continue
+            if not isinstance(row[column], str):
+                raise ConfigError(
+                    f"dataset={self.name!r}: column {column!r} holds {row[column]!r} ({type(row[column]).__name__}), "
+                    f"not text. To fix it: set {field} to the column that holds the text (a CSV column of numbers is "
+                    "read as numbers).",
+                    field=field,
+                )
+            texts.append(row[column])
+        return texts[0] if len(texts) == 1 else tuple(texts)
 
     def _label(self, row: dict[str, Any], classes: list[str], split: str) -> int:
         label = row[self.columns["label_column"]]
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(classes):
+            if split != "train":  # e.g. GLUE's test splits, whose labels are hidden (-1)
+                fix, field = (
+                    "set eval_max_samples to 0 to train without a held-out split, or correct the data",
+                    ("eval_max_samples"),
+                )
+            elif self.class_label:
+                fix, field = "correct the data, or set label_column to the column of class ids", "label_column"
+            else:
+                fix, field = "set num_classes to the number of classes, or correct the data", "num_classes"
             raise ConfigError(
                 f"dataset={self.name!r}: the {split} split has label {label!r} in column "
-                f"{self.columns['label_column']!r}, not a class id in [0, {len(classes)}). To fix it: set num_classes "
-                "to the number of classes, or correct the data.",
-                field="num_classes",
+                f"{self.columns['label_column']!r}, not a class id in [0, {len(classes)}). To fix it: {fix}.",
+                field=field,
             )
         return label
+
+
+def _identity(sample: Any) -> Any:
+    return sample
 
 
 def _first_row_features(split: Any) -> dict[str, Any]:
@@ -298,6 +342,8 @@ def _first_row_features(split: Any) -> dict[str, Any]:
             out[name] = datasets.Value("bool")
         elif isinstance(value, int):
             out[name] = datasets.Value("int64")
+        elif isinstance(value, float):
+            out[name] = datasets.Value("float64")
         elif isinstance(value, str):
             out[name] = datasets.Value("string")
         else:
@@ -318,6 +364,7 @@ class IterableStream(IterableDataset):
         length: stream positions (``max_samples``).
         transform: raw sample -> model inputs.
         drift: relabels each sample from its position (``None``: labels as read).
+        decode: an encoded sample -> the raw sample (applied to this process's samples only).
     """
 
     def __init__(
@@ -326,8 +373,10 @@ class IterableStream(IterableDataset):
         length: int,
         transform: Callable[[Any], Any],
         drift: Callable[[int, int], int] | None = None,
+        decode: Callable[[Any], Any] = _identity,
     ) -> None:
         self.examples, self.length, self.transform, self.drift = examples, length, transform, drift
+        self.decode = decode
         self.layout: Any = None
         self.collate: Callable = default_collate
 
@@ -345,7 +394,7 @@ class IterableStream(IterableDataset):
         if self.drift is not None:
             label = self.drift(label, position)
         return {
-            "inputs": self.transform(sample),
+            "inputs": self.transform(self.decode(sample)),
             "label": torch.tensor(label, dtype=torch.int64),
             "position": torch.tensor(position, dtype=torch.int64),
             "ood": torch.tensor(False),
@@ -361,20 +410,20 @@ class IterableStream(IterableDataset):
         position = self.layout.pass_start
         rows = self.examples(position)
         for chunk in _chain(first, chunks):
-            items = []
-            for wanted in chunk:
-                while position <= wanted:
-                    row = next(rows, None)
-                    if row is None:
-                        raise ConfigError(
-                            f"the stream ended after {position} samples, before max_samples={self.length}. To fix "
-                            f"it: set max_samples to at most {position} (the run resumes from its last checkpoint "
-                            "with the same max_samples only).",
-                            field="max_samples",
-                        )
-                    if position == wanted:
-                        items.append(self._item(row[0], row[1], position))
-                    position += 1
+            mine, items = set(chunk), []
+            end = self.layout.step_end(chunk[0])  # read the whole step: every process finds an early end at once
+            while position < end:
+                row = next(rows, None)
+                if row is None:
+                    raise ConfigError(
+                        f"the stream ended after {position} samples, before max_samples={self.length}. To fix it: set "
+                        f"max_samples to at most {position} (the run resumes from its last checkpoint with the same "
+                        "max_samples only).",
+                        field="max_samples",
+                    )
+                if position in mine:
+                    items.append(self._item(row[0], row[1], position))
+                position += 1
             yield self.collate(items)
 
 
