@@ -200,7 +200,7 @@ class StreamCursor:
 
     def state_dict(self) -> dict[str, Any]:
         """The position and the stream identity, for a checkpoint."""
-        return {
+        state = {
             "position": self.position,
             "steps": self.steps,
             "seed": self.seed,
@@ -208,8 +208,10 @@ class StreamCursor:
             "dataset": self.dataset,
             "ood_every": self.ood_every,
             "drift_every": self.drift_every,
-            "shuffle_buffer": self.shuffle_buffer,
         }
+        if self.shuffle_buffer is not None:  # a streamed source (in-memory streams keep the older format)
+            state["shuffle_buffer"] = self.shuffle_buffer
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at a saved position, after checking that the saved stream is this one.
