@@ -138,3 +138,14 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tm
         0.9,
         "natural",
     )
+
+
+def test_the_text_selection_preset_chooses_p0_from_its_grid(tmp_path):
+    """presets/loko_auto_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10 on 500 samples."""
+    extra = ["--trainer.logger", "false"]
+    cli = build(CONFIGS / "text_quickstart.yaml", *extra, "--config", str(CONFIGS / "presets" / "loko_auto_text.yaml"))
+    assert (cli.model.select.name, cli.model.select.values, cli.model.select.samples) == (
+        "p0",
+        (0.3, 1.0, 3.0, 10.0),
+        500,
+    )
