@@ -162,6 +162,22 @@ def package_missing(dataset: str, contents: str, package: str, fix: str | None =
     )
 
 
+def hf_datasets(dataset: str) -> Any:
+    """The Hugging Face ``datasets`` module, for a source that reads through it.
+
+    Raises:
+        DataNotFoundError: it is not installed (``field="dataset"``).
+    """
+    try:
+        import datasets as hf
+    except ImportError as err:
+        raise DataNotFoundError(
+            f"dataset={dataset!r} is read with Hugging Face datasets, which is not installed: pip install datasets.",
+            field="dataset",
+        ) from err
+    return hf
+
+
 SOURCES: dict[str, Source] = {}
 
 

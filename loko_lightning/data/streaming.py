@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from loko_lightning.data.sources import HOLDOUT_SEED, DataNotFoundError, Source
+from loko_lightning.data.sources import HOLDOUT_SEED, DataNotFoundError, Source, hf_datasets
 from loko_lightning.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -136,14 +136,7 @@ class HFStreamSource(Source):
         Raises:
             DataNotFoundError: ``datasets`` is missing, or the data cannot be opened (no files, no network).
         """
-        try:
-            import datasets
-        except ImportError as err:
-            raise DataNotFoundError(
-                f"dataset={self.name!r} is read with Hugging Face datasets, which is not installed: pip install "
-                "datasets.",
-                field="dataset",
-            ) from err
+        datasets = hf_datasets(self.name)
         kwargs: dict[str, Any] = {}
         if self.local:
             if root.is_dir():

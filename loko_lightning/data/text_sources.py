@@ -29,6 +29,7 @@ from loko_lightning.data.sources import (
     Source,
     Split,
     Splits,
+    hf_datasets,
     holdout_split,
     package_missing,
     register_source,
@@ -138,14 +139,7 @@ class GlueSource(TextSource):
             DataNotFoundError: ``datasets`` is missing, or the task is neither cached nor downloadable (offline).
         """
         text, pair, classes = GLUE_TASKS[self.name]
-        try:
-            import datasets
-        except ImportError as err:
-            raise DataNotFoundError(
-                f"dataset={self.name!r} is read with Hugging Face datasets, which is not installed: pip install "
-                "datasets.",
-                field="dataset",
-            ) from err
+        datasets = hf_datasets(self.name)
         try:
             glue = datasets.load_dataset("nyu-mll/glue", self.name)
         except (OSError, ValueError) as err:
