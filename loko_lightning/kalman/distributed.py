@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,34 @@ from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
 
-__all__ = ["all_gather_observations", "observation_nbytes"]
+__all__ = ["all_gather_observations", "observation_nbytes", "reset_traffic", "traffic"]
+
+# Bytes this process sent and received in LoKO's collectives since the last reset_traffic(), counted as a ring
+# algorithm moves them (gloo's and NCCL's): an all-gather of c bytes per process sends and receives (W - 1)·c, an
+# all-reduce of s bytes 2·(W - 1)/W·s each way, an all-to-all the segments addressed to and from the other processes.
+_TRAFFIC = {"sent": 0, "received": 0, "collectives": 0}
+
+
+def traffic() -> dict[str, int]:
+    """Bytes sent and received and collectives run by LoKO's exchanges in this process since :func:`reset_traffic`.
+
+    Counted from the sizes of the collectives, as ring algorithms move them (all-gather of ``c`` bytes: ``(W - 1)·c``
+    each way; all-reduce of ``s`` bytes: ``2·(W - 1)/W·s`` each way; all-to-all: the segments for and from the other
+    processes), not measured on the wire.
+    """
+    return dict(_TRAFFIC)
+
+
+def reset_traffic() -> None:
+    """Start counting :func:`traffic` from zero."""
+    for key in _TRAFFIC:
+        _TRAFFIC[key] = 0
+
+
+def _count(sent: float, received: float) -> None:
+    _TRAFFIC["sent"] += int(sent)
+    _TRAFFIC["received"] += int(received)
+    _TRAFFIC["collectives"] += 1
 
 
 def _parts(prediction: Tensor, target: Tensor, jacobians: Sequence[JacobianBlock]) -> list[Tensor]:
@@ -104,12 +132,43 @@ def all_gather_observations(
     return _rebuild(joined, jacobians)
 
 
+def _wait(work: Any, timeout: float | None) -> None:
+    """Wait for an asynchronous collective at most ``timeout`` seconds (``None``: the group's own timeout)."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timedelta(seconds=timeout))
+
+
 def _all_gather(out: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None, timeout: float | None) -> None:
     """``dist.all_gather``, waiting at most ``timeout`` seconds (``None``: the group's timeout)."""
-    if timeout is None:
-        dist.all_gather(out, tensor, group=group)
-    else:
-        dist.all_gather(out, tensor, group=group, async_op=True).wait(timedelta(seconds=timeout))
+    nbytes = tensor.numel() * tensor.element_size() * (len(out) - 1)
+    _count(nbytes, nbytes)
+    _wait(dist.all_gather(out, tensor, group=group, async_op=True), timeout)
+
+
+def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, timeout: float | None) -> Tensor:
+    """``dist.all_reduce`` (sum) in place, waiting at most ``timeout`` seconds; returns ``tensor``."""
+    world = dist.get_world_size(group)
+    nbytes = 2 * (world - 1) / world * tensor.numel() * tensor.element_size()
+    _count(nbytes, nbytes)
+    _wait(dist.all_reduce(tensor, group=group, async_op=True), timeout)
+    return tensor
+
+
+def _all_to_all(
+    out: Tensor, tensor: Tensor, splits: list[int], group: dist.ProcessGroup | None, timeout: float | None
+) -> None:
+    """``dist.all_to_all_single``: ``splits[d]`` entries of ``tensor`` go to process ``d``.
+
+    ``out`` receives an equal share (``out.numel() / W``) from every process, in rank order.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    share = out.numel() // world
+    size = tensor.element_size()
+    _count((sum(splits) - splits[rank]) * size, (out.numel() - share) * size)
+    work = dist.all_to_all_single(out, tensor, [share] * world, splits, group=group, async_op=True)
+    _wait(work, timeout)
 
 
 def _pad_positions(jacobians: Sequence[JacobianBlock], positions: list[int]) -> list[JacobianBlock]:

@@ -7,12 +7,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, get_args
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from loko_lightning.errors import ConfigError, NoLearningRateError
-from loko_lightning.jacobians.blocks import JacobianBlock
+from loko_lightning.jacobians.blocks import JacobianBlock, kind
+from loko_lightning.kalman.distributed import _all_reduce
 from loko_lightning.kalman.multistream import check_observation, layout_key, stack_observations
 from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
+from loko_lightning.kalman.sharded import ShardPlan, agree_and_apply, exchange_shards, gather_shards
 from loko_lightning.kalman.update import UpdatePlan, loko_update
 from loko_lightning.observation import Observation, get_observation
 
@@ -125,6 +128,19 @@ class LoKO(torch.optim.Optimizer):
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0`; ``None`` uses the global RNG.
+        shard: under ``torch.distributed`` with several processes, split the update between them
+            (:mod:`loko_lightning.kalman.sharded`): each process owns a shard of the parameters (whole tensors),
+            receives only its shard's Jacobian blocks for every process's samples (an all-to-all instead of an
+            all-gather), sums its part of :math:`H P H^\top` with the others' (one all-reduce) and updates its
+            shard; the new parameter values are then all-gathered. The closure returns this process's own
+            observations (not gathered), and :meth:`step` returns every process's predictions and targets with this
+            process's blocks. Equal to the replicated update up to the order of one sum (bit for bit for
+            ``"natural"``); not for ``"lofi"``. In one process it does nothing. ``p̂`` of the others' parameters is
+            dropped at the first sharded step: :meth:`consolidate_state_dict` (a collective) gathers it back before
+            :meth:`state_dict`.
+        collective_timeout: seconds each collective of a sharded step may wait for the other processes before it
+            raises (a process killed or hung); ``None``: the process group's own timeout (30 minutes by default;
+            :class:`~loko_lightning.OnlineClassifier` sets its own ``collective_timeout`` here).
 
     LoKO has no learning rate: ``lr``, as an argument or in a param group, raises a ``ValueError``; ``p0`` plays
     that role.
@@ -160,6 +176,8 @@ class LoKO(torch.optim.Optimizer):
         dtype: torch.dtype | None = None,
         seed: int | None = None,
         observation: str | Observation = "softmax",
+        shard: bool = False,
+        collective_timeout: float | None = None,
         **unexpected: Any,
     ) -> None:
         if "lr" in unexpected:
@@ -198,6 +216,25 @@ class LoKO(torch.optim.Optimizer):
             raise ConfigError(
                 f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)", field="dtype", owner=LoKO
             )
+        if not isinstance(shard, bool):
+            raise ConfigError(f"Invalid shard: {shard!r} (must be true or false)", field="shard", owner=LoKO)
+        if shard and self.observation.form == "low_rank":
+            raise ConfigError(
+                f"Invalid shard: observation {self.observation.name!r} (a low-rank precision) couples every parameter "
+                "through its factor W, which the sharded update does not split: use shard=False",
+                field="shard",
+                owner=LoKO,
+            )
+        if collective_timeout is not None and not (_real(collective_timeout) and 0 < collective_timeout < math.inf):
+            raise ConfigError(
+                f"Invalid collective_timeout: {collective_timeout!r} (a finite number of seconds > 0, or None)",
+                field="collective_timeout",
+                owner=LoKO,
+            )
+        self.shard = shard
+        self.collective_timeout = collective_timeout
+        self._shards: ShardPlan | None = None  # the owners of the parameters once a sharded step has run
+        self._consolidated: dict[int, Tensor] | None = None  # every p̂, gathered by consolidate_state_dict
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
         defaults = dict(
@@ -294,10 +331,46 @@ class LoKO(torch.optim.Optimizer):
         _check_saved_state(saved, self._params())
         state_dict = {**state_dict, "state": saved}
         super().load_state_dict(state_dict)
+        if self._shards is not None:  # every p̂ is back: the next sharded step splits it again (maybe differently)
+            self._resolve_statistics()
+            self._shards = self._consolidated = None
+            self._plan = self._plan_key = None
         for index, param in enumerate(self._params()):
             for key, value in saved.get(index, {}).items():
                 if isinstance(value, Tensor):
                     self.state[param][key] = value.to(device=param.device, copy=True)
+
+    def consolidate_state_dict(self) -> None:
+        """Gather every process's shard of ``p̂`` so that :meth:`state_dict` holds the whole filter state.
+
+        A collective: every process must call it (Lightning's checkpointing does, through its strategy's
+        ``optimizer_state``, as for torch's ``ZeroRedundancyOptimizer``). Nothing to do unless a sharded step has run.
+        """
+        if self._shards is None:
+            return
+        params = self._params()
+        covs = [self.state[p].get("cov") for p in params]
+        gathered = gather_shards(covs, [p.shape for p in params], self._shards)
+        self._consolidated = dict(enumerate(gathered))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state (``p̂``, ``R``, the counters) and param groups, as torch's optimizers give it.
+
+        After sharded steps it needs :meth:`consolidate_state_dict` first (on every process), which gathers the
+        others' ``p̂``; the result then holds every parameter's, as an unsharded optimizer's does.
+        """
+        state = super().state_dict()
+        if self._shards is None:
+            return state
+        if self._consolidated is None:
+            raise RuntimeError(
+                "LoKO(shard=True) keeps p-hat of its own shard of the parameters only: call consolidate_state_dict() "
+                "on every process first (Lightning's checkpointing does), then state_dict()"
+            )
+        for index, cov in self._consolidated.items():
+            state["state"].setdefault(index, {})["cov"] = cov
+        self._consolidated = None
+        return state
 
     def _check_on_device(self, prediction: Tensor, target: Tensor, samples: int) -> Tensor:
         """The observation's check without a host read, on a layout's later steps.
@@ -374,6 +447,8 @@ class LoKO(torch.optim.Optimizer):
             got = f"{len(result)} items" if isinstance(result, (tuple, list)) else type(result)
             raise ValueError(f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {got}")
         prediction, target, jacobians = result
+        if self._sharding():
+            return self._step_sharded(prediction, target, jacobians)
         params = self._params()
         samples = 1
         rows = (
@@ -383,14 +458,8 @@ class LoKO(torch.optim.Optimizer):
             check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians, rows)
-        process_noise = [g["process_noise"] for g in self.param_groups for _ in g["params"]]
-        p_floor = [g["p_floor"] for g in self.param_groups for _ in g["params"]]
-        shrinkage = [g["shrinkage"] for g in self.param_groups for _ in g["params"]]
-        inflation = [g["inflation"] for g in self.param_groups for _ in g["params"]]
-        forgetting = [g["forgetting"] for g in self.param_groups for _ in g["params"]]
-        # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
-        reference = [_reference_cov(p, g) if g["forgetting"] else 0.0 for g in self.param_groups for p in g["params"]]
-        time_update = tuple(map(tuple, (process_noise, p_floor, shrinkage, inflation, forgetting, reference)))
+        time_update = self._time_update_settings()
+        process_noise, p_floor, shrinkage, inflation, forgetting, reference = time_update
         key = layout_key(prediction, target, jacobians, (*time_update, samples))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             check_observation(prediction, target, jacobians, params, batched=False, rows=rows and rows * samples)
@@ -443,6 +512,109 @@ class LoKO(torch.optim.Optimizer):
         self._diagnostics = diagnostics
         self._statistics_pending = self._cov_flat is not None
         return result
+
+    def _sharding(self) -> bool:
+        """Whether this step is sharded: ``shard`` and several processes."""
+        return self.shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _time_update_settings(self) -> tuple[tuple[float, ...], ...]:
+        """Per parameter: process noise, floor, shrinkage, inflation, forgetting and its reference variance."""
+        groups = [(g, p) for g in self.param_groups for p in g["params"]]
+        keys = ("process_noise", "p_floor", "shrinkage", "inflation", "forgetting")
+        values = [tuple(g[key] for g, _ in groups) for key in keys]
+        # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
+        reference = tuple(_reference_cov(p, g) if g["forgetting"] else 0.0 for g, p in groups)
+        return (*values, reference)
+
+    def _step_sharded(
+        self, prediction: Any, target: Any, jacobians: Any
+    ) -> tuple[Tensor, Tensor, Sequence[JacobianBlock]]:
+        """:meth:`step` with the update split between the processes (``shard``, :mod:`~loko_lightning.kalman.sharded`).
+
+        The closure returned this process's observations; the result is every process's predictions and targets
+        ``(N, m)`` and the blocks of this process's parameters for all ``N`` samples.
+        """
+        params = self._params()
+        rows = (
+            self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
+        )
+        if isinstance(prediction, Tensor) and prediction.dim() == 1:  # one sample: a batch of one
+            check_observation(prediction, target, jacobians, params, batched=False, rows=rows)
+            prediction, target = prediction[None], target[None]
+            jacobians = [kind(jac).stack([jac]) for jac in jacobians]
+        check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
+        self._consolidated = None
+        timeout = self.collective_timeout
+        prediction, target, blocks, shards = exchange_shards(
+            prediction.detach(), target.detach(), jacobians, self._shards, timeout=timeout
+        )
+        rank = dist.get_rank()
+        if self._shards is None:  # the first sharded step: keep p̂ of this process's parameters only
+            for index, param in enumerate(params):
+                if shards.owners[index] != rank:
+                    self.state[param].pop("cov", None)
+                    if not self.state[param]:
+                        del self.state[param]
+            self._shards, self._plan, self._plan_key = shards, None, None
+        mine = shards.mine(rank)
+        own = [params[i] for i in mine]
+        settings = [tuple(values[i] for i in mine) for values in self._time_update_settings()]
+        samples = prediction.shape[0]
+        full = (prediction, target)
+        stacked, goal, blocks = stack_observations(prediction, target, blocks, rows)
+        key = layout_key(stacked, goal, blocks, (*settings, samples))
+        if key is None or key != self._plan_key:
+            check_observation(stacked, goal, blocks, own, batched=False, rows=rows * samples)
+            self.observation.check(*full)
+            self._plan = None
+        else:
+            stacked = self._check_on_device(stacked, goal, samples)
+        m = stacked.shape[0] // samples
+        aggregation = None
+        observed = self.observation.observed(stacked.view(samples, m), goal.view(samples, m))
+        if observed is not None:
+            aggregation, stacked, goal = observed[:2], observed[2].reshape(-1), observed[3].reshape(-1)
+        covs = [self.state[p]["cov"] for p in own]
+        shared = self._shared_state(m, stacked.device, covs[0].dtype)
+        if self._plan is None:
+            noise, floor, shrinkage, inflation, forgetting, reference = settings
+            self._plan = UpdatePlan(
+                blocks, [p.shape for p in own], noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=floor,
+                shrinkage=shrinkage, inflation=inflation, forgetting=forgetting, reference=reference,
+            )  # fmt: skip
+            self._plan_key, self._cov_flat = key, None
+        plan = self._plan
+        if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
+            self._flatten_covs(own, covs)
+        flat = self._cov_flat if self._cov_flat is not None else plan.flatten(covs)
+        if self.observation.form == "information":
+            proposal = plan.propose_information(blocks, flat, stacked, goal)
+        else:
+            proposal = plan.propose(
+                blocks, flat, stacked, goal, shared["R"], shared["step"], beta=self.defaults["beta"],
+                r_estimator=self.defaults["r_estimator"], rcond=self.defaults["rcond"], aggregation=aggregation,
+                reduce=lambda hpht: _all_reduce(hpht, None, timeout),
+            )  # fmt: skip
+        diagnostics = agree_and_apply(plan, params, shards, flat, proposal["posterior"], proposal["finite"],
+                                      timeout=timeout)  # fmt: skip
+        if self._cov_flat is None:
+            torch._foreach_copy_(covs, plan.views(flat))
+        applied = diagnostics["applied"]
+        if "R" in proposal:
+            torch.where(applied, proposal["R"], shared["R"], out=shared["R"])
+        shared["step"].add_(applied.to(torch.int64))
+        shared["skipped"].add_((~applied).to(torch.int64))
+        innovation = goal.to(plan.dtype) - stacked.to(plan.dtype)
+        nan = torch.full((), math.nan, dtype=plan.dtype, device=plan.device)
+        self._diagnostics = {
+            **diagnostics,
+            "innovation_norm": torch.linalg.vector_norm(innovation),
+            "cond": proposal.get("cond", nan),
+            "skipped": shared["skipped"],
+            "step": shared["step"],
+        }
+        self._statistics_pending = False
+        return (*full, blocks)
 
     def _low_rank(self, params: Sequence[Tensor], covs: Sequence[Tensor]) -> list[Tensor]:
         """The low-rank factor ``W`` of the precision, one ``(numel, rank)`` block per parameter (zeros at first).

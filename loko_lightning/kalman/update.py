@@ -19,7 +19,7 @@ one buffer), so the work on them is a few large matrix products whatever the num
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -239,6 +239,44 @@ class UpdatePlan:
 
         See :func:`loko_update` for everything else.
         """
+        proposal = self.propose(
+            jacobians, cov, prediction, target, R, step, beta=beta, r_estimator=r_estimator, rcond=rcond,
+            aggregation=aggregation,
+        )  # fmt: skip
+        posterior, finite, R_k = proposal["posterior"], proposal["finite"], proposal["R"]
+        # 6. θ̃_k = θ̃_{k|k-1} + K e, unless something is non-finite.
+        applied = self._apply(params, cov, posterior, finite)
+        torch.where(applied, R_k, R, out=R)
+        step.add_(applied.to(step.dtype))
+
+        diagnostics = {"applied": applied, "innovation_norm": proposal["innovation_norm"], "cond": proposal["cond"]}
+        return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+
+    def propose(
+        self,
+        jacobians: Sequence[JacobianBlock],
+        cov: Tensor,
+        prediction: Tensor,
+        target: Tensor,
+        R: Tensor,
+        step: Tensor,
+        *,
+        beta: float,
+        r_estimator: REstimator,
+        rcond: float | None = None,
+        aggregation: tuple[Tensor, Tensor] | None = None,
+        reduce: Callable[[Tensor], Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        """Steps 1-6 of :meth:`run` without writing any state: the update ``K e`` (in :attr:`update`) and ``p̂_k``.
+
+        The arguments are :meth:`run`'s (``R`` and ``step`` are read, not written), and ``reduce``, applied to this
+        plan's ``H P Hᵀ`` before ``R`` and ``S`` are formed: under a sharded update
+        (:mod:`loko_lightning.kalman.sharded`) the all-reduce that sums every process's shard of the sum.
+
+        Returns:
+            ``posterior`` (``p̂_k`` after the time update and the floor, this plan's work vector), ``finite`` (whether
+            the innovation and ``S`` are finite), ``R`` (``R_k``), ``cond`` and ``innovation_norm``.
+        """
         dtype = self.dtype
         # 1. Predict: θ̃_{k|k-1} = θ̃_{k-1}, p̂_{k|k-1} = p̂_{k-1} + q.
         prior = cov if self.q is None else cov + self.q
@@ -246,6 +284,8 @@ class UpdatePlan:
         prediction = prediction.to(dtype)
         innovation = target.to(dtype) - prediction
         hpht = self.hpht(jacobians, prior)
+        if reduce is not None:
+            hpht = reduce(hpht)
         # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
         R_k, noise = observation_noise(
             r_estimator, R, innovation, hpht, prediction, step + 1, beta, self.samples, aggregation
@@ -264,13 +304,13 @@ class UpdatePlan:
         posterior = torch.addcmul(self._one, prior, quad, value=-1.0, out=quad)
         posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
         self._time_update(posterior)
-        # 6. θ̃_k = θ̃_{k|k-1} + K e, unless something is non-finite.
-        applied = self._apply(params, cov, posterior, finite)
-        torch.where(applied, R_k, R, out=R)
-        step.add_(applied.to(step.dtype))
+        norm = torch.linalg.vector_norm(innovation)
+        return {"posterior": posterior, "finite": finite, "R": R_k, "cond": cond, "innovation_norm": norm}
 
-        diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(innovation), "cond": cond}
-        return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
+    @property
+    def update(self) -> Tensor:
+        """The work vector holding ``K e`` (this plan's order) after :meth:`propose`, the applied update after a run."""
+        return self._update
 
     @property
     def time_updates_covariance(self) -> bool:
@@ -359,21 +399,43 @@ class UpdatePlan:
         ``R`` is not a filter state here (the categorical noise is known), so there is none to update. The diagnostics
         are those of :meth:`run`; ``cond`` has no meaning without ``S`` and is NaN.
         """
+        proposal = self.propose_information(jacobians, cov, prediction, target)
+        return self._finish_information(params, cov, proposal["posterior"], proposal["finite"], proposal["innovation"],
+                                        step, statistics)  # fmt: skip
+
+    def propose_information(
+        self, jacobians: Sequence[JacobianBlock], cov: Tensor, prediction: Tensor, target: Tensor
+    ) -> dict[str, Tensor]:
+        """:meth:`run_information` without writing any state: the update (in :attr:`update`) and ``p̂_k``.
+
+        Every entry depends on its own column of ``H`` only, so a shard of the parameters needs only its columns.
+
+        Returns:
+            ``posterior`` (``p̂_k``, this plan's work vector), ``finite`` (whether the innovation is finite) and
+            ``innovation``.
+        """
         dtype = self.dtype
         prior = cov if self.q is None else cov + self.q
         innovation = target.to(dtype) - prediction.to(dtype)
         rows = self.rows_matrix(jacobians).view(self.samples, self.m // self.samples, self.n)
         update, info = self._update, self._quad
-        torch.sum(rows[:, 0], 0, out=update)
+        # Sums over the samples (and factors) one row at a time: elementwise adds round each entry alike wherever its
+        # column sits, so a shard of the columns (kalman.sharded) gets the same bits; a reduction kernel's order
+        # depends on the column's place in the vector lanes.
         factors = rows[:, 0] if rows.shape[1] == 1 else rows[:, 1:].reshape(-1, self.n)
-        torch.sum(factors.square(), 0, out=info)
+        update.copy_(rows[0, 0])
+        for row in rows[1:, 0]:
+            update.add_(row)
+        torch.mul(factors[0], factors[0], out=info)
+        square = torch.empty_like(info) if factors.shape[0] > 1 else None
+        for factor in factors[1:]:
+            info.add_(torch.mul(factor, factor, out=square))
         # p̂_k = p̂_{k|k-1} / (1 + p̂_{k|k-1} ⊙ info), the mean with the posterior p̂_k.
         posterior = info.mul_(prior).add_(self._one).reciprocal_().mul_(prior)
         update.mul_(self._floor(posterior))
         if self.time_updates_covariance:  # the time update of p̂ after the mean used the posterior
             self._time_update(posterior)
-        return self._finish_information(params, cov, posterior, torch.isfinite(innovation).all(), innovation, step,
-                                        statistics)  # fmt: skip
+        return {"posterior": posterior, "finite": torch.isfinite(innovation).all(), "innovation": innovation}
 
     def run_low_rank(
         self,

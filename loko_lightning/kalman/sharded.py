@@ -1,0 +1,319 @@
+r"""Sharded joint LoKO updates: each process owns a shard of the parameters and computes only its part of the update.
+
+Under data parallelism the replicated update (:mod:`loko_lightning.kalman.distributed`) gathers every process's
+Jacobian factors on every process, ``(W - 1)·B·m·ñ`` numbers per step and process for dense blocks, and repeats the
+whole update ``W`` times. Because ``P`` is diagonal, the update separates over the parameters except through ``S``.
+With the columns of ``H`` split into shards ``H_r`` (the parameters process ``r`` owns, whole tensors) and ``P_r``,
+``θ̃_r``, ``p̂_r`` the matching parts:
+
+.. math::
+
+    S &= \sum_r H_r P_r H_r^\top + R, \qquad
+    (K e)_r = P_r H_r^\top S^{+} e, \qquad
+    \operatorname{diag}(K H)_r = \hat p_r \odot \operatorname{diag}(H_r^\top S^{+} H_r)
+
+so process ``r`` needs ``H_r`` for all ``W·B`` samples, not ``H``. A step (:func:`exchange_shards`, then
+:meth:`~loko_lightning.kalman.update.UpdatePlan.propose` with an all-reduce, then :func:`agree_and_apply`) runs four
+collectives:
+
+1. an all-gather of the samples per process and of each factored block's positions (a few integers);
+2. an all-to-all: process ``r`` sends process ``d`` its predictions and targets and the blocks of ``d``'s
+   parameters for its own ``B`` samples, so each process receives ``H_r`` for all ``W·B`` samples
+   (``(W - 1)/W`` of the replicated all-gather's bytes when the shards are balanced);
+3. an all-reduce (sum) of the shards' ``H_r P_r H_r^\top``, a ``W·B·m`` square matrix: every process then forms the
+   same ``R_k``, ``S`` and ``S⁺`` and computes its shard's gain and ``p̂_r``;
+4. an all-gather of each shard's new parameter values, with its finiteness check and the statistics of ``p̂``: a step
+   that is not finite on one shard is skipped on all, and every process's copy of the adapters is current for the
+   next forward pass (``ñ`` numbers in all).
+
+Parameters and ``R`` stay identical on every process (the new parameter values are copied from their owner; the
+all-reduce gives every process the same sum). Only the order of the summation in ``H P Hᵀ`` differs from the
+replicated update (shard by shard instead of kind by kind), so the two agree to rounding: a relative perturbation
+``δ`` of ``S`` (at most about ``ñ·eps`` of ``|H| P |H|ᵀ``) changes the update by at most about ``cond(S)·δ`` relative.
+The diagonal information-form update (``observation: natural``) has no ``S``: each parameter's update depends on its
+own columns only, and the sharded update is the replicated one bit for bit.
+
+The owner of each parameter (:class:`ShardPlan`) is chosen at the first sharded step from the bytes each parameter's
+blocks send per sample, largest first to the least-loaded process, and kept for the run; ``p̂`` of the others'
+parameters is dropped then. :meth:`loko_lightning.LoKO.consolidate_state_dict` gathers it back for a checkpoint
+(Lightning calls it on every process before it saves), so a checkpoint holds the whole filter state and resumes with
+any number of processes, sharded or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.jacobians.blocks import JacobianBlock, kind
+from loko_lightning.kalman.distributed import _all_gather, _all_to_all, _pad_positions
+from loko_lightning.kalman.update import UpdatePlan
+
+__all__ = ["ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards"]
+
+# The statistics each shard sends with its new parameters (see agree_and_apply).
+_STATS = ("check", "post_sum", "post_min", "post_max", "cov_sum", "cov_min", "cov_max", "gain_sq")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which process owns each parameter (whole tensors), in parameter order.
+
+    Attributes:
+        owners: the rank owning each parameter.
+        world: the number of processes.
+    """
+
+    owners: tuple[int, ...]
+    world: int
+
+    @classmethod
+    def balance(cls, costs: Sequence[int], world: int) -> ShardPlan:
+        """Largest cost first, each to the least-loaded process (ties: the lower rank): within 4/3 of the best split.
+
+        Raises:
+            ConfigError: fewer parameters than processes (a process would own nothing).
+        """
+        if len(costs) < world:
+            raise ConfigError(
+                f"shard=True splits the parameters between the processes, whole tensors each, but there are "
+                f"{len(costs)} parameter tensors for {world} processes: use shard=False (the replicated update), or "
+                "fewer processes",
+                field="shard",
+            )
+        loads, owners = [0] * world, [0] * len(costs)
+        for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+            rank = min(range(world), key=lambda r: (loads[r], r))
+            owners[index] = rank
+            loads[rank] += costs[index]
+        return cls(tuple(owners), world)
+
+    def mine(self, rank: int) -> list[int]:
+        """The indices of the parameters ``rank`` owns, in parameter order."""
+        return [index for index, owner in enumerate(self.owners) if owner == rank]
+
+
+def exchange_shards(
+    prediction: Tensor,
+    target: Tensor,
+    jacobians: Sequence[JacobianBlock],
+    shards: ShardPlan | None = None,
+    group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
+) -> tuple[Tensor, Tensor, list[JacobianBlock], ShardPlan]:
+    """Every process's predictions and targets, and the blocks of this process's parameters for every sample.
+
+    Args:
+        prediction: this process's ``(B_r, m)`` predictions.
+        target: its ``(B_r, m)`` targets.
+        jacobians: its batched blocks, one per parameter (as for
+            :func:`~loko_lightning.kalman.distributed.all_gather_observations`; factored blocks with fewer positions
+            than another process's are padded with zero positions, a short last step is padded and trimmed).
+        shards: the owners of the parameters; ``None``: balanced now (:meth:`ShardPlan.balance`) on the bytes each
+            parameter's blocks send per sample.
+        group: the process group (default: the world).
+        timeout: seconds each collective may wait for the other processes; ``None``: the group's own timeout.
+
+    Returns:
+        ``(prediction, target, blocks, shards)``: ``Σ_r B_r`` samples in rank order, ``blocks`` one batched block for
+        each parameter this process owns (in parameter order; dense blocks are column views of one matrix, so the
+        update reads them without a copy), and the shard plan used.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device, dtype = prediction.device, prediction.dtype
+    positions = [k for k in (kind(jac).positions(jac) for jac in jacobians) if k is not None]
+    count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    _all_gather(counts, count, group, timeout)
+    table = torch.stack(counts).tolist()
+    sizes = [row[0] for row in table]
+    top, m = max(sizes), prediction.shape[1]
+    jacobians = _pad_positions(jacobians, [max(column) for column in zip(*(row[1:] for row in table), strict=True)])
+    parts = [kind(jac).parts(jac) for jac in jacobians]
+    per_sample = [[part.shape[1:].numel() for part in block] for block in parts]
+    if shards is None:
+        shards = ShardPlan.balance([sum(numels) for numels in per_sample], world)
+    segments = [2 * top * m + top * sum(sum(per_sample[i]) for i in shards.mine(d)) for d in range(world)]
+    # One flat buffer: for each process in rank order its segment, every part padded to `top` samples (the padding is
+    # never read: the receiver trims each source to its own count).
+    send = torch.empty(sum(segments), dtype=dtype, device=device)
+    offset = 0
+    for d in range(world):
+        for part in (prediction, target):
+            send[offset : offset + part.numel()] = part.reshape(-1)
+            offset += top * m
+        for index in shards.mine(d):
+            for part, numel in zip(parts[index], per_sample[index], strict=True):
+                send[offset : offset + part.numel()] = part.reshape(-1)
+                offset += top * numel
+    received = torch.empty(world * segments[rank], dtype=dtype, device=device)
+    _all_to_all(received, send, segments, group, timeout)
+    del send
+    return (*_assemble(received, segments[rank], sizes, top, m, jacobians, parts, per_sample, shards.mine(rank)),
+            shards)  # fmt: skip
+
+
+def _assemble(
+    received: Tensor,
+    segment: int,
+    sizes: list[int],
+    top: int,
+    m: int,
+    jacobians: Sequence[JacobianBlock],
+    parts: list[tuple[Tensor, ...]],
+    per_sample: list[list[int]],
+    mine: list[int],
+) -> tuple[Tensor, Tensor, list[JacobianBlock]]:
+    """The joined observation from the received segments (see :func:`exchange_shards`)."""
+    total = sum(sizes)
+    dense = [i for i in mine if kind(jacobians[i]).group_key(jacobians[i]) is None]
+    rows = parts[dense[0]][0].shape[1] if dense else 0
+    width = sum(per_sample[i][0] // max(rows, 1) for i in dense)
+    matrix = torch.empty(total * rows, width, dtype=received.dtype, device=received.device)
+    columns, column = {}, 0
+    for i in dense:
+        columns[i] = column
+        column += per_sample[i][0] // rows
+    predictions, targets, pieces = [], [], {i: [[] for _ in parts[i]] for i in mine if i not in columns}
+    start = 0
+    for source, size in enumerate(sizes):
+        offset = source * segment
+        for out in (predictions, targets):
+            out.append(received[offset : offset + size * m].view(size, m))
+            offset += top * m
+        for i in mine:
+            for p, (part, numel) in enumerate(zip(parts[i], per_sample[i], strict=True)):
+                piece = received[offset : offset + size * numel]
+                if i in columns:  # this source's rows of the dense matrix
+                    width_i = numel // rows
+                    target_rows = matrix[start * rows : (start + size) * rows, columns[i] : columns[i] + width_i]
+                    target_rows.copy_(piece.view(size * rows, width_i))
+                else:
+                    pieces[i][p].append(piece.view(size, *part.shape[1:]))
+                offset += top * numel
+        start += size
+    blocks: list[JacobianBlock] = []
+    for i in mine:
+        jac = jacobians[i]
+        if i in columns:
+            shape = parts[i][0].shape[1:]  # (rows, *param.shape)
+            view = matrix[:, columns[i] : columns[i] + shape[1:].numel()]
+            blocks.append(kind(jac).with_parts(jac, [view.view(total, *shape)]))
+        else:
+            blocks.append(kind(jac).with_parts(jac, [torch.cat(p) for p in pieces[i]]))
+    return torch.cat(predictions), torch.cat(targets), blocks
+
+
+def agree_and_apply(
+    plan: UpdatePlan,
+    params: Sequence[Tensor],
+    shards: ShardPlan,
+    cov: Tensor,
+    posterior: Tensor,
+    finite: Tensor,
+    group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
+) -> dict[str, Tensor]:
+    """Apply a proposed sharded step everywhere, or nowhere: one all-gather of every shard's new parameters.
+
+    Each process sends the new values of its parameters (what :meth:`UpdatePlan.run` would write on an applied step:
+    the shrinkage factor, then the update ``K e`` of :attr:`UpdatePlan.update`), whether its shard's update and
+    ``p̂_k`` are finite, and the sums, minima and maxima of its ``p̂`` before and after. The step is applied when the
+    innovation and ``S`` (``finite``, the same on every process) and every shard are finite; then every process copies
+    every parameter's new value from its owner's buffer, and each writes ``posterior`` into its own ``cov``.
+
+    Args:
+        plan: the update plan of this process's shard, after :meth:`~UpdatePlan.propose` (or ``propose_information``).
+        params: all the optimizer's parameters, in order (this process's shard is ``shards.mine(rank)``).
+        shards: the owners.
+        cov: this shard's ``p̂`` (flat, the plan's order), written in place if the step is applied.
+        posterior: its proposed ``p̂_k``.
+        finite: whether the innovation and ``S`` are finite.
+        group: the process group.
+        timeout: seconds the all-gather may wait.
+
+    Returns:
+        ``applied`` and the statistics of the whole ``p̂`` after the step (``p_mean``, ``p_min``, ``p_max``) and
+        ``gain_norm`` (``‖K e‖`` over all shards, 0 on a skipped step), as :meth:`UpdatePlan.statistics` gives them.
+    """
+    world, rank = shards.world, dist.get_rank(group)
+    mine = shards.mine(rank)
+    update = plan.update
+    check = update.sum() + posterior.sum()
+    if plan.keep is not None:
+        update.mul_(plan.keep)
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in (*params, update)) else torch.float32
+    numels = [p.numel() for p in params]
+    width = max(sum(numels[i] for i in shards.mine(r)) for r in range(world))
+    local = torch.empty(width + len(_STATS), dtype=wide, device=update.device)
+    keeps = plan.views(plan.keep) if plan.keep is not None and plan.keep.dim() else [plan.keep] * len(mine)
+    offset = 0
+    for index, delta, keep in zip(mine, plan.views(update), keeps, strict=True):
+        param = params[index].detach()
+        new = param if keep is None else param * keep.to(param.dtype)
+        local[offset : offset + numels[index]] = (new + delta.to(param.dtype)).reshape(-1)
+        offset += numels[index]
+    post_min, post_max = torch.aminmax(posterior)
+    cov_min, cov_max = torch.aminmax(cov)
+    stats = [check, posterior.sum(), post_min, post_max, cov.sum(), cov_min, cov_max, update.square().sum()]
+    local[width:] = torch.stack(stats).to(wide)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    _all_gather(gathered, local, group, timeout)
+    table = torch.stack([buffer[width:] for buffer in gathered])
+    applied = finite & torch.isfinite(table[:, 0]).all()
+    torch.where(applied, posterior, cov, out=cov)
+    with torch.no_grad():
+        for source, buffer in enumerate(gathered):
+            offset = 0
+            for index in shards.mine(source):
+                param, numel = params[index], numels[index]
+                new = buffer[offset : offset + numel].view(param.shape).to(param.dtype)
+                param.copy_(torch.where(applied, new, param))
+                offset += numel
+    n = sum(numels)
+    column = {name: table[:, i].to(plan.dtype) for i, name in enumerate(_STATS)}
+    return {
+        "applied": applied,
+        "p_mean": torch.where(applied, column["post_sum"].sum(), column["cov_sum"].sum()) / n,
+        "p_min": torch.where(applied, column["post_min"].amin(), column["cov_min"].amin()),
+        "p_max": torch.where(applied, column["post_max"].amax(), column["cov_max"].amax()),
+        "gain_norm": torch.where(applied, column["gain_sq"].sum().sqrt(), 0.0),
+    }
+
+
+def gather_shards(
+    tensors: Sequence[Tensor | None],
+    shapes: Sequence[torch.Size],
+    shards: ShardPlan,
+    group: dist.ProcessGroup | None = None,
+) -> list[Tensor]:
+    """Every parameter's tensor (``p̂``) on every process, from the owners' (``None`` where this process owns none).
+
+    One all-gather of each process's tensors, flat and padded to the largest shard.
+    """
+    world, rank = shards.world, dist.get_rank(group)
+    mine = shards.mine(rank)
+    own = [tensors[i] for i in mine]
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in own) else own[0].dtype
+    numels = [torch.Size(s).numel() for s in shapes]
+    width = max(sum(numels[i] for i in shards.mine(r)) for r in range(world))
+    local = torch.zeros(width, dtype=dtype, device=own[0].device)
+    offset = 0
+    for i, tensor in zip(mine, own, strict=True):
+        local[offset : offset + numels[i]] = tensor.reshape(-1)
+        offset += numels[i]
+    # Every process sends a buffer of the same dtype (p̂ has the arithmetic dtype, the same everywhere).
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    _all_gather(gathered, local, group, None)
+    result: list[Tensor] = [torch.empty(0)] * len(shapes)
+    for source, buffer in enumerate(gathered):
+        offset = 0
+        for i in shards.mine(source):
+            result[i] = buffer[offset : offset + numels[i]].view(shapes[i]).clone()
+            offset += numels[i]
+    return result
