@@ -17,8 +17,10 @@ class Checksum(pl.Callback):
         opt = trainer.optimizers[0]
         params = pl_module.trainable_parameters
         parts = [p.detach().reshape(-1) for p in params]
-        if "cov" in opt.state[params[0]]:  # LoKO's filter state
-            parts += [opt.state[p]["cov"].reshape(-1) for p in params] + [opt.state[params[0]]["R"].reshape(-1)]
+        if hasattr(opt, "consolidate_state_dict"):  # LoKO's filter state, every shard's p̂ gathered when sharded
+            opt.consolidate_state_dict()
+            state = opt.state_dict()["state"]
+            parts += [state[i]["cov"].reshape(-1) for i in range(len(params))] + [state[0]["R"].reshape(-1)]
         mine = torch.cat(parts).double()
         gathered = pl_module.all_gather(mine)
         if trainer.is_global_zero:

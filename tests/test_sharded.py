@@ -84,12 +84,14 @@ def worker(rank, world, port, out):
                 for step in range(STEPS):
                     x, label = batch_at(items, world, rank, step)
                     reset_traffic()
-                    replicated.step(lambda x=x, label=label: all_gather_observations(*engine.observe(x, label, batched=True)))
+                    observation = engine.observe(x, label, batched=True)
+                    replicated.step(lambda observation=observation: all_gather_observations(*observation))
                     bytes_replicated += traffic()["received"]
                     if not math.isnan(replicated.diagnostics["cond"].item()):
                         conds.append(replicated.diagnostics["cond"].item())
                     reset_traffic()
-                    prediction, target, _ = sharded.step(lambda x=x, label=label: sharded_engine.observe(x, label, batched=True))
+                    observation = sharded_engine.observe(x, label, batched=True)
+                    prediction, target, _ = sharded.step(lambda observation=observation: observation)
                     bytes_sharded += traffic()["received"]
                     if step == STEPS - 1:
                         assert prediction.shape[0] == 2 * world - (world - 1)  # every process's samples

@@ -70,8 +70,10 @@ class KalmanStep(OnlineStep):
     The engine is built at the first step, with the optimizer's observation model, so the prediction, the target
     made from the label and the Jacobian are the ones the filter expects. One sample is the paper's update; a batch,
     and under DDP the samples of all processes (gathered, so that every process applies the same update), make one
-    joint update. Under mixed precision the forward pass and the Jacobian run under the trainer's autocast, the
-    Kalman update (whose matrix products autocast would run in bf16/fp16) in the filter's own dtype. Logged:
+    joint update; with ``LoKO(shard=True)`` the optimizer exchanges each process's shard of the blocks instead and each
+    process updates its own parameters (:mod:`loko_lightning.kalman.sharded`). Under mixed precision the forward pass
+    and the Jacobian run under the trainer's autocast, the Kalman update (whose matrix products autocast would run in
+    bf16/fp16) in the filter's own dtype. Logged:
     ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond``.
     """
 
@@ -118,12 +120,16 @@ class KalmanStep(OnlineStep):
         autocast_dtype = torch.get_autocast_dtype(device) if mixed else None
         world = world_size(module)
         joint = label.shape[0] > 1 or world > 1
+        # LoKO(shard=True) exchanges each shard's blocks itself; the replicated update needs every observation here.
+        sharded = world > 1 and getattr(loko, "shard", False)
+        if sharded and loko.collective_timeout is None:
+            loko.collective_timeout = collective_timeout(module)
 
         def closure() -> tuple[Tensor, Tensor, list]:
             forward = torch.autocast(device, dtype=autocast_dtype) if mixed else contextlib.nullcontext()
             with forward:
                 prediction, target, jacobians = engine.observe(inputs, label, batched=joint)
-            if world > 1:  # every process gets every process's observations and applies the same update
+            if world > 1 and not sharded:  # every process gets every process's observations, applies the same update
                 return all_gather_observations(prediction, target, jacobians, timeout=collective_timeout(module))
             return prediction, target, jacobians
 
