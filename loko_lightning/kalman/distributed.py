@@ -157,18 +157,22 @@ def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, timeout: float 
 
 
 def _all_to_all(
-    out: Tensor, tensor: Tensor, splits: list[int], group: dist.ProcessGroup | None, timeout: float | None
+    out: Tensor,
+    tensor: Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: dist.ProcessGroup | None,
+    timeout: float | None,
 ) -> None:
-    """``dist.all_to_all_single``: ``splits[d]`` entries of ``tensor`` go to process ``d``.
+    """``dist.all_to_all_single``, waiting at most ``timeout`` seconds.
 
-    ``out`` receives an equal share (``out.numel() / W``) from every process, in rank order.
+    ``in_splits[d]`` entries of ``tensor`` go to process ``d``; ``out`` receives ``out_splits[s]`` from process ``s``,
+    in rank order.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    share = out.numel() // world
+    rank = dist.get_rank(group)
     size = tensor.element_size()
-    _count((sum(splits) - splits[rank]) * size, (out.numel() - share) * size)
-    work = dist.all_to_all_single(out, tensor, [share] * world, splits, group=group, async_op=True)
-    _wait(work, timeout)
+    _count((sum(in_splits) - in_splits[rank]) * size, (sum(out_splits) - out_splits[rank]) * size)
+    _wait(dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group, async_op=True), timeout)
 
 
 def _pad_positions(jacobians: Sequence[JacobianBlock], positions: list[int]) -> list[JacobianBlock]:

@@ -17,9 +17,9 @@ so process ``r`` needs ``H_r`` for all ``W·B`` samples, not ``H``. A step (:fun
 collectives:
 
 1. an all-gather of the samples per process and of each factored block's positions (a few integers);
-2. an all-to-all: process ``r`` sends process ``d`` its predictions and targets and the blocks of ``d``'s
-   parameters for its own ``B`` samples, so each process receives ``H_r`` for all ``W·B`` samples
-   (``(W - 1)/W`` of the replicated all-gather's bytes when the shards are balanced);
+2. an all-gather of the predictions and targets, and all-to-alls in which process ``r`` sends process ``d`` the
+   blocks of ``d``'s parameters for its own ``B`` samples, so each process receives ``H_r`` for all ``W·B`` samples
+   (``1/W`` of the replicated all-gather's bytes when the shards are balanced);
 3. an all-reduce (sum) of the shards' ``H_r P_r H_r^\top``, a ``W·B·m`` square matrix: every process then forms the
    same ``R_k``, ``S`` and ``S⁺`` and computes its shard's gain and ``p̂_r``;
 4. an all-gather of each shard's new parameter values, with its finiteness check and the statistics of ``p̂``: a step
@@ -113,7 +113,7 @@ def exchange_shards(
         target: its ``(B_r, m)`` targets.
         jacobians: its batched blocks, one per parameter (as for
             :func:`~loko_lightning.kalman.distributed.all_gather_observations`; factored blocks with fewer positions
-            than another process's are padded with zero positions, a short last step is padded and trimmed).
+            than another process's are padded with zero positions; ``B_r`` may differ at the stream's short last step).
         shards: the owners of the parameters; ``None``: balanced now (:meth:`ShardPlan.balance`) on the bytes each
             parameter's blocks send per sample.
         group: the process group (default: the world).
@@ -121,8 +121,14 @@ def exchange_shards(
 
     Returns:
         ``(prediction, target, blocks, shards)``: ``Σ_r B_r`` samples in rank order, ``blocks`` one batched block for
-        each parameter this process owns (in parameter order; dense blocks are column views of one matrix, so the
-        update reads them without a copy), and the shard plan used.
+        each parameter this process owns (in parameter order), and the shard plan used.
+
+    The predictions and targets are all-gathered. The blocks go by all-to-all, in which each process receives, from
+    every process in rank order, exactly the samples it has: the received buffer of a part is then the joined part
+    itself, with no copy after the exchange. The dense blocks of a process's shard travel as one ``(B·rows, n_r)``
+    matrix per process (``n_r`` the shard's dense entries), so they arrive as the stacked ``(N·rows, n_r)`` matrix of
+    which the blocks are column views, as the update reads them; the factored blocks' parts travel in rounds, the
+    ``j``-th part of every process's shard in the ``j``-th all-to-all.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device, dtype = prediction.device, prediction.dtype
@@ -132,81 +138,63 @@ def exchange_shards(
     _all_gather(counts, count, group, timeout)
     table = torch.stack(counts).tolist()
     sizes = [row[0] for row in table]
-    top, m = max(sizes), prediction.shape[1]
+    top, m, own = max(sizes), prediction.shape[1], prediction.shape[0]
     jacobians = _pad_positions(jacobians, [max(column) for column in zip(*(row[1:] for row in table), strict=True)])
     parts = [kind(jac).parts(jac) for jac in jacobians]
     per_sample = [[part.shape[1:].numel() for part in block] for block in parts]
     if shards is None:
         shards = ShardPlan.balance([sum(numels) for numels in per_sample], world)
-    segments = [2 * top * m + top * sum(sum(per_sample[i]) for i in shards.mine(d)) for d in range(world)]
-    # One flat buffer: for each process in rank order its segment, every part padded to `top` samples (the padding is
-    # never read: the receiver trims each source to its own count).
-    send = torch.empty(sum(segments), dtype=dtype, device=device)
-    offset = 0
-    for d in range(world):
-        for part in (prediction, target):
-            send[offset : offset + part.numel()] = part.reshape(-1)
-            offset += top * m
-        for index in shards.mine(d):
-            for part, numel in zip(parts[index], per_sample[index], strict=True):
-                send[offset : offset + part.numel()] = part.reshape(-1)
-                offset += top * numel
-    received = torch.empty(world * segments[rank], dtype=dtype, device=device)
-    _all_to_all(received, send, segments, group, timeout)
-    del send
-    return (*_assemble(received, segments[rank], sizes, top, m, jacobians, parts, per_sample, shards.mine(rank)),
-            shards)  # fmt: skip
-
-
-def _assemble(
-    received: Tensor,
-    segment: int,
-    sizes: list[int],
-    top: int,
-    m: int,
-    jacobians: Sequence[JacobianBlock],
-    parts: list[tuple[Tensor, ...]],
-    per_sample: list[list[int]],
-    mine: list[int],
-) -> tuple[Tensor, Tensor, list[JacobianBlock]]:
-    """The joined observation from the received segments (see :func:`exchange_shards`)."""
-    total = sum(sizes)
-    dense = [i for i in mine if kind(jacobians[i]).group_key(jacobians[i]) is None]
-    rows = parts[dense[0]][0].shape[1] if dense else 0
-    width = sum(per_sample[i][0] // max(rows, 1) for i in dense)
-    matrix = torch.empty(total * rows, width, dtype=received.dtype, device=received.device)
-    columns, column = {}, 0
-    for i in dense:
-        columns[i] = column
-        column += per_sample[i][0] // rows
-    predictions, targets, pieces = [], [], {i: [[] for _ in parts[i]] for i in mine if i not in columns}
-    start = 0
-    for source, size in enumerate(sizes):
-        offset = source * segment
-        for out in (predictions, targets):
-            out.append(received[offset : offset + size * m].view(size, m))
-            offset += top * m
-        for i in mine:
-            for p, (part, numel) in enumerate(zip(parts[i], per_sample[i], strict=True)):
-                piece = received[offset : offset + size * numel]
-                if i in columns:  # this source's rows of the dense matrix
-                    width_i = numel // rows
-                    target_rows = matrix[start * rows : (start + size) * rows, columns[i] : columns[i] + width_i]
-                    target_rows.copy_(piece.view(size * rows, width_i))
-                else:
-                    pieces[i][p].append(piece.view(size, *part.shape[1:]))
-                offset += top * numel
-        start += size
-    blocks: list[JacobianBlock] = []
-    for i in mine:
-        jac = jacobians[i]
-        if i in columns:
+    mine = shards.mine(rank)
+    # Predictions and targets, padded to the largest count.
+    local = torch.zeros(2, top, m, dtype=dtype, device=device)
+    local[0, :own], local[1, :own] = prediction, target
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    _all_gather(gathered, local, group, timeout)
+    joined = torch.cat([buffer[:, :size] for buffer, size in zip(gathered, sizes, strict=True)], dim=1)
+    # Dense blocks: process d's columns of this process's rows, one matrix per destination.
+    dense = [[i for i in shards.mine(d) if kind(jacobians[i]).group_key(jacobians[i]) is None] for d in range(world)]
+    blocks: dict[int, JacobianBlock] = {}
+    if any(dense):
+        rows = next(parts[i][0].shape[1] for column in dense for i in column)
+        widths = [sum(per_sample[i][0] // rows for i in column) for column in dense]
+        send = torch.empty(own * rows * sum(widths), dtype=dtype, device=device)
+        offset = 0
+        for column, width in zip(dense, widths, strict=True):
+            chunk, start = send[offset : offset + own * rows * width].view(own * rows, width), 0
+            for i in column:
+                numel = per_sample[i][0] // rows
+                chunk[:, start : start + numel] = parts[i][0].reshape(own * rows, numel)
+                start += numel
+            offset += own * rows * width
+        matrix = torch.empty(sum(sizes) * rows, widths[rank], dtype=dtype, device=device)
+        _all_to_all(matrix.view(-1), send, [size * rows * widths[rank] for size in sizes],
+                    [own * rows * width for width in widths], group, timeout)  # fmt: skip
+        del send
+        column = 0
+        for i in dense[rank]:
             shape = parts[i][0].shape[1:]  # (rows, *param.shape)
-            view = matrix[:, columns[i] : columns[i] + shape[1:].numel()]
-            blocks.append(kind(jac).with_parts(jac, [view.view(total, *shape)]))
-        else:
-            blocks.append(kind(jac).with_parts(jac, [torch.cat(p) for p in pieces[i]]))
-    return torch.cat(predictions), torch.cat(targets), blocks
+            view = matrix[:, column : column + shape[1:].numel()].view(sum(sizes), *shape)
+            blocks[i] = kind(jacobians[i]).with_parts(jacobians[i], [view])
+            column += shape[1:].numel()
+    # Factored blocks: the j-th part of each process's shard in round j.
+    factored = [
+        [(i, p) for i in shards.mine(d) if i not in dense[d] for p in range(len(parts[i]))] for d in range(world)
+    ]
+    received: dict[int, list[Tensor]] = {i: [] for i, p in factored[rank] if p == 0}
+    for round_ in range(max(len(slots) for slots in factored)):
+        slots = [slots[round_] if round_ < len(slots) else None for slots in factored]
+        chunks = [torch.empty(0, dtype=dtype, device=device) if slot is None else
+                  parts[slot[0]][slot[1]].reshape(-1).to(dtype) for slot in slots]  # fmt: skip
+        send = torch.cat(chunks)
+        slot = slots[rank]
+        numel = 0 if slot is None else per_sample[slot[0]][slot[1]]
+        out = torch.empty(sum(sizes) * numel, dtype=dtype, device=device)
+        _all_to_all(out, send, [size * numel for size in sizes], [chunk.numel() for chunk in chunks], group, timeout)
+        if slot is not None:
+            received[slot[0]].append(out.view(sum(sizes), *parts[slot[0]][slot[1]].shape[1:]))
+    for i, pieces in received.items():
+        blocks[i] = kind(jacobians[i]).with_parts(jacobians[i], pieces)
+    return joined[0], joined[1], [blocks[i] for i in mine], shards
 
 
 def agree_and_apply(
