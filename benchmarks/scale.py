@@ -245,7 +245,8 @@ def estimate(backbone: str, m: int, world: int, batch: int = 1) -> dict:
     """Bytes per process and step for ``world`` processes, from one observation of the model (no processes started).
 
     Replicated: one all-gather of every process's predictions, targets and blocks. Sharded: the all-to-all of each
-    shard's blocks (the largest shard's receiver), the all-reduce of the ``W·B·m`` square ``H P Hᵀ`` (float32) and the
+    shard's blocks (the largest shard's receiver), the all-reduce of the ``W·B·m`` square ``H P Hᵀ``'s lower triangle
+    (float32) and the
     all-gather of the largest shard's parameters with 8 statistics. The counts all-gather (a few integers) is left out.
     With fewer parameter tensors than processes ``LoKO(shard=True)`` refuses (it splits whole tensors); the estimate
     then assumes an even split of the bytes and parameters (``split: even``), what a split within tensors would give.
@@ -270,7 +271,7 @@ def estimate(backbone: str, m: int, world: int, batch: int = 1) -> dict:
     rows = world * batch * m
     replicated = (world - 1) * batch * per_sample * size
     exchange = (world - 1) * batch * (2 * m + largest) * size
-    reduce = 2 * (world - 1) / world * rows * rows * size
+    reduce = 2 * (world - 1) / world * rows * (rows + 1) // 2 * size  # the lower triangle
     parameters = (world - 1) * (numel + 8) * size
     return {
         "m": m,

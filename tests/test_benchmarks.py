@@ -322,6 +322,21 @@ def test_scale_measures_a_joint_step(scripts):
     assert row["peak_mib"] > 0
 
 
+def test_scale_shard_measures_an_update_and_estimates_the_bytes(scripts):
+    """benchmarks/scale.py --shard's measurement in one process (no exchange: nothing sent, an update's peak memory),
+    and --estimate's byte counts: the replicated all-gather receives W − 1 observations; the sharded exchange the
+    largest shard's blocks from each of the others, plus S's all-reduce and the parameters; whole tensors while there
+    are enough of them, an even split beyond (ResNet-18 with LoRA on its convs has 42 tensors)."""
+    row = scripts.scale.shard_run(m=4, steps=1, warmup=1, shard=False)
+    assert row["sent"] == row["received"] == 0 and row["step_s"] > 0 and row["parameters"] > 0
+    assert row["update_peak_mib"] >= 0 or math.isnan(row["update_peak_mib"])
+    four, many = scripts.scale.estimate("resnet18", 10, 4), scripts.scale.estimate("resnet18", 10, 64)
+    assert four["replicated"] == 3 * four["per_sample"] and four["split"] == "tensors" and four["tensors"] == 42
+    assert four["exchange"] > four["replicated"] / 4 / 3  # at least the largest shard's quarter, from 3 processes
+    assert four["sharded"] == four["exchange"] + four["reduce"] + four["parameters"] < four["replicated"]
+    assert many["split"] == "even" and many["reduce"] == 2 * 63 / 64 * (640 * 641 // 2) * 4  # S's lower triangle
+
+
 @pytest.mark.slow
 def test_compare_on_a_text_config_reports_cross_entropy(scripts, tmp_path):
     """The text quick-start config on a local CSV and a tiny local BERT: the comparison plots and tables CE."""

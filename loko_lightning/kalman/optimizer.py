@@ -12,10 +12,9 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
-from loko_lightning.kalman.distributed import _all_reduce
 from loko_lightning.kalman.multistream import check_observation, layout_key, stack_observations
 from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
-from loko_lightning.kalman.sharded import ShardPlan, agree_and_apply, exchange_shards, gather_shards
+from loko_lightning.kalman.sharded import ShardPlan, agree_and_apply, exchange_shards, gather_shards, sum_symmetric
 from loko_lightning.kalman.update import UpdatePlan, loko_update
 from loko_lightning.observation import Observation, get_observation
 
@@ -593,7 +592,7 @@ class LoKO(torch.optim.Optimizer):
             proposal = plan.propose(
                 blocks, flat, stacked, goal, shared["R"], shared["step"], beta=self.defaults["beta"],
                 r_estimator=self.defaults["r_estimator"], rcond=self.defaults["rcond"], aggregation=aggregation,
-                reduce=lambda hpht: _all_reduce(hpht, None, timeout),
+                reduce=lambda hpht: sum_symmetric(hpht, None, timeout),
             )  # fmt: skip
         diagnostics = agree_and_apply(plan, params, shards, flat, proposal["posterior"], proposal["finite"],
                                       timeout=timeout)  # fmt: skip

@@ -20,15 +20,17 @@ collectives:
 2. an all-gather of the predictions and targets, and all-to-alls in which process ``r`` sends process ``d`` the
    blocks of ``d``'s parameters for its own ``B`` samples, so each process receives ``H_r`` for all ``W·B`` samples
    (``1/W`` of the replicated all-gather's bytes when the shards are balanced);
-3. an all-reduce (sum) of the shards' ``H_r P_r H_r^\top``, a ``W·B·m`` square matrix: every process then forms the
-   same ``R_k``, ``S`` and ``S⁺`` and computes its shard's gain and ``p̂_r``;
+3. an all-reduce (sum) of the shards' ``H_r P_r H_r^\top``, a symmetric ``W·B·m`` square matrix sent as its lower
+   triangle (:func:`sum_symmetric`): every process then forms the same ``R_k``, ``S`` and ``S⁺`` and computes its
+   shard's gain and ``p̂_r``;
 4. an all-gather of each shard's new parameter values, with its finiteness check and the statistics of ``p̂``: a step
    that is not finite on one shard is skipped on all, and every process's copy of the adapters is current for the
    next forward pass (``ñ`` numbers in all).
 
 Parameters and ``R`` stay identical on every process (the new parameter values are copied from their owner; the
 all-reduce gives every process the same sum). Only the order of the summation in ``H P Hᵀ`` differs from the
-replicated update (shard by shard instead of kind by kind), so the two agree to rounding: a relative perturbation
+replicated update (shard by shard instead of kind by kind, the upper triangle mirrored from the lower), so the two
+agree to rounding: a relative perturbation
 ``δ`` of ``S`` (at most about ``ñ·eps`` of ``|H| P |H|ᵀ``) changes the update by at most about ``cond(S)·δ`` relative.
 The diagonal information-form update (``observation: natural``) has no ``S``: each parameter's update depends on its
 own columns only, and the sharded update is the replicated one bit for bit.
@@ -51,10 +53,10 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
-from loko_lightning.kalman.distributed import _all_gather, _all_to_all, _pad_positions
+from loko_lightning.kalman.distributed import _all_gather, _all_reduce, _all_to_all, _pad_positions
 from loko_lightning.kalman.update import UpdatePlan
 
-__all__ = ["ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards"]
+__all__ = ["ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards", "sum_symmetric"]
 
 # The statistics each shard sends with its new parameters (see agree_and_apply).
 _STATS = ("check", "post_sum", "post_min", "post_max", "cov_sum", "cov_min", "cov_max", "gain_sq")
@@ -195,6 +197,19 @@ def exchange_shards(
     for i, pieces in received.items():
         blocks[i] = kind(jacobians[i]).with_parts(jacobians[i], pieces)
     return joined[0], joined[1], [blocks[i] for i in mine], shards
+
+
+def sum_symmetric(matrix: Tensor, group: dist.ProcessGroup | None = None, timeout: float | None = None) -> Tensor:
+    """The sum over the processes of a symmetric matrix (each shard's ``H_r P_r H_rᵀ``), by its lower triangle.
+
+    One all-reduce of the ``d (d + 1) / 2`` entries on and below the diagonal (half the bytes of the whole ``d x d``);
+    the result is exactly symmetric, its upper triangle the mirror of the summed lower one. ``H P Hᵀ`` is symmetric in
+    exact arithmetic; the update's eigendecomposition reads its lower triangle only.
+    """
+    lower = torch.ones(matrix.shape, dtype=torch.bool, device=matrix.device).tril_()
+    packed = _all_reduce(matrix.masked_select(lower), group, timeout)
+    summed = torch.zeros_like(matrix).masked_scatter_(lower, packed)
+    return summed + summed.tril(-1).T
 
 
 def agree_and_apply(
