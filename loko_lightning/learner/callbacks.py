@@ -243,10 +243,13 @@ class DivergenceGuard(pl.Callback):
         raise DivergenceError(message, field=field, owner=type(optimizer))
 
     def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        if hasattr(optimizer, "consolidate_state_dict"):  # a sharded LoKO's p̂ is spread over the processes, which
+            optimizer.consolidate_state_dict()  # all check alike (the metrics and p̂'s statistics are global)
         self._last_good = {
             "step": trainer.global_step,
             "params": [p.detach().clone() for p in pl_module.trainable_parameters],
-            "optimizer": copy.deepcopy(trainer.optimizers[0].state_dict()),
+            "optimizer": copy.deepcopy(optimizer.state_dict()),
         }
 
     def _restore_and_save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
