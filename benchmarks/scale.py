@@ -56,6 +56,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from step_time import _status_kib  # benchmarks/ is on sys.path when a script runs
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.jacobians.blocks import kind
@@ -113,14 +114,6 @@ def run(
         "peak_mib": peak_mib(),
         "added_after_warmup_mib": peak_mib() - warm_peak,
     }
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
 
 
 def _reset_peak() -> int | None:

@@ -105,15 +105,8 @@ def all_gather_observations(
     """
     world = dist.get_world_size(group)
     device, dtype = prediction.device, prediction.dtype
-    positions = [k for k in (kind(jac).positions(jac) for jac in jacobians) if k is not None]
-    count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    _all_gather(counts, count, group, timeout)
-    # One host read: the ranks' batch sizes (equal except at the stream's end) and factored blocks' positions.
-    table = torch.stack(counts).tolist()
-    sizes = [row[0] for row in table]
+    sizes, jacobians = _gather_counts(prediction, jacobians, group, timeout)
     top = max(sizes)
-    jacobians = _pad_positions(jacobians, [max(column) for column in zip(*(row[1:] for row in table), strict=True)])
     parts = _parts(prediction, target, jacobians)
     # One flat buffer per process (each part padded to `top` samples), one collective for all of them.
     per_sample = [part[0].numel() if part.shape[0] else part.shape[1:].numel() for part in parts]
@@ -130,6 +123,24 @@ def all_gather_observations(
         joined.append(torch.cat(pieces).view(sum(sizes), *part.shape[1:]))
         offset += top * numel
     return _rebuild(joined, jacobians)
+
+
+def _gather_counts(
+    prediction: Tensor, jacobians: Sequence[JacobianBlock], group: dist.ProcessGroup | None, timeout: float | None
+) -> tuple[list[int], list[JacobianBlock]]:
+    """Every process's number of samples, and this process's blocks padded to every factored block's most positions.
+
+    One all-gather and one host read: the batch sizes (equal except at the stream's end) and the factored blocks'
+    positions (texts padded to different lengths on different processes).
+    """
+    world = dist.get_world_size(group)
+    positions = [k for k in (kind(jac).positions(jac) for jac in jacobians) if k is not None]
+    count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=prediction.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    _all_gather(counts, count, group, timeout)
+    table = torch.stack(counts).tolist()
+    padded = _pad_positions(jacobians, [max(column) for column in zip(*(row[1:] for row in table), strict=True)])
+    return [row[0] for row in table], padded
 
 
 def _wait(work: Any, timeout: float | None) -> None:

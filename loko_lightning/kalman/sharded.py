@@ -53,7 +53,7 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
-from loko_lightning.kalman.distributed import _all_gather, _all_reduce, _all_to_all, _pad_positions
+from loko_lightning.kalman.distributed import _all_gather, _all_reduce, _all_to_all, _gather_counts
 from loko_lightning.kalman.update import UpdatePlan
 
 __all__ = ["ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards", "sum_symmetric"]
@@ -134,14 +134,8 @@ def exchange_shards(
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device, dtype = prediction.device, prediction.dtype
-    positions = [k for k in (kind(jac).positions(jac) for jac in jacobians) if k is not None]
-    count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    _all_gather(counts, count, group, timeout)
-    table = torch.stack(counts).tolist()
-    sizes = [row[0] for row in table]
+    sizes, jacobians = _gather_counts(prediction, jacobians, group, timeout)
     top, m, own = max(sizes), prediction.shape[1], prediction.shape[0]
-    jacobians = _pad_positions(jacobians, [max(column) for column in zip(*(row[1:] for row in table), strict=True)])
     parts = [kind(jac).parts(jac) for jac in jacobians]
     per_sample = [[part.shape[1:].numel() for part in block] for block in parts]
     if shards is None:
