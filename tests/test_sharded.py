@@ -25,8 +25,17 @@ STEPS = 12
 CASES = (
     ("paper", {}, True),
     ("dense", {}, False),
+    ("time", {}, True),
+    ("topk1", {"observation": "topk1"}, True),
     ("natural", {"observation": "natural", "p0": 0.05}, True),
+    ("natural_exact", {"observation": "natural_exact", "p0": 0.05}, True),
 )
+# Per case, the time update of the two param groups (not the paper; the paper's cases have a small one too).
+TIME = {
+    "time": ({"inflation": 1e-3, "p_floor": 1e-4}, {"forgetting": 1e-3}),
+    "natural": ({}, {}),
+    "natural_exact": ({"forgetting": 1e-3}, {"shrinkage": 1e-3}),
+}
 POISON = 5  # the step at which the last rank's input is NaN: the joint step is skipped everywhere
 
 
@@ -44,16 +53,14 @@ def batch_at(items, world, rank, step):
     return x, torch.stack(ys).argmax(-1)
 
 
-def build(arguments):
+def build(name):
     torch.manual_seed(0)
     model = SmallConvNet().double()
+    first, second = TIME.get(name, ({"process_noise": 1e-4}, {"shrinkage": 1e-3}))  # differ between the groups
     groups = [
-        {"params": [model.conv1.weight, model.conv1.bias, model.conv2.weight]},
-        {"params": [p for name, p in model.named_parameters() if not name.startswith(("conv1", "conv2"))]},
+        {"params": [model.conv1.weight, model.conv1.bias, model.conv2.weight], **first},
+        {"params": [p for n, p in model.named_parameters() if not n.startswith(("conv1", "conv2"))], **second},
     ]
-    if arguments.get("observation") != "natural":  # a time update that differs between the groups
-        groups[1]["shrinkage"] = 1e-3
-        groups[0]["process_noise"] = 1e-4
     return model, groups
 
 
@@ -68,7 +75,7 @@ def worker(rank, world, port, out):
         items = list(conv_stream(world * 2 * STEPS))
         results = {}
         for name, arguments, factorize in CASES:
-            model, groups = build(arguments)
+            model, groups = build(name)
             sharded_model = copy.deepcopy(model)
             sharded_groups = [
                 {**g, "params": [dict(sharded_model.named_parameters())[n] for n in names(model, g["params"])]}
@@ -103,7 +110,11 @@ def worker(rank, world, port, out):
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine)
             reference = flat(model, [replicated.state[p]["cov"] for p in params], replicated.state[params[0]]["R"])
-            start = torch.cat([p.detach().reshape(-1) for p in build(arguments)[0].parameters()])
+            start = torch.cat([p.detach().reshape(-1) for p in build(name)[0].parameters()])
+            # The optimizer's own state is untouched by state_dict(): p̂ of its own parameters only, still views.
+            owned = {i for i, owner in enumerate(sharded._shards.owners) if owner == rank}
+            live = [i for i, p in enumerate(sharded_model.parameters()) if "cov" in sharded.state[p]]
+            assert set(live) == owned, (live, owned)
             results[name] = {
                 "sharded": gathered,
                 "replicated": reference,
@@ -133,6 +144,25 @@ def worker(rank, world, port, out):
         flags = [None] * world
         dist.all_gather_object(flags, results["ragged"])
         results["ragged"] = flags
+        # A closure whose result is wrong on the last process only: every process raises at the same step.
+        model = torch.nn.Linear(3, 2).double()
+        opt = LoKO(model.parameters(), seed=0, shard=True, collective_timeout=60)
+        x, y = torch.randn(1, 3, dtype=torch.float64), torch.tensor([[0.0, 1.0]], dtype=torch.float64)
+
+        def closure():
+            prediction, jacobians = jacobian(model, x)
+            return prediction[None], y, jacobians[:1] if rank == world - 1 else [j[None] for j in jacobians]
+
+        try:
+            opt.step(closure)
+            raised = None
+        except ValueError as err:
+            raised = type(err).__name__ + ": " + str(err)
+        messages = [None] * world
+        dist.all_gather_object(messages, raised)
+        results["invalid"] = messages
+        with pytest.raises(ValueError, match="add_param_group after sharded steps"):
+            sharded.add_param_group({"params": [torch.zeros(2, dtype=torch.float64, requires_grad=True)]})
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
@@ -164,16 +194,31 @@ def test_every_process_ends_with_the_same_parameters_and_filter_state(sharded_ru
         assert len(set(results[name]["owners"])) == world  # every process owns a shard; at W = 3 they are uneven
 
 
-def test_the_natural_gradient_filter_sharded_is_the_replicated_one_bit_for_bit(sharded_run):
-    """The information-form update has no S: each entry depends on its own columns of H only, which the all-to-all
-    delivers unchanged, so the sharded update is the replicated one bit for bit."""
+@pytest.mark.parametrize("name", ["natural", "natural_exact"])
+def test_the_natural_gradient_filter_sharded_is_the_replicated_one_bit_for_bit(sharded_run, name):
+    """The information-form update has no S: each entry depends on its own columns of H only (one row per sample,
+    or m + 1 with the exact Fisher), which the all-to-all delivers unchanged and which are summed over the samples in
+    an order that does not depend on where a column sits, so the sharded update is the replicated one bit for bit."""
     _, results = sharded_run
-    case = results["natural"]
+    case = results[name]
     assert torch.equal(case["sharded"][0], case["replicated"])
     assert (case["replicated"][: case["n"]] - case["start"]).abs().max() > 1e-3  # the parameters moved
 
 
-@pytest.mark.parametrize("name", ["paper", "dense"])
+def test_an_invalid_observation_on_one_process_stops_every_process_at_once(sharded_run):
+    """The last process's closure returns one block too few: it raises its own error, the others learn it at the
+    first exchange and raise too, instead of waiting for it until the timeout."""
+    world, results = sharded_run
+    *others, last = results["invalid"]
+    assert last.startswith("ValueError: Invalid jacobians: expected 2 (one per parameter), got 1"), last
+    assert all(
+        m == f"InvalidElsewhere: Invalid observation on process {world - 1}: its closure's result failed the "
+        "checks (that process's error says which); every process stops at this step"
+        for m in others
+    ), others
+
+
+@pytest.mark.parametrize("name", ["paper", "dense", "time", "topk1"])
 def test_the_paper_filter_sharded_equals_the_replicated_one_to_rounding(sharded_run, name):
     """Only the order of the sum ``H P Hᵀ = Σ_shards H_r P_r H_rᵀ`` differs (shard by shard instead of kind by kind).
 

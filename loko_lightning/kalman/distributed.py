@@ -18,6 +18,7 @@ size of the Jacobian factors, not with the number of parameters for factored blo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -105,7 +106,8 @@ def all_gather_observations(
     """
     world = dist.get_world_size(group)
     device, dtype = prediction.device, prediction.dtype
-    sizes, jacobians = _gather_counts(prediction, jacobians, group, timeout)
+    counts = gather_counts(prediction, jacobians, group, timeout)
+    sizes, jacobians = counts.sizes, _pad_to(jacobians, counts.positions)
     top = max(sizes)
     parts = _parts(prediction, target, jacobians)
     # One flat buffer per process (each part padded to `top` samples), one collective for all of them.
@@ -125,22 +127,66 @@ def all_gather_observations(
     return _rebuild(joined, jacobians)
 
 
-def _gather_counts(
-    prediction: Tensor, jacobians: Sequence[JacobianBlock], group: dist.ProcessGroup | None, timeout: float | None
-) -> tuple[list[int], list[JacobianBlock]]:
-    """Every process's number of samples, and this process's blocks padded to every factored block's most positions.
+@dataclass(frozen=True)
+class Counts:
+    """What the processes told each other before an exchange (:func:`gather_counts`).
 
-    One all-gather and one host read: the batch sizes (equal except at the stream's end) and the factored blocks'
-    positions (texts padded to different lengths on different processes).
+    Attributes:
+        sizes: each process's number of samples (equal except at the stream's short last step).
+        positions: per parameter slot, the most positions of a factored block over the processes (0 for other blocks).
+        invalid: the processes whose observation failed their own checks (nothing is exchanged then).
+    """
+
+    sizes: list[int]
+    positions: tuple[int, ...]
+    invalid: list[int]
+
+
+def gather_counts(
+    prediction: Tensor | None,
+    jacobians: Sequence[JacobianBlock],
+    group: dist.ProcessGroup | None,
+    timeout: float | None,
+    slots: int | None = None,
+    device: torch.device | None = None,
+) -> Counts:
+    """One all-gather of every process's number of samples and its factored blocks' positions, and one host read.
+
+    Args:
+        prediction: this process's ``(B, m)`` predictions; ``None``: its observation is invalid (it says so, so that
+            every process stops at the same point instead of the others waiting for it).
+        jacobians: its blocks (ignored when ``prediction`` is ``None``).
+        group: the process group.
+        timeout: seconds the all-gather may wait.
+        slots: the number of blocks every process has (default: ``len(jacobians)``).
+        device: where the counts live when ``prediction`` is ``None``.
     """
     world = dist.get_world_size(group)
-    positions = [k for k in (kind(jac).positions(jac) for jac in jacobians) if k is not None]
-    count = torch.tensor([prediction.shape[0], *positions], dtype=torch.int64, device=prediction.device)
+    slots = len(jacobians) if slots is None else slots
+    row = [0] * (2 + slots)
+    if prediction is not None:
+        row[:2] = [1, prediction.shape[0]]
+        for index, jac in enumerate(jacobians):
+            row[2 + index] = kind(jac).positions(jac) or 0
+        device = prediction.device
+    count = torch.tensor(row, dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     _all_gather(counts, count, group, timeout)
     table = torch.stack(counts).tolist()
-    padded = _pad_positions(jacobians, [max(column) for column in zip(*(row[1:] for row in table), strict=True)])
-    return [row[0] for row in table], padded
+    return Counts(
+        sizes=[row[1] for row in table],
+        positions=tuple(max(column) for column in zip(*(row[2:] for row in table), strict=True)),
+        invalid=[rank for rank, row in enumerate(table) if not row[0]],
+    )
+
+
+def _pad_to(jacobians: Sequence[JacobianBlock], positions: Sequence[int]) -> list[JacobianBlock]:
+    """Factored blocks padded with zero positions up to ``positions`` (one count per block; others as they are)."""
+    padded = []
+    for jac, wanted in zip(jacobians, positions, strict=True):
+        block = kind(jac)
+        padded.append(jac if block.positions(jac) is None else block.pad_positions(jac, wanted))
+    return padded
 
 
 def _wait(work: Any, timeout: float | None) -> None:
@@ -184,12 +230,3 @@ def _all_to_all(
     size = tensor.element_size()
     _count((sum(in_splits) - in_splits[rank]) * size, (sum(out_splits) - out_splits[rank]) * size)
     _wait(dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group, async_op=True), timeout)
-
-
-def _pad_positions(jacobians: Sequence[JacobianBlock], positions: list[int]) -> list[JacobianBlock]:
-    """Blocks with positions padded with zero positions up to ``positions`` (one count per such block, in order)."""
-    padded, wanted = [], iter(positions)
-    for jac in jacobians:
-        block = kind(jac)
-        padded.append(jac if block.positions(jac) is None else block.pad_positions(jac, next(wanted)))
-    return padded

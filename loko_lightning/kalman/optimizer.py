@@ -14,7 +14,14 @@ from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
 from loko_lightning.kalman.multistream import check_observation, layout_key, stack_observations
 from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
-from loko_lightning.kalman.sharded import ShardPlan, agree_and_apply, exchange_shards, gather_shards, sum_symmetric
+from loko_lightning.kalman.sharded import (
+    InvalidElsewhere,
+    ShardPlan,
+    agree_and_apply,
+    exchange_shards,
+    gather_shards,
+    sum_symmetric,
+)
 from loko_lightning.kalman.update import UpdatePlan, loko_update
 from loko_lightning.observation import Observation, get_observation
 
@@ -234,6 +241,7 @@ class LoKO(torch.optim.Optimizer):
         self.collective_timeout = collective_timeout
         self._shards: ShardPlan | None = None  # the owners of the parameters once a sharded step has run
         self._consolidated: dict[int, Tensor] | None = None  # every p̂, gathered by consolidate_state_dict
+        self._shard_dtypes: list[torch.dtype] = []  # p̂'s dtype per parameter when the shards were made
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
         defaults = dict(
@@ -274,6 +282,12 @@ class LoKO(torch.optim.Optimizer):
         r"""Add a param group and draw :math:`\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
         if "lr" in param_group:
             raise ValueError(_NO_LR)
+        if getattr(self, "_shards", None) is not None:
+            raise ValueError(
+                "add_param_group after sharded steps: the parameters are split between the processes already; "
+                "consolidate_state_dict() and state_dict() on every process, then build a LoKO with every group and "
+                "load that state"
+            )
         super().add_param_group(param_group)
         self.param_groups[-1] = _ParamGroup(self.param_groups[-1])
         self._resolve_statistics()
@@ -349,7 +363,8 @@ class LoKO(torch.optim.Optimizer):
             return
         params = self._params()
         covs = [self.state[p].get("cov") for p in params]
-        gathered = gather_shards(covs, [p.shape for p in params], self._shards)
+        shapes = [p.shape for p in params]
+        gathered = gather_shards(covs, shapes, self._shard_dtypes, self._shards, timeout=self.collective_timeout)
         self._consolidated = dict(enumerate(gathered))
 
     def state_dict(self) -> dict[str, Any]:
@@ -366,6 +381,8 @@ class LoKO(torch.optim.Optimizer):
                 "LoKO(shard=True) keeps p-hat of its own shard of the parameters only: call consolidate_state_dict() "
                 "on every process first (Lightning's checkpointing does), then state_dict()"
             )
+        # Torch's state dict holds the live per-parameter dicts: new ones, so that the optimizer's own are untouched.
+        state["state"] = {index: dict(values) for index, values in state["state"].items()}
         for index, cov in self._consolidated.items():
             state["state"].setdefault(index, {})["cov"] = cov
         self._consolidated = None
@@ -537,31 +554,45 @@ class LoKO(torch.optim.Optimizer):
         rows = (
             self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
         )
-        if isinstance(prediction, Tensor) and prediction.dim() == 1:  # one sample: a batch of one
-            check_observation(prediction, target, jacobians, params, batched=False, rows=rows)
-            prediction, target = prediction[None], target[None]
-            jacobians = [kind(jac).stack([jac]) for jac in jacobians]
-        check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
+        error = None
+        try:  # this process's own observation; every process learns at the first exchange whether all were valid
+            if isinstance(prediction, Tensor) and prediction.dim() == 1:  # one sample: a batch of one
+                check_observation(prediction, target, jacobians, params, batched=False, rows=rows)
+                prediction, target = prediction[None], target[None]
+                jacobians = [kind(jac).stack([jac]) for jac in jacobians]
+            check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
+        except ValueError as err:
+            error = err
         self._consolidated = None
         timeout = self.collective_timeout
-        prediction, target, blocks, shards = exchange_shards(
-            prediction.detach(), target.detach(), jacobians, self._shards, timeout=timeout
-        )
+        try:
+            prediction, target, blocks, shards, counts = exchange_shards(
+                None if error else prediction.detach(), None if error else target.detach(), jacobians, self._shards,
+                timeout=timeout, slots=len(params), device=params[0].device,
+            )  # fmt: skip
+        except InvalidElsewhere:
+            if error is not None:
+                raise error from None
+            raise
         rank = dist.get_rank()
         if self._shards is None:  # the first sharded step: keep p̂ of this process's parameters only
+            # One arithmetic dtype on every process, the replicated update's (that of the first parameter's p̂).
+            self._shard_dtypes = [self.state[p]["cov"].dtype for p in params]
             for index, param in enumerate(params):
                 if shards.owners[index] != rank:
                     self.state[param].pop("cov", None)
                     if not self.state[param]:
                         del self.state[param]
             self._shards, self._plan, self._plan_key = shards, None, None
+        dtype = self._shard_dtypes[0]
         mine = shards.mine(rank)
         own = [params[i] for i in mine]
         settings = [tuple(values[i] for i in mine) for values in self._time_update_settings()]
         samples = prediction.shape[0]
         full = (prediction, target)
         stacked, goal, blocks = stack_observations(prediction, target, blocks, rows)
-        key = layout_key(stacked, goal, blocks, (*settings, samples))
+        # The key includes what every process learnt (counts, positions), so that all take the same checks' branch.
+        key = layout_key(stacked, goal, blocks, (*settings, samples, tuple(counts.sizes), counts.positions))
         if key is None or key != self._plan_key:
             check_observation(stacked, goal, blocks, own, batched=False, rows=rows * samples)
             self.observation.check(*full)
@@ -574,11 +605,11 @@ class LoKO(torch.optim.Optimizer):
         if observed is not None:
             aggregation, stacked, goal = observed[:2], observed[2].reshape(-1), observed[3].reshape(-1)
         covs = [self.state[p]["cov"] for p in own]
-        shared = self._shared_state(m, stacked.device, covs[0].dtype)
+        shared = self._shared_state(m, stacked.device, dtype)
         if self._plan is None:
             noise, floor, shrinkage, inflation, forgetting, reference = settings
             self._plan = UpdatePlan(
-                blocks, [p.shape for p in own], noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=floor,
+                blocks, [p.shape for p in own], noise, dtype, covs[0].device, samples=samples, p_floor=floor,
                 shrinkage=shrinkage, inflation=inflation, forgetting=forgetting, reference=reference,
             )  # fmt: skip
             self._plan_key, self._cov_flat = key, None

@@ -53,13 +53,13 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
-from loko_lightning.kalman.distributed import _all_gather, _all_reduce, _all_to_all, _gather_counts
+from loko_lightning.kalman.distributed import Counts, _all_gather, _all_reduce, _all_to_all, _pad_to, gather_counts
 from loko_lightning.kalman.update import UpdatePlan
 
-__all__ = ["ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards", "sum_symmetric"]
+__all__ = ["InvalidElsewhere", "ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards", "sum_symmetric"]
 
 # The statistics each shard sends with its new parameters (see agree_and_apply).
-_STATS = ("check", "post_sum", "post_min", "post_max", "cov_sum", "cov_min", "cov_max", "gain_sq")
+_STATS = ("finite", "check", "post_sum", "post_min", "post_max", "cov_sum", "cov_min", "cov_max", "gain_sq")
 
 
 @dataclass(frozen=True)
@@ -100,18 +100,37 @@ class ShardPlan:
         return [index for index, owner in enumerate(self.owners) if owner == rank]
 
 
+class InvalidElsewhere(ValueError):
+    """Another process's observation failed its checks: every process stops at the same exchange.
+
+    Attributes:
+        ranks: the processes whose observation was invalid.
+    """
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(
+            f"Invalid observation on process {', '.join(map(str, ranks))}: its closure's result failed the checks "
+            "(that process's error says which); every process stops at this step"
+        )
+        self.ranks = ranks
+
+
 def exchange_shards(
-    prediction: Tensor,
-    target: Tensor,
+    prediction: Tensor | None,
+    target: Tensor | None,
     jacobians: Sequence[JacobianBlock],
     shards: ShardPlan | None = None,
     group: dist.ProcessGroup | None = None,
     timeout: float | None = None,
-) -> tuple[Tensor, Tensor, list[JacobianBlock], ShardPlan]:
+    slots: int | None = None,
+    device: torch.device | None = None,
+) -> tuple[Tensor, Tensor, list[JacobianBlock], ShardPlan, Counts]:
     """Every process's predictions and targets, and the blocks of this process's parameters for every sample.
 
     Args:
-        prediction: this process's ``(B_r, m)`` predictions.
+        prediction: this process's ``(B_r, m)`` predictions; ``None`` when its observation failed its own checks:
+            it still takes part in the first all-gather, after which every process raises
+            (:class:`InvalidElsewhere` on the others), instead of the others waiting for it.
         target: its ``(B_r, m)`` targets.
         jacobians: its batched blocks, one per parameter (as for
             :func:`~loko_lightning.kalman.distributed.all_gather_observations`; factored blocks with fewer positions
@@ -120,10 +139,17 @@ def exchange_shards(
             parameter's blocks send per sample.
         group: the process group (default: the world).
         timeout: seconds each collective may wait for the other processes; ``None``: the group's own timeout.
+        slots: the number of parameters (needed when ``prediction`` is ``None``).
+        device: where the counts live when ``prediction`` is ``None``.
 
     Returns:
-        ``(prediction, target, blocks, shards)``: ``Σ_r B_r`` samples in rank order, ``blocks`` one batched block for
-        each parameter this process owns (in parameter order), and the shard plan used.
+        ``(prediction, target, blocks, shards, counts)``: ``Σ_r B_r`` samples in rank order, ``blocks`` one batched
+        block for each parameter this process owns (in parameter order), the shard plan used and what the processes
+        told each other (:class:`~loko_lightning.kalman.distributed.Counts`: the same on every process).
+
+    Raises:
+        InvalidElsewhere: another process's observation failed its checks (this one's too, if ``prediction`` is
+            ``None``: its caller raises its own error then).
 
     The predictions and targets are all-gathered. The blocks go by all-to-all, in which each process receives, from
     every process in rank order, exactly the samples it has: the received buffer of a part is then the joined part
@@ -133,8 +159,11 @@ def exchange_shards(
     ``j``-th part of every process's shard in the ``j``-th all-to-all.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    counts = gather_counts(prediction, jacobians, group, timeout, slots, device)
+    if counts.invalid:
+        raise InvalidElsewhere(counts.invalid)
     device, dtype = prediction.device, prediction.dtype
-    sizes, jacobians = _gather_counts(prediction, jacobians, group, timeout)
+    sizes, jacobians = counts.sizes, _pad_to(jacobians, counts.positions)
     top, m, own = max(sizes), prediction.shape[1], prediction.shape[0]
     parts = [kind(jac).parts(jac) for jac in jacobians]
     per_sample = [[part.shape[1:].numel() for part in block] for block in parts]
@@ -190,7 +219,7 @@ def exchange_shards(
             received[slot[0]].append(out.view(sum(sizes), *parts[slot[0]][slot[1]].shape[1:]))
     for i, pieces in received.items():
         blocks[i] = kind(jacobians[i]).with_parts(jacobians[i], pieces)
-    return joined[0], joined[1], [blocks[i] for i in mine], shards
+    return joined[0], joined[1], [blocks[i] for i in mine], shards, counts
 
 
 def sum_symmetric(matrix: Tensor, group: dist.ProcessGroup | None = None, timeout: float | None = None) -> Tensor:
@@ -230,7 +259,7 @@ def agree_and_apply(
         shards: the owners.
         cov: this shard's ``p̂`` (flat, the plan's order), written in place if the step is applied.
         posterior: its proposed ``p̂_k``.
-        finite: whether the innovation and ``S`` are finite.
+        finite: whether the innovation and ``S`` are finite (the same on every process; gathered all the same).
         group: the process group.
         timeout: seconds the all-gather may wait.
 
@@ -257,12 +286,14 @@ def agree_and_apply(
         offset += numels[index]
     post_min, post_max = torch.aminmax(posterior)
     cov_min, cov_max = torch.aminmax(cov)
-    stats = [check, posterior.sum(), post_min, post_max, cov.sum(), cov_min, cov_max, update.square().sum()]
+    stats = [finite.to(check.dtype), check, posterior.sum(), post_min, post_max, cov.sum(), cov_min, cov_max,
+             update.square().sum()]  # fmt: skip
     local[width:] = torch.stack(stats).to(wide)
     gathered = [torch.empty_like(local) for _ in range(world)]
     _all_gather(gathered, local, group, timeout)
     table = torch.stack([buffer[width:] for buffer in gathered])
-    applied = finite & torch.isfinite(table[:, 0]).all()
+    # Decided from the gathered values only, so that every process decides alike.
+    applied = (table[:, 0] == 1).all() & torch.isfinite(table[:, 1]).all()
     torch.where(applied, posterior, cov, out=cov)
     with torch.no_grad():
         for source, buffer in enumerate(gathered):
@@ -286,31 +317,32 @@ def agree_and_apply(
 def gather_shards(
     tensors: Sequence[Tensor | None],
     shapes: Sequence[torch.Size],
+    dtypes: Sequence[torch.dtype],
     shards: ShardPlan,
     group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
 ) -> list[Tensor]:
     """Every parameter's tensor (``p̂``) on every process, from the owners' (``None`` where this process owns none).
 
-    One all-gather of each process's tensors, flat and padded to the largest shard.
+    One all-gather of each process's tensors, flat in float64 (exact for every floating dtype ``p̂`` may have, so that
+    every process sends the same dtype whichever parameters it owns) and padded to the largest shard; each result in
+    its own dtype (``dtypes``, in parameter order).
     """
     world, rank = shards.world, dist.get_rank(group)
     mine = shards.mine(rank)
-    own = [tensors[i] for i in mine]
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in own) else own[0].dtype
     numels = [torch.Size(s).numel() for s in shapes]
     width = max(sum(numels[i] for i in shards.mine(r)) for r in range(world))
-    local = torch.zeros(width, dtype=dtype, device=own[0].device)
+    local = torch.zeros(width, dtype=torch.float64, device=tensors[mine[0]].device)
     offset = 0
-    for i, tensor in zip(mine, own, strict=True):
-        local[offset : offset + numels[i]] = tensor.reshape(-1)
+    for i in mine:
+        local[offset : offset + numels[i]] = tensors[i].reshape(-1)
         offset += numels[i]
-    # Every process sends a buffer of the same dtype (p̂ has the arithmetic dtype, the same everywhere).
     gathered = [torch.empty_like(local) for _ in range(world)]
-    _all_gather(gathered, local, group, None)
+    _all_gather(gathered, local, group, timeout)
     result: list[Tensor] = [torch.empty(0)] * len(shapes)
     for source, buffer in enumerate(gathered):
         offset = 0
         for i in shards.mine(source):
-            result[i] = buffer[offset : offset + numels[i]].view(shapes[i]).clone()
+            result[i] = buffer[offset : offset + numels[i]].view(shapes[i]).to(dtypes[i], copy=True)
             offset += numels[i]
     return result

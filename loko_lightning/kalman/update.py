@@ -99,6 +99,34 @@ def _pinv_factor(S: Tensor, innovation: Tensor, rcond: float | None) -> tuple[Te
     return torch.cat([root_t, w[None]]), cond
 
 
+def _sum_rows(rows: Tensor, out: Tensor, square: bool = False) -> Tensor:
+    """``Σ_r rows[r]`` (or of their squares) into ``out``, each entry summed in an order that depends on ``r`` only.
+
+    Elementwise adds round every entry alike wherever its column sits, so a shard of the columns
+    (:mod:`loko_lightning.kalman.sharded`) gets the same bits; a reduction kernel's order can depend on the column's
+    place in the vector lanes. Up to 16 rows are added one after another; more in a pairwise tree (row ``i`` with row
+    ``i + half``), ``log2`` of the rows in kernel launches.
+    """
+    count = rows.shape[0]
+    if count <= 16:
+        if square:
+            torch.mul(rows[0], rows[0], out=out)
+        else:
+            out.copy_(rows[0])
+        scratch = torch.empty_like(out) if square and count > 1 else None
+        for row in rows[1:]:
+            out.add_(torch.mul(row, row, out=scratch) if square else row)
+        return out
+    level = rows * rows if square else rows
+    while level.shape[0] > 1:
+        half = level.shape[0] // 2
+        paired = level[:half] + level[half : 2 * half]
+        if level.shape[0] % 2:
+            paired[-1] += level[-1]
+        level = paired
+    return out.copy_(level[0])
+
+
 class UpdatePlan:
     """The part of a LoKO update that depends only on the layout of the Jacobian, computed once per layout.
 
@@ -419,17 +447,9 @@ class UpdatePlan:
         innovation = target.to(dtype) - prediction.to(dtype)
         rows = self.rows_matrix(jacobians).view(self.samples, self.m // self.samples, self.n)
         update, info = self._update, self._quad
-        # Sums over the samples (and factors) one row at a time: elementwise adds round each entry alike wherever its
-        # column sits, so a shard of the columns (kalman.sharded) gets the same bits; a reduction kernel's order
-        # depends on the column's place in the vector lanes.
         factors = rows[:, 0] if rows.shape[1] == 1 else rows[:, 1:].reshape(-1, self.n)
-        update.copy_(rows[0, 0])
-        for row in rows[1:, 0]:
-            update.add_(row)
-        torch.mul(factors[0], factors[0], out=info)
-        square = torch.empty_like(info) if factors.shape[0] > 1 else None
-        for factor in factors[1:]:
-            info.add_(torch.mul(factor, factor, out=square))
+        _sum_rows(rows[:, 0], update)
+        _sum_rows(factors, info, square=True)
         # p̂_k = p̂_{k|k-1} / (1 + p̂_{k|k-1} ⊙ info), the mean with the posterior p̂_k.
         posterior = info.mul_(prior).add_(self._one).reciprocal_().mul_(prior)
         update.mul_(self._floor(posterior))
