@@ -311,10 +311,10 @@ def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path, two_proc
 def test_a_sharded_loko_fit_stays_in_sync_checkpoints_the_whole_state_and_resumes_exactly(tmp_path, two_processes):
     """``--model.optimizer.init_args.shard true``: each process updates its shard of the adapters; the ranks end with
     the same θ̃, p̂ (gathered) and R, every sample is scored once, the checkpoints and the divergence guard's records
-    hold every parameter's p̂ (gathered by consolidate_state_dict on every process), and a run resumed from the step-6 checkpoint ends bit for bit like the
-    uninterrupted one. Against the replicated run only the order of one sum differs; in float32 the 12 steps amplify
-    that rounding (the largest gap printed was 0.07; with --model.optimizer.init_args.dtype torch.float64 it was 1e-15,
-    the bound is tested in test_sharded.py)."""
+    hold every parameter's p̂ (gathered by consolidate_state_dict on every process), and a run resumed from the
+    step-6 checkpoint ends bit for bit like the uninterrupted one. Against the replicated run only the order of one
+    sum differs; in float32 the 12 steps amplify that rounding (the largest gap printed was 0.07; with
+    --model.optimizer.init_args.dtype torch.float64 it was 1e-15, the bound is tested in test_sharded.py)."""
     shard = ("--model.optimizer.init_args.shard", "true")
     # The divergence guard keeps the state of every 4th step (the whole state, gathered on every process).
     full, checkpoints, _ = loko_ddp(tmp_path, "sharded", *shard, guard_every=4)
