@@ -634,11 +634,10 @@ class LoKO(torch.optim.Optimizer):
             torch.where(applied, proposal["R"], shared["R"], out=shared["R"])
         shared["step"].add_(applied.to(torch.int64))
         shared["skipped"].add_((~applied).to(torch.int64))
-        innovation = goal.to(plan.dtype) - stacked.to(plan.dtype)
         nan = torch.full((), math.nan, dtype=plan.dtype, device=plan.device)
         self._diagnostics = {
             **diagnostics,
-            "innovation_norm": torch.linalg.vector_norm(innovation),
+            "innovation_norm": torch.linalg.vector_norm(proposal["innovation"]),
             "cond": proposal.get("cond", nan),
             "skipped": shared["skipped"],
             "step": shared["step"],

@@ -277,7 +277,8 @@ class UpdatePlan:
         torch.where(applied, R_k, R, out=R)
         step.add_(applied.to(step.dtype))
 
-        diagnostics = {"applied": applied, "innovation_norm": proposal["innovation_norm"], "cond": proposal["cond"]}
+        norm = torch.linalg.vector_norm(proposal["innovation"])
+        diagnostics = {"applied": applied, "innovation_norm": norm, "cond": proposal["cond"]}
         return {**diagnostics, **self.statistics(cov)} if statistics else diagnostics
 
     def propose(
@@ -303,7 +304,8 @@ class UpdatePlan:
 
         Returns:
             ``posterior`` (``p̂_k`` after the time update and the floor, this plan's work vector), ``finite`` (whether
-            the innovation and ``S`` are finite), ``R`` (``R_k``), ``cond`` and ``innovation_norm``.
+            the innovation and ``S`` are finite), ``R`` (``R_k``), ``cond`` and ``innovation`` (``e``, as
+            :meth:`propose_information` gives it).
         """
         dtype = self.dtype
         # 1. Predict: θ̃_{k|k-1} = θ̃_{k-1}, p̂_{k|k-1} = p̂_{k-1} + q.
@@ -332,8 +334,7 @@ class UpdatePlan:
         posterior = torch.addcmul(self._one, prior, quad, value=-1.0, out=quad)
         posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
         self._time_update(posterior)
-        norm = torch.linalg.vector_norm(innovation)
-        return {"posterior": posterior, "finite": finite, "R": R_k, "cond": cond, "innovation_norm": norm}
+        return {"posterior": posterior, "finite": finite, "R": R_k, "cond": cond, "innovation": innovation}
 
     @property
     def update(self) -> Tensor:
