@@ -4,15 +4,15 @@ Usage:
     python benchmarks/step_time.py                      # resnet18/m=10, resnet50/m=100, MiniLM text/m=2
     python benchmarks/step_time.py --cases resnet18:10 --steps 30 --text-cases
     python benchmarks/step_time.py --cases --text-cases minilm:2 --seq-len 64   # the text case alone
-    python benchmarks/step_time.py --observation natural --cases vit_base_patch16_224:100 --text-cases \
-        --image-size 224 --target query                  # another observation, ViT-B/16 at 224 px
+    python benchmarks/step_time.py --filter natural --cases vit_base_patch16_224:100 --text-cases \
+        --image-size 224 --target query                  # another filter, ViT-B/16 at 224 px
     python benchmarks/step_time.py --device cuda       # on the GPU
 
 For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
 ``groups == 1`` (``--target``) plus a new ``m``-class head, 32x32 input (``--image-size``). A LoKO step is
 ``JacobianEngine(..., factorize=True).observe`` (the engine built once per model, as the training loop builds it)
-plus ``LoKO.step``, with the observation ``--observation`` (``softmax``: the paper's; ``natural``/``natural_exact``:
-the natural-gradient filter, one or ``m + 1`` reverse rows);
+plus ``LoKO.step``, with the filter ``--filter`` (``covariance``: the paper's; ``natural``/``natural_exact``: the
+natural-gradient filter, one or ``m + 1`` reverse rows; ``lofi<L>``) and the observation ``--observation``;
 an AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by step after a warm-up,
 and the script prints medians as ratios to the AdamW step (absolute times on a shared machine are noise; ratios
 measured side by side are not), the Kalman arithmetic's share of the LoKO step, and the peak memory of each step
@@ -54,7 +54,7 @@ from torch.nn import functional as F
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.models import TimmClassifier
 
-OPTIONS = {"observation": "softmax", "target": "convs", "image_size": 32, "device": "cpu"}
+OPTIONS = {"observation": "softmax", "filter": "covariance", "target": "convs", "image_size": 32, "device": "cpu"}
 
 
 def build(backbone: str, num_classes: int) -> nn.Module:
@@ -65,8 +65,9 @@ def build(backbone: str, num_classes: int) -> nn.Module:
 
 
 def new_loko(params: list[torch.Tensor]) -> LoKO:
-    return LoKO(params, p0=0.2 if OPTIONS["observation"] == "softmax" else 0.03, seed=0,
-                observation=OPTIONS["observation"])  # fmt: skip
+    paper = OPTIONS["observation"] == "softmax" and OPTIONS["filter"] == "covariance"
+    return LoKO(params, p0=0.2 if paper else 0.03, seed=0, observation=OPTIONS["observation"],
+                filter=OPTIONS["filter"])  # fmt: skip
 
 
 def image() -> torch.Tensor:
@@ -207,13 +208,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each kind per case")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object per case")
-    parser.add_argument("--observation", default="softmax", help="LoKO's observation: softmax, natural, ...")
+    parser.add_argument("--observation", default="softmax", help="LoKO's observation: softmax, topk5, ...")
+    parser.add_argument("--filter", default="covariance", help="LoKO's filter: covariance, natural, lofi10, ...")
     parser.add_argument("--target", default="convs", help="LoRA target preset of the image backbones")
     parser.add_argument("--image-size", type=int, default=32, help="input size of the image cases")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (timed with a synchronize around each step)")
     parser.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    OPTIONS.update(observation=args.observation, target=args.target, image_size=args.image_size, device=args.device)
+    OPTIONS.update(observation=args.observation, filter=args.filter, target=args.target, image_size=args.image_size)
+    OPTIONS.update(device=args.device)
     if args._memory:
         backbone, m, kind, steps = args._memory
         print(peak_memory(backbone, int(m), kind, int(steps)))
@@ -237,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                     "3",
                     "--observation",
                     args.observation,
+                    "--filter",
+                    args.filter,
                     "--target",
                     args.target,
                     "--image-size",

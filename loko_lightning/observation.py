@@ -9,8 +9,10 @@ An :class:`Observation` owns everything that depends on what is observed:
   to one, the rows of :math:`H` sum to zero and the last row is minus the sum of the others),
 - the check that a prediction and a target fit it (:meth:`Observation.check`),
 - which observation-noise estimators make sense for it (:attr:`Observation.r_estimators`),
-- which form of the diagonal filter it feeds (:attr:`Observation.form`): the paper's covariance form (Algorithm 1),
-  or the information form, whose rows of ``H`` are chosen from the label (:meth:`Observation.cotangents`).
+- which rows of ``H`` it observes when they are chosen from the label (:meth:`Observation.cotangents`).
+
+How the belief is updated from it is the filter's (:mod:`loko_lightning.kalman.filters`); a filter may ask for other
+rows of the same observation (the information-form filters read the Fisher's).
 
 The Jacobian engine (:class:`~loko_lightning.JacobianEngine`), the optimizer (:class:`~loko_lightning.LoKO`) and the
 learner all take it from here; the learner passes the one it builds to both. A new observation is one subclass
@@ -31,10 +33,7 @@ from torch import Tensor
 from loko_lightning.errors import ConfigError
 
 __all__ = [
-    "FISHERS",
     "OBSERVATIONS",
-    "LowRankNatural",
-    "NaturalGradient",
     "Observation",
     "Regression",
     "Softmax",
@@ -53,8 +52,6 @@ class Observation:
             ``S`` is singular along the all-ones vector of each sample).
         r_estimators: the observation-noise estimators (:data:`loko_lightning.kalman.noise.R_ESTIMATORS`) that apply;
             the first is the default.
-        form: ``"covariance"``: the optimizer runs Algorithm 1 on the rows of ``H``; ``"information"``: the
-            diagonal information-form update (:meth:`loko_lightning.kalman.update.UpdatePlan.run_information`).
         needs_label: the rows of ``H`` depend on the label (:meth:`cotangents`), so the Jacobian engine takes it
             (:meth:`loko_lightning.JacobianEngine.observe`).
     """
@@ -62,7 +59,6 @@ class Observation:
     name: ClassVar[str]
     sums_to_one: ClassVar[bool] = False
     r_estimators: ClassVar[tuple[str, ...]] = ("taylor", "residual", "identity", "decay")
-    form: ClassVar[str] = "covariance"
     needs_label: ClassVar[bool] = False
 
     def predict(self, outputs: Tensor) -> Tensor:
@@ -210,120 +206,6 @@ class Regression(Observation):
         return label.to(prediction.dtype)
 
 
-#: What ``fisher`` of :class:`NaturalGradient` may be.
-FISHERS = ("empirical", "exact")
-
-
-class NaturalGradient(Softmax):
-    r"""Class probabilities with the categorical noise, in information form: a diagonal natural-gradient filter.
-
-    Not the paper's update. The noise is :math:`R = \mathrm{diag}(\hat y) - \hat y\hat y^\top`.
-
-    With :math:`H = J_s J_z` (:math:`J_z = \partial z/\partial\tilde\theta` for the logits ``z``,
-    :math:`J_s = \partial\hat y/\partial z = R`) and :math:`e = y - \hat y` (which sums to zero, like every column of
-    :math:`J_s`), :math:`H^\top R^{+} e = J_z^\top e = -\nabla_{\tilde\theta}\,\mathrm{CE}` and
-    :math:`H^\top R^{+} H = J_z^\top J_s J_z = F`, the Fisher information of the softmax likelihood. The filter keeps
-    the diagonal precision :math:`\lambda = 1/\hat p`:
-
-    .. math::
-
-        \lambda_k = \frac{1}{\hat p_{k-1} + q} + \operatorname{diag}(F_k), \qquad
-        \tilde\theta_k = \tilde\theta_{k-1} + \lambda_k^{-1} \odot J_z^\top e_k
-
-    (Ollivier 2018; the diagonal EKF in information form of Chang, Jones & Murphy 2022). It needs ``rows`` reverse
-    rows, not ``m - 1``, and no ``m x m`` solve:
-
-    - ``fisher="empirical"`` (1 row, the default): :math:`\operatorname{diag}(F) \approx (J_z^\top e)^{\odot 2}`, the
-      squared gradient of the observed label;
-    - ``fisher="exact"`` (``m + 1`` rows): :math:`\operatorname{diag}(F) = \sum_r (J_z^\top a_r)^{\odot 2}` with
-      :math:`a_r = \sqrt{\hat y_r}(u_r - \hat y)` (:math:`\sum_r a_r a_r^\top = J_s`, :math:`u_r` the unit vectors).
-
-    Row 0 of ``H`` is :math:`J_z^\top e`; with ``"exact"`` rows ``1 … m`` are the :math:`J_z^\top a_r`.
-    """
-
-    name = "natural"
-    r_estimators = ("softmax",)
-    form = "information"
-    needs_label = True
-
-    def __init__(self, fisher: str = "empirical") -> None:
-        if fisher not in FISHERS:
-            raise ConfigError(
-                f"Invalid fisher: {fisher!r} (expected one of {FISHERS})", field="fisher", owner=NaturalGradient
-            )
-        self.fisher = fisher
-
-    def rows(self, m: int) -> int:
-        """1 (the gradient, whose square is the empirical Fisher) or ``m + 1`` (the gradient and ``m`` Fisher rows)."""
-        return 1 if self.fisher == "empirical" else m + 1
-
-    def reverse_rows(self, m: int) -> int:
-        """As :meth:`rows`: the cotangents are chosen from the label, none follows from the others."""
-        return self.rows(m)
-
-    def cotangents(self, prediction: Tensor, target: Tensor) -> Tensor:
-        """``e = y - ŷ``, then (``"exact"``) the ``m`` rows ``a_r = √ŷ_r (u_r - ŷ)``; ``(rows, [B,] m)``."""
-        rows = [target - prediction]
-        if self.fisher == "exact":
-            m = prediction.shape[-1]
-            eye = torch.eye(m, dtype=prediction.dtype, device=prediction.device)
-            roots = prediction.clamp_min(0).sqrt()
-            a = roots[..., :, None] * (eye - prediction[..., None, :])  # (..., m, m): row r is a_r
-            rows.extend(a.movedim(-2, 0).unbind(0))
-        return torch.stack(rows)
-
-    @property
-    def spec(self) -> str:
-        """``"natural"`` or ``"natural_exact"``."""
-        return "natural" if self.fisher == "empirical" else "natural_exact"
-
-    def __repr__(self) -> str:
-        return f"NaturalGradient(fisher={self.fisher!r})"
-
-
-class LowRankNatural(NaturalGradient):
-    r"""The natural-gradient filter with a low-rank plus diagonal precision (LoFi, Chang et al. 2023).
-
-    Not the paper's update. The observation is :class:`NaturalGradient`'s, by default with the exact Fisher
-    (``m + 1`` rows: :math:`d = J_z^\top e` and the factors :math:`f_r = J_z^\top a_r`, :math:`\sum_r f_r f_r^\top =
-    F`; ``fisher="empirical"``: one row, :math:`d` itself is the only factor, :math:`F \approx d d^\top`), and the
-    filter keeps the precision :math:`\Lambda = \mathrm{diag}(\upsilon) + W W^\top` with ``W`` of ``rank`` columns:
-
-    .. math::
-
-        \tilde W = [W, f_1, \dots, f_m], \qquad
-        \tilde\theta_k = \tilde\theta_{k-1} + (\mathrm{diag}(\upsilon) + \tilde W \tilde W^\top)^{-1} d
-
-    (Woodbury: one ``(rank + m)``-square solve), then the ``rank`` leading directions of :math:`\tilde W \tilde
-    W^\top` stay in ``W`` and the diagonal of the others moves to :math:`\upsilon`, so :math:`\Lambda`'s diagonal is
-    kept exactly. :math:`\upsilon_0 = 1/\hat p_0`; the process noise ``q`` acts on the diagonal
-    (:math:`\upsilon \leftarrow 1/(1/\upsilon + q)`). Cost per step: the ``m + 1`` reverse rows of ``natural_exact``
-    and :math:`O(n (\text{rank} + m)^2)`; with the empirical Fisher one reverse row and :math:`O(n (\text{rank} +
-    1)^2)`, whatever ``m``. Memory: ``rank`` more copies of the adapted parameters.
-    """
-
-    name = "lofi"
-    form = "low_rank"
-
-    def __init__(self, rank: int = 10, fisher: str = "exact") -> None:
-        super().__init__(fisher)
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ConfigError(
-                f"Invalid rank: {rank!r} (the columns of the low-rank precision, an int >= 1; e.g. lofi10)",
-                field="observation",
-                owner=LowRankNatural,
-            )
-        self.rank = rank
-
-    @property
-    def spec(self) -> str:
-        """``"lofi<rank>"`` (exact Fisher) or ``"lofi<rank>_empirical"``."""
-        return f"lofi{self.rank}" + ("_empirical" if self.fisher == "empirical" else "")
-
-    def __repr__(self) -> str:
-        return f"LowRankNatural(rank={self.rank}, fisher={self.fisher!r})"
-
-
 class TopK(Softmax):
     r"""Class probabilities, of which each step observes only the label, the most probable classes and the rest.
 
@@ -427,16 +309,15 @@ class TopK(Softmax):
         return f"TopK(k={self.k})"
 
 
-#: The observations by name, as ``observation: <name>`` selects them: ``natural`` is the natural-gradient filter
-#: with the empirical Fisher, ``natural_exact`` with the exact one; ``topk`` observes the label, the 5 most probable
+#: The observations by name, as ``observation: <name>`` selects them: ``topk`` observes the label, the 5 most probable
 #: other classes and the rest (:class:`TopK` with another ``k`` as an instance, or ``topk<k>``, e.g. ``topk3``).
 OBSERVATIONS: dict[str, Callable[[], Observation]] = {
     "softmax": Softmax,
     "regression": Regression,
-    "natural": NaturalGradient,
-    "natural_exact": partial(NaturalGradient, fisher="exact"),
     "topk": TopK,
 }
+# Names of filters (loko_lightning.kalman.filters), which say how the belief is updated, not what is observed.
+_FILTER_NAMES = re.compile(r"natural(_exact)?|lofi\d+(_empirical)?")
 
 
 def get_observation(observation: str | Observation, *, owner: type | None = None) -> Observation:
@@ -450,13 +331,17 @@ def get_observation(observation: str | Observation, *, owner: type | None = None
     cls = OBSERVATIONS.get(observation) if isinstance(observation, str) else None
     if cls is None and isinstance(observation, str) and observation.startswith("topk") and observation[4:].isdigit():
         cls = partial(TopK, k=int(observation[4:]))
-    lofi = re.fullmatch(r"lofi(\d+)(_empirical)?", observation) if isinstance(observation, str) else None
-    if cls is None and lofi is not None:
-        cls = partial(LowRankNatural, rank=int(lofi[1]), fisher="empirical" if lofi[2] else "exact")
+    if cls is None and isinstance(observation, str) and _FILTER_NAMES.fullmatch(observation):
+        raise ConfigError(
+            f"Invalid observation: {observation!r} is a filter (how the belief is updated), not an observation: set "
+            f"filter: {observation} and keep observation: softmax",
+            field="observation",
+            owner=owner,
+        )
     if cls is None:
         raise ConfigError(
             f"Invalid observation: {observation!r} (expected one of {tuple(OBSERVATIONS)}, topk<k> such as topk3, "
-            "lofi<rank> such as lofi10, lofi<rank>_empirical, or an Observation)",
+            "or an Observation)",
             field="observation",
             owner=owner,
         )

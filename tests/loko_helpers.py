@@ -1,6 +1,7 @@
 """Models, streams and the dense float64 filter shared by the optimizer and update tests."""
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -10,6 +11,7 @@ from torch.nn import functional as F
 from loko_lightning import jacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
 from loko_lightning.kalman.reference import loko_step_reference
+from loko_lightning.kalman.time_update import TimeUpdate
 
 # S is singular by construction with softmax outputs; its spurious eigenvalue along the all-ones vector is
 # rounding noise (|λ| ≲ 1e-14 λ_max in float64), genuine ones are far above 1e-10 λ_max in these tests
@@ -22,10 +24,7 @@ class DenseModelFilter:
     :func:`~loko_lightning.kalman.reference.loko_step_reference`. Shares no code with the fast path but the
     reference."""
 
-    def __init__(
-        self, model, p0, *, beta, r_estimator, process_noise=0.0, output="softmax", p_floor=0.0, shrinkage=0.0,
-        inflation=0.0, forgetting=0.0, reference=1.0,
-    ):  # fmt: skip
+    def __init__(self, model, p0, *, beta, r_estimator, output="softmax", **time_update):
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
@@ -34,9 +33,8 @@ class DenseModelFilter:
         self.p = p0.double().clone()
         self.R = None
         self.k = 0
-        self.beta, self.r_estimator, self.q, self.output = beta, r_estimator, process_noise, output
-        self.p_floor, self.shrinkage, self.inflation = p_floor, shrinkage, inflation
-        self.forgetting, self.reference = forgetting, reference
+        self.beta, self.r_estimator, self.output = beta, r_estimator, output
+        self.time_update = TimeUpdate(**time_update)
 
     def unflatten(self, theta):
         out, start = {}, 0
@@ -59,11 +57,10 @@ class DenseModelFilter:
         H = jacrev(self.predict)(self.theta, x)
         if self.R is None:
             self.R = torch.zeros(y.shape[0], y.shape[0], dtype=torch.float64)
-        p_prior = self.p + self.q
+        p_prior = self.p + self.time_update.process_noise
         self.theta, self.p, self.R = loko_step_reference(
-            self.theta, self.p, self.R, H, y_hat, y, self.k,
-            beta=self.beta, r_estimator=self.r_estimator, process_noise=self.q, rcond=RTOL, p_floor=self.p_floor,
-            shrinkage=self.shrinkage, inflation=self.inflation, forgetting=self.forgetting, reference=self.reference,
+            self.theta, self.p, self.R, H, y_hat, y, self.k, beta=self.beta, r_estimator=self.r_estimator, rcond=RTOL,
+            time_update=self.time_update,
         )  # fmt: skip
         eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + self.R)  # S
         rel = eig.abs() / eig.abs().max()
@@ -148,3 +145,9 @@ def factor_dense(jac, param):
     m, rows = jac.shape[0], param.shape[0]
     cols = param[0].numel()
     return FactoredJacobian(jac.reshape(m, rows, cols), torch.eye(cols, dtype=jac.dtype), param.shape)
+
+
+def variant(name):
+    """LoKO's keyword for a variant named in a test: a filter (``natural``, ``lofi3``, ...) or an observation."""
+    filters = r"covariance|natural(_exact)?|lofi\d+(_empirical)?"
+    return {"filter": name} if re.fullmatch(filters, name) else {"observation": name}

@@ -13,6 +13,7 @@ from loko_lightning import LoKO, OuterJacobian, jacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
 from loko_lightning.kalman.noise import R_ESTIMATORS
 from loko_lightning.kalman.reference import loko_step_reference_batch
+from loko_lightning.kalman.time_update import TimeUpdate
 
 ESTIMATORS = list(R_ESTIMATORS)
 
@@ -46,6 +47,7 @@ class StackedDenseFilter:
     """Joint LoKO steps the slow way: θ̃ a float64 vector, each sample's H from ``jacrev``, the stacked reference."""
 
     def __init__(self, model, p0, *, beta, r_estimator, process_noise=0.0):
+        self.time_update = TimeUpdate(process_noise=process_noise)
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names, self.shapes = [n for n, _ in trainable], [p.shape for _, p in trainable]
@@ -71,7 +73,7 @@ class StackedDenseFilter:
         p_prior = self.p + self.q
         self.theta, self.p, self.R = loko_step_reference_batch(
             self.theta, self.p, self.R, H, y_hat, torch.stack(ys).double(), self.k,
-            beta=self.beta, r_estimator=self.r_estimator, process_noise=self.q, rcond=RTOL,
+            beta=self.beta, r_estimator=self.r_estimator, rcond=RTOL, time_update=self.time_update,
         )  # fmt: skip
         # The cut-off must sit in an empty gap of S's spectrum; with softmax outputs and an R whose blocks have the
         # all-ones null vector (every estimator but identity and decay), S has exactly B null directions.

@@ -36,11 +36,11 @@ def test_debug_config_end_to_end(tmp_path, caplog):
     assert "test/acc" in (tmp_path / "eval" / "version_0" / "metrics.csv").read_text()
 
 
-CHEAP_LOFI = ["--model.optimizer.init_args.observation", "lofi10_empirical", "--model.optimizer.forgetting", "0.001"]
+CHEAP_LOFI = ["--model.optimizer.init_args.filter", "lofi10_empirical", "--model.optimizer.forgetting", "0.001"]
 
 
 @pytest.mark.parametrize(
-    ("preset", "observation", "extra"),
+    ("preset", "filter", "extra"),
     [
         ("loko_topk", "topk5", []),
         ("loko_natural", "natural", []),
@@ -48,7 +48,7 @@ CHEAP_LOFI = ["--model.optimizer.init_args.observation", "lofi10_empirical", "--
         ("loko_lofi", "lofi10_empirical", CHEAP_LOFI),
     ],
 )
-def test_the_cheap_observation_presets_train_from_the_command_line(tmp_path, preset, observation, extra):
+def test_the_cheap_filter_and_observation_presets_train_from_the_command_line(tmp_path, preset, filter, extra):
     """A random-weight timm test network on 12 glyphs100 samples (100 classes) with each cheap observation's preset
     (and LoFi on the empirical Fisher with stabilised forgetting, as flags over the LoFi preset)."""
     network = ["--model.network.backbone", "test_resnet", "--model.network.weights", "null"]
@@ -58,7 +58,7 @@ def test_the_cheap_observation_presets_train_from_the_command_line(tmp_path, pre
     main(["fit", "--config", DEBUG, *preset_args, *network, *data, *outputs(tmp_path), *extra])
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     group = checkpoint["optimizer_states"][0]["param_groups"][0]
-    assert group["observation"] == observation
+    assert filter in (group["observation"], group["filter"])
     assert group["forgetting"] == (0.001 if extra else 0.0)
     assert checkpoint["global_step"] == 12
 

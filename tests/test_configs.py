@@ -82,6 +82,7 @@ PAPER_LOKO = {
     "r_estimator": "taylor",
     "process_noise": 0.0,
     "observation": "softmax",
+    "filter": "covariance",
 }
 
 
@@ -89,8 +90,8 @@ PAPER_LOKO = {
     ("preset", "expected"),
     [
         ("loko_topk", {"observation": "topk5", "r_estimator": "taylor", "p0": 0.2}),
-        ("loko_natural", {"observation": "natural", "r_estimator": "softmax", "p0": 0.03}),
-        ("loko_lofi", {"observation": "lofi10", "r_estimator": "softmax", "p0": 0.03}),
+        ("loko_natural", {"filter": "natural", "r_estimator": "softmax", "p0": 0.03}),
+        ("loko_lofi", {"filter": "lofi10", "r_estimator": "softmax", "p0": 0.03}),
     ],
 )
 def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected, tmp_path):
@@ -112,7 +113,7 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tm
         "1e-5",
         "--model.optimizer.beta",
         "0.9",
-        "--model.optimizer.observation",
+        "--model.optimizer.filter",
         "natural",
         "--model.optimizer.r_estimator",
         "softmax",
@@ -132,7 +133,7 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tm
         assert {k: groups[key][k] for k in PAPER_LOKO} == PAPER_LOKO, key
         assert groups[key]["p_floor"] == 0.0
     unpinned = groups["unpinned"]
-    assert (unpinned["p0"], unpinned["process_noise"], unpinned["beta"], unpinned["observation"]) == (
+    assert (unpinned["p0"], unpinned["process_noise"], unpinned["beta"], unpinned["filter"]) == (
         0.05,
         1e-5,
         0.9,

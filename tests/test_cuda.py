@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from loko_helpers import SmallConvNet, conv_stream, flat
+from loko_helpers import SmallConvNet, conv_stream, flat, variant
 from runs import outputs
 
 from loko_lightning import JacobianEngine, LoKO
@@ -32,7 +32,7 @@ def _steps(device, observation, options, batch, n=12):
     """``n`` float64 samples of the conv stream through the engine and LoKO on ``device``, ``batch`` per step."""
     torch.manual_seed(0)
     model = SmallConvNet().double().to(device)
-    opt = LoKO(model.parameters(), p0=0.5, seed=4, observation=observation, **options)  # p̂0 drawn on the CPU
+    opt = LoKO(model.parameters(), p0=0.5, seed=4, **variant(observation), **options)  # p̂0 drawn on the CPU
     engine = JacobianEngine(model, observation=opt.observation, factorize=True)
     samples = list(conv_stream(n))
     for start in range(0, n, batch):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
-from loko_helpers import SmallConvNet, conv_stream
+from loko_helpers import SmallConvNet, conv_stream, variant
 from runs import outputs, trainable
 
 from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
@@ -145,7 +145,7 @@ def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
 def label_setup(observation):
     torch.manual_seed(0)
     model = SmallConvNet()
-    opt = LoKO(model.parameters(), p0=0.05, seed=1, observation=observation)
+    opt = LoKO(model.parameters(), p0=0.05, seed=1, **variant(observation))
     return model, opt, [(x.float(), y.float()) for x, y in conv_stream(2 * STEPS)]
 
 

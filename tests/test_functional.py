@@ -22,9 +22,11 @@ from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
+from loko_lightning.kalman.filters import Covariance, psd_pinv
 from loko_lightning.kalman.noise import R_ESTIMATORS
+from loko_lightning.kalman.plan import innovation_covariance
 from loko_lightning.kalman.reference import REFERENCE_R_ESTIMATORS, loko_step_reference, pinv_reference
-from loko_lightning.kalman.update import innovation_covariance, loko_update, psd_pinv
+from loko_lightning.kalman.update import loko_update
 
 ESTIMATORS = list(R_ESTIMATORS)
 
@@ -292,7 +294,8 @@ def test_wide_update_matches_reference(m, n, tiled):
     theta = torch.zeros_like(p)
     theta, p_new, R_new = loko_step_reference(theta, p, R, H, prediction, target, 1, beta=0.9, r_estimator="taylor")
 
-    loko_update(params, jacobians, covs, prediction, target, R, step, beta=0.9, r_estimator="taylor")
+    loko_update(params, jacobians, {"cov": covs, "R": R, "step": step}, prediction, target,
+                filter=Covariance(beta=0.9, r_estimator="taylor"))  # fmt: skip
     torch.testing.assert_close(torch.cat([q.reshape(-1) for q in params]), theta, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(torch.cat([c.reshape(-1) for c in covs]), p_new, rtol=1e-10, atol=1e-14)
     torch.testing.assert_close(R, R_new, rtol=1e-10, atol=1e-14)

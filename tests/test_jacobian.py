@@ -350,18 +350,18 @@ def test_peft_lora_resnet18_factorized(factorize, via, monkeypatch):
 
 def test_dense_blocks_share_one_buffer():
     """Dense Jacobians are column blocks of one (m, n) matrix, which the Kalman update uses without a copy."""
-    from loko_lightning.kalman.update import UpdatePlan
+    from loko_lightning.kalman.plan import UpdatePlan
 
     model = TinyConvNet()
     model.eval()
     _, jacs = jacobian(model, torch.randn(1, 3, 8, 8))
-    plan = UpdatePlan(jacs, [j.shape[1:] for j in jacs], [0.0] * len(jacs), torch.float32, torch.device("cpu"))
-    stacked = plan._dense_matrix(jacs)
+    plan = UpdatePlan(jacs, [j.shape[1:] for j in jacs], torch.float32, torch.device("cpu"))
+    stacked = plan.dense.matrix(jacs)
     assert stacked.untyped_storage().data_ptr() == jacs[0].untyped_storage().data_ptr()
     torch.testing.assert_close(stacked, torch.cat([j.reshape(4, -1) for j in jacs], 1), rtol=0, atol=0)
     # Blocks from elsewhere are concatenated instead.
     copies = [j.clone() for j in jacs]
-    torch.testing.assert_close(plan._dense_matrix(copies), stacked, rtol=0, atol=0)
+    torch.testing.assert_close(plan.dense.matrix(copies), stacked, rtol=0, atol=0)
 
 
 def test_factored_jacobian_to_dense_and_cost_model():

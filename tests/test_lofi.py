@@ -8,15 +8,17 @@ from loko_helpers import SmallConvNet, conv_stream, flat, jacrev_rows, mlp, teac
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.filters import LowRankPrecision, get_filter
 from loko_lightning.kalman.reference import lofi_step_reference
+from loko_lightning.kalman.time_update import TimeUpdate
 from loko_lightning.kalman.update import loko_update
-from loko_lightning.observation import LowRankNatural, get_observation
 
 
 def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", fisher="exact", **options):
     """The fast path and a copy of the model with the reference, step by step; compared after every step."""
     reference_model = copy.deepcopy(model)
-    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, observation=LowRankNatural(rank, fisher), **options)
+    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, filter=LowRankPrecision(rank, fisher), **options)
+    time_update = TimeUpdate(**options, reference=0.5)
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     W = torch.zeros(theta.numel(), rank, dtype=torch.float64)
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
@@ -28,7 +30,7 @@ def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", fisher="exa
         jz, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=False) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
         theta, p, W = lofi_step_reference(
-            theta, p, W, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher, reference=0.5, **options
+            theta, p, W, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher, time_update=time_update
         )
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
@@ -82,17 +84,17 @@ def test_lofi_with_forgetting_matches_the_reference():
 
 
 def test_lofi_empirical_names_round_trip():
-    observation = get_observation("lofi7_empirical")
-    assert (observation.rank, observation.fisher, observation.spec) == (7, "empirical", "lofi7_empirical")
-    assert get_observation(observation.spec) == observation and get_observation("lofi7").fisher == "exact"
+    lofi = get_filter("lofi7_empirical")
+    assert (lofi.rank, lofi.fisher, lofi.spec) == (7, "empirical", "lofi7_empirical")
+    assert get_filter(lofi.spec) == lofi and get_filter("lofi7").fisher == "exact"
     with pytest.raises(ConfigError, match="lofi<rank>_empirical"):
-        get_observation("lofi7_exact")
+        get_filter("lofi7_exact")
 
 
 def test_lofi_keeps_the_diagonal_of_the_precision_exactly():
     """Cutting the low-rank part to rank L moves the rest to the diagonal: diag(Λ) = 1/p̂₀ + Σ diag(information)."""
     model = mlp()
-    opt = LoKO(model.parameters(), p0=0.5, p0_init="constant", observation="lofi2")
+    opt = LoKO(model.parameters(), p0=0.5, p0_init="constant", filter="lofi2")
     engine = JacobianEngine(model, observation=opt.observation)
     information = torch.zeros(sum(q.numel() for q in model.parameters()), dtype=torch.float64)
     for x, y in teacher_stream(10):
@@ -109,7 +111,7 @@ def test_lofi_keeps_w_as_views_of_one_flat_tensor_with_the_gathering_path_s_numb
     """The optimizer keeps W flat in the plan's order (the states are views, nothing is gathered or copied per step);
     the functional update, which gathers and scatters the blocks every call, gives the same numbers bit for bit."""
     model, twin = mlp(), mlp()
-    opt = LoKO(model.parameters(), p0=0.5, seed=1, observation="lofi3_empirical")
+    opt = LoKO(model.parameters(), p0=0.5, seed=1, filter="lofi3_empirical")
     covs = [opt.state[q]["cov"].clone() for q in model.parameters()]
     blocks = [torch.zeros(q.numel(), 3, dtype=torch.float64) for q in model.parameters()]
     R, step = torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.int64)
@@ -117,9 +119,9 @@ def test_lofi_keeps_w_as_views_of_one_flat_tensor_with_the_gathering_path_s_numb
     for x, y in teacher_stream(8):
         opt.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
         prediction, target, jacobians = twin_engine.observe(x, y.argmax()[None])
+        state = {"cov": covs, "R": R, "step": step, "W": blocks}
         with torch.no_grad():
-            loko_update(list(twin.parameters()), jacobians, covs, prediction, target, R, step, beta=0.95,
-                        r_estimator="softmax", form="low_rank", low_rank=blocks)  # fmt: skip
+            loko_update(list(twin.parameters()), jacobians, state, prediction, target, filter="lofi3_empirical")
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
     states = [opt.state[q]["W"] for q in model.parameters()]
     assert all(torch.equal(w, b) for w, b in zip(states, blocks, strict=True))
@@ -128,13 +130,13 @@ def test_lofi_keeps_w_as_views_of_one_flat_tensor_with_the_gathering_path_s_numb
 
 def test_lofi_resumes_from_its_state_dict_exactly():
     model, twin = mlp(), mlp()
-    first = LoKO(model.parameters(), p0=0.5, seed=1, observation="lofi3")
+    first = LoKO(model.parameters(), p0=0.5, seed=1, filter="lofi3")
     stream = list(teacher_stream(12))
     engine = JacobianEngine(model, observation=first.observation)
     for x, y in stream[:6]:
         first.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
     twin.load_state_dict(model.state_dict())
-    second = LoKO(twin.parameters(), p0=0.5, seed=1, observation="lofi3")
+    second = LoKO(twin.parameters(), p0=0.5, seed=1, filter="lofi3")
     second.load_state_dict(first.state_dict())
     twin_engine = JacobianEngine(twin, observation=second.observation)
     for x, y in stream[6:]:
@@ -146,7 +148,7 @@ def test_lofi_resumes_from_its_state_dict_exactly():
 @pytest.mark.parametrize("rank", [0, -1, True, 2.5])
 def test_a_bad_rank_is_refused(rank):
     with pytest.raises(ConfigError, match="Invalid rank"):
-        LowRankNatural(rank)
-    assert get_observation("lofi10").rank == 10 and get_observation("lofi10").spec == "lofi10"
+        LowRankPrecision(rank)
+    assert get_filter("lofi10").rank == 10 and get_filter("lofi10").spec == "lofi10"
     with pytest.raises(ConfigError, match="lofi<rank>"):
-        get_observation("lofi")
+        get_filter("lofi")

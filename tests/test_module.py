@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from loko_helpers import variant
 from runs import loader, outputs, stream, tiny, trainer
 from torch.nn import functional as F
 
@@ -134,15 +135,15 @@ def test_loko_updates_match_the_plain_optimizer():
 def test_label_dependent_updates_in_the_learner_match_the_plain_optimizer(observation):
     """The learner hands the optimizer's observation to its Jacobian engine, which then takes the label."""
     torch.manual_seed(0)
-    module = tiny(p0=0.05, p0_init="constant", observation=observation)
+    module = tiny(p0=0.05, p0_init="constant", **variant(observation))
     reference = copy.deepcopy(module.network)
     items = stream(5)
     trainer().fit(module, loader(items))
     assert module.online_acc.update_count == 5
 
     params = [p for p in reference.parameters() if p.requires_grad]
-    opt = LoKO(params, p0=0.05, p0_init="constant", observation=observation)
-    engine = JacobianEngine(reference, params, observation=observation, factorize=True)
+    opt = LoKO(params, p0=0.05, p0_init="constant", **variant(observation))
+    engine = JacobianEngine(reference, params, observation=opt.observation, factorize=True)
     for item in items:
         opt.step(lambda item=item: engine.observe(item["inputs"][None], item["label"][None]))
     for p, q in zip(params, module.trainable_parameters, strict=True):

@@ -8,8 +8,9 @@ from loko_helpers import SmallConvNet, conv_stream, flat, jacrev_rows, mlp, teac
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.filters import DiagonalInformation, FisherRows, get_filter
 from loko_lightning.kalman.reference import natural_step_reference
-from loko_lightning.observation import NaturalGradient, get_observation
+from loko_lightning.kalman.time_update import TimeUpdate
 
 
 def _run(
@@ -20,7 +21,7 @@ def _run(
     reference_model = copy.deepcopy(model)
     opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, process_noise=process_noise, p_floor=p_floor,
                shrinkage=shrinkage, inflation=inflation, forgetting=forgetting,
-               observation=NaturalGradient(fisher))  # fmt: skip
+               filter=DiagonalInformation(fisher))  # fmt: skip
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
     samples = list(stream)
@@ -30,9 +31,9 @@ def _run(
         label = torch.stack([s[1].argmax() for s in chunk])
         jz, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=False) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
+        time_update = TimeUpdate(process_noise, p_floor, shrinkage, inflation, forgetting, reference=0.5)
         theta, p = natural_step_reference(theta, p, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher,
-                                          process_noise=process_noise, p_floor=p_floor, shrinkage=shrinkage,
-                                          inflation=inflation, forgetting=forgetting, reference=0.5)  # fmt: skip
+                                          time_update=time_update)  # fmt: skip
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
         opt.step(lambda prediction=prediction, target=target, jacobians=jacobians: (prediction, target, jacobians))
@@ -70,7 +71,7 @@ def test_natural_gradient_joint_step_of_several_samples_matches_the_reference(fi
 def test_natural_gradient_row_zero_is_the_negative_cross_entropy_gradient():
     model = mlp()
     x, y = next(teacher_stream(1))
-    engine = JacobianEngine(model, observation="natural")
+    engine = JacobianEngine(model, observation=FisherRows("empirical"))
     prediction, target, jacobians = engine.observe(x, y.argmax()[None])
     loss = torch.nn.functional.cross_entropy(model(x), y.argmax()[None])
     grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -83,7 +84,7 @@ def test_natural_gradient_row_zero_is_the_negative_cross_entropy_gradient():
 def test_exact_fisher_rows_factor_the_softmax_covariance():
     y_hat = torch.softmax(torch.randn(2, 6, dtype=torch.float64), -1)
     y = torch.nn.functional.one_hot(torch.tensor([1, 4]), 6).double()
-    rows = NaturalGradient("exact").cotangents(y_hat, y)
+    rows = FisherRows("exact").cotangents(y_hat, y)
     assert rows.shape == (7, 2, 6)
     torch.testing.assert_close(rows[0], y - y_hat, rtol=0, atol=0)
     for b in range(2):
@@ -94,21 +95,26 @@ def test_exact_fisher_rows_factor_the_softmax_covariance():
 
 def test_natural_gradient_is_refused_where_it_cannot_work():
     model = mlp()
-    with pytest.raises(ConfigError, match="r_estimator: 'taylor' does not apply to observation 'natural'"):
-        LoKO(model.parameters(), observation="natural", r_estimator="taylor")
+    with pytest.raises(ConfigError, match="'taylor' does not apply to observation 'softmax' with filter 'natural'"):
+        LoKO(model.parameters(), filter="natural", r_estimator="taylor")
     with pytest.raises(ConfigError, match="Invalid fisher: 'mc'"):
-        NaturalGradient("mc")
+        DiagonalInformation("mc")
+    with pytest.raises(ConfigError, match="the observation must be 'softmax'"):
+        LoKO(model.parameters(), filter="natural", observation="topk2")
+    with pytest.raises(ConfigError, match="is a filter .*set filter: natural"):
+        LoKO(model.parameters(), observation="natural")
+    opt = LoKO(model.parameters(), filter="natural")
     with pytest.raises(ValueError, match=r"use engine.observe\(inputs, label\)"):
-        JacobianEngine(model, observation="natural")(torch.randn(1, 5, dtype=torch.float64))
-    assert LoKO(model.parameters(), observation="natural").defaults["r_estimator"] == "softmax"
-    assert get_observation("natural_exact") == NaturalGradient("exact")
-    assert get_observation("natural") != NaturalGradient("exact")
+        JacobianEngine(model, observation=opt.observation)(torch.randn(1, 5, dtype=torch.float64))
+    assert opt.defaults["r_estimator"] == "softmax" and opt.defaults["filter"] == "natural"
+    assert get_filter("natural_exact") == DiagonalInformation("exact")
+    assert get_filter("natural") != DiagonalInformation("exact")
 
 
 def test_natural_gradient_skips_a_non_finite_step():
     model = mlp()
-    opt = LoKO(model.parameters(), observation="natural", seed=0)
-    engine = JacobianEngine(model, observation="natural")
+    opt = LoKO(model.parameters(), filter="natural", seed=0)
+    engine = JacobianEngine(model, observation=opt.observation)
     x, y = next(teacher_stream(1))
     before = [p.detach().clone() for p in model.parameters()]
     cov = [opt.state[p]["cov"].clone() for p in model.parameters()]

@@ -10,6 +10,7 @@ from loko_helpers import SmallConvNet, conv_stream, factor_dense, loko_closure, 
 
 from loko_lightning import LoKO, jacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian
+from loko_lightning.kalman import TimeUpdate
 from loko_lightning.kalman.update import loko_update
 
 
@@ -49,32 +50,6 @@ def test_float64_state_survives_checkpoint_of_float32_model():
         assert opt2.state[p]["cov"].dtype == torch.float64
         assert torch.equal(opt2.state[p]["cov"], opt.state[p]["cov"])
     assert opt2.state[next(model.parameters())]["R"].dtype == torch.float64
-
-
-def test_checkpoint_with_r_under_its_former_key_noise_loads():
-    """Checkpoints that store R as "noise" (loko-lightning 0.1.0), and groups without p_floor (saved before it existed),
-    resume exactly like current ones."""
-    stream = list(teacher_stream(6, dtype=torch.float32))
-    model = mlp(dtype=torch.float32)
-    opt = LoKO(model.parameters(), seed=0)
-    for x, y in stream[:3]:
-        opt.step(loko_closure(model, x, y))
-    saved = copy.deepcopy(opt.state_dict())
-    assert "R" in saved["state"][0] and "noise" not in saved["state"][0]
-    saved["state"][0]["noise"] = saved["state"][0].pop("R")
-    del saved["param_groups"][0]["p_floor"]
-    restored = copy.deepcopy(model)
-    opt2 = LoKO(restored.parameters(), seed=1)
-    opt2.load_state_dict(saved)
-    first2 = next(restored.parameters())
-    assert "noise" not in opt2.state[first2] and opt2.param_groups[0]["p_floor"] == 0.0
-    assert torch.equal(opt2.state[first2]["R"], opt.state[next(model.parameters())]["R"])
-    for x, y in stream[3:]:
-        opt.step(loko_closure(model, x, y))
-        opt2.step(loko_closure(restored, x, y))
-    for p, q in zip(model.parameters(), restored.parameters(), strict=True):
-        assert torch.equal(p, q)
-        assert torch.equal(opt.state[p]["cov"], opt2.state[q]["cov"])
 
 
 @pytest.mark.parametrize("where", ["prediction", "jacobian", "target"])
@@ -242,9 +217,8 @@ def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
         prediction_b, jacs_b = jacobian(model_b, x, factorize=factorize)
         assert torch.equal(prediction, prediction_b)
         opt.step(lambda: (prediction, y, jacs))  # noqa: B023 (called at once)
-        expected = loko_update(
-            params_b, jacs_b, covs, prediction_b, y, R, step, beta=0.95, r_estimator="taylor", process_noise=1e-4
-        )
+        state = {"cov": covs, "R": R, "step": step}
+        expected = loko_update(params_b, jacs_b, state, prediction_b, y, time_update=TimeUpdate(process_noise=1e-4))
         if i == 9:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         for p, q, cov in zip(model.parameters(), params_b, covs, strict=True):

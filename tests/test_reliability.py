@@ -26,12 +26,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
-import loko_lightning.kalman.optimizer as optim_lib
 from loko_lightning import JacobianEngine, LoKO, jacobian
 from loko_lightning.cli import main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.jacobians.blocks import OuterJacobian
+from loko_lightning.kalman.filters import Covariance
 from loko_lightning.learner.callbacks import GOOD_STATE_NAME, DivergenceGuard, RNGStateCheckpoint
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO
 
@@ -654,17 +654,17 @@ def test_kalman_update_keeps_its_dtype_under_bf16_mixed_precision(kalman_dtype, 
     """Under `precision="bf16-mixed"` the forward pass and the Jacobian run under autocast (bf16), the Kalman update
     with autocast off in the filter dtype: p̂ and R stay float32 (or float64) and nothing is NaN."""
     calls = []
-    real_update, real_observe = optim_lib.loko_update, JacobianEngine.observe
+    real_propose, real_observe = Covariance.propose, JacobianEngine.observe
 
-    def update(params, jacobians, covs, prediction, target, R, step, **kwargs):
-        calls.append(("update", torch.is_autocast_enabled("cpu"), covs[0].dtype, R.dtype))
-        return real_update(params, jacobians, covs, prediction, target, R, step, **kwargs)
+    def propose(self, plan, blocks, belief, prediction, target, **kwargs):
+        calls.append(("update", torch.is_autocast_enabled("cpu"), belief.cov.dtype, belief.R.dtype))
+        return real_propose(self, plan, blocks, belief, prediction, target, **kwargs)
 
     def jacobian_under(engine, inputs, label, **kwargs):
         calls.append(("jacobian", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
         return real_observe(engine, inputs, label, **kwargs)
 
-    monkeypatch.setattr(optim_lib, "loko_update", update)
+    monkeypatch.setattr(Covariance, "propose", propose)
     monkeypatch.setattr(JacobianEngine, "observe", jacobian_under)
     torch.manual_seed(0)
     model = tiny(dtype=getattr(torch, kalman_dtype))

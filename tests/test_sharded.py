@@ -27,8 +27,8 @@ CASES = (
     ("dense", {}, False),
     ("time", {}, True),
     ("topk1", {"observation": "topk1"}, True),
-    ("natural", {"observation": "natural", "p0": 0.05}, True),
-    ("natural_exact", {"observation": "natural_exact", "p0": 0.05}, True),
+    ("natural", {"filter": "natural", "p0": 0.05}, True),
+    ("natural_exact", {"filter": "natural_exact", "p0": 0.05}, True),
 )
 # Per case, the time update of the two param groups (not the paper; the paper's cases have a small one too).
 TIME = {
@@ -269,8 +269,8 @@ def test_a_shard_per_process_needs_as_many_parameters_as_processes():
 
 def test_shard_is_refused_for_a_low_rank_precision_and_does_nothing_in_one_process():
     model = torch.nn.Linear(3, 2)
-    with pytest.raises(ConfigError, match="Invalid shard: observation 'lofi'"):
-        LoKO(model.parameters(), observation="lofi2", shard=True)
+    with pytest.raises(ConfigError, match="Invalid shard: filter 'lofi2'"):
+        LoKO(model.parameters(), filter="lofi2", shard=True)
     with pytest.raises(ConfigError, match="collective_timeout"):
         LoKO(model.parameters(), shard=True, collective_timeout=0)
     single, sharded = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)

@@ -13,6 +13,7 @@ from test_natural import _run as natural_run
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.reference import loko_step_reference, time_update_reference
+from loko_lightning.kalman.time_update import TimeUpdate
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,7 @@ def test_forgetting_keeps_p_below_its_reference_where_inflation_does_not():
     stream = [(x, torch.nn.functional.one_hot(torch.tensor(0), 4).double()) for x, _ in teacher_stream(300)]
     for option, bounded in (("forgetting", True), ("inflation", False)):
         model = mlp()
-        opt = LoKO(model.parameters(), p0=0.3, seed=1, observation="natural", **{option: 0.02})
+        opt = LoKO(model.parameters(), p0=0.3, seed=1, filter="natural", **{option: 0.02})
         engine = JacobianEngine(model, observation=opt.observation)
         for x, y in stream:
             opt.step(lambda x=x, y=y, engine=engine: engine.observe(x, y.argmax()[None]))
@@ -102,9 +103,7 @@ def test_forgetting_keeps_p_below_its_reference_where_inflation_does_not():
 
 def test_the_reference_forgetting_mixes_the_precisions():
     theta, p = torch.tensor([1.0, -2.0], dtype=torch.float64), torch.tensor([0.5, 0.1], dtype=torch.float64)
-    new_theta, new_p = time_update_reference(
-        theta, p, shrinkage=0.0, inflation=0.0, p_floor=0.0, forgetting=0.25, reference=2.0
-    )  # fmt: skip
+    new_theta, new_p = time_update_reference(theta, p, TimeUpdate(forgetting=0.25, reference=2.0))
     assert torch.equal(new_theta, theta)
     torch.testing.assert_close(new_p, 1 / (0.75 / p + 0.25 / 2.0), rtol=1e-15, atol=0)  # the same two float64 ops
 
@@ -122,7 +121,7 @@ def test_zero_shrinkage_inflation_and_forgetting_are_the_papers_update_bit_for_b
     assert all(
         torch.equal(a, b)
         for a, b in zip(
-            time_update_reference(theta, p, shrinkage=0.0, inflation=0.0, p_floor=0.0), (theta, p), strict=True
+            time_update_reference(theta, p, TimeUpdate()), (theta, p), strict=True
         )
     )
 
@@ -141,13 +140,11 @@ def test_a_skipped_step_applies_no_time_update():
 
 def test_the_reference_time_update_is_the_process_model():
     theta, p = torch.tensor([1.0, -2.0], dtype=torch.float64), torch.tensor([0.5, 0.1], dtype=torch.float64)
-    new_theta, new_p = time_update_reference(theta, p, shrinkage=0.1, inflation=0.5, p_floor=0.0)
+    new_theta, new_p = time_update_reference(theta, p, TimeUpdate(shrinkage=0.1, inflation=0.5))
     torch.testing.assert_close(new_theta, 0.9 * theta, rtol=0, atol=0)
     torch.testing.assert_close(new_p, 1.5 * p, rtol=0, atol=0)
-    assert (
-        loko_step_reference.__kwdefaults__["shrinkage"] == 0.0
-        and loko_step_reference.__kwdefaults__["inflation"] == 0.0
-    )
+    assert loko_step_reference.__kwdefaults__["time_update"] is None  # the identity model: nothing changes
+    assert all(getattr(TimeUpdate(), key) == 0.0 for key in TimeUpdate.group_keys())
 
 
 @pytest.mark.parametrize(

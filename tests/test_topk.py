@@ -101,7 +101,7 @@ def test_topk_bad_input_is_refused_naming_the_field():
     assert err.value.field == "k"
     with pytest.raises(ConfigError, match="Invalid k: True"):
         TopK(True)
-    with pytest.raises(ConfigError, match=r"r_estimator: 'identity' does not apply to observation 'topk'"):
+    with pytest.raises(ConfigError, match=r"r_estimator: 'identity' does not apply to observation 'topk5'"):
         LoKO(model.parameters(), observation="topk", r_estimator="identity")
     opt = LoKO(model.parameters(), observation=TopK(4))
     x, y = next(teacher_stream(1))

@@ -28,7 +28,18 @@ from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
 
-__all__ = ["all_gather_observations", "observation_nbytes", "reset_traffic", "traffic"]
+__all__ = [
+    "Counts",
+    "all_gather",
+    "all_gather_observations",
+    "all_reduce",
+    "all_to_all",
+    "gather_counts",
+    "observation_nbytes",
+    "pad_positions",
+    "reset_traffic",
+    "traffic",
+]
 
 # Bytes this process sent and received in LoKO's collectives since the last reset_traffic(), counted as a ring
 # algorithm moves them (gloo's and NCCL's): an all-gather of c bytes per process sends and receives (W - 1)·c, an
@@ -107,7 +118,7 @@ def all_gather_observations(
     world = dist.get_world_size(group)
     device, dtype = prediction.device, prediction.dtype
     counts = gather_counts(prediction, jacobians, group, timeout)
-    sizes, jacobians = counts.sizes, _pad_to(jacobians, counts.positions)
+    sizes, jacobians = counts.sizes, pad_positions(jacobians, counts.positions)
     top = max(sizes)
     parts = _parts(prediction, target, jacobians)
     # One flat buffer per process (each part padded to `top` samples), one collective for all of them.
@@ -118,7 +129,7 @@ def all_gather_observations(
         local[offset : offset + part.numel()] = part.reshape(-1).to(dtype)
         offset += top * numel
     gathered = [torch.empty_like(local) for _ in range(world)]
-    _all_gather(gathered, local, group, timeout)
+    all_gather(gathered, local, group, timeout)
     joined, offset = [], 0
     for part, numel in zip(parts, per_sample, strict=True):
         pieces = [buffer[offset : offset + size * numel] for buffer, size in zip(gathered, sizes, strict=True)]
@@ -171,7 +182,7 @@ def gather_counts(
         device = prediction.device
     count = torch.tensor(row, dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
-    _all_gather(counts, count, group, timeout)
+    all_gather(counts, count, group, timeout)
     table = torch.stack(counts).tolist()
     return Counts(
         sizes=[row[1] for row in table],
@@ -180,7 +191,7 @@ def gather_counts(
     )
 
 
-def _pad_to(jacobians: Sequence[JacobianBlock], positions: Sequence[int]) -> list[JacobianBlock]:
+def pad_positions(jacobians: Sequence[JacobianBlock], positions: Sequence[int]) -> list[JacobianBlock]:
     """Factored blocks padded with zero positions up to ``positions`` (one count per block; others as they are)."""
     padded = []
     for jac, wanted in zip(jacobians, positions, strict=True):
@@ -197,14 +208,14 @@ def _wait(work: Any, timeout: float | None) -> None:
         work.wait(timedelta(seconds=timeout))
 
 
-def _all_gather(out: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None, timeout: float | None) -> None:
+def all_gather(out: list[Tensor], tensor: Tensor, group: dist.ProcessGroup | None, timeout: float | None) -> None:
     """``dist.all_gather``, waiting at most ``timeout`` seconds (``None``: the group's timeout)."""
     nbytes = tensor.numel() * tensor.element_size() * (len(out) - 1)
     _count(nbytes, nbytes)
     _wait(dist.all_gather(out, tensor, group=group, async_op=True), timeout)
 
 
-def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, timeout: float | None) -> Tensor:
+def all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, timeout: float | None) -> Tensor:
     """``dist.all_reduce`` (sum) in place, waiting at most ``timeout`` seconds; returns ``tensor``."""
     world = dist.get_world_size(group)
     nbytes = 2 * (world - 1) / world * tensor.numel() * tensor.element_size()
@@ -213,7 +224,7 @@ def _all_reduce(tensor: Tensor, group: dist.ProcessGroup | None, timeout: float 
     return tensor
 
 
-def _all_to_all(
+def all_to_all(
     out: Tensor,
     tensor: Tensor,
     out_splits: list[int],

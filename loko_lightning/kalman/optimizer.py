@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Literal, get_args
 
 import torch
@@ -11,18 +12,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loko_lightning.errors import ConfigError, NoLearningRateError
-from loko_lightning.jacobians.blocks import JacobianBlock, kind
-from loko_lightning.kalman.multistream import check_observation, layout_key, stack_observations
+from loko_lightning.jacobians.blocks import JacobianBlock
+from loko_lightning.kalman.exchange import Replicated, Sharded
+from loko_lightning.kalman.filters import Belief, Filter, get_filter
+from loko_lightning.kalman.multistream import check_observation, layout_key
 from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
-from loko_lightning.kalman.sharded import (
-    InvalidElsewhere,
-    ShardPlan,
-    agree_and_apply,
-    exchange_shards,
-    gather_shards,
-    sum_symmetric,
-)
-from loko_lightning.kalman.update import UpdatePlan, loko_update
+from loko_lightning.kalman.plan import UpdatePlan
+from loko_lightning.kalman.sharded import ShardPlan, gather_shards
+from loko_lightning.kalman.time_update import TimeUpdate, real_number
 from loko_lightning.observation import Observation, get_observation
 
 P0Init = Literal["uniform", "constant", "fan_in"]
@@ -31,8 +28,6 @@ Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
 # Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
 # the state of the first parameter, so that ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
-# Earlier checkpoints name R "noise"; load_state_dict reads both.
-_LEGACY_KEYS = {"noise": "R"}
 # Steps between the host reads of the observation's check after a layout's first step (that one reads at once).
 CHECK_EVERY = 100
 _NO_LR = (
@@ -117,20 +112,23 @@ class LoKO(torch.optim.Optimizer):
             steps stop shrinking like :math:`1/k`, and :math:`\hat p` never exceeds :math:`p_{\mathrm{ref}}` (where
             ``inflation`` grows it without bound on parameters the data do not inform).
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
-        observation: what the prediction is (:mod:`loko_lightning.observation`; give the Jacobian engine the same).
-            ``"softmax"`` (default): class probabilities, the paper's classification setting; when the target is a
-            probability vector (e.g. one-hot) and the prediction is not (a negative entry, or a sum off 1 by more
-            than rounding: logits passed where probabilities belong), :meth:`step` raises a ``ValueError``: at once
-            on the first step of a layout, and otherwise within :data:`CHECK_EVERY` steps, the failing steps skipped
-            (the check runs on the device; its count is read every ``CHECK_EVERY`` steps).
-            ``"regression"``: any real outputs, no check. ``"natural"`` / ``"natural_exact"``: not the paper, the
-            diagonal natural-gradient filter in information form
-            (:class:`~loko_lightning.observation.NaturalGradient`: the categorical ``R``, the empirical or the exact
-            Fisher diagonal as the information, one or ``m + 1`` reverse rows and no ``m x m`` solve); its rows come
+        observation: what the prediction is (:mod:`loko_lightning.observation`). ``"softmax"`` (default): class
+            probabilities, the paper's classification setting; when the target is a probability vector (e.g. one-hot)
+            and the prediction is not (a negative entry, or a sum off 1 by more than rounding: logits passed where
+            probabilities belong), :meth:`step` raises a ``ValueError``: at once on the first step of a layout, and
+            otherwise within :data:`CHECK_EVERY` steps, the failing steps skipped (the check runs on the device; its
+            count is read every ``CHECK_EVERY`` steps). ``"regression"``: any real outputs, no check. ``"topk<k>"``:
+            the label, the ``k`` most probable other classes and the rest. An
+            :class:`~loko_lightning.observation.Observation` instance works too. Give the Jacobian engine
+            :attr:`observation` (the rows this filter needs of it).
+        filter: how the belief is updated (:mod:`loko_lightning.kalman.filters`). ``"covariance"`` (default): the
+            paper's Algorithm 1. Not the paper: ``"natural"`` / ``"natural_exact"``, the diagonal natural-gradient
+            filter in information form (the categorical ``R``, the empirical or the exact Fisher diagonal as the
+            information, one or ``m + 1`` reverse rows and no ``m x m`` solve), and ``"lofi<L>"`` /
+            ``"lofi<L>_empirical"``, LoFi's low-rank plus diagonal precision of rank ``L``. Their rows of ``H`` come
             from the label, so the closure must return what :meth:`loko_lightning.JacobianEngine.observe` gives for
-            it. An :class:`~loko_lightning.observation.Observation`
-            instance works too. Its check runs on the first step and whenever the Jacobian layout changes (one host
-            read then), not every step; an ``r_estimator`` the observation does not admit is refused.
+            :attr:`observation`. A :class:`~loko_lightning.kalman.filters.Filter` instance works too. ``beta``,
+            ``r_estimator`` and ``rcond`` are the covariance filter's; the others observe ``"softmax"`` only.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0`; ``None`` uses the global RNG.
@@ -141,9 +139,9 @@ class LoKO(torch.optim.Optimizer):
             shard; the new parameter values are then all-gathered. The closure returns this process's own
             observations (not gathered), and :meth:`step` returns every process's predictions and targets with this
             process's blocks. Equal to the replicated update up to the order of one sum (bit for bit for
-            ``"natural"``); not for ``"lofi"``. In one process it does nothing. ``p̂`` of the others' parameters is
-            dropped at the first sharded step: :meth:`consolidate_state_dict` (a collective) gathers it back before
-            :meth:`state_dict`.
+            ``filter="natural"``); not for ``"lofi<L>"``. In one process it does nothing. ``p̂`` of the others'
+            parameters is dropped at the first sharded step: :meth:`consolidate_state_dict` (a collective) gathers
+            it back before :meth:`state_dict`.
         collective_timeout: seconds each collective of a sharded step may wait for the other processes before it
             raises (a process killed or hung); ``None``: the process group's own timeout (30 minutes by default;
             :class:`~loko_lightning.OnlineClassifier` sets its own ``collective_timeout`` here).
@@ -182,6 +180,7 @@ class LoKO(torch.optim.Optimizer):
         dtype: torch.dtype | None = None,
         seed: int | None = None,
         observation: str | Observation = "softmax",
+        filter: str | Filter = "covariance",  # noqa: A002 (the paper's word)
         shard: bool = False,
         collective_timeout: float | None = None,
         **unexpected: Any,
@@ -190,7 +189,7 @@ class LoKO(torch.optim.Optimizer):
             raise ConfigError(_NO_LR, field="lr", owner=LoKO)
         if unexpected:
             raise TypeError(f"LoKO got unexpected keyword arguments: {', '.join(sorted(unexpected))}")
-        if not (_real(beta) and 0.0 < beta < 1.0):
+        if not (real_number(beta) and 0.0 < beta < 1.0):
             raise ConfigError(
                 f"Invalid beta: {beta!r} ({type(beta).__name__}; must be a number in (0, 1); the paper uses 0.95)",
                 field="beta",
@@ -200,19 +199,23 @@ class LoKO(torch.optim.Optimizer):
             raise ConfigError(
                 f"Invalid seed: {seed!r} ({type(seed).__name__}; must be an int or None)", field="seed", owner=LoKO
             )
-        self.observation = get_observation(observation, owner=LoKO)
+        observed = get_observation(observation, owner=LoKO)
+        self.filter = get_filter(filter, owner=LoKO)
+        #: The observation the Jacobian engine computes for this filter (its rows of ``H``).
+        self.observation = self.filter.observe(observed)
+        allowed = self.filter.r_estimators(observed)
         if r_estimator is None:
-            r_estimator = self.observation.r_estimators[0]
+            r_estimator = allowed[0]
         if r_estimator not in R_ESTIMATORS:
             raise ConfigError(
                 f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
                 field="r_estimator",
                 owner=LoKO,
             )
-        if r_estimator not in self.observation.r_estimators:
+        if r_estimator not in allowed:
             raise ConfigError(
-                f"Invalid r_estimator: {r_estimator!r} does not apply to observation {self.observation.name!r} "
-                f"({R_ESTIMATORS[r_estimator].doc}); choose one of {self.observation.r_estimators}",
+                f"Invalid r_estimator: {r_estimator!r} does not apply to observation {observed.spec!r} with filter "
+                f"{self.filter.spec!r} ({R_ESTIMATORS[r_estimator].doc}); choose one of {allowed}",
                 field="r_estimator",
                 owner=LoKO,
             )
@@ -224,14 +227,15 @@ class LoKO(torch.optim.Optimizer):
             )
         if not isinstance(shard, bool):
             raise ConfigError(f"Invalid shard: {shard!r} (must be true or false)", field="shard", owner=LoKO)
-        if shard and self.observation.form == "low_rank":
+        if shard and not self.filter.shardable:
             raise ConfigError(
-                f"Invalid shard: observation {self.observation.name!r} (a low-rank precision) couples every parameter "
+                f"Invalid shard: filter {self.filter.spec!r} (a low-rank precision) couples every parameter "
                 "through its factor W, which the sharded update does not split: use shard=False",
                 field="shard",
                 owner=LoKO,
             )
-        if collective_timeout is not None and not (_real(collective_timeout) and 0 < collective_timeout < math.inf):
+        timeout_ok = real_number(collective_timeout) and 0 < collective_timeout < math.inf
+        if collective_timeout is not None and not timeout_ok:
             raise ConfigError(
                 f"Invalid collective_timeout: {collective_timeout!r} (a finite number of seconds > 0, or None)",
                 field="collective_timeout",
@@ -255,8 +259,11 @@ class LoKO(torch.optim.Optimizer):
             inflation=inflation,
             forgetting=forgetting,
             rcond=rcond,
-            observation=self.observation.spec,
+            observation=observed.spec,
+            filter=self.filter.spec,
         )
+        if isinstance(filter, str) and self.filter.estimates_noise:  # the covariance filter takes its settings
+            self.filter = get_filter(filter, owner=LoKO, beta=beta, r_estimator=r_estimator, rcond=rcond)
         self._dtype = dtype
         # The update plan for the last Jacobian layout and p̂ as one flat vector in its order (the per-parameter
         # "cov" states are views of it); rebuilt when the layout changes or the states are replaced.
@@ -269,12 +276,12 @@ class LoKO(torch.optim.Optimizer):
         self._low_rank_flat: Tensor | None = None  # LoFi's W, the same way: one (n, L) tensor, "W" states views of it
         self._low_rank_views: list[Tensor] = []
         super().__init__(params, defaults)
-        shared = ("beta", "r_estimator", "rcond", "observation")
+        shared = ("beta", "r_estimator", "rcond", "observation", "filter")
         for group in self.param_groups:
             if any(group[key] != defaults[key] for key in shared):
                 raise ValueError(
-                    "Invalid param group: beta, r_estimator, rcond and observation describe the single shared R, S "
-                    "and observation model and must be set on the optimizer, not per group"
+                    "Invalid param group: beta, r_estimator, rcond, observation and filter describe the single shared "
+                    "R, S, observation model and filter and must be set on the optimizer, not per group"
                 )
 
     # ------------------------------------------------------------------ state
@@ -300,14 +307,9 @@ class LoKO(torch.optim.Optimizer):
             self.state[param]["cov"] = self._initial_cov(param, group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``.
-
-        Groups saved before ``p_floor``, ``shrinkage``, ``inflation`` or ``forgetting`` existed get their defaults, 0
-        (none).
-        """
+        """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``."""
         super().__setstate__(state)
-        defaults = {"p_floor": 0.0, "shrinkage": 0.0, "inflation": 0.0, "forgetting": 0.0}
-        self.param_groups = [_ParamGroup({**defaults, **group}) for group in self.param_groups]
+        self.param_groups = [_ParamGroup(group) for group in self.param_groups]
 
     def _arith_dtype(self, param: Tensor) -> torch.dtype:
         if self._dtype is not None:
@@ -333,14 +335,8 @@ class LoKO(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype).
-
-        ``R`` saved under its former key ``"noise"`` is read as ``"R"``.
-        """
-        saved = {
-            index: {_LEGACY_KEYS.get(key, key): value for key, value in state.items()}
-            for index, state in state_dict["state"].items()
-        }
+        """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype)."""
+        saved = {index: dict(state) for index, state in state_dict["state"].items()}
         _check_saved_state(saved, self._params())
         state_dict = {**state_dict, "state": saved}
         super().load_state_dict(state_dict)
@@ -463,187 +459,102 @@ class LoKO(torch.optim.Optimizer):
             got = f"{len(result)} items" if isinstance(result, (tuple, list)) else type(result)
             raise ValueError(f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {got}")
         prediction, target, jacobians = result
-        if self._sharding():
-            return self._step_sharded(prediction, target, jacobians)
         params = self._params()
-        samples = 1
         rows = (
             self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
         )
-        if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
-            check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
-            samples = prediction.shape[0]
-            prediction, target, jacobians = stack_observations(prediction, target, jacobians, rows)
-        time_update = self._time_update_settings()
-        process_noise, p_floor, shrinkage, inflation, forgetting, reference = time_update
-        key = layout_key(prediction, target, jacobians, (*time_update, samples))
+        exchange = self._exchange()
+        observed = exchange.observe(prediction, target, jacobians, params, rows)
+        if observed.shards is not None and self._shards is None:
+            self._adopt_shards(observed.shards)
+        own = [params[i] for i in observed.owned]
+        time_updates = self._time_updates(observed.owned)
+        prediction, target, blocks, samples = observed.prediction, observed.target, observed.blocks, observed.samples
+        key = layout_key(prediction, target, blocks, (time_updates, samples, observed.layout))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
-            check_observation(prediction, target, jacobians, params, batched=False, rows=rows and rows * samples)
+            check_observation(prediction, target, blocks, own, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
         else:  # the same layout: the same check on the device, read every CHECK_EVERY steps
             prediction = self._check_on_device(prediction, target, samples)
         m = prediction.shape[0] // samples
         aggregation = None
-        observed = self.observation.observed(prediction.detach().view(samples, m), target.detach().view(samples, m))
-        if observed is not None:  # an aggregation of the outputs (top-k): the update runs in its coordinates
-            aggregation, prediction, target = observed[:2], observed[2].reshape(-1), observed[3].reshape(-1)
-        covs = [self.state[p]["cov"] for p in params]
-        shared = self._shared_state(m, prediction.device, covs[0].dtype)
-        if self._plan is None:
-            shapes = [p.shape for p in params]
-            self._plan = UpdatePlan(
-                jacobians, shapes, process_noise, covs[0].dtype, covs[0].device, samples=samples, p_floor=p_floor,
-                shrinkage=shrinkage, inflation=inflation, forgetting=forgetting, reference=reference,
-            )  # fmt: skip
-            self._plan_key, self._cov_flat, self._low_rank_flat = key, None, None
-        if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
-            self._flatten_covs(params, covs)
-            covs = [self.state[p]["cov"] for p in params]
-        low_rank = self._low_rank(params, covs) if self.observation.form == "low_rank" else None
-        diagnostics = loko_update(
-            params,
-            jacobians,
-            covs,
-            prediction.detach(),
-            target.detach(),
-            shared["R"],
-            shared["step"],
-            beta=self.defaults["beta"],
-            r_estimator=self.defaults["r_estimator"],
-            process_noise=process_noise,
-            rcond=self.defaults["rcond"],
-            plan=self._plan,
-            cov_flat=self._cov_flat,
-            # p̂'s statistics cost three passes over it: they are computed when diagnostics are read.
-            statistics=self._cov_flat is None,
-            form=self.observation.form,
-            aggregation=aggregation,
-            low_rank=low_rank,
-            low_rank_flat=self._low_rank_flat if low_rank is not None else None,
-        )
-        shared["skipped"].add_((~diagnostics["applied"]).to(torch.int64))
-        diagnostics["skipped"] = shared["skipped"]
-        diagnostics["step"] = shared["step"]
-        self._diagnostics = diagnostics
-        self._statistics_pending = self._cov_flat is not None
-        return result
-
-    def _sharding(self) -> bool:
-        """Whether this step is sharded: ``shard`` and several processes."""
-        return self.shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-    def _time_update_settings(self) -> tuple[tuple[float, ...], ...]:
-        """Per parameter: process noise, floor, shrinkage, inflation, forgetting and its reference variance."""
-        groups = [(g, p) for g in self.param_groups for p in g["params"]]
-        keys = ("process_noise", "p_floor", "shrinkage", "inflation", "forgetting")
-        values = [tuple(g[key] for g, _ in groups) for key in keys]
-        # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
-        reference = tuple(_reference_cov(p, g) if g["forgetting"] else 0.0 for g, p in groups)
-        return (*values, reference)
-
-    def _step_sharded(
-        self, prediction: Any, target: Any, jacobians: Any
-    ) -> tuple[Tensor, Tensor, Sequence[JacobianBlock]]:
-        """:meth:`step` with the update split between the processes (``shard``, :mod:`~loko_lightning.kalman.sharded`).
-
-        The closure returned this process's observations; the result is every process's predictions and targets
-        ``(N, m)`` and the blocks of this process's parameters for all ``N`` samples.
-        """
-        params = self._params()
-        rows = (
-            self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
-        )
-        error = None
-        try:  # this process's own observation; every process learns at the first exchange whether all were valid
-            if isinstance(prediction, Tensor) and prediction.dim() == 1:  # one sample: a batch of one
-                check_observation(prediction, target, jacobians, params, batched=False, rows=rows)
-                prediction, target = prediction[None], target[None]
-                jacobians = [kind(jac).stack([jac]) for jac in jacobians]
-            check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
-        except ValueError as err:
-            error = err
-        self._consolidated = None
-        timeout = self.collective_timeout
-        try:
-            prediction, target, blocks, shards, counts = exchange_shards(
-                None if error else prediction.detach(), None if error else target.detach(), jacobians, self._shards,
-                timeout=timeout, slots=len(params), device=params[0].device,
-            )  # fmt: skip
-        except InvalidElsewhere:
-            if error is not None:
-                raise error from None
-            raise
-        rank = dist.get_rank()
-        if self._shards is None:  # the first sharded step: keep p̂ of this process's parameters only
-            # One arithmetic dtype on every process, the replicated update's (that of the first parameter's p̂).
-            self._shard_dtypes = [self.state[p]["cov"].dtype for p in params]
-            for index, param in enumerate(params):
-                if shards.owners[index] != rank:
-                    self.state[param].pop("cov", None)
-                    if not self.state[param]:
-                        del self.state[param]
-            self._shards, self._plan, self._plan_key = shards, None, None
-        dtype = self._shard_dtypes[0]
-        mine = shards.mine(rank)
-        own = [params[i] for i in mine]
-        settings = [tuple(values[i] for i in mine) for values in self._time_update_settings()]
-        samples = prediction.shape[0]
-        full = (prediction, target)
-        stacked, goal, blocks = stack_observations(prediction, target, blocks, rows)
-        # The key includes what every process learnt (counts, positions), so that all take the same checks' branch.
-        key = layout_key(stacked, goal, blocks, (*settings, samples, tuple(counts.sizes), counts.positions))
-        if key is None or key != self._plan_key:
-            check_observation(stacked, goal, blocks, own, batched=False, rows=rows * samples)
-            self.observation.check(*full)
-            self._plan = None
-        else:
-            stacked = self._check_on_device(stacked, goal, samples)
-        m = stacked.shape[0] // samples
-        aggregation = None
-        observed = self.observation.observed(stacked.view(samples, m), goal.view(samples, m))
-        if observed is not None:
-            aggregation, stacked, goal = observed[:2], observed[2].reshape(-1), observed[3].reshape(-1)
+        seen = self.observation.observed(prediction.detach().view(samples, m), target.detach().view(samples, m))
+        if seen is not None:  # an aggregation of the outputs (top-k): the update runs in its coordinates
+            aggregation, prediction, target = seen[:2], seen[2].reshape(-1), seen[3].reshape(-1)
         covs = [self.state[p]["cov"] for p in own]
-        shared = self._shared_state(m, stacked.device, dtype)
+        dtype = self._shard_dtypes[0] if self._shards is not None else covs[0].dtype
+        shared = self._shared_state(m, prediction.device, dtype)
         if self._plan is None:
-            noise, floor, shrinkage, inflation, forgetting, reference = settings
-            self._plan = UpdatePlan(
-                blocks, [p.shape for p in own], noise, dtype, covs[0].device, samples=samples, p_floor=floor,
-                shrinkage=shrinkage, inflation=inflation, forgetting=forgetting, reference=reference,
-            )  # fmt: skip
-            self._plan_key, self._cov_flat = key, None
+            self._plan = UpdatePlan(blocks, [p.shape for p in own], dtype, covs[0].device, samples=samples,
+                                    time_updates=time_updates)  # fmt: skip
+            self._plan_key, self._cov_flat, self._low_rank_flat = key, None, None
         plan = self._plan
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
             self._flatten_covs(own, covs)
+            covs = [self.state[p]["cov"] for p in own]
         flat = self._cov_flat if self._cov_flat is not None else plan.flatten(covs)
-        if self.observation.form == "information":
-            proposal = plan.propose_information(blocks, flat, stacked, goal)
-        else:
-            proposal = plan.propose(
-                blocks, flat, stacked, goal, shared["R"], shared["step"], beta=self.defaults["beta"],
-                r_estimator=self.defaults["r_estimator"], rcond=self.defaults["rcond"], aggregation=aggregation,
-                reduce=lambda hpht: sum_symmetric(hpht, None, timeout),
-            )  # fmt: skip
-        diagnostics = agree_and_apply(plan, params, shards, flat, proposal["posterior"], proposal["finite"],
-                                      timeout=timeout)  # fmt: skip
+        low_rank = self._low_rank(own, covs) if self.filter.low_rank() else None
+        low_rank_flat = None
+        if low_rank is not None:
+            low_rank_flat = self._low_rank_flat
+            if low_rank_flat is None:
+                low_rank_flat = torch.cat([low_rank[i].to(plan.dtype) for i in plan.order])
+        belief = Belief(flat, shared["R"], shared["step"], low_rank_flat)
+        with torch.inference_mode():  # cheaper per operation than no_grad; the states written stay ordinary tensors
+            proposal = self.filter.propose(plan, blocks, belief, prediction.detach(), target.detach(),
+                                           aggregation=aggregation, reduce=exchange.reduce)  # fmt: skip
+            diagnostics = exchange.apply(plan, params, flat, proposal)
+            applied = diagnostics["applied"]
+            self.filter.commit(proposal, applied, belief)
+            shared["step"].add_(applied.to(shared["step"].dtype))
+            shared["skipped"].add_((~applied).to(torch.int64))
+            diagnostics["innovation_norm"] = torch.linalg.vector_norm(proposal.innovation)
+            nan = torch.full((), math.nan, dtype=plan.dtype, device=plan.device)
+            diagnostics["cond"] = nan if proposal.cond is None else proposal.cond
+            # p̂'s statistics cost three passes over it: with p̂ kept flat they are computed when diagnostics are read.
+            self._statistics_pending = "p_mean" not in diagnostics and self._cov_flat is not None
+            if "p_mean" not in diagnostics and self._cov_flat is None:
+                diagnostics.update(plan.statistics(flat))
         if self._cov_flat is None:
             torch._foreach_copy_(covs, plan.views(flat))
-        applied = diagnostics["applied"]
-        if "R" in proposal:
-            torch.where(applied, proposal["R"], shared["R"], out=shared["R"])
-        shared["step"].add_(applied.to(torch.int64))
-        shared["skipped"].add_((~applied).to(torch.int64))
-        nan = torch.full((), math.nan, dtype=plan.dtype, device=plan.device)
-        self._diagnostics = {
-            **diagnostics,
-            "innovation_norm": torch.linalg.vector_norm(proposal["innovation"]),
-            "cond": proposal.get("cond", nan),
-            "skipped": shared["skipped"],
-            "step": shared["step"],
-        }
-        self._statistics_pending = False
-        return (*full, blocks)
+        if low_rank is not None and self._low_rank_flat is None:
+            for block, index in zip(low_rank, range(len(own)), strict=True):
+                block.copy_(low_rank_flat[plan.offsets[index] : plan.offsets[index] + block.shape[0]])
+        diagnostics["skipped"] = shared["skipped"]
+        diagnostics["step"] = shared["step"]
+        self._diagnostics = diagnostics
+        return result if observed.returned is None else observed.returned
+
+    def _exchange(self) -> Replicated | Sharded:
+        """The step's exchange: sharded with ``shard`` and several processes, else replicated."""
+        if self.shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._consolidated = None
+            return Sharded(self._shards, self.collective_timeout)
+        return Replicated()
+
+    def _adopt_shards(self, shards: ShardPlan) -> None:
+        """The first sharded step: keep ``p̂`` of this process's parameters only, in one arithmetic dtype everywhere."""
+        params, rank = self._params(), dist.get_rank()
+        # One arithmetic dtype on every process, the replicated update's (that of the first parameter's p̂).
+        self._shard_dtypes = [self.state[p]["cov"].dtype for p in params]
+        for index, param in enumerate(params):
+            if shards.owners[index] != rank:
+                self.state[param].pop("cov", None)
+                if not self.state[param]:
+                    del self.state[param]
+        self._shards, self._plan, self._plan_key = shards, None, None
+
+    def _time_updates(self, owned: Sequence[int]) -> tuple[TimeUpdate, ...]:
+        """The time update of each parameter in ``owned`` (indices in parameter order), from its param group."""
+        settings = []
+        for group in self.param_groups:
+            update = TimeUpdate.of_group(group)
+            for param in group["params"]:
+                # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
+                forgets = group["forgetting"]
+                settings.append(replace(update, reference=_reference_cov(param, group)) if forgets else update)
+        return tuple(settings[i] for i in owned)
 
     def _low_rank(self, params: Sequence[Tensor], covs: Sequence[Tensor]) -> list[Tensor]:
         """The low-rank factor ``W`` of the precision, one ``(numel, rank)`` block per parameter (zeros at first).
@@ -651,7 +562,7 @@ class LoKO(torch.optim.Optimizer):
         Like ``p̂``, kept as one flat ``(n, rank)`` tensor in the plan's order whose views the ``"W"`` states are
         (when ``p̂`` is: the same dtype and device), so a step gathers and copies nothing.
         """
-        rank = self.observation.rank
+        rank = self.filter.low_rank()
         blocks = []
         for param, cov in zip(params, covs, strict=True):
             state = self.state[param]
@@ -750,14 +661,9 @@ def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor
             )
 
 
-def _real(value: Any) -> bool:
-    """A plain real number: an int or a float, not a bool, a string or a tensor."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_group(group: dict[str, Any]) -> None:
     p0 = group["p0"]
-    if not (_real(p0) and p0 > 0 and p0 < float("inf")):
+    if not (real_number(p0) and p0 > 0 and p0 < float("inf")):
         auto = ""
         if p0 == "auto":
             auto = "; p0: auto is for OnlineClassifier (loko fit) or loko_lightning.learner.selection"
@@ -770,26 +676,4 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ConfigError(
             f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=LoKO
         )
-    q = group["process_noise"]
-    if not (_real(q) and 0 <= q < float("inf")):
-        message = f"Invalid process_noise: {q} (must be a finite number >= 0)"
-        raise ConfigError(message, field="process_noise", owner=LoKO)
-    floor = group["p_floor"]
-    if not (_real(floor) and 0 <= floor < float("inf")):
-        message = f"Invalid p_floor: {floor} (must be a finite number >= 0; 0 is no floor, the paper)"
-        raise ConfigError(message, field="p_floor", owner=LoKO)
-    lam = group["shrinkage"]
-    if not (_real(lam) and 0 <= lam < 1):
-        message = f"Invalid shrinkage: {lam!r} (must be a number in [0, 1); 0 is the paper's identity process model)"
-        raise ConfigError(message, field="shrinkage", owner=LoKO)
-    alpha = group["inflation"]
-    if not (_real(alpha) and 0 <= alpha < float("inf")):
-        message = f"Invalid inflation: {alpha!r} (must be a finite number >= 0; 0 is none, the paper)"
-        raise ConfigError(message, field="inflation", owner=LoKO)
-    gamma = group["forgetting"]
-    if not (_real(gamma) and 0 <= gamma < 1):
-        message = (
-            f"Invalid forgetting: {gamma!r} (must be a number in [0, 1): the weight of the reference precision per "
-            "step, e.g. 1e-3 forgets over about 1,000 steps; 0 is none, the paper)"
-        )
-        raise ConfigError(message, field="forgetting", owner=LoKO)
+    TimeUpdate.of_group(group).validate(owner=LoKO)

@@ -12,9 +12,9 @@ With the columns of ``H`` split into shards ``H_r`` (the parameters process ``r`
     (K e)_r = P_r H_r^\top S^{+} e, \qquad
     \operatorname{diag}(K H)_r = \hat p_r \odot \operatorname{diag}(H_r^\top S^{+} H_r)
 
-so process ``r`` needs ``H_r`` for all ``W·B`` samples, not ``H``. A step (:func:`exchange_shards`, then
-:meth:`~loko_lightning.kalman.update.UpdatePlan.propose` with an all-reduce, then :func:`agree_and_apply`) runs four
-collectives:
+so process ``r`` needs ``H_r`` for all ``W·B`` samples, not ``H``. A step (:func:`exchange_shards`, then the filter's
+proposal with an all-reduce, then :func:`agree_and_apply`; :class:`~loko_lightning.kalman.exchange.Sharded` runs them
+in :class:`~loko_lightning.LoKO`'s one step pipeline) runs four collectives:
 
 1. an all-gather of the samples per process and of each factored block's positions (a few integers);
 2. an all-gather of the predictions and targets, and all-to-alls in which process ``r`` sends process ``d`` the
@@ -53,8 +53,8 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
-from loko_lightning.kalman.distributed import Counts, _all_gather, _all_reduce, _all_to_all, _pad_to, gather_counts
-from loko_lightning.kalman.update import UpdatePlan
+from loko_lightning.kalman.distributed import Counts, all_gather, all_reduce, all_to_all, gather_counts, pad_positions
+from loko_lightning.kalman.plan import UpdatePlan
 
 __all__ = ["InvalidElsewhere", "ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards", "sum_symmetric"]
 
@@ -163,7 +163,7 @@ def exchange_shards(
     if counts.invalid:
         raise InvalidElsewhere(counts.invalid)
     device, dtype = prediction.device, prediction.dtype
-    sizes, jacobians = counts.sizes, _pad_to(jacobians, counts.positions)
+    sizes, jacobians = counts.sizes, pad_positions(jacobians, counts.positions)
     top, m, own = max(sizes), prediction.shape[1], prediction.shape[0]
     parts = [kind(jac).parts(jac) for jac in jacobians]
     per_sample = [[part.shape[1:].numel() for part in block] for block in parts]
@@ -174,7 +174,7 @@ def exchange_shards(
     local = torch.zeros(2, top, m, dtype=dtype, device=device)
     local[0, :own], local[1, :own] = prediction, target
     gathered = [torch.empty_like(local) for _ in range(world)]
-    _all_gather(gathered, local, group, timeout)
+    all_gather(gathered, local, group, timeout)
     joined = torch.cat([buffer[:, :size] for buffer, size in zip(gathered, sizes, strict=True)], dim=1)
     # Dense blocks: process d's columns of this process's rows, one matrix per destination.
     dense = [[i for i in shards.mine(d) if kind(jacobians[i]).group_key(jacobians[i]) is None] for d in range(world)]
@@ -192,7 +192,7 @@ def exchange_shards(
                 start += numel
             offset += own * rows * width
         matrix = torch.empty(sum(sizes) * rows, widths[rank], dtype=dtype, device=device)
-        _all_to_all(matrix.view(-1), send, [size * rows * widths[rank] for size in sizes],
+        all_to_all(matrix.view(-1), send, [size * rows * widths[rank] for size in sizes],
                     [own * rows * width for width in widths], group, timeout)  # fmt: skip
         del send
         column = 0
@@ -214,7 +214,7 @@ def exchange_shards(
         slot = slots[rank]
         numel = 0 if slot is None else per_sample[slot[0]][slot[1]]
         out = torch.empty(sum(sizes) * numel, dtype=dtype, device=device)
-        _all_to_all(out, send, [size * numel for size in sizes], [chunk.numel() for chunk in chunks], group, timeout)
+        all_to_all(out, send, [size * numel for size in sizes], [chunk.numel() for chunk in chunks], group, timeout)
         if slot is not None:
             received[slot[0]].append(out.view(sum(sizes), *parts[slot[0]][slot[1]].shape[1:]))
     for i, pieces in received.items():
@@ -230,7 +230,7 @@ def sum_symmetric(matrix: Tensor, group: dist.ProcessGroup | None = None, timeou
     exact arithmetic; the update's eigendecomposition reads its lower triangle only.
     """
     lower = torch.ones(matrix.shape, dtype=torch.bool, device=matrix.device).tril_()
-    packed = _all_reduce(matrix.masked_select(lower), group, timeout)
+    packed = all_reduce(matrix.masked_select(lower), group, timeout)
     summed = torch.zeros_like(matrix).masked_scatter_(lower, packed)
     return summed + summed.tril(-1).T
 
@@ -247,14 +247,14 @@ def agree_and_apply(
 ) -> dict[str, Tensor]:
     """Apply a proposed sharded step everywhere, or nowhere: one all-gather of every shard's new parameters.
 
-    Each process sends the new values of its parameters (what :meth:`UpdatePlan.run` would write on an applied step:
+    Each process sends the new values of its parameters (what :meth:`UpdatePlan.apply` would write on an applied step:
     the shrinkage factor, then the update ``K e`` of :attr:`UpdatePlan.update`), whether its shard's update and
     ``p̂_k`` are finite, and the sums, minima and maxima of its ``p̂`` before and after. The step is applied when the
     innovation and ``S`` (``finite``, the same on every process) and every shard are finite; then every process copies
     every parameter's new value from its owner's buffer, and each writes ``posterior`` into its own ``cov``.
 
     Args:
-        plan: the update plan of this process's shard, after :meth:`~UpdatePlan.propose` (or ``propose_information``).
+        plan: the update plan of this process's shard, after the filter's proposal.
         params: all the optimizer's parameters, in order (this process's shard is ``shards.mine(rank)``).
         shards: the owners.
         cov: this shard's ``p̂`` (flat, the plan's order), written in place if the step is applied.
@@ -271,13 +271,14 @@ def agree_and_apply(
     mine = shards.mine(rank)
     update = plan.update
     check = update.sum() + posterior.sum()
-    if plan.keep is not None:
-        update.mul_(plan.keep)
+    keep = plan.time.keep
+    if keep is not None:
+        update.mul_(keep)
     wide = torch.float64 if any(t.dtype == torch.float64 for t in (*params, update)) else torch.float32
     numels = [p.numel() for p in params]
     width = max(sum(numels[i] for i in shards.mine(r)) for r in range(world))
     local = torch.empty(width + len(_STATS), dtype=wide, device=update.device)
-    keeps = plan.views(plan.keep) if plan.keep is not None and plan.keep.dim() else [plan.keep] * len(mine)
+    keeps = plan.views(keep) if keep is not None and keep.dim() else [keep] * len(mine)
     offset = 0
     for index, delta, keep in zip(mine, plan.views(update), keeps, strict=True):
         param = params[index].detach()
@@ -290,7 +291,7 @@ def agree_and_apply(
              update.square().sum()]  # fmt: skip
     local[width:] = torch.stack(stats).to(wide)
     gathered = [torch.empty_like(local) for _ in range(world)]
-    _all_gather(gathered, local, group, timeout)
+    all_gather(gathered, local, group, timeout)
     table = torch.stack([buffer[width:] for buffer in gathered])
     # Decided from the gathered values only, so that every process decides alike.
     applied = (table[:, 0] == 1).all() & torch.isfinite(table[:, 1]).all()
@@ -338,7 +339,7 @@ def gather_shards(
         local[offset : offset + numels[i]] = tensors[i].reshape(-1)
         offset += numels[i]
     gathered = [torch.empty_like(local) for _ in range(world)]
-    _all_gather(gathered, local, group, timeout)
+    all_gather(gathered, local, group, timeout)
     result: list[Tensor] = [torch.empty(0)] * len(shapes)
     for source, buffer in enumerate(gathered):
         offset = 0

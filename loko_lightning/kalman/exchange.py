@@ -1,0 +1,131 @@
+"""Where a step's observations come from and where its update goes: the one strategy that differs between processes.
+
+:class:`~loko_lightning.LoKO` runs one step pipeline (stack, check, plan, the filter's proposal, apply, commit); the
+exchange is the part that depends on how the processes share the work:
+
+- :class:`Replicated`: this process holds every observation of the step (one process, or the learner's all-gather
+  under DDP) and every parameter; it updates everything itself.
+- :class:`Sharded`: each process holds its own samples and owns a shard of the parameters
+  (:mod:`loko_lightning.kalman.sharded`): the blocks are exchanged by all-to-all, ``H P Hᵀ`` is summed by an
+  all-reduce and the new parameters are all-gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from loko_lightning.jacobians.blocks import kind
+from loko_lightning.kalman.filters.base import Proposal
+from loko_lightning.kalman.multistream import check_observation, stack_observations
+from loko_lightning.kalman.plan import UpdatePlan
+from loko_lightning.kalman.sharded import InvalidElsewhere, ShardPlan, agree_and_apply, exchange_shards, sum_symmetric
+
+__all__ = ["Observed", "Replicated", "Sharded"]
+
+
+@dataclass
+class Observed:
+    """A step's observations as the update reads them.
+
+    Attributes:
+        prediction: ``ŷ`` stacked over the step's samples (one sample: its own ``(m,)``).
+        target: ``y``, like ``prediction``.
+        blocks: one block of the stacked ``H`` per parameter this process updates.
+        samples: ``B``, the samples stacked.
+        owned: the indices of the parameters this process updates, in parameter order.
+        layout: what else the update plan depends on (the processes' counts for a sharded step).
+        shards: the owners of the parameters (sharded steps only).
+        returned: what :meth:`~loko_lightning.LoKO.step` returns (``None``: what the closure returned).
+    """
+
+    prediction: Any
+    target: Any
+    blocks: Any
+    samples: int
+    owned: list[int]
+    layout: tuple = ()
+    shards: ShardPlan | None = None
+    returned: Any = None
+
+
+class Replicated:
+    """Every observation of the step and every parameter are here: nothing to exchange."""
+
+    #: Sums over the parameters need no reduction.
+    reduce: Callable[[Tensor], Tensor] | None = None
+
+    def observe(
+        self, prediction: Any, target: Any, jacobians: Any, params: Sequence[Tensor], rows: int | None
+    ) -> Observed:
+        """The closure's result, a batch stacked into one observation (:mod:`~loko_lightning.kalman.multistream`)."""
+        samples = 1
+        if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
+            check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
+            samples = prediction.shape[0]
+            prediction, target, jacobians = stack_observations(prediction, target, jacobians, rows)
+        return Observed(prediction, target, jacobians, samples, list(range(len(params))))
+
+    def apply(self, plan: UpdatePlan, params: Sequence[Tensor], cov: Tensor, proposal: Proposal) -> dict[str, Tensor]:
+        """:meth:`UpdatePlan.apply`: ``applied`` (the statistics of ``p̂`` are read later, from the plan)."""
+        return {"applied": plan.apply(params, cov, proposal.posterior, proposal.finite)}
+
+
+class Sharded:
+    """Each process its own samples and its shard of the parameters (:mod:`loko_lightning.kalman.sharded`).
+
+    Args:
+        shards: the owners of the parameters, once a sharded step has chosen them (``None`` before).
+        timeout: seconds each collective may wait for the other processes (``None``: the group's own).
+    """
+
+    def __init__(self, shards: ShardPlan | None, timeout: float | None) -> None:
+        self.shards, self.timeout = shards, timeout
+        self.rank = dist.get_rank()
+
+    def reduce(self, hpht: Tensor) -> Tensor:
+        """The sum of every shard's ``H_r P_r H_rᵀ`` (one all-reduce of the lower triangle)."""
+        return sum_symmetric(hpht, None, self.timeout)
+
+    def observe(
+        self, prediction: Any, target: Any, jacobians: Any, params: Sequence[Tensor], rows: int | None
+    ) -> Observed:
+        """Every process's predictions and targets, and this process's shard of the blocks for all of them.
+
+        This process's own observation is checked first; every process learns at the first exchange whether all
+        were valid, so that an invalid one stops every process at the same point.
+        """
+        error = None
+        try:
+            if isinstance(prediction, Tensor) and prediction.dim() == 1:  # one sample: a batch of one
+                check_observation(prediction, target, jacobians, params, batched=False, rows=rows)
+                prediction, target = prediction[None], target[None]
+                jacobians = [kind(jac).stack([jac]) for jac in jacobians]
+            check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
+        except ValueError as err:
+            error = err
+        try:
+            prediction, target, blocks, shards, counts = exchange_shards(
+                None if error else prediction.detach(), None if error else target.detach(), jacobians, self.shards,
+                timeout=self.timeout, slots=len(params), device=params[0].device,
+            )  # fmt: skip
+        except InvalidElsewhere:
+            if error is not None:
+                raise error from None
+            raise
+        self.shards = shards
+        full = (prediction, target)
+        stacked, goal, blocks = stack_observations(prediction, target, blocks, rows)
+        layout = (tuple(counts.sizes), counts.positions)  # what every process learnt: all take the same branch
+        return Observed(stacked, goal, blocks, prediction.shape[0], shards.mine(self.rank), layout, shards,
+                        returned=(*full, blocks))  # fmt: skip
+
+    def apply(self, plan: UpdatePlan, params: Sequence[Tensor], cov: Tensor, proposal: Proposal) -> dict[str, Tensor]:
+        """:func:`~loko_lightning.kalman.sharded.agree_and_apply`: applied everywhere or nowhere, with statistics."""
+        return agree_and_apply(plan, params, self.shards, cov, proposal.posterior, proposal.finite,
+                               timeout=self.timeout)  # fmt: skip
+

@@ -1,0 +1,72 @@
+"""The filter families, one module each, behind one interface (:class:`~loko_lightning.kalman.filters.base.Filter`).
+
+- :mod:`~loko_lightning.kalman.filters.covariance`: the paper's Algorithm 1 (``filter: covariance``, the default).
+- :mod:`~loko_lightning.kalman.filters.information`: the diagonal natural-gradient filter in information form
+  (``natural``: the empirical Fisher, one reverse row; ``natural_exact``: the exact one, ``m + 1`` rows).
+- :mod:`~loko_lightning.kalman.filters.low_rank`: LoFi, a low-rank plus diagonal precision (``lofi<L>``, e.g.
+  ``lofi10``; ``lofi<L>_empirical`` on the empirical Fisher).
+
+A new family is one module with a :class:`Filter` subclass, registered in :data:`FILTERS` (or passed to
+:class:`~loko_lightning.LoKO` as an instance).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from functools import partial
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.filters.base import Belief, Filter, Proposal
+from loko_lightning.kalman.filters.covariance import Covariance, psd_pinv
+from loko_lightning.kalman.filters.information import FISHERS, DiagonalInformation, FisherRows
+from loko_lightning.kalman.filters.low_rank import LowRankPrecision
+
+__all__ = [
+    "FILTERS",
+    "FISHERS",
+    "Belief",
+    "Covariance",
+    "DiagonalInformation",
+    "Filter",
+    "FisherRows",
+    "LowRankPrecision",
+    "Proposal",
+    "get_filter",
+    "psd_pinv",
+]
+
+#: The filters by name, as ``filter: <name>`` selects them; ``lofi<L>`` and ``lofi<L>_empirical`` (any rank ``L``)
+#: are :class:`LowRankPrecision` too.
+FILTERS: dict[str, Callable[..., Filter]] = {
+    "covariance": Covariance,
+    "natural": DiagonalInformation,
+    "natural_exact": partial(DiagonalInformation, fisher="exact"),
+}
+
+
+def get_filter(spec: str | Filter, *, owner: type | None = None, **covariance: object) -> Filter:
+    """A :class:`Filter` from its name in :data:`FILTERS` or ``lofi<L>[_empirical]`` (or the instance itself).
+
+    Args:
+        spec: the name, or a :class:`Filter`.
+        owner: the class whose ``filter`` argument this is, for the error.
+        covariance: ``beta``, ``r_estimator`` and ``rcond`` for the covariance filter (ignored by the others).
+
+    Raises:
+        ConfigError: an unknown name (``field="filter"``).
+    """
+    if isinstance(spec, Filter):
+        return spec
+    lofi = re.fullmatch(r"lofi(\d+)(_empirical)?", spec) if isinstance(spec, str) else None
+    if lofi is not None:
+        return LowRankPrecision(rank=int(lofi[1]), fisher="empirical" if lofi[2] else "exact")
+    build = FILTERS.get(spec) if isinstance(spec, str) else None
+    if build is None:
+        raise ConfigError(
+            f"Invalid filter: {spec!r} (expected one of {tuple(FILTERS)}, lofi<rank> such as lofi10, "
+            "lofi<rank>_empirical, or a Filter)",
+            field="filter",
+            owner=owner,
+        )
+    return build(**covariance) if build is Covariance else build()

@@ -1,0 +1,143 @@
+r"""The paper's filter: Algorithm 1, the extended Kalman filter with a diagonal covariance (covariance form).
+
+.. math::
+
+    \hat p_{k|k-1} &= \hat p_{k-1} + q, \quad e_k = y_k - \hat y_k \\
+    R_k &= \beta R_{k-1} + (1-\beta)\hat R_k \\
+    S_k &= H_k (\hat p_{k|k-1} \bullet H_k^\top) + R_k \\
+    K_k &= (\hat p_{k|k-1} \bullet H_k^\top) S_k^{+} \\
+    \tilde\theta_k &= \tilde\theta_{k|k-1} + K_k e_k \\
+    (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij} (H_k)_{ji} (\hat p_{k|k-1})_i
+
+Only an ``m x m`` system (``B·m`` for a joint step of ``B`` samples) is solved. With softmax outputs ``S`` is
+singular by construction, so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off. Its
+float64 specification is :func:`loko_lightning.kalman.reference.loko_step_reference`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from loko_lightning.jacobians.blocks import JacobianBlock
+from loko_lightning.kalman.filters.base import Belief, Filter, Proposal
+from loko_lightning.kalman.noise import REstimator, observation_noise
+from loko_lightning.kalman.plan import UpdatePlan
+
+__all__ = ["Covariance", "psd_pinv"]
+
+
+def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor]:
+    """Pseudo-inverse of a symmetric positive semi-definite matrix by eigendecomposition.
+
+    With softmax outputs ``S`` is singular by construction (the all-ones vector is in its null space), so a
+    plain inverse returns garbage. Eigenvalues at or below ``rcond · λ_max`` (including the small negative
+    ones rounding produces) are treated as zero, which also keeps the result positive semi-definite, so the
+    covariance update can only shrink ``p̂``.
+
+    Args:
+        matrix: symmetric ``m x m`` matrix (only its lower triangle is read, so rounding asymmetry is harmless).
+        rcond: relative eigenvalue cut-off; default ``m · eps(dtype) · 10``.
+
+    Returns:
+        ``(pinv, cond)``: the pseudo-inverse and the condition number of the kept spectrum
+        (``λ_max / smallest kept λ``).
+    """
+    eigvecs, inv_vals, cond = _psd_eigh(matrix, rcond)
+    return (eigvecs * inv_vals) @ eigvecs.T, cond
+
+
+def _psd_eigh(matrix: Tensor, rcond: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Eigenvectors, the reciprocals of the kept eigenvalues (0 for the others) and the condition number."""
+    m = matrix.shape[-1]
+    if rcond is None:
+        rcond = 10.0 * m * torch.finfo(matrix.dtype).eps
+    # eigh reads one triangle only, i.e. it decomposes the symmetric matrix that triangle defines: the
+    # symmetrisation against rounding costs nothing.
+    eigvals, eigvecs = torch.linalg.eigh(matrix)
+    top = eigvals[-1].clamp_min(torch.finfo(matrix.dtype).tiny)
+    keep = eigvals > rcond * top
+    inv_vals = torch.where(keep, eigvals.reciprocal(), 0.0)  # the discarded reciprocals (maybe inf) are dropped
+    return eigvecs, inv_vals, top / torch.where(keep, eigvals, math.inf).amin()
+
+
+def _pinv_factor(S: Tensor, innovation: Tensor, rcond: float | None) -> tuple[Tensor, Tensor]:
+    """``[Wᵀ; wᵀ]`` (``(m + 1, m)``) with ``S⁺ = W Wᵀ`` and ``w = S⁺ e``, and the condition number of ``S``.
+
+    ``W = V Λ^(-1/2)`` (zero columns for the dropped eigenvalues): every gain and quadratic term of the update
+    comes from products with this one matrix, and the quadratic terms are sums of squares.
+    """
+    eigvecs, inv_vals, cond = _psd_eigh(S, rcond)
+    root_t = (eigvecs * inv_vals.sqrt()).T
+    w = root_t.T @ (root_t @ innovation)
+    return torch.cat([root_t, w[None]]), cond
+
+
+class Covariance(Filter):
+    """Algorithm 1 (the module's equations): a diagonal covariance ``p̂`` and the EMA estimate of ``R``.
+
+    Args:
+        beta: the forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95).
+        r_estimator: a name in :data:`~loko_lightning.kalman.noise.R_ESTIMATORS` (paper: ``"taylor"``).
+        rcond: the relative eigenvalue cut-off of the ``S`` pseudo-inverse (default ``10 · m · eps``).
+    """
+
+    name = "covariance"
+    estimates_noise = True
+
+    def __init__(self, beta: float = 0.95, r_estimator: REstimator = "taylor", rcond: float | None = None) -> None:
+        self.beta, self.r_estimator, self.rcond = beta, r_estimator, rcond
+
+    def propose(
+        self,
+        plan: UpdatePlan,
+        blocks: Sequence[JacobianBlock],
+        belief: Belief,
+        prediction: Tensor,
+        target: Tensor,
+        *,
+        aggregation: tuple[Tensor, Tensor] | None = None,
+        reduce: Callable[[Tensor], Tensor] | None = None,
+    ) -> Proposal:
+        """Steps 1-6 of Algorithm 1 without writing any state; ``reduce`` sums ``H P Hᵀ`` over the shards."""
+        dtype = plan.dtype
+        # 1. Predict: θ̃_{k|k-1} = θ̃_{k-1}, p̂_{k|k-1} = p̂_{k-1} + q.
+        prior = plan.time.prior(belief.cov)
+        # 2-3. Innovation e = y - ŷ and H P Hᵀ with P = diag(p̂_{k|k-1}).
+        prediction = prediction.to(dtype)
+        innovation = target.to(dtype) - prediction
+        hpht = plan.hpht(blocks, prior)
+        if reduce is not None:
+            hpht = reduce(hpht)
+        # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
+        R_k, noise = observation_noise(
+            self.r_estimator, belief.R, innovation, hpht, prediction, belief.step + 1, self.beta, plan.samples,
+            aggregation,
+        )  # fmt: skip
+        S = hpht + noise
+        # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
+        # softmax outputs). eigh must never see NaN/Inf (LAPACK fails): a step to be skipped decomposes I instead.
+        finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
+        factor, cond = _pinv_factor(
+            torch.where(finite, S, plan.eye), torch.where(finite, innovation, 0.0), self.rcond
+        )
+        # 5. The gain K = P Hᵀ S⁺ is never formed: K e = p̂ ⊙ Hᵀ S⁺ e and (K H)_ii = p̂_i (Hᵀ S⁺ H)_ii, per kind.
+        update, quad = plan.update, plan.work
+        for kind in plan.kinds:
+            kind.gain_and_quad(factor, update, quad)
+        update.mul_(prior)
+        # 6. p̂_k,i = p̂_i - (K H)_ii p̂_i; (K H)_ii lies in [0, 1] in exact arithmetic, the floor keeps p̂ > 0.
+        posterior = torch.addcmul(plan.one, prior, quad, value=-1.0, out=quad)
+        posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
+        plan.time.covariance(posterior)
+        return Proposal(posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond)
+
+    def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
+        """``R_k`` where the step was applied."""
+        torch.where(applied, proposal.R, belief.R, out=belief.R)
+
+    def __repr__(self) -> str:
+        return f"Covariance(beta={self.beta!r}, r_estimator={self.r_estimator!r}, rcond={self.rcond!r})"
