@@ -9,17 +9,16 @@ The ``m`` rows of the Jacobian come from one forward pass and one *batched* reve
 over :func:`torch.autograd.grad` with the ``m`` cotangents), never from ``ñ`` forward passes or ``m`` separate
 backward passes.
 
-Fast path for weights of ``nn.Linear`` and ``nn.Conv2d`` layers (every LoRA ``A``/``B`` factor of peft, and a
-new classification head, are such layers): a layer ``z_p = W x_p + b`` applied at ``k`` positions ``p`` (output
-pixels of a convolution with ``x_p`` its unfolded input patch, or tokens) has the per-sample-gradient structure
-``∂ŷ_a/∂W = Σ_p (∂ŷ_a/∂z_p) x_pᵀ``. So the batched reverse pass only has to deliver the ``m`` cotangents at the
-layer *output*; the layer's input is captured in the forward pass (batch 1, shared by all rows) and the weight
-Jacobian is one matrix product, or is returned in that exact factored form
-(:class:`~loko_lightning.FactoredJacobian`). While the forward pass runs through such a layer its
-trainable weight is swapped for a detached alias, so the reverse pass never forms a weight gradient there; any
-other use of the same weight elsewhere in the model still reaches the real parameter and is added. Everything
-else (other parameter kinds, ``groups > 1`` convolutions, layers called with keyword arguments, ...) goes
-through the generic batched reverse pass. Both paths give the same Jacobian up to floating-point rounding.
+Fast path for weights of ``nn.Linear`` and ``nn.Conv2d`` layers (every LoRA ``A``/``B`` factor of peft, and a new
+classification head, are such layers): a layer ``z_p = W x_p + b`` applied at ``k`` positions ``p`` (output pixels of a
+convolution with ``x_p`` its unfolded input patch, or tokens) has the per-sample-gradient structure
+``∂ŷ_a/∂W = Σ_p (∂ŷ_a/∂z_p) x_pᵀ``. So the batched reverse pass only has to deliver the ``m`` cotangents at the layer
+*output*; the layer's input is captured in the forward pass (batch 1, shared by all rows) and the weight Jacobian is one
+matrix product, or is returned in that exact factored form (:class:`~loko_lightning.FactoredJacobian`). While the
+forward pass runs through such a layer its trainable weight is swapped for a detached alias, so the reverse pass never
+forms a weight gradient there; any other use of the same weight elsewhere in the model still reaches the real parameter
+and is added. Everything else (other parameter kinds, ``groups > 1`` convolutions, layers called with keyword arguments,
+...) goes through the generic batched reverse pass. Both paths give the same Jacobian up to floating-point rounding.
 
 With softmax outputs the rows sum to zero (``Σ_a ŷ_a = 1``), so only ``m - 1`` rows go through the reverse pass
 and the last is minus their sum: exact, one reverse row fewer.
@@ -82,14 +81,13 @@ class JacobianEngine:
         observation: what is observed of the model's outputs (:mod:`loko_lightning.observation`): ``"softmax"``
             (classification, ``ŷ`` = class probabilities, the default), ``"regression"`` (``ŷ`` = the outputs), or an
             :class:`~loko_lightning.observation.Observation`. Give the optimizer the same one.
-        chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for
-            large ``m``; default all ``m`` at once.
+        chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for large ``m``; default
+            all ``m`` at once.
         factorize: return the weight Jacobian of every fast-path ``nn.Linear``/``nn.Conv2d`` layer in its exact
             factored form: :class:`~loko_lightning.OuterJacobian` (``∂ŷ/∂z ⊗ x``) when the layer saw one position, as
             a classification head does, otherwise :class:`~loko_lightning.FactoredJacobian` wherever that makes the
-            Kalman update cheaper (:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`: few positions
-            against ``m``, i.e. deep layers and many classes).
-            :class:`~loko_lightning.LoKO` consumes every form exactly.
+            Kalman update cheaper (:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`: few positions against
+            ``m``, i.e. deep layers and many classes). :class:`~loko_lightning.LoKO` consumes every form exactly.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
