@@ -118,9 +118,10 @@ class JacobianEngine:
         self._params = params
         self._chunk_size = chunk_size
         self._factorize = factorize
-        self._hooks = ModelHooks(model, frozenset(map(id, params)))
+        self._hooks = ModelHooks(frozenset(map(id, params)))
         # Removes the hooks when the engine is closed or garbage collected; holds no reference to the engine.
         self._finalizer = weakref.finalize(self, self._hooks.remove)
+        self._hooks.scan(model)
 
     @property
     def model(self) -> nn.Module:

@@ -65,12 +65,13 @@ class ModelHooks:
     (``batched``); the engine sets them around its forward pass. The caches (``conv_matrices``, ``norm_scales``) are
     filled by the frozen layers' hooks and belong to this object alone.
 
+    Nothing is hooked until :meth:`scan`; :meth:`remove` takes the hooks off again.
+
     Args:
-        model: the model to hook.
         wanted: the ids of the parameters differentiated.
     """
 
-    def __init__(self, model: nn.Module, wanted: frozenset[int]) -> None:
+    def __init__(self, wanted: frozenset[int]) -> None:
         self.calling = False
         self.fast = False
         self.batched = False
@@ -78,7 +79,12 @@ class ModelHooks:
         self.conv_matrices: dict[nn.Module, tuple] = {}
         self.wanted = wanted
         self.handles: list[RemovableHandle] = []
-        self.scan(model)
+        self.layers: dict[nn.Module, FastLayer] = {}  # the fast-path layers
+        self.norms: list[nn.Module] = []  # normalisation layers, hooked or not
+        self.random: list[nn.Module] = []  # random layers (dropout, ...)
+        self.uncovered = False  # whether a parameter is reached outside the fast-path layers
+        self._dicts: list[dict] = []
+        self._structure: list = []
 
     def remove(self) -> None:
         """Remove the hooks from the model."""
@@ -87,7 +93,10 @@ class ModelHooks:
         self.handles.clear()
 
     def scan(self, model: nn.Module) -> None:
-        """Find and hook the fast-path layers, frozen batch norms and frozen convolutions; record the structure."""
+        """Find and hook the fast-path layers, frozen batch norms and frozen convolutions; record the structure.
+
+        Empties the caches. To scan again, :meth:`remove` the hooks first.
+        """
         wanted, handles = self.wanted, self.handles
         self.conv_matrices.clear()
         self.norm_scales.clear()
