@@ -1,8 +1,8 @@
 """How the ``loko`` command reads jsonargparse's parse errors: from the exceptions' chain, plus a few pinned patterns.
 
-The messages users see are checked end to end by the bad-input catalogue of ``test_reliability.py``; here each
-pattern of :data:`~loko_lightning.cli.JSONARGPARSE_WORDING` meets the real error of the installed jsonargparse, so
-a change of its wording fails here, naming the pattern, instead of quietly turning an error line into a worse one.
+The messages users see are checked end to end by the bad-input catalogue of ``test_reliability.py``; here each pattern
+of :data:`~loko_lightning.cli.errors.JSONARGPARSE_WORDING` meets the real error of the installed jsonargparse, so a
+change of its wording fails here, naming the pattern, instead of quietly turning an error line into a worse one.
 """
 
 from argparse import ArgumentError
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch.cli import LightningCLI
 
-from loko_lightning.cli import JSONARGPARSE_WORDING, ParseError, lost_process_error, read_parse_error
+from loko_lightning.cli.errors import JSONARGPARSE_WORDING, ParseError, lost_process_error, read_parse_error
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.module import OnlineClassifier

@@ -10,13 +10,10 @@ from peft import LoraConfig, get_peft_model
 from timm.layers import BatchNormAct2d
 from torch import nn
 
-import loko_lightning.jacobians.engine  # noqa: F401  (the module, for monkeypatching)
 import loko_lightning.jacobians.reverse as jacobian_pass
 from loko_lightning import JacobianEngine, OuterJacobian, jacobian
 from loko_lightning.jacobians.blocks import FactoredJacobian, factored_is_cheaper
 from loko_lightning.models.adapters import freeze_normalization
-
-jacobian_module = sys.modules["loko_lightning.jacobians.engine"]
 
 
 def row_by_row(model, x, params, observation="softmax"):

@@ -174,7 +174,7 @@ class TFSame(nn.Module):
 def test_timm_same_padding_convolutions_take_the_fast_path(lora, monkeypatch):
     """In a batch their weights (or the LoRA factors peft gives them, which are Conv2dSame too) come out of the shared
     batched pass in factored form, exact, with the padding of each input's size; one sample keeps autograd's weight
-    gradient for them (dense blocks: the rounding of the numbers measured before)."""
+    gradient for them (dense blocks)."""
     monkeypatch.setattr(jacobian_pass, "factored_is_cheaper", lambda *args: True)
     seen = spy_on_reverse_passes(monkeypatch)
     torch.manual_seed(5)

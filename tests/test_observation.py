@@ -114,10 +114,3 @@ def test_observe_forms_the_target_of_the_observation():
         torch.testing.assert_close(target, values[0], rtol=0, atol=0)
         with pytest.raises(ValueError, match="regression target must have the prediction's shape"):
             engine.observe(x, torch.tensor([2]))
-
-
-def test_the_deprecated_output_argument_names_the_observation():
-    with pytest.warns(DeprecationWarning, match='observation="regression"'):
-        engine = JacobianEngine(mlp(), output="identity")
-    assert isinstance(engine.observation, Regression)
-    engine.close()

@@ -16,7 +16,8 @@ from PIL import Image
 from runs import outputs
 
 from loko_lightning import LoKO
-from loko_lightning.cli import main, packaged_configs
+from loko_lightning.cli import main
+from loko_lightning.cli.configs import packaged_configs
 from loko_lightning.learner.export import export
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier

@@ -1,23 +1,24 @@
-"""Prediction and Jacobian of a model's outputs w.r.t. its trainable parameters, for one sample.
+"""Prediction and Jacobian of a model's outputs w.r.t. its trainable parameters, for one sample or a batch.
 
-:class:`JacobianEngine` is built once per model (scan, hooks, caches) and called once per sample; :func:`jacobian`
-is the same for a single call.
+:class:`JacobianEngine` is built once per model (scan, hooks, caches: :mod:`~loko_lightning.jacobians.hooks`) and
+called once per sample: it checks the call, runs the forward pass with its hooks on, then the reverse pass
+(:mod:`~loko_lightning.jacobians.reverse`), and takes that pass's fallback where it has one. :func:`jacobian` is the
+same for a single call.
 
 The ``m`` rows of the Jacobian come from one forward pass and one *batched* reverse pass (``torch.func.vmap``
 over :func:`torch.autograd.grad` with the ``m`` cotangents), never from ``ñ`` forward passes or ``m`` separate
 backward passes.
 
-Fast path for weights of ``nn.Linear`` and ``nn.Conv2d`` layers (every LoRA ``A``/``B`` factor of peft, and a
-new classification head, are such layers): a layer ``z_p = W x_p + b`` applied at ``k`` positions ``p`` (output
-pixels of a convolution with ``x_p`` its unfolded input patch, or tokens) has the per-sample-gradient structure
-``∂ŷ_a/∂W = Σ_p (∂ŷ_a/∂z_p) x_pᵀ``. So the batched reverse pass only has to deliver the ``m`` cotangents at the
-layer *output*; the layer's input is captured in the forward pass (batch 1, shared by all rows) and the weight
-Jacobian is one matrix product, or is returned in that exact factored form
-(:class:`~loko_lightning.FactoredJacobian`). While the forward pass runs through such a layer its
-trainable weight is swapped for a detached alias, so the reverse pass never forms a weight gradient there; any
-other use of the same weight elsewhere in the model still reaches the real parameter and is added. Everything
-else (other parameter kinds, ``groups > 1`` convolutions, layers called with keyword arguments, ...) goes
-through the generic batched reverse pass. Both paths give the same Jacobian up to floating-point rounding.
+Fast path for weights of ``nn.Linear`` and ``nn.Conv2d`` layers (every LoRA ``A``/``B`` factor of peft, and a new
+classification head, are such layers): a layer ``z_p = W x_p + b`` applied at ``k`` positions ``p`` (output pixels of a
+convolution with ``x_p`` its unfolded input patch, or tokens) has the per-sample-gradient structure
+``∂ŷ_a/∂W = Σ_p (∂ŷ_a/∂z_p) x_pᵀ``. So the batched reverse pass only has to deliver the ``m`` cotangents at the layer
+*output*; the layer's input is captured in the forward pass (batch 1, shared by all rows) and the weight Jacobian is one
+matrix product, or is returned in that exact factored form (:class:`~loko_lightning.FactoredJacobian`). While the
+forward pass runs through such a layer its trainable weight is swapped for a detached alias, so the reverse pass never
+forms a weight gradient there; any other use of the same weight elsewhere in the model still reaches the real parameter
+and is added. Everything else (other parameter kinds, ``groups > 1`` convolutions, layers called with keyword arguments,
+...) goes through the generic batched reverse pass. Both paths give the same Jacobian up to floating-point rounding.
 
 With softmax outputs the rows sum to zero (``Σ_a ŷ_a = 1``), so only ``m - 1`` rows go through the reverse pass
 and the last is minus their sum: exact, one reverse row fewer.
@@ -31,44 +32,17 @@ engine caches the dense matrices of small-map convolutions while their weights d
 
 from __future__ import annotations
 
-import sys
-import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from itertools import chain
-from operator import is_not
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from loko_lightning.jacobians import frozen
-from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.jacobians.reverse import (
-    _CONV,
-    _CONV_SAME,
-    _LINEAR,
-    _NORM,
-    _OTHER,
-    _RANDOM,
-    _batch_size_hook,
-    _check_inputs,
-    _conv_hook,
-    _Hooks,
-    _is_conv_same,
-    _jacobian,
-    _Layer,
-    _norm_hook,
-    _post_hook,
-    _pre_hook,
-    _remove,
-    _sample,
-    _stack_samples,
-    _uses_batch_statistics,
-)
+from loko_lightning.jacobians.blocks import JacobianBlock, kind
+from loko_lightning.jacobians.hooks import ModelHooks
+from loko_lightning.jacobians.reverse import Fallback, Jacobians, reverse_pass
 from loko_lightning.observation import Observation, get_observation
-
-_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 class JacobianEngine:
@@ -107,16 +81,13 @@ class JacobianEngine:
         observation: what is observed of the model's outputs (:mod:`loko_lightning.observation`): ``"softmax"``
             (classification, ``ŷ`` = class probabilities, the default), ``"regression"`` (``ŷ`` = the outputs), or an
             :class:`~loko_lightning.observation.Observation`. Give the optimizer the same one.
-        output: the former name of ``observation`` (``"softmax"`` or ``"identity"``, i.e. ``"regression"``);
-            deprecated.
-        chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for
-            large ``m``; default all ``m`` at once.
+        chunk_size: at most this many Jacobian rows per batched backward pass, to bound memory for large ``m``; default
+            all ``m`` at once.
         factorize: return the weight Jacobian of every fast-path ``nn.Linear``/``nn.Conv2d`` layer in its exact
             factored form: :class:`~loko_lightning.OuterJacobian` (``∂ŷ/∂z ⊗ x``) when the layer saw one position, as
             a classification head does, otherwise :class:`~loko_lightning.FactoredJacobian` wherever that makes the
-            Kalman update cheaper (:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`: few positions
-            against ``m``, i.e. deep layers and many classes).
-            :class:`~loko_lightning.LoKO` consumes every form exactly.
+            Kalman update cheaper (:func:`~loko_lightning.jacobians.blocks.factored_is_cheaper`: few positions against
+            ``m``, i.e. deep layers and many classes). :class:`~loko_lightning.LoKO` consumes every form exactly.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -135,10 +106,7 @@ class JacobianEngine:
         observation: str | Observation = "softmax",
         chunk_size: int | None = None,
         factorize: bool = False,
-        output: str | None = None,
     ) -> None:
-        if output is not None:
-            observation = _observation_from_output(output)
         self._observation = get_observation(observation, owner=JacobianEngine)
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"Invalid chunk_size: {chunk_size} (must be >= 1 or None)")
@@ -150,12 +118,10 @@ class JacobianEngine:
         self._params = params
         self._chunk_size = chunk_size
         self._factorize = factorize
-        self._wanted = frozenset(map(id, params))
-        self._hooks = _Hooks()
-        self._handles: list[RemovableHandle] = []
+        self._hooks = ModelHooks(frozenset(map(id, params)))
         # Removes the hooks when the engine is closed or garbage collected; holds no reference to the engine.
-        self._finalizer = weakref.finalize(self, _remove, self._handles)
-        self._scan()
+        self._finalizer = weakref.finalize(self, self._hooks.remove)
+        self._hooks.scan(model)
 
     @property
     def model(self) -> nn.Module:
@@ -175,8 +141,7 @@ class JacobianEngine:
     @property
     def cache_nbytes(self) -> int:
         """Bytes held by the engine's caches (dense matrices of small-map frozen convolutions, batch-norm scales)."""
-        entries = chain(self._hooks.conv_matrices.values(), self._hooks.norm_scales.values())
-        return sum(entry[-1].numel() * entry[-1].element_size() for entry in entries)
+        return self._hooks.cache_nbytes
 
     def __call__(self, inputs: Tensor | Mapping[str, Tensor]) -> tuple[Tensor, list[JacobianBlock]]:
         """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for one sample.
@@ -205,9 +170,11 @@ class JacobianEngine:
         first = _check_inputs(inputs, batch=False)
         fast = self._check_call(first)
         result = self._run(inputs, fast, label=label)
-        if result is None:  # a fast-path layer's input was modified in place after the call: redo it generically
+        if isinstance(result, Fallback):  # a fast-path layer's input was modified in place: redo it generically
             result = self._run(inputs, False, label=label)
-        return result
+        if isinstance(result, Fallback):
+            raise RuntimeError(f"Internal error: a single sample without the fast path gave {result}")
+        return result.prediction, result.blocks
 
     def batch(self, inputs: Tensor) -> tuple[Tensor, list[JacobianBlock]]:
         """Predictions and each sample's own Jacobian for a batch of ``B`` samples, in one batched reverse pass.
@@ -242,11 +209,11 @@ class JacobianEngine:
         first = _check_inputs(inputs, batch=True)
         fast = self._check_call(first)
         samples = first.shape[0]
-        result = self._run(inputs, True, samples, label) if fast and not self._uncovered else "loop"
-        if not isinstance(result, tuple):  # see above; None: a fast-path layer's input was modified in place
+        result = self._run(inputs, True, samples, label) if fast and not self._hooks.uncovered else Fallback.PER_SAMPLE
+        if isinstance(result, Fallback):  # either fallback: each sample as a call of its own (see above)
             labels = [None if label is None else label[b : b + 1] for b in range(samples)]
             return _stack_samples([self._one(_sample(inputs, b), labels[b]) for b in range(samples)])
-        return result
+        return result.prediction, result.blocks
 
     def observe(
         self, inputs: Tensor | Mapping[str, Tensor], label: Tensor, *, batched: bool | None = None
@@ -277,33 +244,18 @@ class JacobianEngine:
         """The per-call checks (see the class docstring); whether the fast path may run (``first``: an input)."""
         if not self._finalizer.alive:
             raise RuntimeError("Invalid call: this JacobianEngine is closed (build a new one)")
-        if self._structure_changed():
-            _remove(self._handles)
-            self._scan()
+        if self._hooks.structure_changed():
+            self._hooks.remove()
+            self._hooks.scan(self._model)
         if not all(p.requires_grad for p in self._params):
             _check_requires_grad(self._model, self._params)
-        for module in self._norms:
-            if module.training and module.track_running_stats:
-                raise ValueError(
-                    f"Invalid model: normalisation layer {_name(self._model, module)!r} ({type(module).__name__}) "
-                    "is in training mode; at batch size 1 put it in eval mode (model.eval() or "
-                    "loko_lightning.models.adapters.freeze_normalization)"
-                )
-        for module in self._random:
-            if module.training and _randomness(module):
-                name = _name(self._model, module)
-                raise ValueError(
-                    f"Invalid model: {name!r} ({type(module).__name__}, {_randomness(module)}) is random in training "
-                    "mode, so every call would give another prediction and Jacobian; put it in eval mode "
-                    f"(model.eval(), or model.get_submodule({name!r}).eval())"
-                )
+        self._hooks.check_modes(self._model)
         return not torch.is_autocast_enabled(first.device.type)
 
     def close(self) -> None:
         """Remove the hooks from the model and release the caches; the engine cannot be called afterwards."""
         self._finalizer()
-        self._hooks.conv_matrices.clear()
-        self._hooks.norm_scales.clear()
+        self._hooks.clear_caches()
 
     def __enter__(self) -> JacobianEngine:
         return self
@@ -311,75 +263,15 @@ class JacobianEngine:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _scan(self) -> None:
-        """Find and hook the fast-path layers, frozen batch norms and frozen convolutions; record the structure.
-
-        Fast path: ``nn.Linear`` and ``nn.Conv2d`` (``groups == 1``, the plain ``forward``) whose weight is
-        differentiated, so that ``∂ŷ/∂W = Σ_p (∂ŷ/∂z_p) x_pᵀ`` over the positions ``p`` the layer saw; in batches
-        also timm's ``Conv2dSame`` (the ``tf_*`` EfficientNets' stems, and the LoRA factors peft gives them).
-        Frozen batch norms and convolutions get a cheaper backward where one exists
-        (:mod:`loko_lightning.jacobians.frozen`).
-        """
-        hooks, wanted, handles = self._hooks, self._wanted, self._handles
-        hooks.conv_matrices.clear()
-        hooks.norm_scales.clear()
-        layers: dict[nn.Module, _Layer] = {}
-        norms: list[nn.Module] = []
-        random: list[nn.Module] = []
-        dicts: list[dict] = []  # what the structure check compares: children, parameters, norm buffers
-        kinds: dict[type, int] = {}
-        for module in _modules(self._model):
-            dicts += (module._modules, module._parameters)
-            kind = kinds.get(type(module))
-            if kind is None:
-                kind = kinds[type(module)] = _kind(type(module))
-            if kind == _OTHER:
-                continue
-            if kind == _RANDOM:
-                random.append(module)
-                continue
-            if kind == _NORM:
-                norms.append(module)
-                dicts.append(module._buffers)
-                if frozen.is_frozen_norm(module, wanted):
-                    handles.append(module.register_forward_hook(_norm_hook(hooks), prepend=True))
-                elif _uses_batch_statistics(module):
-                    hook = _batch_size_hook(hooks, _name(self._model, module))
-                    handles.append(module.register_forward_pre_hook(hook))
-                continue
-            if kind == _CONV and frozen.is_frozen_conv(module, wanted):
-                handles.append(module.register_forward_hook(_conv_hook(hooks), prepend=True))
-                continue
-            grouped = kind in (_CONV, _CONV_SAME) and module.groups != 1
-            if grouped or (kind == _CONV_SAME and module.padding != (0, 0)):
-                continue
-            weight = module._parameters.get("weight")
-            if not isinstance(weight, Tensor) or id(weight) not in wanted:
-                continue
-            bias = module._parameters.get("bias")
-            swap = ["weight", "bias"] if isinstance(bias, Tensor) and id(bias) in wanted else ["weight"]
-            layer = layers[module] = _Layer(module, swap, batch_only=kind == _CONV_SAME)
-            handles.append(module.register_forward_pre_hook(_pre_hook(layer, hooks), with_kwargs=True))
-            handles.append(module.register_forward_hook(_post_hook(layer), with_kwargs=True, prepend=True))
-        self._layers, self._norms, self._random, self._dicts = layers, norms, random, dicts
-        # Whether a parameter is reached outside the fast-path layers (a batch then goes one sample at a time).
-        covered = {id(layer.module._parameters[name]) for layer in layers.values() for name in layer.swap}
-        self._uncovered = any(id(p) not in covered for p in self._params)
-        self._structure = list(chain.from_iterable(map(dict.values, dicts)))  # holding them keeps `is` reliable
-
-    def _structure_changed(self) -> bool:
-        now = list(chain.from_iterable(map(dict.values, self._dicts)))
-        return len(now) != len(self._structure) or any(map(is_not, now, self._structure))
-
     def _run(
         self,
         inputs: Tensor | Mapping[str, Tensor],
         fast: bool,
         samples: int | None = None,
         label: Tensor | None = None,
-    ) -> tuple[Tensor, list[JacobianBlock]] | str | None:
+    ) -> Jacobians | Fallback:
         """One forward pass with the hooks on (``fast``) or inert, then the batched reverse pass."""
-        layers = self._layers if fast else {}
+        layers = self._hooks.layers if fast else {}
         self._hooks.calling, self._hooks.fast, self._hooks.batched = True, fast, samples is not None
         try:
             try:
@@ -392,7 +284,7 @@ class JacobianEngine:
                     layer.saved.clear()
             if isinstance(raw, Tensor):
                 _check_outputs_once(self._model, raw, self._observation)
-            return _jacobian(
+            return reverse_pass(
                 raw, self._params, layers, self._observation, self._chunk_size, self._factorize, samples, label
             )
         finally:
@@ -408,7 +300,6 @@ def jacobian(
     observation: str | Observation = "softmax",
     chunk_size: int | None = None,
     factorize: bool = False,
-    output: str | None = None,
 ) -> tuple[Tensor, list[JacobianBlock]]:
     """Prediction ``ŷ`` and ``∂ŷ/∂θ`` for a single sample, by a :class:`JacobianEngine` built for this call.
 
@@ -424,7 +315,6 @@ def jacobian(
         observation: ``"softmax"`` (classification), ``"regression"`` or an observation, see :class:`JacobianEngine`.
         chunk_size: at most this many Jacobian rows per batched backward pass; default all ``m`` at once.
         factorize: return fast-path weight Jacobians in exact factored form, see :class:`JacobianEngine`.
-        output: the former name of ``observation``; deprecated.
 
     Returns:
         ``(prediction, jacobians)``: ``ŷ`` of shape ``(m,)`` (detached) and one Jacobian per parameter, each
@@ -438,8 +328,6 @@ def jacobian(
         >>> prediction.shape, jacobians[0].shape
         (torch.Size([3]), torch.Size([3, 8, 4]))
     """
-    if output is not None:
-        observation = _observation_from_output(output)
     with JacobianEngine(model, params, observation=observation, chunk_size=chunk_size, factorize=factorize) as engine:
         return engine(inputs)
 
@@ -458,50 +346,6 @@ def _check_outputs_once(model: nn.Module, outputs: Tensor, observation: Observat
         seen.add(key)
 
 
-def _observation_from_output(output: str) -> str:
-    """The observation the deprecated ``output`` argument names (``"identity"`` is ``"regression"``)."""
-    names = {"softmax": "softmax", "identity": "regression"}
-    if output not in names:
-        raise ValueError(f"Invalid output: {output!r} (expected 'softmax' or 'identity'; use observation= instead)")
-    warnings.warn(
-        f'output={output!r} is deprecated: use observation="{names[output]}"', DeprecationWarning, stacklevel=3
-    )
-    return names[output]
-
-
-def _kind(cls: type) -> int:
-    """What the scan looks for in a module of class ``cls``."""
-    if issubclass(cls, _BATCH_NORMS):
-        return _NORM
-    if cls.forward is nn.Linear.forward:
-        return _LINEAR
-    if cls.forward is nn.Conv2d.forward:
-        return _CONV
-    if _is_conv_same(cls):
-        return _CONV_SAME
-    if issubclass(cls, (nn.modules.dropout._DropoutNd, nn.RReLU, nn.MultiheadAttention)):
-        return _RANDOM
-    drop = sys.modules.get("timm.layers.drop")  # timm's stochastic depth and DropBlock, if timm is in use
-    if drop is not None and issubclass(cls, (drop.DropPath, drop.DropBlock2d)):
-        return _RANDOM
-    return _OTHER
-
-
-def _randomness(module: nn.Module) -> str:
-    """What makes a random layer random in training mode (``""`` if nothing: zero drop probability)."""
-    if isinstance(module, nn.RReLU):
-        return f"lower={module.lower}, upper={module.upper}" if module.lower != module.upper else ""
-    for attr in ("p", "drop_prob", "dropout"):  # dropout, timm DropPath/DropBlock2d, nn.MultiheadAttention
-        value = getattr(module, attr, 0.0)
-        if isinstance(value, (int, float)) and value > 0:
-            return f"{attr}={value}"
-    return ""
-
-
-def _name(model: nn.Module, module: nn.Module) -> str:
-    return next(n for n, mod in model.named_modules() if mod is module)
-
-
 def _check_requires_grad(model: nn.Module, params: list[Tensor]) -> None:
     for i, param in enumerate(params):
         if not param.requires_grad:
@@ -513,14 +357,33 @@ def _check_requires_grad(model: nn.Module, params: list[Tensor]) -> None:
             )
 
 
-def _modules(model: nn.Module) -> list[nn.Module]:
-    """``model.modules()`` (each module once, depth first in registration order), without building names."""
-    seen, order, stack = set(), [], [model]
-    while stack:
-        module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        order.append(module)
-        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
-    return order
+def _check_inputs(inputs: Any, batch: bool) -> Tensor:
+    """The first tensor of ``inputs`` (a tensor or a dict of tensors), after checking their batch dimension.
+
+    One sample: each tensor has batch dimension 1; ``batch``: the same number ``B >= 1`` of samples along the first
+    dimension of every tensor.
+    """
+    tensors = list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
+    if not tensors:
+        raise ValueError("Invalid inputs: an empty dict")
+    expected = "a batch of samples along the first dimension" if batch else "one sample with batch dimension 1"
+    for tensor in tensors:
+        size = tensors[0].shape[0] if batch and isinstance(tensors[0], Tensor) and tensors[0].dim() else 1
+        if not isinstance(tensor, Tensor) or tensor.dim() == 0 or tensor.shape[0] != size or size < 1:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"Invalid inputs: expected {expected}, got shape {got}")
+    return tensors[0]
+
+
+def _sample(inputs: Tensor | Mapping[str, Tensor], index: int) -> Tensor | dict[str, Tensor]:
+    """Sample ``index`` of a batch (a tensor or a dict of tensors), keeping its batch dimension of 1."""
+    if isinstance(inputs, Mapping):
+        return {key: value[index : index + 1] for key, value in inputs.items()}
+    return inputs[index : index + 1]
+
+
+def _stack_samples(results: list[tuple[Tensor, list[JacobianBlock]]]) -> tuple[Tensor, list[JacobianBlock]]:
+    """Single-sample results as one batch: predictions ``(B, m)``, blocks with a leading batch dimension."""
+    per_parameter = zip(*(jacobians for _, jacobians in results), strict=True)
+    blocks = [kind(jacs[0]).stack(jacs) for jacs in per_parameter]
+    return torch.stack([prediction for prediction, _ in results]), blocks

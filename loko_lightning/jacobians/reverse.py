@@ -1,91 +1,67 @@
-"""One Jacobian pass of :class:`~loko_lightning.JacobianEngine`: the hooks, the batched backward, the factors.
+"""The reverse pass of :class:`~loko_lightning.JacobianEngine`: from a model's outputs to its Jacobian blocks.
 
-The engine scans the model and registers these hooks once; each call runs :func:`_jacobian`: one forward pass in
-which the fast-path layers' weights are swapped for detached aliases and their inputs captured, one ``vmap``-batched
-reverse pass for the cotangents at their outputs (and the gradients of every other parameter), then each weight's
-Jacobian as the product of its factors, or in that exact factored form.
+After the forward pass (in which :class:`~loko_lightning.jacobians.hooks.ModelHooks` swapped the fast-path layers'
+weights for detached aliases and recorded their inputs), :func:`reverse_pass` runs one ``vmap``-batched reverse pass
+for the cotangents at the fast-path layers' outputs (and the gradients of every other parameter), then forms each
+weight's Jacobian as the product of its factors, or keeps it in that exact factored form. It returns the
+:class:`Jacobians`, or the :class:`Fallback` the engine takes where this pass cannot give them.
 """
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from enum import Enum
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 from torch.nn import functional as F
-from torch.utils.hooks import RemovableHandle
 
-from loko_lightning.jacobians import frozen
 from loko_lightning.jacobians.blocks import FactoredJacobian, JacobianBlock, OuterJacobian, factored_is_cheaper
 from loko_lightning.jacobians.blocks import kind as block_kind
+from loko_lightning.jacobians.hooks import FastLayer, LayerCall, is_conv_same
 from loko_lightning.observation import Observation
 
 
-class _Hooks:
-    """What the engine's hooks share with it: whether an engine call is running (with shortcuts), and its caches."""
+class Jacobians(NamedTuple):
+    """The prediction ``ŷ`` (detached) and one Jacobian block per parameter, in the order of the parameters."""
 
-    def __init__(self) -> None:
-        self.calling = False
-        self.fast = False
-        self.batched = False
-        self.norm_scales: dict[nn.Module, tuple] = {}
-        self.conv_matrices: dict[nn.Module, tuple] = {}
+    prediction: Tensor
+    blocks: list[JacobianBlock]
 
 
-def _remove(handles: list[RemovableHandle]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
+class Fallback(Enum):
+    """Why :func:`reverse_pass` gave no Jacobians, and what the engine does instead."""
+
+    #: A fast-path layer's input was modified in place after the layer read it: redo the call without the fast path.
+    GENERIC = "generic"
+    #: The pass of a batch cannot give every sample's own rows: take the samples one at a time.
+    PER_SAMPLE = "per_sample"
 
 
-@dataclass
-class _Call:
-    """One call of a fast-path layer: its input (as the layer saw it) and the gradient edge of its output."""
-
-    inputs: Tensor
-    version: int
-    edge: GradientEdge
-
-
-@dataclass
-class _Layer:
-    module: nn.Module
-    swap: list[str]  # names of the parameters (weight, maybe bias) swapped for detached aliases
-    # On the fast path only in batches (timm's Conv2dSame): for one sample autograd's weight gradient is as cheap and
-    # gives the rounding of the numbers measured before this layer had a fast path (LoKO's first steps amplify it).
-    batch_only: bool = False
-    calls: list[_Call] = field(default_factory=list)
-    saved: dict[str, Any] = field(default_factory=dict)
-
-
-# _CONV_SAME: timm's Conv2dSame (TensorFlow's "SAME" padding, worked out from each input's size in its forward).
-_OTHER, _NORM, _LINEAR, _CONV, _RANDOM, _CONV_SAME = range(6)
-
-
-def _jacobian(
+def reverse_pass(
     raw: Any,
     params: list[Tensor],
-    layers: dict[nn.Module, _Layer],
+    layers: dict[nn.Module, FastLayer],
     observation: Observation,
     chunk_size: int | None,
     factorize: bool,
     samples: int | None = None,
     label: Tensor | None = None,
-) -> tuple[Tensor, list[JacobianBlock]] | str | None:
-    """The batched reverse pass from the model output ``raw``, and the Jacobian blocks; ``None`` to redo the call.
+) -> Jacobians | Fallback:
+    """The batched reverse pass from the model output ``raw``, and the Jacobian blocks of ``params``.
+
+    ``layers``: the fast-path layers of this call, with the calls their hooks recorded (empty without the fast path).
+    A fast-path layer's input modified in place after the layer read it gives :attr:`Fallback.GENERIC`.
 
     ``samples``: ``None`` for one sample (``raw`` of shape ``(1, m)``); ``B`` for a batch (``(B, m)``), whose
     prediction is ``(B, m)`` and whose blocks get a leading batch dimension. A batch goes through the reverse pass
     with ``m - 1`` cotangents shared by all samples (the frozen network in eval mode does not couple samples, so
     sample ``b``'s slice of a cotangent is sample ``b``'s row), which gives every fast-path layer its per-sample
-    factors. Returns the string ``"loop"`` (the caller then takes the samples one at a time) when that cannot give
-    every sample's rows: a parameter reached another way (its gradient is summed over the samples), or a fast-path
-    layer that saw no batch dimension first.
+    factors. Where that cannot give every sample's rows it gives :attr:`Fallback.PER_SAMPLE`: a parameter reached
+    another way (its gradient is summed over the samples), or a fast-path layer that saw no batch dimension first.
 
     An observation whose rows come from the label (:meth:`~loko_lightning.observation.Observation.cotangents`) gets
     ``label`` (one per sample): the reverse pass then runs from the raw outputs with its cotangents, and the blocks
@@ -97,10 +73,10 @@ def _jacobian(
         expected = f"({samples}, m)" if batched else "(1, m)"
         raise ValueError(f"Invalid model output: expected a tensor of shape {expected}, got {got}")
     if any(call.inputs._version != call.version for layer in layers.values() for call in layer.calls):
-        return None
+        return Fallback.GENERIC
     calls = [call for layer in layers.values() for call in layer.calls]
     if batched and any(call.inputs.dim() < 2 or call.inputs.shape[0] != samples for call in calls):
-        return "loop"  # type: ignore[return-value]
+        return Fallback.PER_SAMPLE
     logits = raw.reshape(samples, -1) if batched else raw.reshape(-1)
     with torch.enable_grad():
         prediction = observation.predict(logits)
@@ -125,9 +101,9 @@ def _jacobian(
         blocks = _blocks(params, layers, dict(zip(map(id, calls), grads[: len(calls)], strict=True)),
                          grads[len(calls) :], rows, factorize, lambda call: call.inputs.detach())  # fmt: skip
         buffer = torch.empty(rows, _dense_size(blocks, params), dtype=dtype, device=device)
-        return prediction.detach(), _fill(blocks, params, buffer)
+        return Jacobians(prediction.detach(), _fill(blocks, params, buffer))
     if any(g is not None for g in grads[len(calls) :]):
-        return "loop"  # type: ignore[return-value]
+        return Fallback.PER_SAMPLE
     per_blocks = []
     for b in range(samples):
         call_grads = [None if g is None else g[:, b : b + 1] for g in grads[: len(calls)]]  # (m, B, ...): b's slice
@@ -136,25 +112,26 @@ def _jacobian(
                                   lambda call, b=b: call.inputs.detach()[b : b + 1]))  # fmt: skip
     kinds = [[kind for kind, _ in blocks] for blocks in per_blocks]
     if any(k != kinds[0] for k in kinds):
-        return "loop"  # type: ignore[return-value]
+        return Fallback.PER_SAMPLE
     buffer = torch.empty(samples, rows, _dense_size(per_blocks[0], params), dtype=dtype, device=device)
     per_sample_jacs = [_fill(blocks, params, buffer[b]) for b, blocks in enumerate(per_blocks)]
-    return prediction.detach(), [_stack(jacs, buffer, samples) for jacs in zip(*per_sample_jacs, strict=True)]
+    stacked = [_stack(jacs, buffer, samples) for jacs in zip(*per_sample_jacs, strict=True)]
+    return Jacobians(prediction.detach(), stacked)
 
 
 def _blocks(
     params: list[Tensor],
-    layers: dict[nn.Module, _Layer],
+    layers: dict[nn.Module, FastLayer],
     call_grads: dict[int, Tensor | None],
     param_grads: list[Tensor | None],
     m: int,
     factorize: bool,
-    inputs_of: Callable[[_Call], Tensor],
+    inputs_of: Callable[[LayerCall], Tensor],
 ) -> list[tuple[str, Any]]:
     """Each parameter's Jacobian for one sample: a factored block, factors to multiply out, or a gradient."""
     # Factors per parameter: left (m, rows, k) cotangents, right (cols, k) inputs, summed over calls.
-    weight_of: dict[int, list[_Layer]] = {}
-    bias_of: dict[int, list[_Layer]] = {}
+    weight_of: dict[int, list[FastLayer]] = {}
+    bias_of: dict[int, list[FastLayer]] = {}
     for layer in layers.values():
         weight_of.setdefault(id(layer.module._parameters["weight"]), []).append(layer)
         if "bias" in layer.swap:
@@ -236,80 +213,6 @@ def _stack(jacs: tuple[JacobianBlock, ...], buffer: Tensor, samples: int) -> Jac
     return buffer[:, :, column : column + first[0].numel()].view(samples, *first.shape)
 
 
-def _stack_samples(results: list[tuple[Tensor, list[JacobianBlock]]]) -> tuple[Tensor, list[JacobianBlock]]:
-    """Single-sample results as one batch: predictions ``(B, m)``, blocks with a leading batch dimension."""
-    per_parameter = zip(*(jacobians for _, jacobians in results), strict=True)
-    blocks = [block_kind(jacs[0]).stack(jacs) for jacs in per_parameter]
-    return torch.stack([prediction for prediction, _ in results]), blocks
-
-
-def _pre_hook(layer: _Layer, hooks: _Hooks) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        # Outside engine calls, and for any other call signature, the layer runs untouched: its use of the weight
-        # reaches the real parameter and is covered by the generic reverse pass.
-        if not hooks.fast or len(args) != 1 or kwargs or not isinstance(args[0], Tensor) or layer.saved:
-            return None
-        if layer.batch_only and not hooks.batched:
-            return None
-        for name in layer.swap:
-            param = module._parameters[name]
-            layer.saved[name] = param
-            module._parameters[name] = param.detach()
-        x = args[0]
-        if not x.requires_grad:
-            # Without a graph input the output would have no gradient edge to collect cotangents at.
-            return (x.detach().requires_grad_(True),), kwargs
-        return None
-
-    return hook
-
-
-def _post_hook(layer: _Layer) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
-        if not layer.saved:  # a call the pre-hook left alone (always, outside engine calls)
-            return None
-        module._parameters.update(layer.saved)
-        layer.saved.clear()
-        if not isinstance(out, Tensor) or not out.requires_grad:  # the layer ran without grad: no contribution
-            return None
-        out = frozen.pointwise_hook(module, args[0], out)
-        layer.calls.append(_Call(args[0], args[0]._version, get_gradient_edge(out)))
-        return out
-
-    return hook
-
-
-def _norm_hook(hooks: _Hooks) -> Callable:
-    def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return frozen.norm_hook(module, args, out, scales=hooks.norm_scales) if hooks.fast else None
-
-    return hook
-
-
-def _conv_hook(hooks: _Hooks) -> Callable:
-    def hook(module: nn.Module, args: tuple, out: Any) -> Tensor | None:
-        return frozen.conv_hook(module, args, out, matrices=hooks.conv_matrices) if hooks.fast else None
-
-    return hook
-
-
-def _batch_size_hook(hooks: _Hooks, name: str) -> Callable:
-    def hook(module: nn.Module, args: tuple) -> None:
-        x = args[0] if hooks.calling and args else None
-        if not isinstance(x, Tensor) or x.dim() < 2 or not (module.training or _uses_batch_statistics(module)):
-            return
-        if x.shape[0] * math.prod(x.shape[2:]) == 1:  # where torch's batch_norm refuses, with a message naming it
-            raise ValueError(
-                f"Invalid model: normalisation layer {name!r} ({type(module).__name__}) has no running statistics "
-                f"(track_running_stats=False), so it normalises each channel by the statistics of its input, which "
-                f"at batch size 1 has one value per channel (shape {tuple(x.shape)}); give it running statistics "
-                "(track_running_stats=True) and put it in eval mode, or use a per-sample normalisation "
-                "(nn.GroupNorm, nn.LayerNorm)"
-            )
-
-    return hook
-
-
 def _batched_grad(
     prediction: Tensor,
     targets: list[Tensor | GradientEdge],
@@ -388,7 +291,7 @@ def _right_factor(module: nn.Module, x: Tensor, k: int) -> Tensor:
     if x.dim() == 3:
         x = x[None]
     padding = module.padding
-    if _is_conv_same(type(module)):  # its forward pads the input, then convolves without padding
+    if is_conv_same(type(module)):  # its forward pads the input, then convolves without padding
         x = sys.modules["timm.layers.padding"].pad_same(x, module.kernel_size, module.stride, module.dilation)
     elif isinstance(padding, str) or module.padding_mode != "zeros":
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
@@ -402,41 +305,3 @@ def _right_factor(module: nn.Module, x: Tensor, k: int) -> Tensor:
     if right.shape[1] != k:
         raise RuntimeError(f"Internal error: conv factor positions {right.shape[1]} != {k}")
     return right
-
-
-def _is_conv_same(cls: type) -> bool:
-    """Whether ``cls`` convolves like timm's ``Conv2dSame`` (its ``forward``), if timm is in use."""
-    same = sys.modules.get("timm.layers.conv2d_same")
-    return same is not None and getattr(cls, "forward", None) is same.Conv2dSame.forward
-
-
-def _uses_batch_statistics(module: nn.Module) -> bool:
-    """A batch norm that normalises with the statistics of its input in eval mode too (no running statistics)."""
-    return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
-        not module.track_running_stats or module._buffers.get("running_mean") is None
-    )
-
-
-def _check_inputs(inputs: Any, batch: bool) -> Tensor:
-    """The first tensor of ``inputs`` (a tensor or a dict of tensors), after checking their batch dimension.
-
-    One sample: each tensor has batch dimension 1; ``batch``: the same number ``B >= 1`` of samples along the first
-    dimension of every tensor.
-    """
-    tensors = list(inputs.values()) if isinstance(inputs, Mapping) else [inputs]
-    if not tensors:
-        raise ValueError("Invalid inputs: an empty dict")
-    expected = "a batch of samples along the first dimension" if batch else "one sample with batch dimension 1"
-    for tensor in tensors:
-        size = tensors[0].shape[0] if batch and isinstance(tensors[0], Tensor) and tensors[0].dim() else 1
-        if not isinstance(tensor, Tensor) or tensor.dim() == 0 or tensor.shape[0] != size or size < 1:
-            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-            raise ValueError(f"Invalid inputs: expected {expected}, got shape {got}")
-    return tensors[0]
-
-
-def _sample(inputs: Tensor | Mapping[str, Tensor], index: int) -> Tensor | dict[str, Tensor]:
-    """Sample ``index`` of a batch (a tensor or a dict of tensors), keeping its batch dimension of 1."""
-    if isinstance(inputs, Mapping):
-        return {key: value[index : index + 1] for key, value in inputs.items()}
-    return inputs[index : index + 1]

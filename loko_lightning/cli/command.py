@@ -1,0 +1,257 @@
+"""``LoKOCLI``: LightningCLI over the learner and the stream, with the data tied to the network and one-line errors.
+
+The data module's preprocessing and label range follow the network (:data:`LINKS`); ``--help`` reads the docstrings'
+Sphinx markup as plain text (:class:`HelpFormatter`); ``predict`` takes ``--predictions``; ``--ckpt_path last`` finds
+the newest checkpoint of the logger's version folders; a :class:`~loko_lightning.errors.ConfigError` learns the flag of
+the argument it names; checkpoints are written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import pickle
+import re
+import signal
+from argparse import ArgumentError
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
+
+from loko_lightning.cli.errors import class_at, lost_process_error, parse_error_message, read_parse_error
+from loko_lightning.data import SOURCES, StreamDataModule
+from loko_lightning.errors import ConfigError, DivergenceError
+from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable, unreadable_checkpoint
+from loko_lightning.learner.module import ignore_intended_warnings
+from loko_lightning.learner.predictions import PredictionWriter
+
+# The data module's preprocessing and label check follow the network: (source, target) links; an error about a
+# target names the source's flag, which is the one a user sets. The preprocessing is what the instantiated network
+# factory answers (NetworkFactory.preprocessing), so any factory's preprocessing reaches the data module.
+LINKS = (
+    ("model.network", "data.preprocessing"),
+    ("model.network.init_args.num_classes", "data.num_classes"),
+)
+
+
+# Sphinx markup in the docstrings that --help shows: a role (``:class:`~a.b.C` `` reads ``C``, ``:mod:`a.b` `` reads
+# ``a.b``) and double backquotes (``"auto"`` reads "auto").
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+    """A docstring's text with its Sphinx roles and double backquotes as plain words (for ``--help``)."""
+    text = _ROLE.sub(lambda m: m[2].rpartition(".")[2] if m[1] else m[2], text)
+    return _LITERAL.sub(r"\1", text)
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help, with the docstrings' Sphinx markup read as plain text."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return super()._split_lines(plain_text(text), width)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(plain_text(text), width, indent)
+
+    def start_section(self, heading: str | None) -> None:
+        """A section (a class's arguments) headed by its docstring's first line, read as plain text."""
+        super().start_section(plain_text(heading) if heading else heading)
+
+
+class LoKOCLI(LightningCLI):
+    """LightningCLI with the data preprocessing and label range tied to the network, one-line errors, atomic saves."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The learner takes its optimizer and scheduler as arguments (model.optimizer, model.lr_scheduler), so the
+        # top-level --optimizer/--lr_scheduler of LightningCLI would only be a second, ignored way to set them.
+        kwargs.setdefault("auto_configure_optimizers", False)
+        # Under DDP the stream shards itself (every step's positions split across the processes in stream order);
+        # Lightning's DistributedSampler would reshuffle it.
+        kwargs["trainer_defaults"] = {"use_distributed_sampler": False, **kwargs.get("trainer_defaults", {})}
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        """The stream is preprocessed as the network needs and its labels are checked against the head size."""
+        preprocessing, num_classes = LINKS
+        parser.link_arguments(*preprocessing, compute_fn=_preprocessing, apply_on="instantiate")
+        parser.link_arguments(*num_classes)
+        for action in parser._actions:  # the registered names (a registry, so not a Literal: sources can be added)
+            if action.dest == "data.dataset":
+                action.help = f"{action.help} Registered: {', '.join(sorted(SOURCES))}."
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
+        """Lightning's subcommand parser; ``predict`` also takes ``--predictions`` (where the rows are written)."""
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "predict":
+            parser.add_argument(
+                "--predictions",
+                type=str,
+                default="predictions.csv",
+                help="file the predictions are written to: .csv (one p:<class> column per class) or .json",
+            )
+        return parser
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last`` with checkpoints in the logger's version folders: the newest ``last*.ckpt`` of them.
+
+        Lightning looks for ``last`` only in this run's checkpoint folder, which under the default layout
+        (``save_dir/name/version_N/checkpoints``) is a new, empty version; a resumed run then writes the next version
+        (its checkpoints, its logs) and continues the stream where the newest checkpoint left it. With no checkpoint
+        yet, the run starts from the first sample. A checkpoint callback with its own ``dirpath`` keeps Lightning's
+        lookup.
+        """
+        config = self.config_init["fit"]
+        logger = self.trainer.logger
+        callbacks = self.trainer.checkpoint_callbacks
+        if config.get("ckpt_path") != "last" or logger is None or not callbacks or callbacks[0].dirpath is not None:
+            return
+        root = Path(logger.save_dir or self.trainer.default_root_dir) / (logger.name or "")
+        found = sorted(root.glob("*/checkpoints/last*.ckpt"), key=lambda path: path.stat().st_mtime)
+        if found:
+            config["ckpt_path"] = str(found[-1])
+            rank_zero_info(f"Resuming from the newest last checkpoint: {found[-1]}")
+        else:
+            config["ckpt_path"] = None
+            rank_zero_info(f"No checkpoint under {root} yet: starting from the first sample")
+
+    def before_predict(self) -> None:
+        """Write the predictions (:class:`~loko_lightning.learner.predictions.PredictionWriter`) when they end."""
+        self.trainer.callbacks.append(PredictionWriter(self.config["predict"]["predictions"]))
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            sections = {"model": self.model_class, "data": self.datamodule_class, "trainer": self.trainer_class}
+            message = parse_error_message(read_parse_error(err), self._known_keys(parser), sections)
+            raise ValueError(message) from None
+        # LightningCLI reads the hyperparameters of a ckpt_path file next, with a bare torch error for a torn file.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            check_readable(ckpt_path)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning reads a ``ckpt_path`` file's hyperparameters (``weights_only``); a refused file is one line."""
+        try:
+            super()._parse_ckpt_path()
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            subcommand = self.config.get("subcommand")
+            raise unreadable_checkpoint(self.config[subcommand].get("ckpt_path"), err) from None
+
+    def before_instantiate_classes(self) -> None:
+        """Remember which configuration key each configured class sits at, to name a bad argument's flag."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        self._owner_keys: dict[type, str] = {}
+        for key, class_path in _class_paths(config):
+            owner = class_at(class_path)
+            if owner is not None:
+                self._owner_keys.setdefault(owner, key)
+        self._owner_keys.setdefault(self.model_class, "model")
+        self._owner_keys.setdefault(self.datamodule_class, "data")
+
+    def instantiate_classes(self) -> None:
+        """Instantiate; a bad argument's error learns its configuration key."""
+        with self._naming_errors():
+            self._check_modalities()
+            super().instantiate_classes()
+
+    def _check_modalities(self) -> None:
+        """The network takes the kind of sample the dataset holds (images or text), checked before building either."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        network, dataset = config.get("model.network"), config.get("data.dataset")
+        class_path = getattr(network, "class_path", None)
+        if not isinstance(class_path, str) or dataset not in SOURCES:
+            return  # unknown names are refused by the classes themselves
+        module, _, name = class_path.rpartition(".")
+        network_modality = getattr(getattr(importlib.import_module(module), name, None), "modality", None)
+        data_modality = SOURCES[dataset].modality
+        if network_modality is not None and network_modality != data_modality:
+            fits = "TransformersClassifier" if data_modality == "text" else "TimmClassifier"
+            raise ConfigError(
+                f"dataset={dataset!r} holds {data_modality} samples but model.network is {name}, a {network_modality} "
+                f"model. To fix it: choose a {network_modality} dataset, or a network for {data_modality} "
+                f"(loko_lightning.models.{fits}).",
+                field="dataset",
+                owner=StreamDataModule,
+            )
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; under DDP, a collective failing because another process is gone becomes a :class:`LostProcessError`.
+
+        Lightning has already stopped this process's part of the run when the error reaches here; the processes it
+        started on this node are killed (one that hangs would otherwise outlive this one).
+        """
+        with self._naming_errors(), ignore_intended_warnings():
+            try:
+                super()._run_subcommand(subcommand)
+            except Exception as err:
+                lost = lost_process_error(err, self.trainer)
+                if lost is None:
+                    raise
+                # The processes Lightning started on this node (a hung one would outlive this one).
+                launcher = getattr(self.trainer.strategy, "launcher", None)
+                if callable(getattr(launcher, "kill", None)):
+                    launcher.kill(signal.SIGKILL)
+                raise lost from err
+
+    @contextlib.contextmanager
+    def _naming_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except (ConfigError, DivergenceError, ValueError) as caught:
+            # jsonargparse wraps what a link's compute_fn raises (the factory's preprocessing) in a ValueError.
+            err = caught if isinstance(caught, (ConfigError, DivergenceError)) else caught.__cause__
+            if not isinstance(err, (ConfigError, DivergenceError)):
+                raise
+            owner_key = getattr(self, "_owner_keys", {}).get(err.owner) if err.owner is not None else None
+            key = ".".join(part for part in (owner_key, err.field) if part) or None
+            err.key = next((s.replace(".init_args", "") for s, t in LINKS if t == key), key)
+            if err is not caught:
+                raise err from None
+            raise
+
+    def _known_keys(self, parser: Any) -> list[str]:
+        parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
+        return sorted({a.dest for p in parsers for a in p._actions if a.dest and a.dest != "help"})
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with checkpoints written atomically unless another checkpoint IO was configured."""
+        trainer = super().instantiate_trainer(**kwargs)
+        strategy = trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
+
+def _preprocessing(network: Any) -> Any:
+    """What the network factory says its network needs its inputs to be (the data module's ``preprocessing``)."""
+    return network.preprocessing()
+
+
+def _class_paths(config: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """``(key, class_path)`` of every class in a parsed configuration, keys as flags spell them (no ``init_args``)."""
+    for name, value in vars(config).items():
+        key = f"{prefix}{name}"
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            item_key = key if index is None else f"{key}[{index}]"
+            if not hasattr(item, "__dict__") or isinstance(item, type):
+                continue
+            fields = vars(item)
+            if isinstance(fields.get("class_path"), str):
+                yield item_key, fields["class_path"]
+                if fields.get("init_args") is not None and hasattr(fields["init_args"], "__dict__"):
+                    yield from _class_paths(fields["init_args"], f"{item_key}.")
+            elif index is None and type(item).__name__ == "Namespace":
+                yield from _class_paths(item, f"{item_key}.")
