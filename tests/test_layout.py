@@ -87,7 +87,7 @@ def test_no_private_name_crosses_a_layer(path):
 
 # The folders in which no module imports a private name from another module (each module's public names are what the
 # others use); the rest of the package is held to the layer rule above.
-MODULE_PRIVATE = {"jacobians", "cli"}
+MODULE_PRIVATE = set(ALLOWED)
 
 
 def module_name(path):
@@ -105,6 +105,35 @@ def test_no_private_name_crosses_a_module(path):
             continue
         private = [p for p in parts[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
         assert not private, f"{path.name} imports private {private} from {module}"
+
+
+def import_graph():
+    """Each package module and the package modules it imports (a package's ``__init__`` as the package's name)."""
+    modules = {module_name(path): path for path in sources()}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, names in imports(path):
+            if module.split(".")[0] != "loko_lightning":
+                continue
+            # ``from package import module`` reaches the module; ``from module import name`` the module itself.
+            targets |= {f"{module}.{n}" for n in names if f"{module}.{n}" in modules} or {module}
+        graph[name] = {target for target in targets if target in modules and target != name}
+    return graph
+
+
+def test_no_import_circle_in_the_package():
+    """No module reaches itself through the imports of others (function-level imports included)."""
+    graph = import_graph()
+    for start in graph:
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for target in graph[node]:
+                assert target != start, f"import circle: {' -> '.join(path)} -> {start}"
+                if target not in seen:
+                    seen.add(target)
+                    stack.append((target, (*path, target)))
 
 
 def test_the_torch_api_imports_no_lightning():

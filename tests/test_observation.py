@@ -49,7 +49,7 @@ def test_a_new_observation_trains_like_the_float64_reference():
     for x, y in teacher_stream(60):
         y_ref = filt.step(x, y)
         y_fast, _, _ = opt.step(loko_closure(model, x, y, observation=observation))
-        # Same tolerance as the paper's observation against the reference (test_functional): float64 rounding.
+        # Same tolerance as the paper's observation against the reference (test_covariance_filter): float64 rounding.
         torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
 
 

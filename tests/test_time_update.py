@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from loko_helpers import DenseModelFilter, flat, flat_cov, loko_closure, mlp, teacher_stream
-from test_natural import _run as natural_run
+from test_information_filter import _run as natural_run
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
@@ -36,7 +36,7 @@ def test_time_update_matches_the_float64_reference(shrinkage, inflation, forgett
         plain.step(x, y)
         y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
         torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
-    # float64 on both sides, the same arithmetic in another order (as test_functional's reference tests).
+    # float64 on both sides, the same arithmetic in another order (as test_covariance_filter's reference tests).
     torch.testing.assert_close(flat(model.parameters()).detach(), reference.theta, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
     assert not torch.allclose(reference.theta, plain.theta, rtol=1e-6, atol=0)  # the option changed the run

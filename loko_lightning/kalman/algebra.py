@@ -1,6 +1,6 @@
 """The per-kind algebra of the LoKO update: how each kind of Jacobian block enters the three products it needs.
 
-:class:`~loko_lightning.kalman.update.UpdatePlan` puts the parameters in one flat order, dense blocks first, then
+:class:`~loko_lightning.kalman.plan.UpdatePlan` puts the parameters in one flat order, dense blocks first, then
 blocks with one position, then factored blocks with ``k > 1``, and hands each kind to one of the classes below.
 They share one small interface (:class:`Blocks`): in every step
 

@@ -8,7 +8,7 @@ not the same thing, and with a diagonal ``P`` neither are ``B`` sequential updat
 and a fixed linearisation point); ``B = 1`` is the paper's step exactly.
 
 With softmax outputs every block of ``S`` has the all-ones vector of its sample in its null space, so ``S`` has
-``B`` null directions; the pseudo-inverse (:func:`loko_lightning.kalman.update.psd_pinv`) drops them all.
+``B`` null directions; the pseudo-inverse (:func:`loko_lightning.kalman.filters.covariance.psd_pinv`) drops them all.
 
 The observation-noise EMA takes one step per joint update with the mean of the ``B`` per-sample estimates
 (:func:`loko_lightning.kalman.noise.observation_noise`), so ``R`` keeps its meaning (the noise of one sample's ``m``
@@ -16,7 +16,7 @@ outputs) and its size ``m x m`` whatever ``B``.
 
 This module checks what a closure returns (one sample or a batch) and stacks a batch of Jacobian blocks into the
 blocks of the stacked ``H``, which the single-observation update then consumes unchanged
-(:class:`~loko_lightning.kalman.update.UpdatePlan` with ``samples=B``): each block kind says how
+(:class:`~loko_lightning.kalman.plan.UpdatePlan` with ``samples=B``): each block kind says how
 (:meth:`~loko_lightning.jacobians.blocks.Dense.stack_rows`; a dense block ``(B, m, *shape)`` is a view
 ``(B·m, *shape)``, a factored one gets the block-diagonal left factor of
 :func:`~loko_lightning.jacobians.blocks.stack_factors`).

@@ -32,7 +32,7 @@ all-reduce gives every process the same sum). Only the order of the summation in
 replicated update (shard by shard instead of kind by kind, the upper triangle mirrored from the lower), so the two
 agree to rounding: a relative perturbation
 ``δ`` of ``S`` (at most about ``ñ·eps`` of ``|H| P |H|ᵀ``) changes the update by at most about ``cond(S)·δ`` relative.
-The diagonal information-form update (``observation: natural``) has no ``S``: each parameter's update depends on its
+The diagonal information-form update (``filter: natural``) has no ``S``: each parameter's update depends on its
 own columns only, and the sharded update is the replicated one bit for bit.
 
 The owner of each parameter (:class:`ShardPlan`) is chosen at the first sharded step from the bytes each parameter's

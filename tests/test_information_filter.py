@@ -1,4 +1,4 @@
-"""The natural-gradient observation: the diagonal information-form filter against its float64 definition."""
+"""The diagonal natural-gradient filter (information form) against its float64 definition."""
 
 import copy
 

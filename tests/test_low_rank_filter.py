@@ -1,4 +1,4 @@
-"""LoFi, the low-rank plus diagonal precision filter (observation lofi<L>), against its float64 definition."""
+"""LoFi, the low-rank plus diagonal precision filter (filter: lofi<L>), against its float64 definition."""
 
 import copy
 

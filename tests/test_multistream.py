@@ -110,7 +110,7 @@ def test_joint_update_matches_float64_stacked_reference(r_estimator):
         torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
     assert opt.diagnostics["step"].item() == 40
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    # The same float64 arithmetic in another order, as for B = 1 (test_functional): accumulated relative error
+    # The same float64 arithmetic in another order, as for B = 1 (test_covariance_filter): accumulated relative error
     # near 1e-13 after 40 contracting steps, so 1e-9 leaves room without hiding an algorithmic difference.
     torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)

@@ -1,0 +1,92 @@
+"""A new filter family and a new time update through the seams they plug into, without other changes.
+
+The other extension points have their toys beside their families: a new observation and a new R estimator in
+test_observation.py, a new backbone family in test_factory.py, a new data source in test_data.py.
+"""
+
+import copy
+
+import torch
+from loko_helpers import flat, mlp, teacher_stream
+
+from loko_lightning import JacobianEngine, LoKO
+from loko_lightning.kalman.filters import Filter, Proposal
+from loko_lightning.kalman.filters.information import categorical_rows
+from loko_lightning.kalman.time_update import TimeUpdate
+
+
+class FixedGain(Filter):
+    """A toy filter: the belief's variances never change and the mean moves by ``p̂ ⊙ J_zᵀ e`` (plain SGD with a
+    per-parameter step ``p̂``): one module's worth of code through the same interface as the real families."""
+
+    name = "fixed_gain"
+
+    def observe(self, observation):
+        return categorical_rows(observation, "empirical", type(self))  # one row: the gradient of the label
+
+    def r_estimators(self, observation):
+        return ("softmax",)
+
+    def propose(self, plan, blocks, belief, prediction, target, *, aggregation=None, reduce=None):
+        prior = plan.time.prior(belief.cov)
+        rows = plan.rows_matrix(blocks)
+        torch.mul(rows.sum(0), prior, out=plan.update)
+        posterior = plan.work.copy_(prior)
+        innovation = target.to(plan.dtype) - prediction.to(plan.dtype)
+        return Proposal(posterior=posterior, finite=torch.isfinite(innovation).all(), innovation=innovation)
+
+
+def test_a_new_filter_family_trains_through_loko_like_its_definition():
+    """The toy through LoKO and the Jacobian engine equals SGD with step p0 on the cross-entropy, computed by hand."""
+    model = mlp()
+    twin = copy.deepcopy(model)
+    opt = LoKO(model.parameters(), p0=0.05, p0_init="constant", filter=FixedGain())
+    assert opt.defaults["filter"] == "fixed_gain" and opt.defaults["r_estimator"] == "softmax"
+    engine = JacobianEngine(model, observation=opt.observation)
+    for x, y in teacher_stream(12):
+        label = y.argmax()[None]
+        opt.step(lambda x=x, label=label: engine.observe(x, label))
+        loss = torch.nn.functional.cross_entropy(twin(x), label)
+        grads = torch.autograd.grad(loss, list(twin.parameters()))
+        with torch.no_grad():
+            for param, grad in zip(twin.parameters(), grads, strict=True):
+                param.sub_(0.05 * grad)
+    # float64: the engine's reverse row and autograd's gradient are the same sums in another order.
+    torch.testing.assert_close(flat(model.parameters()), flat(twin.parameters()), rtol=1e-12, atol=1e-14)
+    assert int(opt.diagnostics["step"]) == 12 and int(opt.diagnostics["skipped"]) == 0
+    assert all(torch.equal(opt.state[p]["cov"], torch.full_like(p, 0.05)) for p in model.parameters())
+
+
+def test_a_new_filter_family_gets_the_time_update_and_the_skip_for_free():
+    """The optimizer's pipeline, not the filter, applies the process noise (through plan.time), shrinkage and the
+    skip of a non-finite step."""
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.05, p0_init="constant", filter=FixedGain(), process_noise=0.01, shrinkage=0.1)
+    engine = JacobianEngine(model, observation=opt.observation)
+    x, y = next(teacher_stream(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    prediction, target, jacobians = engine.observe(x, y.argmax()[None])
+    opt.step(lambda: (prediction, target, jacobians))
+    for param, old, jac in zip(model.parameters(), before, jacobians, strict=True):
+        # θ ← (1 − λ)(θ + (p0 + q) d): the shrinkage scales the updated parameters (float64, a few roundings).
+        torch.testing.assert_close(param.detach(), 0.9 * (old + 0.06 * jac[0]), rtol=1e-13, atol=1e-15)
+        assert torch.equal(opt.state[param]["cov"], torch.full_like(param, 0.05) + 0.01)  # the prior, kept
+    bad = [j.clone() for j in jacobians]
+    bad[0].view(-1)[0] = float("nan")
+    state = [p.detach().clone() for p in model.parameters()]
+    opt.step(lambda: (prediction, target, bad))
+    assert not bool(opt.diagnostics["applied"])
+    assert all(torch.equal(a, b) for a, b in zip(state, model.parameters(), strict=True))
+
+
+def test_the_time_update_is_built_from_each_param_group():
+    """One TimeUpdate per parameter from its group's settings; the reference variance only where forgetting is on."""
+    model = mlp()
+    head = list(model[2].parameters())
+    groups = [{"params": list(model[0].parameters())}, {"params": head, "forgetting": 0.01, "p0": 0.5}]
+    opt = LoKO(groups, p0=0.2, p0_init="fan_in", process_noise=1e-3)
+    updates = opt._time_updates(range(4))
+    assert updates[0] == TimeUpdate(process_noise=1e-3) and updates[1] == updates[0]
+    assert updates[2] == TimeUpdate(process_noise=1e-3, forgetting=0.01, reference=0.5 / 7)  # fan_in of the weight
+    assert updates[3].reference == 0.5  # a bias: fan_in 1
+    assert set(TimeUpdate.group_keys()) <= set(opt.defaults)
