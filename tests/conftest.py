@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def cifar_ok(monkeypatch):
-    """Accept hand-written CIFAR files: torchvision's real loader, without its MD5 check (see OFFLINE.md)."""
+    """Accept hand-written CIFAR files: torchvision's real loader, without its MD5 check."""
     monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)
 
 

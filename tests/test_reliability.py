@@ -41,7 +41,7 @@ DEBUG = str(ROOT / "configs" / "debug.yaml")
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """One intra-op thread: these steps are tiny, and on a shared 2-core machine two threads make them ~10x slower."""
+    """One intra-op thread: these steps are tiny, and more threads only add synchronisation."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

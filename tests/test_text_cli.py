@@ -18,8 +18,7 @@ DEBUG = str(ROOT / "configs" / "debug.yaml")
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny models gain nothing from two threads, and on a shared 2-core machine two threads made these runs several
-    times slower (the resume test: 44.6 s with two threads at load average 2.6, 5.9 s with one at 2.4)."""
+    """One intra-op thread: tiny models gain nothing from more, and on a shared machine they only add contention."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

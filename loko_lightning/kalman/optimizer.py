@@ -63,11 +63,11 @@ class LoKO(torch.optim.Optimizer):
         \tilde\theta_k &= \tilde\theta_{k|k-1} + K_k e_k \\
         (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij}(H_k)_{ji}(\hat p_{k|k-1})_i
 
-    Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size.
-    A step may also observe ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.kalman.multistream`:
-    stacked
+    Only an ``m x m`` system is solved, so the cost is :math:`O(m^3 + m^2\tilde n)` whatever the model size. A step
+    may also observe ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.kalman.multistream`: stacked
     :math:`H`, block-diagonal :math:`R`, one ``B·m x B·m`` system, one EMA step of ``R``); ``B = 1`` is the above.
-    With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
+    These are the equations of the default filter (``filter="covariance"``); the others
+    (:mod:`loko_lightning.kalman.filters`) run through the same step. With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
     sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
 
     The filter state is in :attr:`state`, so it round-trips through :meth:`state_dict`: ``state[param]["cov"]`` is
@@ -426,8 +426,7 @@ class LoKO(torch.optim.Optimizer):
                 :class:`~loko_lightning.OuterJacobian` or a :class:`~loko_lightning.FactoredJacobian` (see
                 :func:`loko_lightning.jacobian`). A batch of ``B``: ``(B, m)`` and every block with a leading batch
                 dimension (:meth:`loko_lightning.JacobianEngine.batch`), one joint update
-                (:mod:`loko_lightning.kalman.multistream`;
-                ``B = 1`` is the single-sample step bit for bit).
+                (:mod:`loko_lightning.kalman.multistream`; ``B = 1`` is the single-sample step bit for bit).
 
         Returns:
             What the closure returned. If any of it is non-finite the update is skipped (parameters and
