@@ -67,8 +67,9 @@ class LoKO(torch.optim.Optimizer):
     may also observe ``B`` samples jointly (the multistream EKF of :mod:`loko_lightning.kalman.multistream`: stacked
     :math:`H`, block-diagonal :math:`R`, one ``B·m x B·m`` system, one EMA step of ``R``); ``B = 1`` is the above.
     These are the equations of the default filter (``filter="covariance"``); the others
-    (:mod:`loko_lightning.kalman.filters`) run through the same step. With softmax outputs :math:`S` is singular by construction (every column of :math:`H` and :math:`e`
-    sum to zero), so :math:`S^{+}` is a pseudo-inverse by eigendecomposition with a relative cut-off.
+    (:mod:`loko_lightning.kalman.filters`) run through the same step. With softmax outputs :math:`S` is singular by
+    construction (every column of :math:`H` and :math:`e` sum to zero), so :math:`S^{+}` is a pseudo-inverse by
+    eigendecomposition with a relative cut-off.
 
     The filter state is in :attr:`state`, so it round-trips through :meth:`state_dict`: ``state[param]["cov"]`` is
     :math:`\hat p` of that parameter; the first parameter's state also holds the shared ``"R"`` (``m x m``) and
