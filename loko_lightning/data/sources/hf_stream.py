@@ -23,7 +23,7 @@ same step.
 
 The held-out split is the first of ``validation`` and ``test`` that the dataset has: ``eval_max_samples`` samples
 (:data:`EVAL_SAMPLES` by default, 0 for none) read once at setup through a shuffle buffer of the same size seeded
-with :data:`~loko_lightning.data.sources.HOLDOUT_SEED`, and kept in memory; without such a split, there is no
+with :data:`~loko_lightning.data.sources.base.HOLDOUT_SEED`, and kept in memory; without such a split, there is no
 validation.
 
 Labels are class ids: a ``ClassLabel`` column names the classes; plain integers need ``num_classes`` (the model's
@@ -39,10 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import IterableDataset, default_collate
-
-from loko_lightning.data.sources import HOLDOUT_SEED, DataNotFoundError, Source, hf_datasets
+from loko_lightning.data.sources.base import HOLDOUT_SEED, DataNotFoundError, Source, hf_datasets
 from loko_lightning.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -186,7 +183,7 @@ class HFStreamSource(Source):
             root: the data root (local builders).
             seed: the shuffle buffer's seed.
             shuffle_buffer: samples in the shuffle buffer (0 or 1: the files' order); the held-out samples are read
-                through one of the same size seeded with :data:`~loko_lightning.data.sources.HOLDOUT_SEED` (a split
+                through one of the same size seeded with :data:`~loko_lightning.data.sources.base.HOLDOUT_SEED` (a split
                 sorted by class would otherwise give a one-class held-out set).
             num_classes: the model's head, needed when the labels are plain integers.
             eval_max_samples: held-out samples to read (default :data:`EVAL_SAMPLES`; 0: none).
@@ -342,84 +339,3 @@ def _first_row_features(split: Any) -> dict[str, Any]:
         else:
             out[name] = datasets.Value("null") if value is None else type(value)
     return out
-
-
-class IterableStream(IterableDataset):
-    """The training stream of a streamed source: position ``p`` is the ``p``-th sample read.
-
-    It yields one rank's batch of each step, collated, in the layout of
-    :class:`~loko_lightning.data.stream._StreamBatchSampler` (set by
-    :class:`~loko_lightning.data.stream.StreamDataLoader`): the same items, positions and steps as a
-    :class:`~loko_lightning.data.stream.StreamDataset` over the same samples.
-
-    Args:
-        examples: ``examples(start)`` iterates ``(raw sample, label)`` from position ``start`` on.
-        length: stream positions (``max_samples``).
-        transform: raw sample -> model inputs.
-        drift: relabels each sample from its position (``None``: labels as read).
-        decode: an encoded sample -> the raw sample (applied to this process's samples only).
-    """
-
-    def __init__(
-        self,
-        examples: Callable[[int], Iterator[tuple[Any, int]]],
-        length: int,
-        transform: Callable[[Any], Any],
-        drift: Callable[[int, int], int] | None = None,
-        decode: Callable[[Any], Any] = _identity,
-    ) -> None:
-        self.examples, self.length, self.transform, self.drift = examples, length, transform, drift
-        self.decode = decode
-        self.layout: Any = None
-        self.collate: Callable = default_collate
-
-    def laid_out(self, layout: Any, collate: Callable | None) -> IterableStream:
-        """This stream read in ``layout``'s steps (a ``_StreamBatchSampler``), batches made by ``collate``."""
-        out = copy.copy(self)
-        out.layout, out.collate = layout, collate or default_collate
-        return out
-
-    def __len__(self) -> int:
-        """Steps (the layout's, Lightning's batches), or positions before a layout is set."""
-        return self.length if self.layout is None else len(self.layout)
-
-    def _item(self, sample: Any, label: int, position: int) -> dict[str, Any]:
-        if self.drift is not None:
-            label = self.drift(label, position)
-        return {
-            "inputs": self.transform(self.decode(sample)),
-            "label": torch.tensor(label, dtype=torch.int64),
-            "position": torch.tensor(position, dtype=torch.int64),
-            "ood": torch.tensor(False),
-        }
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.layout is None:
-            raise RuntimeError("an IterableStream is read through StreamDataLoader, which lays out its steps.")
-        chunks = iter(self.layout)
-        first = next(chunks, None)
-        if first is None:
-            return
-        position = self.layout.pass_start
-        rows = self.examples(position)
-        for chunk in _chain(first, chunks):
-            mine, items = set(chunk), []
-            end = self.layout.step_end(chunk[0])  # read the whole step: every process finds an early end at once
-            while position < end:
-                row = next(rows, None)
-                if row is None:
-                    raise ConfigError(
-                        f"the stream ended after {position} samples, before max_samples={self.length}. To fix it: set "
-                        f"max_samples to at most {position} (the run resumes from its last checkpoint with the same "
-                        "max_samples only).",
-                        field="max_samples",
-                    )
-                if position in mine:
-                    items.append(self._item(row[0], row[1], position))
-                position += 1
-            yield self.collate(items)
-
-
-def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
