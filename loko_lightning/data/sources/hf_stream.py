@@ -34,12 +34,23 @@ a stream that ends before ``max_samples`` stops the run with an error instead of
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from loko_lightning.data.sources.base import HOLDOUT_SEED, DataNotFoundError, Source, hf_datasets
+import numpy as np
+
+from loko_lightning.data.perturbations import Perturbation
+from loko_lightning.data.sources.base import (
+    HOLDOUT_SEED,
+    DataNotFoundError,
+    OpenedSource,
+    Source,
+    Split,
+    StreamSettings,
+    hf_datasets,
+)
+from loko_lightning.data.stream import IterableStream, LabelDrift
 from loko_lightning.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -64,26 +75,6 @@ class ExampleList:
         return self.samples[index], self.targets[index]
 
 
-@dataclass
-class OpenedStream:
-    """What a streamed source gives the data module.
-
-    Attributes:
-        examples: ``examples(start)`` iterates ``(sample, label)`` from stream position ``start`` on; an image sample
-            is still encoded (its bytes): ``decode`` makes it the raw sample, only for the samples a process trains on.
-        length: the training split's length if the dataset's metadata has it, else ``None``.
-        classes: the class names (label ``i`` is ``classes[i]``).
-        held_out: the held-out samples (possibly none), decoded.
-        decode: an encoded sample -> the raw sample the transform takes (text: itself).
-    """
-
-    examples: Callable[[int], Iterator[tuple[Any, int]]]
-    length: int | None
-    classes: list[str]
-    held_out: ExampleList
-    decode: Callable[[Any], Any]
-
-
 class HFStreamSource(Source):
     """``dataset: hf:<path>``: a Hugging Face dataset read in streaming mode (see the module's description).
 
@@ -91,7 +82,7 @@ class HFStreamSource(Source):
         path: what follows ``hf:``: a hub dataset (``owner/name``) or a local builder of :data:`LOCAL_BUILDERS`.
     """
 
-    streaming = True
+    optional_held_out = True
 
     def __init__(self, path: str) -> None:
         if not path:
@@ -123,9 +114,29 @@ class HFStreamSource(Source):
             return f"{root} (read by datasets' {self.path!r} builder)"
         return f"the Hugging Face hub dataset {self.path!r} (read over the network)"
 
-    def load(self, root: Path) -> Any:
-        """Not for a streamed source: the data module calls :meth:`open`."""
-        raise TypeError(f"{self.name} is streamed: use open(), not load().")
+    def check(self, settings: Mapping[str, Any]) -> None:
+        """What a stream read as it goes cannot do, refused naming the argument.
+
+        Raises:
+            ConfigError: ``epochs > 1``, ``ood_every`` set or ``num_workers > 0``.
+        """
+        refused = {
+            "epochs": (settings["epochs"] != 1, "a streamed source is read once; set epochs to 1"),
+            "ood_every": (
+                settings["ood_every"] is not None,
+                "OOD samples need a stream held in memory; set it to null",
+            ),
+            "num_workers": (
+                settings["num_workers"] != 0,
+                "a streamed source is read in order in the training process (datasets would split its files among the "
+                "workers and change the order); set num_workers to 0",
+            ),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                raise ConfigError(
+                    f"dataset={self.name!r} is streamed: {name}={settings[name]}. To fix it: {fix}.", field=name
+                )
 
     def _splits(self, root: Path) -> Any:
         """``datasets.load_dataset(..., streaming=True)``: an ``IterableDatasetDict``.
@@ -169,29 +180,25 @@ class HFStreamSource(Source):
             )
         return splits
 
-    def open(
-        self,
-        root: Path,
-        seed: int,
-        shuffle_buffer: int,
-        num_classes: int | None,
-        eval_max_samples: int | None,
-    ) -> OpenedStream:
+    def open(self, root: Path, settings: StreamSettings) -> OpenedSource:
         """Open the stream: its classes, its held-out samples and a reader of the training split.
+
+        The training split is read through a shuffle buffer of ``shuffle_buffer`` samples seeded with ``seed`` (0 or
+        1: the files' order); the held-out samples (``eval_max_samples``, default :data:`EVAL_SAMPLES`; 0: none) are
+        read through one of the same size seeded with :data:`~loko_lightning.data.sources.base.HOLDOUT_SEED` (a split
+        sorted by class would otherwise give a one-class held-out set). ``num_classes`` (the model's head) is needed
+        when the labels are plain integers; ``max_samples`` when the dataset's metadata does not give its length.
 
         Args:
             root: the data root (local builders).
-            seed: the shuffle buffer's seed.
-            shuffle_buffer: samples in the shuffle buffer (0 or 1: the files' order); the held-out samples are read
-                through one of the same size seeded with :data:`~loko_lightning.data.sources.base.HOLDOUT_SEED` (a split
-                sorted by class would otherwise give a one-class held-out set).
-            num_classes: the model's head, needed when the labels are plain integers.
-            eval_max_samples: held-out samples to read (default :data:`EVAL_SAMPLES`; 0: none).
+            settings: the data module's stream settings.
 
         Raises:
             DataNotFoundError: the data cannot be opened.
-            ConfigError: a named column is missing, the labels are not class ids, or their number is unknown.
+            ConfigError: a named column is missing, the labels are not class ids, their number is unknown or above
+                ``num_classes``, or the length is unknown.
         """
+        seed, shuffle_buffer, num_classes = settings.seed, settings.shuffle_buffer, settings.num_classes
         splits = self._splits(root)
         train = splits["train"]
         features = train.features
@@ -209,7 +216,7 @@ class HFStreamSource(Source):
                 decode = datasets.Image().decode_example
         held_name = next((name for name in HELD_OUT_SPLITS if name in splits), None)
         held_out = ExampleList([], [])
-        wanted = EVAL_SAMPLES if eval_max_samples is None else eval_max_samples
+        wanted = EVAL_SAMPLES if settings.eval_max_samples is None else settings.eval_max_samples
         if held_name is not None and wanted > 0:
             held = splits[held_name]
             if shuffle_buffer > 1:
@@ -218,7 +225,20 @@ class HFStreamSource(Source):
                 held_out.samples.append(self._sample(row))
                 held_out.targets.append(self._label(row, classes, held_name))
         info = getattr(train.info, "splits", None)
-        length = info["train"].num_examples if info and "train" in info and info["train"].num_examples else None
+        known = info["train"].num_examples if info and "train" in info and info["train"].num_examples else None
+        length = settings.max_samples if settings.max_samples is not None else known
+        if length is None:
+            raise ConfigError(
+                f"dataset={self.name!r} is streamed and its length is not known ahead. To fix it: set max_samples "
+                "(the samples to train on; the run stops with an error if the data ends before).",
+                field="max_samples",
+            )
+        if num_classes is not None and len(classes) > num_classes:
+            raise ConfigError(
+                f"dataset={self.name!r} has {len(classes)} classes {classes} but num_classes={num_classes}. To fix "
+                f"it: set num_classes to {len(classes)}.",
+                field="num_classes",
+            )
 
         def examples(start: int) -> Iterator[tuple[Any, int]]:
             stream = train.shuffle(seed=seed, buffer_size=shuffle_buffer) if shuffle_buffer > 1 else train
@@ -227,7 +247,18 @@ class HFStreamSource(Source):
             for row in stream:
                 yield self._sample(row), self._label(row, classes, "train")
 
-        return OpenedStream(examples, length, classes, held_out, decode)
+        def stream(
+            transform: Callable[[Any], Any], perturbation: Perturbation | None, drift: LabelDrift | None
+        ) -> IterableStream:
+            return IterableStream(examples, length, transform, drift, decode)  # perturbations are refused in check()
+
+        summary = (
+            f"{self.name}: streamed, {length} samples through a shuffle buffer of {shuffle_buffer}; classes "
+            f"{dict(enumerate(classes))}; {len(held_out)} held-out samples"
+        )
+        return OpenedSource(
+            classes, Split(held_out, np.arange(len(held_out))), stream, shuffle_buffer=shuffle_buffer, summary=summary
+        )
 
     def _image_column(self, features: dict[str, Any]) -> str:
         import datasets
