@@ -153,10 +153,9 @@ class StreamDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         with _owned_by(self):
             modality = "text" if isinstance(preprocessing, TextPreprocessing) else "image"
-            self.source: Source = get_source(dataset).configured(
-                text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
-                modality=modality,
-            )  # fmt: skip
+            source = get_source(dataset)
+            options = {name: self.hparams[name] for name in source.option_names}
+            self.source: Source = source.configured(modality=modality, **options)
             _check_arguments(self.hparams, self.source.optional_held_out)
             self.source.check(self.hparams)
             modality = self.source.modality

@@ -127,12 +127,14 @@ class Source:
             or a pair of strings, :mod:`loko_lightning.data.sources.text_source`).
         num_classes: number of classes if known before loading, else ``None``.
         optional_held_out: whether ``eval_max_samples`` may be 0 (train without held-out samples).
+        option_names: the data module's arguments :meth:`configured` takes (the text sources: the column names).
     """
 
     name: str = ""
     modality: str = "image"
     num_classes: int | None = None
     optional_held_out: bool = False
+    option_names: tuple[str, ...] = ()
 
     def location(self, root: Path) -> str:
         """Where the files are looked for (named in error messages).
@@ -142,12 +144,18 @@ class Source:
         """
         return str(root)
 
-    def configured(self, **options: Any) -> Source:
-        """This source with the data module's source options (text sources: the column names); default: itself.
+    def configured(self, modality: str | None = None, **options: Any) -> Source:
+        """This source with the data module's source options (:attr:`option_names`); default: itself.
 
         Args:
-            options: ``text_column``, ``text_pair_column``, ``label_column``.
+            modality: the network's modality; a source that holds one kind of sample keeps its own (the transform
+                refuses a mismatch).
+            options: the source's options by name, each one of :attr:`option_names`.
+
+        Raises:
+            ConfigError: an option this source does not take (``field`` is its name).
         """
+        refuse_unknown_options(self, options)
         return self
 
     def prepare(self, root: Path, download: bool) -> None:
@@ -235,6 +243,22 @@ class Source:
     def offline_fixes(self) -> list[str]:
         """Further ways to get the files without a download, for :meth:`missing`."""
         return []
+
+
+def refuse_unknown_options(source: Source, options: Mapping[str, Any]) -> None:
+    """Every key of ``options`` must be one of ``source.option_names``: an unknown key is an error, never dropped.
+
+    Raises:
+        ConfigError: naming the first unknown key (``field``), what the source takes and how to fix it.
+    """
+    for key in options:
+        if key not in source.option_names:
+            takes = ", ".join(source.option_names) or "none"
+            raise ConfigError(
+                f"dataset={source.name!r} takes no option {key!r} (its options: {takes}). To fix it: remove {key}, "
+                "or correct its name.",
+                field=key,
+            )
 
 
 def package_missing(dataset: str, contents: str, package: str, fix: str | None = None) -> DataNotFoundError:

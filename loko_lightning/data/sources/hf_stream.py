@@ -49,6 +49,7 @@ from loko_lightning.data.sources.base import (
     Split,
     StreamSettings,
     hf_datasets,
+    refuse_unknown_options,
 )
 from loko_lightning.data.stream import IterableStream, LabelDrift
 from loko_lightning.errors import ConfigError
@@ -83,6 +84,7 @@ class HFStreamSource(Source):
     """
 
     optional_held_out = True
+    option_names = ("text_column", "text_pair_column", "label_column")
 
     def __init__(self, path: str) -> None:
         if not path:
@@ -101,11 +103,16 @@ class HFStreamSource(Source):
         """Whether ``path`` is a builder of local files (``root``) rather than a hub dataset."""
         return self.path in LOCAL_BUILDERS
 
-    def configured(self, **options: Any) -> HFStreamSource:
-        """A copy reading the given columns, for the given ``modality`` (``"image"`` or ``"text"``)."""
+    def configured(self, modality: str | None = None, **options: Any) -> HFStreamSource:
+        """A copy reading the given columns, for the given ``modality`` (``"image"`` or ``"text"``).
+
+        Raises:
+            ConfigError: an option other than the column names (``field`` is its name).
+        """
+        refuse_unknown_options(self, options)
         out = copy.copy(self)
-        out.columns = {**self.columns, **{k: v for k, v in options.items() if k in self.columns}}
-        out.modality = options.get("modality") or self.modality
+        out.columns = {**self.columns, **options}
+        out.modality = modality or self.modality
         return out
 
     def location(self, root: Path) -> str:
