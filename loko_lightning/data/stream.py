@@ -209,7 +209,7 @@ class StreamCursor:
             "ood_every": self.ood_every,
             "drift_every": self.drift_every,
         }
-        if self.shuffle_buffer is not None:  # a streamed source (in-memory streams keep the older format)
+        if self.shuffle_buffer is not None:  # only a stream read through a shuffle buffer has one
             state["shuffle_buffer"] = self.shuffle_buffer
         return state
 
@@ -233,7 +233,7 @@ class StreamCursor:
             "shuffle_buffer": f"resume with shuffle_buffer={state.get('shuffle_buffer')}",
         }
         for key, field in self._FIELDS.items():
-            saved, ours = state.get(key), getattr(self, key)  # checkpoints from before drift_every: no drift
+            saved, ours = state.get(key), getattr(self, key)  # a key the state lacks reads as None
             if saved != ours:
                 raise ConfigError(
                     f"the checkpoint's stream has {key}={saved!r} but this run's has {key}={ours!r}; resuming would "
