@@ -160,6 +160,7 @@ def test_unknown_file_type_and_missing_file(tmp_path):
         ("textfile", "text_colum", "text_column, text_pair_column, label_column"),
         ("hf:csv", "image_column", "text_column, text_pair_column, label_column"),
         ("cifar10", "text_column", "none"),
+        ("sst2", "text_column", "none"),
     ],
 )
 def test_a_source_option_it_does_not_take_is_refused_naming_it(dataset, key, takes):

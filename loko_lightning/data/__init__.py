@@ -25,9 +25,11 @@ from loko_lightning.data.sources.base import (
     HOLDOUT_FRACTION,
     HOLDOUT_SEED,
     DataNotFoundError,
+    OpenedSource,
     Source,
     Split,
     Splits,
+    StreamSettings,
 )
 from loko_lightning.data.sources.glue import GLUE_TASKS, GlueSource
 from loko_lightning.data.sources.rotten_tomatoes import RottenTomatoesSource
@@ -50,6 +52,7 @@ __all__ = [
     "DataNotFoundError",
     "HeldOutDataset",
     "ImageTransform",
+    "OpenedSource",
     "PeriodicPerturbation",
     "Perturbation",
     "RotationJitter",
@@ -61,6 +64,7 @@ __all__ = [
     "StreamDataLoader",
     "StreamDataModule",
     "StreamDataset",
+    "StreamSettings",
     "TextDataset",
     "TextFileSource",
     "TextTransform",

@@ -27,7 +27,6 @@ class GlueSource(TextSource):
     """
 
     def __init__(self, task: str) -> None:
-        super().__init__()
         self.name = task
         self.num_classes = len(GLUE_TASKS[task][2])
 

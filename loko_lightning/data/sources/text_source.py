@@ -1,4 +1,4 @@
-"""What the text families share: :class:`TextSource` (its column names) and the checked in-memory splits."""
+"""What the text families share: :class:`TextSource` (their modality) and their checked in-memory splits."""
 
 from __future__ import annotations
 
@@ -6,30 +6,14 @@ from typing import Any
 
 import numpy as np
 
-from loko_lightning.data.sources.base import Source, Split, Splits, holdout_split, refuse_unknown_options
+from loko_lightning.data.sources.base import Source, Split, Splits, holdout_split
 from loko_lightning.data.text import TextDataset, check_texts, encode_labels
 
 
 class TextSource(Source):
-    """A source of text samples (``modality = "text"``), configured with the data module's column names."""
+    """A source of text samples (``modality = "text"``): a string, or a pair of strings, per sample."""
 
     modality = "text"
-    option_names = ("text_column", "text_pair_column", "label_column")
-
-    def __init__(self) -> None:
-        self.columns: dict[str, str | None] = {"text_column": "text", "text_pair_column": None, "label_column": "label"}
-
-    def configured(self, modality: str | None = None, **options: Any) -> TextSource:
-        """A copy reading the given columns (``text_column``, ``text_pair_column``, ``label_column``).
-
-        Raises:
-            ConfigError: another option (``field`` is its name).
-        """
-        refuse_unknown_options(self, options)
-        copy = type(self).__new__(type(self))
-        copy.__dict__.update(self.__dict__)
-        copy.columns = {**self.columns, **options}
-        return copy
 
 
 def text_dataset(

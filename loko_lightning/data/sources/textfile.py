@@ -7,9 +7,11 @@ ids in the order of their sorted names.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
-from loko_lightning.data.sources.base import DataNotFoundError, Splits
+from loko_lightning.data.sources.base import DataNotFoundError, Splits, refuse_unknown_options
 from loko_lightning.data.sources.text_source import TextSource, text_dataset, text_splits
 from loko_lightning.data.text import FORMATS, read_text_file
 
@@ -17,9 +19,28 @@ _SPLIT_NAMES = ("validation", "dev", "test")
 
 
 class TextFileSource(TextSource):
-    """Local text files: ``root`` is one file, or a directory with ``train.<ext>`` and a held-out file."""
+    """Local text files: ``root`` is one file, or a directory with ``train.<ext>`` and a held-out file.
+
+    Its options (:meth:`configured`) name the columns: ``text_column`` (default ``"text"``), ``text_pair_column``
+    (default ``None``: single texts) and ``label_column`` (default ``"label"``).
+    """
 
     name = "textfile"
+    option_names = ("text_column", "text_pair_column", "label_column")
+
+    def __init__(self) -> None:
+        self.columns: dict[str, str | None] = {"text_column": "text", "text_pair_column": None, "label_column": "label"}
+
+    def configured(self, modality: str | None = None, **options: Any) -> TextFileSource:
+        """A copy reading the given columns.
+
+        Raises:
+            ConfigError: an option other than the column names (``field`` is its name).
+        """
+        refuse_unknown_options(self, options)
+        out = copy.copy(self)
+        out.columns = {**self.columns, **options}
+        return out
 
     def location(self, root: Path) -> str:
         """The file, or the directory's ``train.<ext>``."""
