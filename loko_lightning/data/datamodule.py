@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,9 @@ from loko_lightning.data.stream import (
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
+
+#: The arguments that only some sources read (the ones in their ``option_names``): the columns of a text file or stream.
+SOURCE_OPTIONS = ("text_column", "text_pair_column", "label_column")
 
 
 class StreamDataModule(pl.LightningDataModule):
@@ -99,10 +103,12 @@ class StreamDataModule(pl.LightningDataModule):
         batch_size: training samples per step and process, ``B``: LoKO makes one joint update on them (and on the
             other processes' samples of the step); 1 is the paper.
         max_length: text: at most this many tokens per sample (longer texts are truncated).
-        text_column: ``textfile``: the column holding the text.
-        text_pair_column: ``textfile``: the column holding the second text of a pair (``None``: single texts).
-        label_column: ``textfile``: the column holding the label (class ids, or names mapped to ids in sorted order;
-            the mapping is saved in checkpoints and printed at setup).
+        text_column: ``textfile`` and ``hf:``: the column holding the text.
+        text_pair_column: ``textfile`` and ``hf:``: the column holding the second text of a pair (``None``: single
+            texts).
+        label_column: ``textfile`` and ``hf:``: the column holding the label (class ids, or names mapped to ids in
+            sorted order; the mapping is saved in checkpoints and printed at setup). A source that reads no columns
+            refuses any of the three set to another value than its default.
         epochs: passes over the training samples, each in a new seeded order (the paper runs several for CoLA and
             MRPC); leave the trainer's ``max_epochs`` at 1.
         shuffle_buffer: ``hf:`` sources: samples in the seeded shuffle buffer the stream is read through (0 or 1:
@@ -154,8 +160,7 @@ class StreamDataModule(pl.LightningDataModule):
         with _owned_by(self):
             modality = "text" if isinstance(preprocessing, TextPreprocessing) else "image"
             source = get_source(dataset)
-            options = {name: self.hparams[name] for name in source.option_names}
-            self.source: Source = source.configured(modality=modality, **options)
+            self.source: Source = source.configured(modality=modality, **_source_options(self.hparams, source))
             _check_arguments(self.hparams, self.source.optional_held_out)
             self.source.check(self.hparams)
             modality = self.source.modality
@@ -408,6 +413,19 @@ def _check_arguments(values: dict[str, Any], optional_held_out: bool = False) ->
         )
     if values["ood_jitter"] < 0:
         raise ConfigError(f"ood_jitter must be >= 0, got {values['ood_jitter']}.", field="ood_jitter")
+
+
+def _source_options(values: dict[str, Any], source: Source) -> dict[str, Any]:
+    """The :data:`SOURCE_OPTIONS` to configure ``source`` with: those it reads, and any other not at its default.
+
+    ``source.configured`` refuses the latter, so an option the source does not read is an error, never dropped.
+    """
+    defaults = inspect.signature(StreamDataModule.__init__).parameters
+    return {
+        name: values[name]
+        for name in SOURCE_OPTIONS
+        if name in source.option_names or values[name] != defaults[name].default
+    }
 
 
 @contextmanager

@@ -254,10 +254,9 @@ def refuse_unknown_options(source: Source, options: Mapping[str, Any]) -> None:
     for key in options:
         if key not in source.option_names:
             takes = ", ".join(source.option_names) or "none"
+            fix = f"remove {key}" + (", or use one of its options" if source.option_names else "")
             raise ConfigError(
-                f"dataset={source.name!r} takes no option {key!r} (its options: {takes}). To fix it: remove {key}, "
-                "or correct its name.",
-                field=key,
+                f"dataset={source.name!r} takes no option {key!r} (its options: {takes}). To fix it: {fix}.", field=key
             )
 
 
