@@ -8,8 +8,8 @@ skipping nor repeating one.
 - :mod:`~loko_lightning.data.sources`: dataset name -> :class:`Source` (loading, on-disk location, missing-data hint),
   one module per family of sources, image and text, in memory or streamed; :mod:`~loko_lightning.data.registry`
   names them.
-- :mod:`~loko_lightning.data.transforms`: raw sample -> model ``inputs`` (timm image preprocessing, the tokenizer of
-  :mod:`~loko_lightning.data.text`).
+- :mod:`~loko_lightning.data.transforms`: raw sample -> model ``inputs`` (timm image preprocessing, the network's
+  tokenizer).
 - :mod:`~loko_lightning.data.perturbations`: OOD samples inserted into the stream.
 - :mod:`~loko_lightning.data.stream`: the stream datasets (held in memory, or read in order), its cursor and the
   resumable loader.
@@ -33,11 +33,11 @@ from loko_lightning.data.sources.base import (
 )
 from loko_lightning.data.sources.glue import GLUE_TASKS, GlueSource
 from loko_lightning.data.sources.rotten_tomatoes import RottenTomatoesSource
+from loko_lightning.data.sources.text_source import TextDataset
 from loko_lightning.data.sources.textfile import TextFileSource
 from loko_lightning.data.sources.torchvision_datasets import FASHION_MNIST_DEBIAN_DIR
 from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
-from loko_lightning.data.text import TextDataset, TextTransform
-from loko_lightning.data.transforms import ImageTransform, build_transform
+from loko_lightning.data.transforms import ImageTransform, TextTransform, build_transform
 
 DATASETS = tuple(SOURCES)  # the built-in dataset names, image and text
 

