@@ -127,7 +127,7 @@ class Source:
             or a pair of strings, :mod:`loko_lightning.data.sources.text_source`).
         num_classes: number of classes if known before loading, else ``None``.
         optional_held_out: whether ``eval_max_samples`` may be 0 (train without held-out samples).
-        option_names: the data module's arguments :meth:`configured` takes (the text sources: the column names).
+        option_names: the data module's arguments :meth:`configured` takes (``textfile`` and ``hf:``: the column names).
     """
 
     name: str = ""
