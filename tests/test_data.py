@@ -38,7 +38,7 @@ from loko_lightning.data import (
     StreamDataModule,
     register_source,
 )
-from loko_lightning.data.sources import ArrayImageDataset
+from loko_lightning.data.sources.mnist5k import ArrayImageDataset
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 
@@ -251,6 +251,8 @@ def test_image_transform_follows_the_networks_preprocessing_with_the_overrides_o
         ({"image_size": 0}, "image_size", r"image_size must be a positive integer"),
         ({"mean": (0.5, 0.5)}, "mean", r"mean needs one value per RGB channel"),
         ({"std": (0.5, 0.0, 0.5)}, "std", r"std must be positive"),
+        ({"text_column": "review"}, "text_column", r"dataset='cifar10' takes no option 'text_column' \(its options"),
+        ({"dataset": "sst2", "label_column": "y"}, "label_column", r"dataset='sst2' takes no option 'label_column'"),
         ({"preprocessing": "resnet18"}, "preprocessing", r"preprocessing must be what the network's factory answers"),
         (
             {"preprocessing": TextPreprocessing("roberta-base")},

@@ -6,13 +6,25 @@ naming its field."""
 import json
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from data_files import RESNET18, colour, decode, make
 from PIL import Image
 from test_stream import Recorder, SaveAt, quiet_trainer, trainer
 
-from loko_lightning.data import DataNotFoundError, StreamDataModule
+from loko_lightning.data import (
+    DataNotFoundError,
+    ImageTransform,
+    OpenedSource,
+    Source,
+    Split,
+    Splits,
+    StreamDataModule,
+    StreamSettings,
+    get_source,
+)
+from loko_lightning.data.sources.hf_stream import ExampleList
 from loko_lightning.data.stream import StreamDataLoader
 from loko_lightning.errors import ConfigError
 from loko_lightning.models import TransformersClassifier
@@ -74,6 +86,33 @@ def text(path, **kwargs):
 def batches(dm, start=0, batch_size=1, world_size=1, rank=0, steps_before=None):
     loader = StreamDataLoader(dm.train_stream, start, 0, batch_size, world_size, rank, steps_before=steps_before)
     return list(loader)
+
+
+def test_a_streamed_source_and_one_in_memory_open_to_the_same_stream_interface(tmp_path):
+    """The same rows read as they go (``hf:parquet``) or loaded into memory: both open to an OpenedSource whose stream
+    the loader reads into the same batches of the same samples, with positions 0, 1, ... in order."""
+    write_parquet(tmp_path, n_train=6, n_val=2)
+    rows = datasets.load_dataset("parquet", data_dir=str(tmp_path))
+
+    class InMemory(Source):
+        name = "in_memory"
+
+        def load(self, root):
+            train, held = (ExampleList(list(rows[s]["image"]), list(rows[s]["label"])) for s in ("train", "validation"))
+            return Splits(Split(train, np.arange(len(train))), Split(held, np.arange(len(held))), CLASSES)
+
+    settings = StreamSettings(seed=0, max_samples=6, shuffle_buffer=0)
+    transform = ImageTransform(RESNET18, image_size=8)
+    read = []
+    for source in (InMemory(), get_source("hf:parquet").configured(modality="image")):
+        opened = source.open(tmp_path, settings)
+        assert isinstance(opened, OpenedSource) and opened.classes == CLASSES and len(opened.held_out.indices) == 2
+        loader = StreamDataLoader(opened.stream(transform, None, None))
+        got = [(decode(b["inputs"][0]), int(b["label"]), int(b["position"])) for b in loader]
+        assert [position for _, _, position in got] == list(range(6))
+        assert all(label == i % 3 for i, label, _ in got)  # each sample keeps its own label
+        read.append(sorted((i, label) for i, label, _ in got))
+    assert read[0] == read[1] == [(i, i % 3) for i in range(6)]
 
 
 @pytest.mark.parametrize(("seed", "buffer"), [(0, 8), (5, 8), (0, 0)])

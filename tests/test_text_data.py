@@ -10,7 +10,7 @@ import torch
 from text_helpers import sentiment_rows, write_text_file
 
 from loko_lightning.data import StreamDataModule, TextTransform, get_source
-from loko_lightning.data.sources import DataNotFoundError
+from loko_lightning.data.sources.base import DataNotFoundError
 from loko_lightning.errors import ConfigError
 from loko_lightning.models import TransformersClassifier
 from loko_lightning.preprocessing import TextPreprocessing
@@ -152,6 +152,30 @@ def test_unknown_file_type_and_missing_file(tmp_path):
         datamodule(tmp_path / "data.parquet").setup("fit")
     with pytest.raises(DataNotFoundError, match="no text file at"):
         datamodule(tmp_path / "nothing").setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("dataset", "key", "takes"),
+    [
+        ("textfile", "text_colum", "text_column, text_pair_column, label_column"),
+        ("hf:csv", "image_column", "text_column, text_pair_column, label_column"),
+        ("cifar10", "text_column", "none"),
+        ("sst2", "text_column", "none"),
+    ],
+)
+def test_a_source_option_it_does_not_take_is_refused_naming_it(dataset, key, takes):
+    with pytest.raises(ConfigError) as err:
+        get_source(dataset).configured(modality="text", **{key: "review"})
+    assert err.value.field == key
+    message = str(err.value)
+    assert "\n" not in message and f"takes no option {key!r} (its options: {takes})" in message
+    assert message.endswith(f"To fix it: remove {key}" + (", or use one of its options." if takes != "none" else "."))
+
+
+def test_a_text_source_reads_the_columns_it_is_configured_with():
+    source = get_source("textfile").configured(modality="text", text_column="review", label_column="stars")
+    assert source.columns == {"text_column": "review", "text_pair_column": None, "label_column": "stars"}
+    assert get_source("textfile").columns["text_column"] == "text"  # the registered source is left as it was
 
 
 # Each GLUE task's columns as datasets.load_dataset("nyu-mll/glue", task) returns them (test labels hidden: -1).

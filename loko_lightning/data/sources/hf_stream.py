@@ -23,7 +23,7 @@ same step.
 
 The held-out split is the first of ``validation`` and ``test`` that the dataset has: ``eval_max_samples`` samples
 (:data:`EVAL_SAMPLES` by default, 0 for none) read once at setup through a shuffle buffer of the same size seeded
-with :data:`~loko_lightning.data.sources.HOLDOUT_SEED`, and kept in memory; without such a split, there is no
+with :data:`~loko_lightning.data.sources.base.HOLDOUT_SEED`, and kept in memory; without such a split, there is no
 validation.
 
 Labels are class ids: a ``ClassLabel`` column names the classes; plain integers need ``num_classes`` (the model's
@@ -34,15 +34,24 @@ a stream that ends before ``max_samples`` stops the run with an error instead of
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import IterableDataset, default_collate
+import numpy as np
 
-from loko_lightning.data.sources import HOLDOUT_SEED, DataNotFoundError, Source, hf_datasets
+from loko_lightning.data.perturbations import Perturbation
+from loko_lightning.data.sources.base import (
+    HOLDOUT_SEED,
+    DataNotFoundError,
+    OpenedSource,
+    Source,
+    Split,
+    StreamSettings,
+    hf_datasets,
+    refuse_unknown_options,
+)
+from loko_lightning.data.stream import IterableStream, LabelDrift
 from loko_lightning.errors import ConfigError
 
 HF_PREFIX = "hf:"
@@ -67,26 +76,6 @@ class ExampleList:
         return self.samples[index], self.targets[index]
 
 
-@dataclass
-class OpenedStream:
-    """What a streamed source gives the data module.
-
-    Attributes:
-        examples: ``examples(start)`` iterates ``(sample, label)`` from stream position ``start`` on; an image sample
-            is still encoded (its bytes): ``decode`` makes it the raw sample, only for the samples a process trains on.
-        length: the training split's length if the dataset's metadata has it, else ``None``.
-        classes: the class names (label ``i`` is ``classes[i]``).
-        held_out: the held-out samples (possibly none), decoded.
-        decode: an encoded sample -> the raw sample the transform takes (text: itself).
-    """
-
-    examples: Callable[[int], Iterator[tuple[Any, int]]]
-    length: int | None
-    classes: list[str]
-    held_out: ExampleList
-    decode: Callable[[Any], Any]
-
-
 class HFStreamSource(Source):
     """``dataset: hf:<path>``: a Hugging Face dataset read in streaming mode (see the module's description).
 
@@ -94,7 +83,8 @@ class HFStreamSource(Source):
         path: what follows ``hf:``: a hub dataset (``owner/name``) or a local builder of :data:`LOCAL_BUILDERS`.
     """
 
-    streaming = True
+    optional_held_out = True
+    option_names = ("text_column", "text_pair_column", "label_column")
 
     def __init__(self, path: str) -> None:
         if not path:
@@ -113,11 +103,16 @@ class HFStreamSource(Source):
         """Whether ``path`` is a builder of local files (``root``) rather than a hub dataset."""
         return self.path in LOCAL_BUILDERS
 
-    def configured(self, **options: Any) -> HFStreamSource:
-        """A copy reading the given columns, for the given ``modality`` (``"image"`` or ``"text"``)."""
+    def configured(self, modality: str | None = None, **options: Any) -> HFStreamSource:
+        """A copy reading the given columns, for the given ``modality`` (``"image"`` or ``"text"``).
+
+        Raises:
+            ConfigError: an option other than the column names (``field`` is its name).
+        """
+        refuse_unknown_options(self, options)
         out = copy.copy(self)
-        out.columns = {**self.columns, **{k: v for k, v in options.items() if k in self.columns}}
-        out.modality = options.get("modality") or self.modality
+        out.columns = {**self.columns, **options}
+        out.modality = modality or self.modality
         return out
 
     def location(self, root: Path) -> str:
@@ -126,9 +121,29 @@ class HFStreamSource(Source):
             return f"{root} (read by datasets' {self.path!r} builder)"
         return f"the Hugging Face hub dataset {self.path!r} (read over the network)"
 
-    def load(self, root: Path) -> Any:
-        """Not for a streamed source: the data module calls :meth:`open`."""
-        raise TypeError(f"{self.name} is streamed: use open(), not load().")
+    def check(self, settings: Mapping[str, Any]) -> None:
+        """What a stream read as it goes cannot do, refused naming the argument.
+
+        Raises:
+            ConfigError: ``epochs > 1``, ``ood_every`` set or ``num_workers > 0``.
+        """
+        refused = {
+            "epochs": (settings["epochs"] != 1, "a streamed source is read once; set epochs to 1"),
+            "ood_every": (
+                settings["ood_every"] is not None,
+                "OOD samples need a stream held in memory; set it to null",
+            ),
+            "num_workers": (
+                settings["num_workers"] != 0,
+                "a streamed source is read in order in the training process (datasets would split its files among the "
+                "workers and change the order); set num_workers to 0",
+            ),
+        }
+        for name, (bad, fix) in refused.items():
+            if bad:
+                raise ConfigError(
+                    f"dataset={self.name!r} is streamed: {name}={settings[name]}. To fix it: {fix}.", field=name
+                )
 
     def _splits(self, root: Path) -> Any:
         """``datasets.load_dataset(..., streaming=True)``: an ``IterableDatasetDict``.
@@ -172,29 +187,25 @@ class HFStreamSource(Source):
             )
         return splits
 
-    def open(
-        self,
-        root: Path,
-        seed: int,
-        shuffle_buffer: int,
-        num_classes: int | None,
-        eval_max_samples: int | None,
-    ) -> OpenedStream:
+    def open(self, root: Path, settings: StreamSettings) -> OpenedSource:
         """Open the stream: its classes, its held-out samples and a reader of the training split.
+
+        The training split is read through a shuffle buffer of ``shuffle_buffer`` samples seeded with ``seed`` (0 or
+        1: the files' order); the held-out samples (``eval_max_samples``, default :data:`EVAL_SAMPLES`; 0: none) are
+        read through one of the same size seeded with :data:`~loko_lightning.data.sources.base.HOLDOUT_SEED` (a split
+        sorted by class would otherwise give a one-class held-out set). ``num_classes`` (the model's head) is needed
+        when the labels are plain integers; ``max_samples`` when the dataset's metadata does not give its length.
 
         Args:
             root: the data root (local builders).
-            seed: the shuffle buffer's seed.
-            shuffle_buffer: samples in the shuffle buffer (0 or 1: the files' order); the held-out samples are read
-                through one of the same size seeded with :data:`~loko_lightning.data.sources.HOLDOUT_SEED` (a split
-                sorted by class would otherwise give a one-class held-out set).
-            num_classes: the model's head, needed when the labels are plain integers.
-            eval_max_samples: held-out samples to read (default :data:`EVAL_SAMPLES`; 0: none).
+            settings: the data module's stream settings.
 
         Raises:
             DataNotFoundError: the data cannot be opened.
-            ConfigError: a named column is missing, the labels are not class ids, or their number is unknown.
+            ConfigError: a named column is missing, the labels are not class ids, their number is unknown or above
+                ``num_classes``, or the length is unknown.
         """
+        seed, shuffle_buffer, num_classes = settings.seed, settings.shuffle_buffer, settings.num_classes
         splits = self._splits(root)
         train = splits["train"]
         features = train.features
@@ -212,7 +223,7 @@ class HFStreamSource(Source):
                 decode = datasets.Image().decode_example
         held_name = next((name for name in HELD_OUT_SPLITS if name in splits), None)
         held_out = ExampleList([], [])
-        wanted = EVAL_SAMPLES if eval_max_samples is None else eval_max_samples
+        wanted = EVAL_SAMPLES if settings.eval_max_samples is None else settings.eval_max_samples
         if held_name is not None and wanted > 0:
             held = splits[held_name]
             if shuffle_buffer > 1:
@@ -221,7 +232,20 @@ class HFStreamSource(Source):
                 held_out.samples.append(self._sample(row))
                 held_out.targets.append(self._label(row, classes, held_name))
         info = getattr(train.info, "splits", None)
-        length = info["train"].num_examples if info and "train" in info and info["train"].num_examples else None
+        known = info["train"].num_examples if info and "train" in info and info["train"].num_examples else None
+        length = settings.max_samples if settings.max_samples is not None else known
+        if length is None:
+            raise ConfigError(
+                f"dataset={self.name!r} is streamed and its length is not known ahead. To fix it: set max_samples "
+                "(the samples to train on; the run stops with an error if the data ends before).",
+                field="max_samples",
+            )
+        if num_classes is not None and len(classes) > num_classes:
+            raise ConfigError(
+                f"dataset={self.name!r} has {len(classes)} classes {classes} but num_classes={num_classes}. To fix "
+                f"it: set num_classes to {len(classes)}.",
+                field="num_classes",
+            )
 
         def examples(start: int) -> Iterator[tuple[Any, int]]:
             stream = train.shuffle(seed=seed, buffer_size=shuffle_buffer) if shuffle_buffer > 1 else train
@@ -230,7 +254,18 @@ class HFStreamSource(Source):
             for row in stream:
                 yield self._sample(row), self._label(row, classes, "train")
 
-        return OpenedStream(examples, length, classes, held_out, decode)
+        def stream(
+            transform: Callable[[Any], Any], perturbation: Perturbation | None, drift: LabelDrift | None
+        ) -> IterableStream:
+            return IterableStream(examples, length, transform, drift, decode)  # perturbations are refused in check()
+
+        summary = (
+            f"{self.name}: streamed, {length} samples through a shuffle buffer of {shuffle_buffer}; classes "
+            f"{dict(enumerate(classes))}; {len(held_out)} held-out samples"
+        )
+        return OpenedSource(
+            classes, Split(held_out, np.arange(len(held_out))), stream, shuffle_buffer=shuffle_buffer, summary=summary
+        )
 
     def _image_column(self, features: dict[str, Any]) -> str:
         import datasets
@@ -342,84 +377,3 @@ def _first_row_features(split: Any) -> dict[str, Any]:
         else:
             out[name] = datasets.Value("null") if value is None else type(value)
     return out
-
-
-class IterableStream(IterableDataset):
-    """The training stream of a streamed source: position ``p`` is the ``p``-th sample read.
-
-    It yields one rank's batch of each step, collated, in the layout of
-    :class:`~loko_lightning.data.stream._StreamBatchSampler` (set by
-    :class:`~loko_lightning.data.stream.StreamDataLoader`): the same items, positions and steps as a
-    :class:`~loko_lightning.data.stream.StreamDataset` over the same samples.
-
-    Args:
-        examples: ``examples(start)`` iterates ``(raw sample, label)`` from position ``start`` on.
-        length: stream positions (``max_samples``).
-        transform: raw sample -> model inputs.
-        drift: relabels each sample from its position (``None``: labels as read).
-        decode: an encoded sample -> the raw sample (applied to this process's samples only).
-    """
-
-    def __init__(
-        self,
-        examples: Callable[[int], Iterator[tuple[Any, int]]],
-        length: int,
-        transform: Callable[[Any], Any],
-        drift: Callable[[int, int], int] | None = None,
-        decode: Callable[[Any], Any] = _identity,
-    ) -> None:
-        self.examples, self.length, self.transform, self.drift = examples, length, transform, drift
-        self.decode = decode
-        self.layout: Any = None
-        self.collate: Callable = default_collate
-
-    def laid_out(self, layout: Any, collate: Callable | None) -> IterableStream:
-        """This stream read in ``layout``'s steps (a ``_StreamBatchSampler``), batches made by ``collate``."""
-        out = copy.copy(self)
-        out.layout, out.collate = layout, collate or default_collate
-        return out
-
-    def __len__(self) -> int:
-        """Steps (the layout's, Lightning's batches), or positions before a layout is set."""
-        return self.length if self.layout is None else len(self.layout)
-
-    def _item(self, sample: Any, label: int, position: int) -> dict[str, Any]:
-        if self.drift is not None:
-            label = self.drift(label, position)
-        return {
-            "inputs": self.transform(self.decode(sample)),
-            "label": torch.tensor(label, dtype=torch.int64),
-            "position": torch.tensor(position, dtype=torch.int64),
-            "ood": torch.tensor(False),
-        }
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.layout is None:
-            raise RuntimeError("an IterableStream is read through StreamDataLoader, which lays out its steps.")
-        chunks = iter(self.layout)
-        first = next(chunks, None)
-        if first is None:
-            return
-        position = self.layout.pass_start
-        rows = self.examples(position)
-        for chunk in _chain(first, chunks):
-            mine, items = set(chunk), []
-            end = self.layout.step_end(chunk[0])  # read the whole step: every process finds an early end at once
-            while position < end:
-                row = next(rows, None)
-                if row is None:
-                    raise ConfigError(
-                        f"the stream ended after {position} samples, before max_samples={self.length}. To fix it: set "
-                        f"max_samples to at most {position} (the run resumes from its last checkpoint with the same "
-                        "max_samples only).",
-                        field="max_samples",
-                    )
-                if position in mine:
-                    items.append(self._item(row[0], row[1], position))
-                position += 1
-            yield self.collate(items)
-
-
-def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest

