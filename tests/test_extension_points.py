@@ -27,12 +27,12 @@ class FixedGain(Filter):
     def r_estimators(self, observation):
         return ("softmax",)
 
-    def propose(self, plan, blocks, belief, prediction, target, *, aggregation=None, reduce=None):
+    def propose(self, plan, evidence, belief, reduce=None):
         prior = plan.time.prior(belief.cov)
-        rows = plan.rows_matrix(blocks)
+        rows = plan.rows_matrix(evidence.blocks)
         torch.mul(rows.sum(0), prior, out=plan.update)
         posterior = plan.work.copy_(prior)
-        innovation = target.to(plan.dtype) - prediction.to(plan.dtype)
+        innovation = evidence.target.to(plan.dtype) - evidence.prediction.to(plan.dtype)
         return Proposal(posterior=posterior, finite=torch.isfinite(innovation).all(), innovation=innovation)
 
 

@@ -656,9 +656,9 @@ def test_kalman_update_keeps_its_dtype_under_bf16_mixed_precision(kalman_dtype, 
     calls = []
     real_propose, real_observe = Covariance.propose, JacobianEngine.observe
 
-    def propose(self, plan, blocks, belief, prediction, target, **kwargs):
+    def propose(self, plan, evidence, belief, reduce=None):
         calls.append(("update", torch.is_autocast_enabled("cpu"), belief.cov.dtype, belief.R.dtype))
-        return real_propose(self, plan, blocks, belief, prediction, target, **kwargs)
+        return real_propose(self, plan, evidence, belief, reduce)
 
     def jacobian_under(engine, inputs, label, **kwargs):
         calls.append(("jacobian", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))

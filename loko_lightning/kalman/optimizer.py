@@ -14,7 +14,7 @@ from torch import Tensor
 from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.kalman.exchange import Replicated, Sharded
-from loko_lightning.kalman.filters import Belief, Filter, get_filter
+from loko_lightning.kalman.filters import Belief, Evidence, Filter, get_filter
 from loko_lightning.kalman.multistream import check_observation, layout_key
 from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
 from loko_lightning.kalman.plan import UpdatePlan
@@ -502,8 +502,8 @@ class LoKO(torch.optim.Optimizer):
                 low_rank_flat = torch.cat([low_rank[i].to(plan.dtype) for i in plan.order])
         belief = Belief(flat, shared["R"], shared["step"], low_rank_flat)
         with torch.inference_mode():  # cheaper per operation than no_grad; the states written stay ordinary tensors
-            proposal = self.filter.propose(plan, blocks, belief, prediction.detach(), target.detach(),
-                                           aggregation=aggregation, reduce=exchange.reduce)  # fmt: skip
+            evidence = Evidence(prediction.detach(), target.detach(), blocks, aggregation)
+            proposal = self.filter.propose(plan, evidence, belief, exchange.reduce)
             diagnostics = exchange.apply(plan, params, flat, proposal)
             applied = diagnostics["applied"]
             self.filter.commit(proposal, applied, belief)

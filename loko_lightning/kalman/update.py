@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.filters import Belief, Filter, get_filter
+from loko_lightning.kalman.filters import Belief, Evidence, Filter, get_filter
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.kalman.time_update import TimeUpdate
 
@@ -31,16 +31,7 @@ def loko_update(
     time_update: TimeUpdate | None = None,
     samples: int = 1,
 ) -> dict[str, Tensor]:
-    r"""One step of a filter (default: the paper's Algorithm 1 with a diagonal covariance), in place.
-
-    .. math::
-
-        \hat p_{k|k-1} &= \hat p_{k-1} + q, \quad e_k = y_k - \hat y_k \\
-        R_k &= \beta R_{k-1} + (1-\beta)\hat R_k \\
-        S_k &= H_k (\hat p_{k|k-1} \bullet H_k^\top) + R_k \\
-        K_k &= (\hat p_{k|k-1} \bullet H_k^\top) S_k^{+} \\
-        \tilde\theta_k &= \tilde\theta_{k|k-1} + K_k e_k \\
-        (\hat p_k)_i &= (\hat p_{k|k-1})_i - (K_k)_{ij} (H_k)_{ji} (\hat p_{k|k-1})_i
+    r"""One step of a filter (default: the paper's Algorithm 1, :mod:`~loko_lightning.kalman.filters.covariance`).
 
     :func:`loko_lightning.kalman.reference.loko_step_reference` is the same step with dense matrices. The arithmetic
     runs in the dtype of ``state["cov"]``; parameters are updated in their own dtype. If anything is non-finite
@@ -81,7 +72,7 @@ def loko_update(
             raise ValueError(f"Invalid state: filter {filter.spec!r} keeps the low-rank factor W: give state['W']")
         low_rank = torch.cat([state["W"][i].to(plan.dtype) for i in plan.order])
     belief = Belief(flat, state.get("R"), state["step"], low_rank)
-    proposal = filter.propose(plan, jacobians, belief, prediction, target)
+    proposal = filter.propose(plan, Evidence(prediction, target, jacobians), belief)
     applied = plan.apply(params, flat, proposal.posterior, proposal.finite)
     filter.commit(proposal, applied, belief)
     state["step"].add_(applied.to(state["step"].dtype))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import partial
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.kalman.filters.base import Belief, Filter, Proposal
+from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
 from loko_lightning.kalman.filters.covariance import Covariance, psd_pinv
 from loko_lightning.kalman.filters.information import FISHERS, DiagonalInformation, FisherRows
 from loko_lightning.kalman.filters.low_rank import LowRankPrecision
@@ -28,10 +28,12 @@ __all__ = [
     "Belief",
     "Covariance",
     "DiagonalInformation",
+    "Evidence",
     "Filter",
     "FisherRows",
     "LowRankPrecision",
     "Proposal",
+    "Reduce",
     "get_filter",
     "psd_pinv",
 ]

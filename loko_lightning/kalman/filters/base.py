@@ -20,7 +20,28 @@ from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.observation import Observation
 
-__all__ = ["Belief", "Filter", "Proposal"]
+__all__ = ["Belief", "Evidence", "Filter", "Proposal", "Reduce"]
+
+
+#: A sum over the parameters made whole: the sharded update's all-reduce of its shard's part.
+Reduce = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class Evidence:
+    """A step's observation as a filter reads it, stacked over the step's ``B`` samples.
+
+    Attributes:
+        prediction: ``ŷ``, ``(B·m,)`` (``B`` times the observed coordinates).
+        target: ``y``, like ``prediction``.
+        blocks: one Jacobian block per parameter of the plan, with the stacked rows of ``H``.
+        aggregation: ``(A, G)`` when the observation is an aggregation of the outputs (top-k).
+    """
+
+    prediction: Tensor
+    target: Tensor
+    blocks: Sequence[JacobianBlock]
+    aggregation: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass
@@ -66,6 +87,8 @@ class Proposal:
 class Filter:
     """A filter family: the belief it keeps and how one observation updates it.
 
+    The families are frozen dataclasses (their settings are their fields: equal settings, equal filters).
+
     Attributes:
         name: the family's name in :data:`~loko_lightning.kalman.filters.FILTERS`.
         shardable: the update separates over the parameters but for sums the processes can all-reduce
@@ -98,26 +121,13 @@ class Filter:
         """The columns of the low-rank factor ``W`` the filter keeps per parameter (0: none)."""
         return 0
 
-    def propose(
-        self,
-        plan: UpdatePlan,
-        blocks: Sequence[JacobianBlock],
-        belief: Belief,
-        prediction: Tensor,
-        target: Tensor,
-        *,
-        aggregation: tuple[Tensor, Tensor] | None = None,
-        reduce: Callable[[Tensor], Tensor] | None = None,
-    ) -> Proposal:
-        """The change of the belief for the stacked observation (``prediction``, ``target``, ``blocks``).
+    def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
+        """The change of the belief for the step's stacked observation.
 
         Args:
             plan: the layout's plan; the proposed change of the parameters goes into :attr:`UpdatePlan.update`.
-            blocks: one Jacobian block per parameter of the plan, with the observation's stacked rows.
+            evidence: the observation, stacked over the step's samples.
             belief: the state before the step (read, never written).
-            prediction: ``ŷ``, stacked over the step's samples.
-            target: ``y``, like ``prediction``.
-            aggregation: ``(A, G)`` when the observation is an aggregation of the outputs (top-k).
             reduce: applied to sums over the parameters before they are used (the sharded update's all-reduce).
         """
         raise NotImplementedError
@@ -125,11 +135,3 @@ class Filter:
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
         """Write the filter's own state (``R``, ``W``) where the step was applied (the optimizer writes θ̃, p̂)."""
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
-
-    def __hash__(self) -> int:
-        return hash((type(self), tuple(sorted(vars(self).items()))))

@@ -17,13 +17,13 @@ float64 specification is :func:`loko_lightning.kalman.reference.loko_step_refere
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.filters.base import Belief, Filter, Proposal
+from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
 from loko_lightning.kalman.noise import REstimator, observation_noise
 from loko_lightning.kalman.plan import UpdatePlan
 
@@ -76,6 +76,7 @@ def _pinv_factor(S: Tensor, innovation: Tensor, rcond: float | None) -> tuple[Te
     return torch.cat([root_t, w[None]]), cond
 
 
+@dataclass(frozen=True)
 class Covariance(Filter):
     """Algorithm 1 (the module's equations): a diagonal covariance ``p̂`` and the EMA estimate of ``R``.
 
@@ -85,37 +86,28 @@ class Covariance(Filter):
         rcond: the relative eigenvalue cut-off of the ``S`` pseudo-inverse (default ``10 · m · eps``).
     """
 
-    name = "covariance"
-    estimates_noise = True
+    name: ClassVar[str] = "covariance"
+    estimates_noise: ClassVar[bool] = True
 
-    def __init__(self, beta: float = 0.95, r_estimator: REstimator = "taylor", rcond: float | None = None) -> None:
-        self.beta, self.r_estimator, self.rcond = beta, r_estimator, rcond
+    beta: float = 0.95
+    r_estimator: REstimator = "taylor"
+    rcond: float | None = None
 
-    def propose(
-        self,
-        plan: UpdatePlan,
-        blocks: Sequence[JacobianBlock],
-        belief: Belief,
-        prediction: Tensor,
-        target: Tensor,
-        *,
-        aggregation: tuple[Tensor, Tensor] | None = None,
-        reduce: Callable[[Tensor], Tensor] | None = None,
-    ) -> Proposal:
+    def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """Steps 1-6 of Algorithm 1 without writing any state; ``reduce`` sums ``H P Hᵀ`` over the shards."""
         dtype = plan.dtype
         # 1. Predict: θ̃_{k|k-1} = θ̃_{k-1}, p̂_{k|k-1} = p̂_{k-1} + q.
         prior = plan.time.prior(belief.cov)
         # 2-3. Innovation e = y - ŷ and H P Hᵀ with P = diag(p̂_{k|k-1}).
-        prediction = prediction.to(dtype)
-        innovation = target.to(dtype) - prediction
-        hpht = plan.hpht(blocks, prior)
+        prediction = evidence.prediction.to(dtype)
+        innovation = evidence.target.to(dtype) - prediction
+        hpht = plan.hpht(evidence.blocks, prior)
         if reduce is not None:
             hpht = reduce(hpht)
         # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
         R_k, noise = observation_noise(
             self.r_estimator, belief.R, innovation, hpht, prediction, belief.step + 1, self.beta, plan.samples,
-            aggregation,
+            evidence.aggregation,
         )  # fmt: skip
         S = hpht + noise
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
@@ -138,6 +130,3 @@ class Covariance(Filter):
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
         """``R_k`` where the step was applied."""
         torch.where(applied, proposal.R, belief.R, out=belief.R)
-
-    def __repr__(self) -> str:
-        return f"Covariance(beta={self.beta!r}, r_estimator={self.r_estimator!r}, rcond={self.rcond!r})"

@@ -26,14 +26,14 @@ Its float64 specification is :func:`loko_lightning.kalman.reference.natural_step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.filters.base import Belief, Filter, Proposal
+from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.observation import Observation, Softmax
 
@@ -131,6 +131,7 @@ def sum_rows(rows: Tensor, out: Tensor, square: bool = False) -> Tensor:
     return out.copy_(level[0])
 
 
+@dataclass(frozen=True)
 class DiagonalInformation(Filter):
     r"""The diagonal natural-gradient filter (the module's equations), on ``B`` samples at once.
 
@@ -151,11 +152,12 @@ class DiagonalInformation(Filter):
         fisher: ``"empirical"`` (one reverse row) or ``"exact"`` (``m + 1``).
     """
 
-    name = "natural"
+    name: ClassVar[str] = "natural"
 
-    def __init__(self, fisher: str = "empirical") -> None:
-        check_fisher(fisher, type(self))
-        self.fisher = fisher
+    fisher: str = "empirical"
+
+    def __post_init__(self) -> None:
+        check_fisher(self.fisher, type(self))
 
     @property
     def spec(self) -> str:
@@ -170,22 +172,12 @@ class DiagonalInformation(Filter):
         """``("softmax",)``: the categorical noise."""
         return FisherRows.r_estimators
 
-    def propose(
-        self,
-        plan: UpdatePlan,
-        blocks: Sequence[JacobianBlock],
-        belief: Belief,
-        prediction: Tensor,
-        target: Tensor,
-        *,
-        aggregation: tuple[Tensor, Tensor] | None = None,
-        reduce: Callable[[Tensor], Tensor] | None = None,
-    ) -> Proposal:
+    def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """The update (into :attr:`UpdatePlan.update`) and ``p̂_k`` without writing any state."""
         dtype = plan.dtype
         prior = plan.time.prior(belief.cov)
-        innovation = target.to(dtype) - prediction.to(dtype)
-        rows = plan.rows_matrix(blocks).view(plan.samples, plan.m // plan.samples, plan.n)
+        innovation = evidence.target.to(dtype) - evidence.prediction.to(dtype)
+        rows = plan.rows_matrix(evidence.blocks).view(plan.samples, plan.m // plan.samples, plan.n)
         update, info = plan.update, plan.work
         factors = rows[:, 0] if rows.shape[1] == 1 else rows[:, 1:].reshape(-1, plan.n)
         sum_rows(rows[:, 0], update)
@@ -196,6 +188,3 @@ class DiagonalInformation(Filter):
         if plan.time.updates_covariance:  # the time update of p̂ after the mean used the posterior
             plan.time.covariance(posterior)
         return Proposal(posterior=posterior, finite=torch.isfinite(innovation).all(), innovation=innovation)
-
-    def __repr__(self) -> str:
-        return f"DiagonalInformation(fisher={self.fisher!r})"

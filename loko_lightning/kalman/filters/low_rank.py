@@ -26,14 +26,14 @@ specification is :func:`loko_lightning.kalman.reference.lofi_step_reference`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.filters.base import Belief, Filter, Proposal
+from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
 from loko_lightning.kalman.filters.information import FisherRows, categorical_rows, check_fisher
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.observation import Observation
@@ -41,6 +41,7 @@ from loko_lightning.observation import Observation
 __all__ = ["LowRankPrecision"]
 
 
+@dataclass(frozen=True)
 class LowRankPrecision(Filter):
     """LoFi (the module's equations).
 
@@ -49,19 +50,21 @@ class LowRankPrecision(Filter):
         fisher: ``"exact"`` (``m + 1`` reverse rows, the default) or ``"empirical"`` (one).
     """
 
-    name = "lofi"
+    name: ClassVar[str] = "lofi"
     # W couples every parameter, which the sharded update does not split.
-    shardable = False
+    shardable: ClassVar[bool] = False
 
-    def __init__(self, rank: int = 10, fisher: str = "exact") -> None:
-        check_fisher(fisher, type(self))
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    rank: int = 10
+    fisher: str = "exact"
+
+    def __post_init__(self) -> None:
+        check_fisher(self.fisher, type(self))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(
-                f"Invalid rank: {rank!r} (the columns of the low-rank precision, an int >= 1; e.g. lofi10)",
+                f"Invalid rank: {self.rank!r} (the columns of the low-rank precision, an int >= 1; e.g. lofi10)",
                 field="filter",
                 owner=type(self),
             )
-        self.rank, self.fisher = rank, fisher
 
     @property
     def spec(self) -> str:
@@ -80,23 +83,13 @@ class LowRankPrecision(Filter):
         """``rank``."""
         return self.rank
 
-    def propose(
-        self,
-        plan: UpdatePlan,
-        blocks: Sequence[JacobianBlock],
-        belief: Belief,
-        prediction: Tensor,
-        target: Tensor,
-        *,
-        aggregation: tuple[Tensor, Tensor] | None = None,
-        reduce: Callable[[Tensor], Tensor] | None = None,
-    ) -> Proposal:
+    def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """The update (into :attr:`UpdatePlan.update`), ``1/υ_k`` and ``W_k`` without writing any state."""
         dtype, n = plan.dtype, plan.n
         low_rank = belief.low_rank
         prior = plan.time.prior(belief.cov)
-        innovation = target.to(dtype) - prediction.to(dtype)
-        rows = plan.rows_matrix(blocks).view(plan.samples, plan.m // plan.samples, n)
+        innovation = evidence.target.to(dtype) - evidence.prediction.to(dtype)
+        rows = plan.rows_matrix(evidence.blocks).view(plan.samples, plan.m // plan.samples, n)
         update = plan.update
         direction = rows[:, 0].sum(0)
         rank = low_rank.shape[1]
@@ -125,6 +118,3 @@ class LowRankPrecision(Filter):
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
         """``W_k`` where the step was applied."""
         torch.where(applied, proposal.low_rank, belief.low_rank, out=belief.low_rank)
-
-    def __repr__(self) -> str:
-        return f"LowRankPrecision(rank={self.rank}, fisher={self.fisher!r})"
