@@ -152,3 +152,41 @@ def test_a_bad_rank_is_refused(rank):
     assert get_filter("lofi10").rank == 10 and get_filter("lofi10").spec == "lofi10"
     with pytest.raises(ConfigError, match="lofi<rank>"):
         get_filter("lofi")
+
+
+@pytest.mark.parametrize("where", ["jacobian", "prediction"])
+def test_lofi_skips_a_non_finite_step_and_keeps_w(where):
+    """A NaN in a Jacobian row (W̃ then holds it) or in the prediction: θ̃, p̂ and W keep their values, the step is
+    counted as skipped, and the next finite step is applied as if the bad one had not come."""
+    model, twin = mlp(), mlp()
+    opt = LoKO(model.parameters(), p0=0.5, seed=1, filter="lofi2", inflation=0.01)
+    other = LoKO(twin.parameters(), p0=0.5, seed=1, filter="lofi2", inflation=0.01)
+    engine, twin_engine = (
+        JacobianEngine(model, observation=opt.observation),
+        JacobianEngine(twin, observation=other.observation),
+    )
+    stream = list(teacher_stream(4))
+    for x, y in stream[:2]:
+        opt.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
+        other.step(lambda x=x, y=y: twin_engine.observe(x, y.argmax()[None]))
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {key: flat(opt.state[q][key] for q in model.parameters()).clone() for key in ("cov", "W")}
+    prediction, target, jacobians = engine.observe(*stream[2][0:1], stream[2][1].argmax()[None])
+    if where == "jacobian":
+        jacobians = [j.clone() for j in jacobians]
+        jacobians[1].view(-1)[3] = float("nan")
+    else:
+        prediction = prediction.clone()
+        prediction[0] = float("nan")
+    opt.step(lambda: (prediction, target, jacobians))
+    assert not bool(opt.diagnostics["applied"]) and int(opt.diagnostics["skipped"]) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    for key, value in state.items():
+        assert torch.equal(flat(opt.state[q][key] for q in model.parameters()), value), key
+    x, y = stream[3]
+    opt.step(lambda: engine.observe(x, y.argmax()[None]))
+    other.step(lambda: twin_engine.observe(x, y.argmax()[None]))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert torch.equal(
+        flat(opt.state[q]["W"] for q in model.parameters()), flat(other.state[q]["W"] for q in twin.parameters())
+    )

@@ -9,11 +9,12 @@ import pytest
 import torch
 from loko_helpers import DenseModelFilter, flat, flat_cov, loko_closure, mlp, teacher_stream
 from test_information_filter import _run as natural_run
+from test_low_rank_filter import _run as lofi_run
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.reference import loko_step_reference, time_update_reference
-from loko_lightning.kalman.time_update import TimeUpdate
+from loko_lightning.kalman.time_update import CompiledTimeUpdate, TimeUpdate
 
 
 @pytest.mark.parametrize(
@@ -168,3 +169,50 @@ def test_bad_time_update_values_are_refused_naming_the_field(arguments, field):
     with pytest.raises(ConfigError, match=f"Invalid {field}") as err:
         LoKO(mlp().parameters(), p0=0.1, **arguments)
     assert err.value.field == field
+
+
+TIME_UPDATES = {
+    "alone": {},
+    "process noise": {"process_noise": 1e-3},
+    "shrinkage": {"shrinkage": 0.02},
+    "inflation": {"inflation": 0.05},
+    "forgetting": {"forgetting": 0.05},
+    "inflation and forgetting": {"inflation": 0.05, "forgetting": 0.05},
+}
+
+
+@pytest.mark.parametrize("form", ["covariance", "natural", "natural_exact", "lofi2", "lofi2_empirical"])
+@pytest.mark.parametrize("option", TIME_UPDATES)
+def test_the_floor_with_each_time_update_in_each_form_matches_the_reference(form, option, monkeypatch):
+    """``p_floor`` where it binds, beside each time update, in every filter: the fast path against the float64
+    reference after every step (the helpers assert it), in the order the docs give (the time update, then the
+    floor; the information form also floors the posterior its mean reads)."""
+    cuts = []
+    floored = CompiledTimeUpdate.floored
+
+    def counting(self, posterior):  # how many entries the floor raised
+        cuts.append(0 if self.floor is None else int((posterior < self.floor).sum()))
+        return floored(self, posterior)
+
+    monkeypatch.setattr(CompiledTimeUpdate, "floored", counting)
+    options = {"p_floor": 0.12, **TIME_UPDATES[option]}
+    if form == "covariance":
+        model = mlp()
+        opt = LoKO(model.parameters(), p0=0.5, beta=0.9, seed=3, **options)
+        reference = DenseModelFilter(copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9,
+                                     r_estimator="taylor", reference=0.5, **options)  # fmt: skip
+        for x, y in teacher_stream(40):
+            y_ref = reference.step(x, y)
+            y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
+            torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+        # float64 on both sides, the same arithmetic in another order (as test_covariance_filter's reference tests).
+        torch.testing.assert_close(flat(model.parameters()).detach(), reference.theta, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
+    elif form.startswith("natural"):
+        fisher = "exact" if form == "natural_exact" else "empirical"
+        opt = natural_run(mlp(), teacher_stream(30), fisher, factorize=False, **options)
+    else:
+        fisher = "empirical" if form.endswith("_empirical") else "exact"
+        opt = lofi_run(mlp(), teacher_stream(24), 2, factorize=False, fisher=fisher, **options)
+    cov = flat_cov(opt, opt.param_groups[0]["params"])
+    assert sum(cuts) > 0 and (cov > 0.12).any(), "the floor must bind for some entries and not for others"

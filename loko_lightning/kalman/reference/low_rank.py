@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from loko_lightning.kalman.reference.information import categorical_terms
-from loko_lightning.kalman.reference.time_update import floored, time_update_reference
+from loko_lightning.kalman.reference.time_update import time_update_reference
 from loko_lightning.kalman.time_update import TimeUpdate
 
 __all__ = ["lofi_step_reference"]
@@ -54,8 +54,8 @@ def lofi_step_reference(
         fisher: ``"exact"``: the information :math:`H_b^\top R_b^{+} H_b` as above; ``"empirical"``: the outer product
             :math:`d_b d_b^\top` of :math:`d_b = H_b^\top R_b^{+} e_b` in its place.
         time_update: the process model (:class:`~loko_lightning.kalman.time_update.TimeUpdate`): ``q`` on the
-            diagonal part, the floor on the new ``1/υ``, then :func:`time_update_reference`; inflation and forgetting
-            scale ``W`` by :math:`\sqrt{(1 - \gamma)/(1 + \alpha)}`.
+            diagonal part, then :func:`time_update_reference` on the new ``1/υ`` (the floor last); inflation and
+            forgetting scale ``W`` by :math:`\sqrt{(1 - \gamma)/(1 + \alpha)}`.
 
     Returns:
         ``(θ̃_k, 1/υ_k, W_k)``, float64.
@@ -76,8 +76,8 @@ def lofi_step_reference(
     rank = W.shape[1]
     W_new = vectors[:, -rank:] * values[-rank:].clamp_min(0).sqrt()
     ups_new = ups + torch.diagonal(low) - (W_new * W_new).sum(1)
-    p_new = floored(1.0 / ups_new, time_update.p_floor)
-    theta_new, p_new = time_update_reference(theta_new, p_new, time_update)
+    # The mean does not read the new diagonal: the floor applies once, after the time update (as in Algorithm 1's form).
+    theta_new, p_new = time_update_reference(theta_new, 1.0 / ups_new, time_update)
     alpha = torch.as_tensor(time_update.inflation, dtype=torch.float64)
     gamma = torch.as_tensor(time_update.forgetting, dtype=torch.float64)
     return theta_new, p_new, W_new * ((1 - gamma) / (1 + alpha)).sqrt().reshape(-1, 1)
