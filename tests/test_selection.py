@@ -111,6 +111,25 @@ def test_a_candidate_that_alone_skips_a_sample_has_diverged():
     assert states.scores == [pytest.approx(math.log(2)), math.inf]
 
 
+def test_the_summary_names_a_candidate_that_diverged():
+    """A candidate whose mean prequential cross-entropy is above the divergence guard's limit (3 log m, uniform
+    guessing) is named in the summary, not only outscored."""
+    states = CandidateStates.__new__(CandidateStates)
+    states.scores, states.seen, states.chosen, states.classes = [0.0, 0.0, 0.0], 0, None, 0
+    states.candidates = Candidates("p0", (0.03, 0.1, 0.3), 2)
+    label = torch.tensor([1])
+    wrong = torch.tensor([[1 - 2e-9, 1e-9, 1e-9]])  # -log 1e-9 = 20.7 > 3 log 3 = 3.30
+    uniform = torch.full((1, 3), 1 / 3)
+    for _ in range(2):
+        states.record([(uniform, label, True), (torch.tensor([[0.2, 0.6, 0.2]]), label, True), (wrong, label, True)])
+        states.seen += 1
+    states.chosen = 1
+    text = states.summary()
+    assert "p0=0.3: 20.7233 (diverged)" in text and "p0=0.03: 1.0986," in text and "p0=0.1: 0.5108," in text
+    assert text.endswith("p0=0.3 diverged (mean cross-entropy above 3 log m = 3.30, uniform guessing), so the grid "
+                         "reaches past the stable range there")  # fmt: skip
+
+
 def tiny_selecting(select, optimizer=None, **kwargs):
     factory = TimmClassifier("test_resnet", 4, pretrained=False, r=2)
     return OnlineClassifier(factory, optimizer or partial(LoKO, seed=0), select=select, **kwargs)

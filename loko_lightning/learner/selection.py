@@ -126,6 +126,7 @@ class CandidateStates:
             )
         self.scores = [0.0] * len(candidates.values)
         self.seen = 0
+        self.classes = 0  # m, from the first recorded step (the divergence limit 3 log m)
         self.chosen: int | None = None
 
     def __len__(self) -> int:
@@ -173,6 +174,7 @@ class CandidateStates:
                 finite: it diverged) scores infinity, as does a non-finite cross-entropy.
         """
         applied = [bool(result[2]) for result in results]
+        self.classes = results[0][0].shape[-1]
         if not any(applied):
             return
         for index, (prediction, label, _) in enumerate(results):
@@ -198,14 +200,23 @@ class CandidateStates:
         return True
 
     def summary(self) -> str:
-        """The scores in words, for the log."""
+        """The scores in words, for the log; a candidate above the divergence guard's limit is said to diverge."""
         name = self.candidates.name
+        limit = 3 * math.log(self.classes) if self.classes > 1 else math.inf
+        means = [score / max(self.seen, 1) for score in self.scores]
         per = ", ".join(
-            f"{name}={value:g}: {score / max(self.seen, 1):.4f}"
-            for value, score in zip(self.candidates.values, self.scores, strict=True)
+            f"{name}={value:g}: {mean:.4f}" + (" (diverged)" if mean > limit else "")
+            for value, mean in zip(self.candidates.values, means, strict=True)
         )
         head = f"chose {name}={self.candidates.values[self.chosen]:g}" if self.done else f"leader {self.leader}"
-        return f"{head} after {self.seen} samples (mean prequential cross-entropy: {per})"
+        text = f"{head} after {self.seen} samples (mean prequential cross-entropy: {per})"
+        diverged = [f"{value:g}" for value, mean in zip(self.candidates.values, means, strict=True) if mean > limit]
+        if diverged:
+            text += (
+                f"; {name}={', '.join(diverged)} diverged (mean cross-entropy above 3 log m = {limit:.2f}, uniform "
+                "guessing), so the grid reaches past the stable range there"
+            )
+        return text
 
     def state_dict(self) -> dict[str, Any]:
         """Scores, counters and (until the selection ends) every candidate's snapshot."""
