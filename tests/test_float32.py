@@ -115,7 +115,7 @@ def test_a_float32_run_stays_within_the_rounding_bound_of_float64(name):
             W64 = torch.cat([opt64.state[p]["W"] for p in params64])
             W32 = torch.cat([opt32.state[p]["W"] for p in model32.parameters()]).double()
             assert ((W32 @ W32.T - W64 @ W64.T).abs() <= spread * top + EPS * (W64 @ W64.T).abs()).all()
-            assert (W32 != low_rank).any()  # the step's information reached W
+            assert (low_rank != W32).any()  # the step's information reached W
         model32_final = model32
     # Every parameter tensor moved in the float32 run (the last step started from the float64 trajectory).
     assert int(opt32.diagnostics["skipped"]) == 0
