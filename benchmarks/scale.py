@@ -61,7 +61,7 @@ from step_time import _status_kib  # benchmarks/ is on sys.path when a script ru
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.jacobians.blocks import kind
 from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes, reset_traffic, traffic
-from loko_lightning.kalman.sharded import ShardPlan
+from loko_lightning.kalman.sharded import STATISTICS, ShardPlan
 from loko_lightning.models import TimmClassifier
 
 
@@ -239,8 +239,8 @@ def estimate(backbone: str, m: int, world: int, batch: int = 1) -> dict:
 
     Replicated: one all-gather of every process's predictions, targets and blocks. Sharded: the all-to-all of each
     shard's blocks (the largest shard's receiver), the all-reduce of the ``W·B·m`` square ``H P Hᵀ``'s lower triangle
-    (float32) and the
-    all-gather of the largest shard's parameters with 8 statistics. The counts all-gather (a few integers) is left out.
+    (float32) and the all-gather of the largest shard's parameters with its statistics
+    (:data:`~loko_lightning.kalman.sharded.STATISTICS`). The counts all-gather (a few integers) is left out.
     With fewer parameter tensors than processes ``LoKO(shard=True)`` refuses (it splits whole tensors); the estimate
     then assumes an even split of the bytes and parameters (``split: even``), what a split within tensors would give.
     """
@@ -265,7 +265,7 @@ def estimate(backbone: str, m: int, world: int, batch: int = 1) -> dict:
     replicated = (world - 1) * batch * per_sample * size
     exchange = (world - 1) * batch * (2 * m + largest) * size
     reduce = 2 * (world - 1) / world * rows * (rows + 1) // 2 * size  # the lower triangle
-    parameters = (world - 1) * (numel + 8) * size
+    parameters = (world - 1) * (numel + len(STATISTICS)) * size
     return {
         "m": m,
         "world": world,

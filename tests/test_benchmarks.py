@@ -338,6 +338,23 @@ def test_scale_shard_measures_an_update_and_estimates_the_bytes(scripts):
 
 
 @pytest.mark.slow
+def test_the_traffic_model_is_the_bytes_counted_in_real_2_and_3_process_runs(scripts):
+    """benchmarks/scale.py --estimate's bytes per process and step (behind the docs' 64-process projection) against
+    what LoKO's collectives counted in real gloo runs of 2 and 3 processes on the same model: the replicated
+    all-gather on every process, the sharded step on its largest receiver, exactly, once the counts all-gather
+    the estimate leaves out (2 + one per parameter tensor, int64, from each other process) is added."""
+    rows = scripts.scale.shard_rows([2, 3], m=4, steps=2, warmup=1, backbone="test_resnet")
+    for world in (2, 3):
+        estimate = scripts.scale.estimate("test_resnet", 4, world)
+        counts = (world - 1) * (2 + estimate["tensors"]) * 8
+        replicated = [r["received"] for r in rows if r["world"] == world and not r["shard"]]
+        sharded = [r["received"] for r in rows if r["world"] == world and r["shard"]]
+        assert len(replicated) == len(sharded) == world
+        assert replicated == [estimate["replicated"] + counts] * world
+        assert max(sharded) == estimate["sharded"] + counts
+
+
+@pytest.mark.slow
 def test_compare_on_a_text_config_reports_cross_entropy(scripts, tmp_path):
     """The text quick-start config on a local CSV and a tiny local BERT: the comparison plots and tables CE."""
     from text_helpers import sentiment_rows, tiny_bert_dir, write_text_file

@@ -56,10 +56,18 @@ from loko_lightning.jacobians.blocks import JacobianBlock, kind
 from loko_lightning.kalman.distributed import Counts, all_gather, all_reduce, all_to_all, gather_counts, pad_positions
 from loko_lightning.kalman.plan import UpdatePlan
 
-__all__ = ["InvalidElsewhere", "ShardPlan", "agree_and_apply", "exchange_shards", "gather_shards", "sum_symmetric"]
+__all__ = [
+    "STATISTICS",
+    "InvalidElsewhere",
+    "ShardPlan",
+    "agree_and_apply",
+    "exchange_shards",
+    "gather_shards",
+    "sum_symmetric",
+]
 
-# The statistics each shard sends with its new parameters (see agree_and_apply).
-_STATS = ("finite", "check", "post_sum", "post_min", "post_max", "cov_sum", "cov_min", "cov_max", "gain_sq")
+#: The statistics each shard sends with its new parameters (see agree_and_apply), one number each.
+STATISTICS = ("finite", "check", "post_sum", "post_min", "post_max", "cov_sum", "cov_min", "cov_max", "gain_sq")
 
 
 @dataclass(frozen=True)
@@ -277,7 +285,7 @@ def agree_and_apply(
     wide = torch.float64 if any(t.dtype == torch.float64 for t in (*params, update)) else torch.float32
     numels = [p.numel() for p in params]
     width = max(sum(numels[i] for i in shards.mine(r)) for r in range(world))
-    local = torch.empty(width + len(_STATS), dtype=wide, device=update.device)
+    local = torch.empty(width + len(STATISTICS), dtype=wide, device=update.device)
     keeps = plan.views(keep) if keep is not None and keep.dim() else [keep] * len(mine)
     offset = 0
     for index, delta, keep in zip(mine, plan.views(update), keeps, strict=True):
@@ -305,7 +313,7 @@ def agree_and_apply(
                 param.copy_(torch.where(applied, new, param))
                 offset += numel
     n = sum(numels)
-    column = {name: table[:, i].to(plan.dtype) for i, name in enumerate(_STATS)}
+    column = {name: table[:, i].to(plan.dtype) for i, name in enumerate(STATISTICS)}
     return {
         "applied": applied,
         "p_mean": torch.where(applied, column["post_sum"].sum(), column["cov_sum"].sum()) / n,
