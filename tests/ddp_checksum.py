@@ -8,23 +8,35 @@ import torch
 
 
 class Checksum(pl.Callback):
-    """At the end of training, every rank's θ̃ and LoKO's p̂ and R (float64, one vector), gathered and saved by rank 0."""
+    """At the end of training, every rank's θ̃ and LoKO's p̂ and R (float64, one vector), gathered and saved by rank 0,
+    with the start's θ̃ and p̂, the last step's cond(S) and how many parameters' p̂ each rank held before gathering."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.start: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        opt, params = trainer.optimizers[0], pl_module.trainable_parameters
+        self.start["theta"] = torch.cat([p.detach().reshape(-1) for p in params]).double().cpu()
+        if all("cov" in opt.state.get(p, {}) for p in params):
+            self.start["cov"] = torch.cat([opt.state[p]["cov"].reshape(-1) for p in params]).double().cpu()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         opt = trainer.optimizers[0]
         params = pl_module.trainable_parameters
         parts = [p.detach().reshape(-1) for p in params]
+        held = torch.tensor([sum("cov" in opt.state.get(p, {}) for p in params)], device=parts[0].device)
+        cond = float(opt.diagnostics["cond"]) if hasattr(opt, "diagnostics") else float("nan")
         if hasattr(opt, "consolidate_state_dict"):  # LoKO's filter state, every shard's p̂ gathered when sharded
             opt.consolidate_state_dict()
             state = opt.state_dict()["state"]
             parts += [state[i]["cov"].reshape(-1) for i in range(len(params))] + [state[0]["R"].reshape(-1)]
         mine = torch.cat(parts).double()
         gathered = pl_module.all_gather(mine)
+        held = pl_module.all_gather(held)
         if trainer.is_global_zero:
-            torch.save({"states": gathered.cpu(), "world_size": trainer.world_size}, self.path)
+            saved = {"states": gathered.cpu(), "world_size": trainer.world_size, "held": held.reshape(-1).tolist()}
+            torch.save({**saved, "start": self.start, "cond": cond, "parameters": len(params)}, self.path)
 
 
 class PoisonOneRank(pl.Callback):

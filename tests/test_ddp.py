@@ -320,6 +320,11 @@ def test_a_sharded_loko_fit_stays_in_sync_checkpoints_the_whole_state_and_resume
     full, checkpoints, _ = loko_ddp(tmp_path, "sharded", *shard, guard_every=4)
     first, second = full["states"]
     assert torch.equal(first, second)
+    # The update was sharded: each process held p̂ of its own parameters only (all of them between them), where the
+    # replicated run held every one on every process.
+    parameters = full["parameters"]
+    assert sum(full["held"]) == parameters and max(full["held"]) < parameters
+    assert two_processes[0]["held"] == [parameters, parameters]
     replicated = two_processes[0]["states"][0]
     print(f"sharded vs replicated: largest difference {(first - replicated).abs().max().item():.3g}")
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
@@ -332,6 +337,39 @@ def test_a_sharded_loko_fit_stays_in_sync_checkpoints_the_whole_state_and_resume
     middle = str(checkpoints / "epoch=0-step=6.ckpt")
     resumed, _, _ = loko_ddp(tmp_path, "sharded_resumed", *shard, "--ckpt_path", middle, guard_every=4)
     assert torch.equal(resumed["states"][0], first) and torch.equal(resumed["states"][1], first)
+
+    # The same checkpoint resumed by one process, unsharded: the whole state loads, the pass goes on at the next
+    # unseen sample (12 more steps of one sample) and scores every sample once.
+    single = ("--trainer.strategy", "auto", "--trainer.devices", "1", "--model.optimizer.init_args.shard", "false")
+    alone, alone_checkpoints, _ = loko_ddp(tmp_path, "sharded_resumed_alone", *single, "--ckpt_path", middle)
+    assert alone["world_size"] == 1 and alone["held"] == [parameters]
+    assert torch.isfinite(alone["states"]).all()
+    again = torch.load(alone_checkpoints / "last.ckpt", weights_only=False)
+    assert again["global_step"] == 6 + 12 and again["state_dict"]["online_acc.weight"].item() == 24
+    assert again["StreamDataModule"]["position"] == 24
+
+
+def test_one_sharded_step_is_the_replicated_step_within_its_rounding_bound(tmp_path):
+    """One joint step of 2 processes (one sample each) through ``loko fit`` in float64 (``--trainer.precision
+    64-true``: the network, its Jacobians and the filter), sharded and replicated. Only the order of the sum
+    ``H P Hᵀ`` differs (shard by shard instead of kind by kind): a relative perturbation of ``S`` of at most about
+    ``ñ·eps`` of ``|H| P |H|ᵀ``, so the update and ``(K H)_ii`` differ by at most about ``cond(S)·ñ·eps`` relative
+    (sharded.py's derivation; 10x for the sums forming ``S`` itself), plus one rounding of ``θ̃ + Δθ̃``."""
+    one_step = ("--trainer.precision", "64-true")
+    replicated, _, _ = loko_ddp(tmp_path, "replicated64", *one_step, samples=2)
+    sharded, _, _ = loko_ddp(tmp_path, "sharded64", *one_step, "--model.optimizer.init_args.shard", "true", samples=2)
+    parameters = replicated["parameters"]
+    assert max(sharded["held"]) < parameters and replicated["held"] == [parameters, parameters]
+    theta0, cov0 = replicated["start"]["theta"], replicated["start"]["cov"]
+    assert torch.equal(theta0, sharded["start"]["theta"]) and torch.equal(cov0, sharded["start"]["cov"])
+    n, eps = theta0.numel(), torch.finfo(torch.float64).eps
+    bound = 10 * replicated["cond"] * n * eps
+    rep, shard = replicated["states"][0], sharded["states"][0]
+    assert torch.equal(shard, sharded["states"][1])
+    step = (rep[:n] - theta0).abs().max()
+    assert step > 0
+    assert ((shard[:n] - rep[:n]).abs() <= bound * step + eps * rep[:n].abs()).all()
+    assert ((shard[n : 2 * n] - rep[n : 2 * n]).abs() <= bound * cov0).all()
 
 
 def test_two_nodes_of_one_process_equal_one_node_of_two_and_resume_exactly(tmp_path, two_processes):
