@@ -38,9 +38,10 @@ def setup():
 
 
 def state(model, opt):
-    """θ̃, p̂ and R as one float64 vector (the checksum compares it whole)."""
+    """θ̃, p̂, LoFi's W and R as one float64 vector (the checksum compares it whole)."""
     params = list(model.parameters())
     parts = [p.detach().reshape(-1) for p in params] + [opt.state[p]["cov"].reshape(-1) for p in params]
+    parts += [opt.state[p]["W"].reshape(-1) for p in params if "W" in opt.state[p]]
     return torch.cat([*parts, opt.state[params[0]]["R"].reshape(-1)]).double()
 
 
@@ -168,11 +169,12 @@ def label_worker(rank, world, port, out, observation):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("observation", ["natural_exact", "topk1"])
+@pytest.mark.parametrize("observation", ["natural_exact", "topk1", "lofi2"])
 def test_label_dependent_rows_keep_ranks_identical_and_equal_one_process_with_both_samples(tmp_path, observation):
-    """The exact-Fisher natural gradient (m + 1 rows per sample) and top-1 (the label, the most probable other class
-    and the rest, chosen per sample): both ranks hold the same bits after 30 joint steps, and they are the bits of
-    one process observing the two samples jointly (each through its own batch of one, as on the ranks)."""
+    """The exact-Fisher natural gradient (m + 1 rows per sample), top-1 (the label, the most probable other class
+    and the rest, chosen per sample) and LoFi (its W from every process's rows): both ranks hold the same bits after
+    30 joint steps, and they are the bits of one process observing the two samples jointly (each through its own
+    batch of one, as on the ranks)."""
     out = tmp_path / "result.pt"
     args = (2, free_port(), str(out), observation)
     mp.start_processes(label_worker, args=args, nprocs=2, join=True, start_method="spawn")
