@@ -17,6 +17,7 @@ on the command line; ``StreamDataModule(MNIST5k(image_size=32), ...)`` in Python
 - :mod:`~loko_lightning.data.sources.hf_stream`: ``HFStream``, Hugging Face datasets read in streaming mode, images
   or text as the network takes.
 
-Adding a family is one module here with its class, exported from :mod:`loko_lightning.data` (which the command
-imports, so that ``--data.source`` knows it by its short name).
+Adding a family is one module here with its class, exported from :mod:`loko_lightning.data` and listed in its
+``FAMILIES`` (which the command imports, so that ``--data.source`` knows it by its short name and ``--help`` names
+it). A family outside the package is taken by its full class path.
 """
