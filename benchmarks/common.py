@@ -161,7 +161,11 @@ class BenchmarkCLI(LoKOCLI):
         if isinstance(scheduler, Namespace) and "total_iters" in scheduler.get("init_args", Namespace()):
             # The stream's length is known once its data is loaded (fewer samples than asked, OOD samples added).
             network = instantiate_class((), config.model.network.as_dict())  # cheap: builds nothing
-            self._set_up = StreamDataModule(**{**config.data.as_dict(), "preprocessing": network.preprocessing()})
+            data = config.data.as_dict()
+            for name in ("source", "perturbation"):  # configured classes: {"class_path": ..., "init_args": ...}
+                if isinstance(data.get(name), dict):
+                    data[name] = instantiate_class((), data[name])
+            self._set_up = StreamDataModule(**{**data, "preprocessing": network.preprocessing()})
             self._set_up.prepare_data()
             self._set_up.setup("fit")
             # One scheduler step per training step: B samples (data.batch_size) make one step.
@@ -376,17 +380,17 @@ def _divergence_reason(message: str) -> str:
 
 def describe(cli: LoKOCLI) -> dict[str, str]:
     """The network, data and optimizer of a built run, in words (for the results files)."""
-    data = cli.datamodule.hparams
+    source = cli.datamodule.source
     config = cli.config.model
     factory = cli.model.network_factory
     return {
         "backbone": getattr(factory, "backbone", type(factory).__name__),
-        "dataset": data.dataset,
-        "modality": cli.datamodule.source.modality,
+        "dataset": source.name,
+        "modality": source.modality,
         # What a sample is cut to: the image size, or a text's token budget.
-        "image_size": f"max {data.max_length} tokens"
-        if cli.datamodule.source.modality == "text"
-        else f"{data.image_size or 'native'} px",
+        "image_size": f"max {source.max_length} tokens"
+        if source.modality == "text"
+        else f"{getattr(source, 'image_size', None) or 'native'} px",
         "network": repr(factory),
         "adapters": _arguments(config.network, ("r", "alpha", "use_dora", "head_init", "dropout")),
         "optimizer": _configured(config.optimizer)

@@ -2,7 +2,7 @@ r"""Compare LoKO, LoRA/AdamW and LoRA/AdaGrad online on the same seeded streams,
 
 Usage:
     python benchmarks/compare.py --config configs/fashion_mnist_lite0.yaml --samples 5000 --seeds 0 1 2 \
-        --out results/fashion_mnist_lite0 [-- loko overrides, e.g. --data.image_size 64 --model.optimizer.p0 0.1]
+        --out results/fashion_mnist_lite0 [-- loko overrides, e.g. --data.source.image_size 64 --model.optimizer.p0 0.1]
 
 Every run is the training of ``loko fit`` on the given config(s), built by the package's CLI (``benchmarks/common.py``
 says what a benchmark run changes: no logger, checkpoints or validation; only the config's divergence guard kept):
@@ -380,7 +380,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Run LoKO, LoRA/AdamW and LoRA/AdaGrad online on the same seeded streams from the same initial "
         "weights, each run built from `loko` configs; write per-step metrics (CSV), the paper's Figure 1 (PNG) and a "
-        "results table (markdown). Arguments after `--` are `loko fit` overrides (e.g. -- --data.image_size 32); "
+        "results table (markdown). Arguments after `--` are `loko fit` overrides (e.g. -- --data.source.image_size 32);"
+        " "
         "model.optimizer/model.lr_scheduler overrides go to the loko runs only.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Steps to convergence: smallest step s with |L(t) - L(T)| <= --conv-tol for all t >= s, L the "

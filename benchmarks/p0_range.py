@@ -2,7 +2,7 @@ r"""Find LoKO's admissible range of ``p0`` (the paper's p0 bounds table) with sh
 
 Usage:
     python benchmarks/p0_range.py --config configs/quickstart.yaml --samples 500 --p0-min 1e-4 --p0-max 100 \
-        --points 7 --out results/p0_range_quickstart [-- loko overrides, e.g. --data.image_size 32]
+        --points 7 --out results/p0_range_quickstart [-- loko overrides, e.g. --data.source.image_size 32]
 
 For every ``p0`` of a log grid (or ``--p0s``), one LoKO pass over the same seeded stream from the same initial weights:
 the training of ``loko fit`` on the config(s) with ``--seed_everything seed --data.seed seed --data.max_samples N
@@ -157,7 +157,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Sweep LoKO's p0 over a log grid with short online streams built from `loko` configs; classify "
         "each p0 as diverged, no-learning or admissible; print the table and the admissible range; plot accuracy vs "
-        "p0. Arguments after `--` are `loko fit` overrides (e.g. -- --data.image_size 32).",
+        "p0. Arguments after `--` are `loko fit` overrides (e.g. -- --data.source.image_size 32).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Classes (first match): diverged = divergence guard, non-finite metric, or last-quarter accuracy <= "
         "chance + margin with either a drop >= collapse-drop from an earlier quarter or a final moving-average "

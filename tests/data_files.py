@@ -94,11 +94,10 @@ def write_imagefolder(folder: Path, per_class: int, classes=("cat", "dog", "eel"
             Image.new("RGB", (12, 10), colour(10 * c + i)).save(folder / name / f"{i}.png")
 
 
-def make(root, **kwargs) -> StreamDataModule:
-    """A prepared and set-up DataModule (resnet18 preprocessing at 8 px unless told otherwise)."""
+def make(source, **kwargs) -> StreamDataModule:
+    """A prepared and set-up DataModule over ``source`` (resnet18 preprocessing unless told otherwise)."""
     kwargs.setdefault("preprocessing", RESNET18)
-    kwargs.setdefault("image_size", 8)
-    dm = StreamDataModule(root=str(root), **kwargs)
+    dm = StreamDataModule(source, **kwargs)
     dm.prepare_data()
     dm.setup("fit")
     return dm

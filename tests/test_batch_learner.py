@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from loko_lightning import JacobianEngine, LoKO
-from loko_lightning.data import StreamDataModule
+from loko_lightning.data import CIFAR10, StreamDataModule
 from loko_lightning.data.stream import _StreamBatchSampler
 
 
@@ -179,7 +179,7 @@ def test_batched_stream_resumes_mid_stream_exactly(cifar10, tmp_path):
             optimizer.step()
 
     def datamodule():
-        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3, batch_size=3)
+        return StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=3, batch_size=3)
 
     ckpt = tmp_path / "mid.ckpt"
     full = BatchRecorder()
@@ -209,7 +209,7 @@ def test_resume_with_another_batch_size_continues_at_the_next_unseen_position(ci
             optimizer.step()
 
     def datamodule(batch_size):
-        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3, batch_size=batch_size)
+        return StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=3, batch_size=batch_size)
 
     ckpt = tmp_path / "mid.ckpt"
     first = BatchRecorder()

@@ -100,7 +100,9 @@ def test_every_optimizer_starts_from_the_same_adapters_and_reads_the_same_stream
         return cli, [p.detach().clone() for p in cli.model.trainable_parameters], data
 
     # AdamW on a stream with OOD samples: its linear decay must run over 20 normal + 4 OOD samples, not 20.
-    adamw, adamw_params, adamw_data = built("adamw", 0, "--data.ood_every", "5")
+    adamw, adamw_params, adamw_data = built(
+        "adamw", 0, "--data.perturbation", "RotationJitter", "--data.perturbation.every", "5"
+    )
     loko, loko_params, loko_data = built("loko", 0)
     adagrad, adagrad_params, adagrad_data = built("adagrad", 0)
     _, other_params, other_data = built("loko", 1)
@@ -118,18 +120,18 @@ def test_every_optimizer_starts_from_the_same_adapters_and_reads_the_same_stream
         assert all(torch.equal(a, b) for a, b in zip(loko_params, params, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(loko_params, other_params, strict=True))
     # The same stream: the data module's arguments (its seed orders the stream) agree but for the OOD samples.
-    assert loko_data == adagrad_data == {**adamw_data, "ood_every": None}
+    assert loko_data == adagrad_data == {**adamw_data, "perturbation": None}
     assert loko_data["seed"] == 0 and other_data["seed"] == 1 and loko_data["max_samples"] == 20
 
 
 def test_optimizer_overrides_go_to_the_loko_runs_only(scripts):
     compare = scripts.compare
-    overrides = ["--data.image_size", "48", "--model.optimizer.p0", "0.05", "--model.lr_scheduler=null"]
+    overrides = ["--data.source.image_size", "48", "--model.optimizer.p0", "0.05", "--model.lr_scheduler=null"]
     args = compare.parse_args([*SCRIPT, "--", *overrides])
     loko = compare.run_args(args, "loko", 3)
     adamw = compare.run_args(args, "adamw", 3)
     assert loko[-len(overrides) :] == overrides
-    assert adamw[-2:] == ["--data.image_size", "48"] and "--model.optimizer.p0" not in adamw
+    assert adamw[-2:] == ["--data.source.image_size", "48"] and "--model.optimizer.p0" not in adamw
     assert "--config" in adamw and adamw[adamw.index("--seed_everything=3") - 1].endswith("baselines/adamw.yaml")
     for run in (loko, adamw):
         assert {"--seed_everything=3", "--data.seed=3", "--data.max_samples=20"} <= set(run)
@@ -261,7 +263,7 @@ def test_p0_range_builds_each_run_from_the_config(scripts):
     cli = common.build(p0_range.run_args(args, 0.05), guard_every=args.guard_every)
     assert cli.model.configure_optimizers().param_groups[0]["p0"] == 0.05
     assert cli.model.hparams.window == 12 and cli.model.network_factory.r == 2
-    assert cli.datamodule.max_samples == 20 and cli.datamodule.hparams.image_size == 32  # debug.yaml's
+    assert cli.datamodule.max_samples == 20 and cli.datamodule.source.image_size == 32  # debug.yaml's
     guards = [c for c in cli.trainer.callbacks if isinstance(c, scripts.common.DivergenceGuard)]
     assert [g.check_every for g in guards] == [7]
     assert cli.trainer.checkpoint_callback is None and cli.trainer.logger is None
@@ -363,7 +365,8 @@ def test_compare_on_a_text_config_reports_cross_entropy(scripts, tmp_path):
     data = write_text_file(tmp_path / "reviews.csv", sentiment_rows(30))
     text = ["--config", str(ROOT / "configs" / "text_quickstart.yaml"), "--samples", "12", "--threads", "1"]
     overrides = ["--model.network.backbone", str(model), "--model.network.weights", "null", "--model.window", "5",
-                 "--data.dataset", "textfile", "--data.root", str(data), "--data.max_length", "16"]  # fmt: skip
+                 "--data.source", "TextFile", "--data.source.root", str(data),
+                 "--data.source.max_length", "16"]  # fmt: skip
     summary = scripts.compare.main([*text, "--seeds", "0", "--warmup", "2", "--out", str(tmp_path / "out"), "--",
                                     *overrides])  # fmt: skip
     assert set(summary) == {"loko", "adamw", "adagrad"}

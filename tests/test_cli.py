@@ -53,7 +53,7 @@ def test_the_cheap_filter_and_observation_presets_train_from_the_command_line(tm
     (and LoFi on the empirical Fisher with stabilised forgetting, as flags over the LoFi preset)."""
     network = ["--model.network.backbone", "test_resnet", "--model.network.weights", "null"]
     network += ["--model.network.pretrained", "false", "--model.network.num_classes", "100", "--model.window", "4"]
-    data = ["--data.dataset", "glyphs100", "--data.max_samples", "12", "--data.eval_max_samples", "4"]
+    data = ["--data.source", "Glyphs100", "--data.max_samples", "12", "--data.eval_max_samples", "4"]
     preset_args = ["--config", str(ROOT / "configs" / "presets" / f"{preset}.yaml")]
     main(["fit", "--config", DEBUG, *preset_args, *network, *data, *outputs(tmp_path), *extra])
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
@@ -80,7 +80,7 @@ def test_print_config_shows_the_resolved_configuration(capsys):
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
     assert "backbone: tf_efficientnet_lite0" in out
-    assert "dataset: mnist5k" in out
+    assert "class_path: loko_lightning.data.MNIST5k" in out and "image_size: 32" in out
     assert "p0: 0.2" in out
     assert "class_path: loko_lightning.LoKO" in out
     assert "class_path: loko_lightning.models.TimmClassifier" in out
@@ -95,11 +95,11 @@ def test_cifar10_config_on_a_cifar_folder_through_torchvision(tmp_path, cifar10)
             config,
             "--model.network.pretrained",
             "false",
-            "--data.root",
+            "--data.source.root",
             str(cifar10),
-            "--data.download",
+            "--data.source.download",
             "false",
-            "--data.image_size",
+            "--data.source.image_size",
             "32",
             *outputs(tmp_path / "out"),
         ]
@@ -121,9 +121,9 @@ def test_missing_data_is_one_line_error(tmp_path, capsys):
                 config,
                 "--model.network.pretrained",
                 "false",
-                "--data.root",
+                "--data.source.root",
                 str(tmp_path / "nothing"),
-                "--data.download",
+                "--data.source.download",
                 "false",
                 *outputs(tmp_path),
             ]

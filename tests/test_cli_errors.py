@@ -55,6 +55,11 @@ CASES = {
         {"keys": ("model.window",), "class_path": None, "unknown": (), "value": "big"},
         {"key", "value"},
     ),
+    "unknown class at a key that takes one": (
+        ["--data.source", "Nope"],
+        {"keys": ("data.source",), "class_path": None, "unknown": (), "unknown_class": "Nope"},
+        {"key", "import_path"},
+    ),
     "unrecognized command-line arguments": (
         ["--model.netwrk.r", "3", "--foo=2"],
         {"keys": (), "unknown": ("model.netwrk.r", "foo")},

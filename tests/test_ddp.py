@@ -483,13 +483,14 @@ def test_a_nan_on_one_process_skips_the_loko_joint_step_on_both(tmp_path):
 
 
 def test_a_streamed_source_under_ddp_splits_each_step_and_resumes_exactly(tmp_path):
-    """`--data.dataset hf:parquet` under DDP (2 processes): every process reads the stream and trains on its share
-    of each step, the ranks stay bit-equal, every sample is scored once, and a run resumed from the step-6
-    checkpoint ends bit for bit like the uninterrupted one."""
+    """`--data.source HFStream --data.source.path parquet` under DDP (2 processes): every process reads the stream
+    and trains on its share of each step, the ranks stay bit-equal, every sample is scored once, and a run resumed
+    from the step-6 checkpoint ends bit for bit like the uninterrupted one."""
     from test_streaming import write_parquet
 
     root = write_parquet(tmp_path / "data", n_train=30)
-    data = ("--data.dataset", "hf:parquet", "--data.root", str(root), "--data.shuffle_buffer", "7")
+    data = ("--data.source", "HFStream", "--data.source.path", "parquet", "--data.source.root", str(root),
+            "--data.source.shuffle_buffer", "7")  # fmt: skip
     full, checkpoints, _ = loko_ddp(tmp_path, "streamed", *data)
     assert torch.equal(full["states"][0], full["states"][1])
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)

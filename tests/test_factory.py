@@ -14,7 +14,7 @@ from torch import nn
 
 from loko_lightning import LoKO
 from loko_lightning.cli import main
-from loko_lightning.data import StreamDataModule
+from loko_lightning.data import MNIST5k, StreamDataModule
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import NetworkFactory, TimmClassifier, TransformersClassifier
@@ -108,7 +108,7 @@ def test_module_names_are_targets_of_every_family_and_unknown_ones_are_refused_a
 def test_a_new_family_trains_through_the_learner_and_the_stream_without_changes_to_the_data_layer():
     torch.manual_seed(0)
     factory = TinyConvNet(num_classes=10)
-    data = StreamDataModule("mnist5k", preprocessing=factory.preprocessing(), max_samples=6, eval_max_samples=4)
+    data = StreamDataModule(MNIST5k(), preprocessing=factory.preprocessing(), max_samples=6, eval_max_samples=4)
     assert data.data_config["input_size"] == (3, 12, 12) and data.data_config["mean"] == (0.5, 0.5, 0.5)
     assert data.data_config["interpolation"] == "bilinear" and data.data_config["crop_pct"] == 1.0
     model = OnlineClassifier(factory, lambda params: LoKO(params, p0=0.1, seed=0))
@@ -131,7 +131,7 @@ def tiny_config(tmp_path, network="TinyConvNet"):
             "network": {"class_path": f"{__name__}.{network}", "init_args": {"num_classes": 10}},
             "optimizer": {"class_path": "loko_lightning.LoKO", "init_args": {"p0": 0.1}},
         },
-        "data": {"dataset": "mnist5k", "max_samples": 6, "eval_max_samples": 4},
+        "data": {"source": {"class_path": "loko_lightning.data.MNIST5k"}, "max_samples": 6, "eval_max_samples": 4},
     }
     path = tmp_path / f"{network}.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from loko_lightning import JacobianEngine, LoKO, jacobian
 from loko_lightning.cli import main
-from loko_lightning.data import StreamDataModule
+from loko_lightning.data import MNIST5k, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.jacobians.blocks import OuterJacobian
 from loko_lightning.kalman.filters import Covariance
@@ -166,7 +166,7 @@ def test_resume_restores_the_rng_states_for_lora_dropout(tmp_path):
     def run(name, ckpt_path=None, crash=False, restore=True):
         pl.seed_everything(0, verbose=False)
         model = tiny(num_classes=10, optimizer="adamw", dropout=0.25)
-        data = StreamDataModule("mnist5k", image_size=32, num_classes=10, max_samples=18, eval_max_samples=4)
+        data = StreamDataModule(MNIST5k(image_size=32), num_classes=10, max_samples=18, eval_max_samples=4)
         checkpoint = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=6, save_top_k=-1, save_last=True)
         callbacks = [checkpoint, RNGStateCheckpoint()] if restore else [checkpoint]
         callbacks += [CrashAfter12()] if crash else []
@@ -234,7 +234,7 @@ def test_truncated_checkpoint_is_a_one_line_error(tmp_path, capsys):
 # ================================================================ 2. the bad-input catalogue
 def _empty_imagefolder(tmp_path):
     (tmp_path / "empty" / "train").mkdir(parents=True)
-    return ["--data.dataset", "imagefolder", "--data.root", str(tmp_path / "empty")]
+    return ["--data.source", "ImageFolder", "--data.source.root", str(tmp_path / "empty")]
 
 
 def _bad_key_file(tmp_path):
@@ -297,7 +297,7 @@ CATALOGUE = {
     "empty dataset": (_empty_imagefolder, ["--data.", "is empty"]),
     "max_samples 0": (["--data.max_samples", "0"], ["--data.max_samples:", "must be a positive integer"]),
     "data root missing, offline": (
-        lambda tmp_path: ["--data.dataset", "mnist", "--data.root", str(tmp_path / "nothing")],
+        lambda tmp_path: ["--data.source", "MNIST", "--data.source.root", str(tmp_path / "nothing")],
         ["no data found at", "download"],
     ),
 }
@@ -341,10 +341,10 @@ def test_download_while_offline_says_how_to_get_the_files(tmp_path, capsys, monk
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
 
     monkeypatch.setattr("urllib.request.urlopen", offline)
-    args = ["--data.dataset", "mnist", "--data.root", str(tmp_path / "data"), "--data.download", "true"]
+    args = ["--data.source", "MNIST", "--data.source.root", str(tmp_path / "data"), "--data.source.download", "true"]
     code, last, count = run_cli(["fit", "--config", DEBUG, *outputs(tmp_path), *args], capsys)
     assert code == 2 and count == 1
-    assert f"--data.download: dataset='mnist': downloading into {tmp_path / 'data'} failed" in last
+    assert f"--data.source.download: dataset='mnist': downloading into {tmp_path / 'data'} failed" in last
     assert "Temporary failure in name resolution" in last and "put the files at" in last
 
 

@@ -12,41 +12,59 @@ from data_files import N_TRAIN, decode, make, stream_ids
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import loko_lightning.data as data_module
-from loko_lightning.data import PeriodicPerturbation, Perturbation, StreamCursor, StreamDataModule, StreamDataset
+from loko_lightning.data import (
+    CIFAR10,
+    PeriodicPerturbation,
+    Perturbation,
+    RotationJitter,
+    StreamCursor,
+    StreamDataModule,
+    StreamDataset,
+)
 from loko_lightning.errors import ConfigError
 
 
 # ---------------------------------------------------------------- order
 def test_stream_is_a_seeded_permutation_and_max_samples_truncates_it(cifar10):
-    first = stream_ids(make(cifar10, dataset="cifar10", seed=0))
+    first = stream_ids(make(CIFAR10(root=str(cifar10), image_size=8), seed=0))
     assert sorted(first) == list(range(N_TRAIN)) and first != list(range(N_TRAIN))
-    assert stream_ids(make(cifar10, dataset="cifar10", seed=0)) == first
-    assert stream_ids(make(cifar10, dataset="cifar10", seed=1)) != first
-    short = make(cifar10, dataset="cifar10", seed=0, max_samples=7)
+    assert stream_ids(make(CIFAR10(root=str(cifar10), image_size=8), seed=0)) == first
+    assert stream_ids(make(CIFAR10(root=str(cifar10), image_size=8), seed=1)) != first
+    short = make(CIFAR10(root=str(cifar10), image_size=8), seed=0, max_samples=7)
     assert short.stream_length == 7 and stream_ids(short) == first[:7]
-    assert make(cifar10, dataset="cifar10", max_samples=10_000).stream_length == N_TRAIN
+    assert make(CIFAR10(root=str(cifar10), image_size=8), max_samples=10_000).stream_length == N_TRAIN
 
 
 # ---------------------------------------------------------------- out-of-distribution samples
 def test_ood_samples_follow_every_n_normal_samples(cifar10):
-    dm = make(cifar10, dataset="cifar10", max_samples=10, ood_every=3)
+    dm = make(CIFAR10(root=str(cifar10), image_size=8), max_samples=10, perturbation=RotationJitter(3))
     batches = list(dm.train_dataloader())
     assert dm.stream_length == len(batches) == 13  # 10 normal + 3 OOD
     assert [i for i, b in enumerate(batches) if b["ood"]] == [3, 7, 11]
     normal = [b for b in batches if not b["ood"]]
-    assert [decode(b["inputs"][0]) for b in normal] == stream_ids(make(cifar10, dataset="cifar10", max_samples=10))
+    assert [decode(b["inputs"][0]) for b in normal] == stream_ids(
+        make(CIFAR10(root=str(cifar10), image_size=8), max_samples=10)
+    )
     for p in (3, 7, 11):  # a transformed copy of the previous sample, same label
         assert int(batches[p]["label"]) == int(batches[p - 1]["label"])
         assert not torch.equal(batches[p]["inputs"], batches[p - 1]["inputs"])
-    again = list(make(cifar10, dataset="cifar10", max_samples=10, ood_every=3).train_dataloader())
+    again = list(
+        make(
+            CIFAR10(root=str(cifar10), image_size=8), max_samples=10, perturbation=RotationJitter(3)
+        ).train_dataloader()
+    )
     assert all(torch.equal(a["inputs"], b["inputs"]) for a, b in zip(batches, again, strict=True))
-    other_seed = make(cifar10, dataset="cifar10", max_samples=10, ood_every=3, seed=5)
+    other_seed = make(CIFAR10(root=str(cifar10), image_size=8), max_samples=10, seed=5, perturbation=RotationJitter(3))
     assert data_module.ood_params(0, 3, 30.0, 0.5) != data_module.ood_params(5, 3, 30.0, 0.5)
     assert [int(b["ood"]) for b in other_seed.train_dataloader()] == [int(b["ood"]) for b in batches]
 
 
 def test_ood_sample_without_rotation_or_jitter_is_an_exact_copy(cifar10):
-    dm = make(cifar10, dataset="cifar10", max_samples=4, ood_every=2, ood_rotation=0.0, ood_jitter=0.0)
+    dm = make(
+        CIFAR10(root=str(cifar10), image_size=8),
+        max_samples=4,
+        perturbation=RotationJitter(2, rotation=0.0, jitter=0.0),
+    )
     batches = list(dm.train_dataloader())
     assert [bool(b["ood"]) for b in batches] == [False, False, True, False, False, True]
     assert torch.equal(batches[2]["inputs"], batches[1]["inputs"])
@@ -86,7 +104,7 @@ def test_stream_is_modality_neutral_and_asks_the_perturbation_where_it_inserts()
 
 # ---------------------------------------------------------------- checkpoint state and exact resume
 def test_state_round_trip_and_refusal_of_another_stream(cifar10):
-    dm = make(cifar10, dataset="cifar10")
+    dm = make(CIFAR10(root=str(cifar10), image_size=8))
     state = {"position": 13, "seed": 0, "length": N_TRAIN, "dataset": "cifar10", "ood_every": None}
     dm.load_state_dict(state)
     loader = dm.train_dataloader()
@@ -102,19 +120,19 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
         dm.load_state_dict({**state, "position": 21})
     with pytest.raises(ConfigError, match=r"trained with classes \['cat', 'dog'\]") as err:
         dm.load_state_dict({**state, "classes": ["cat", "dog"]})  # resuming would mix up the label ids
-    assert err.value.field == "dataset"
+    assert err.value.field == "source"
 
     with pytest.raises(ConfigError, match=r"the checkpoint's stream has seed=0 .*seed=1.*resume with seed=0") as err:
-        make(cifar10, dataset="cifar10", seed=1).load_state_dict(state)
+        make(CIFAR10(root=str(cifar10), image_size=8), seed=1).load_state_dict(state)
     assert (err.value.field, err.value.owner) == ("seed", StreamDataModule) and "--" not in str(err.value)
     with pytest.raises(ConfigError, match=r"length=20 but this run's has length=5") as err:
-        make(cifar10, dataset="cifar10", max_samples=5).load_state_dict(state)
+        make(CIFAR10(root=str(cifar10), image_size=8), max_samples=5).load_state_dict(state)
     assert err.value.field == "max_samples"
-    pending = StreamDataModule("cifar10", root=str(cifar10), image_size=8, ood_every=4)
+    pending = StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), perturbation=RotationJitter(4))
     pending.load_state_dict(state)  # before setup: checked once the stream is known
     with pytest.raises(ConfigError, match=r"ood_every=None but this run's has ood_every=4") as err:
         pending.setup("fit")
-    assert err.value.field == "ood_every"
+    assert err.value.field == "perturbation" and "resume with a perturbation of every=None" in str(err.value)
     cursor = StreamCursor("cifar10", 0, N_TRAIN, None)
     cursor.load_state_dict(state)
     cursor.advance_past(15)
@@ -123,8 +141,8 @@ def test_state_round_trip_and_refusal_of_another_stream(cifar10):
 
 # ---------------------------------------------------------------- drifting labels
 def test_drifting_stream_permutes_the_labels_exactly_every_drift_every_positions(cifar10):
-    plain = make(cifar10, dataset="cifar10", seed=2)
-    drifting = make(cifar10, dataset="cifar10", seed=2, drift_every=6)
+    plain = make(CIFAR10(root=str(cifar10), image_size=8), seed=2)
+    drifting = make(CIFAR10(root=str(cifar10), image_size=8), seed=2, drift_every=6)
     classes = len(plain.classes)
     true = [int(plain.train_stream[p]["label"]) for p in range(N_TRAIN)]
     shown = [int(drifting.train_stream[p]["label"]) for p in range(N_TRAIN)]
@@ -135,9 +153,9 @@ def test_drifting_stream_permutes_the_labels_exactly_every_drift_every_positions
         assert shown[position] == mappings[position // 6][true[position]]
     for before, after in zip(mappings, mappings[1:], strict=False):
         assert sorted(after) == list(range(classes)) and after != before  # a permutation, changed at each boundary
-    again = make(cifar10, dataset="cifar10", seed=2, drift_every=6)
+    again = make(CIFAR10(root=str(cifar10), image_size=8), seed=2, drift_every=6)
     assert [int(again.train_stream[p]["label"]) for p in range(N_TRAIN)] == shown  # from (seed, segment) alone
-    other = make(cifar10, dataset="cifar10", seed=3, drift_every=6)
+    other = make(CIFAR10(root=str(cifar10), image_size=8), seed=3, drift_every=6)
     assert other.train_stream.drift.mapping(1) != mappings[1] or other.train_stream.drift.mapping(2) != mappings[2]
     held_out = [int(drifting.eval_dataset[i]["label"]) for i in range(len(drifting.eval_dataset))]
     assert held_out == [int(plain.eval_dataset[i]["label"]) for i in range(len(plain.eval_dataset))]
@@ -145,12 +163,12 @@ def test_drifting_stream_permutes_the_labels_exactly_every_drift_every_positions
 
 def test_drift_every_is_checked_and_part_of_the_stream_identity(cifar10):
     with pytest.raises(ConfigError, match="drift_every must be a positive integer") as err:
-        StreamDataModule("cifar10", root=str(cifar10), drift_every=0)
+        StreamDataModule(CIFAR10(root=str(cifar10)), drift_every=0)
     assert err.value.field == "drift_every"
-    state = make(cifar10, dataset="cifar10", drift_every=6).state_dict()
+    state = make(CIFAR10(root=str(cifar10), image_size=8), drift_every=6).state_dict()
     assert state["drift_every"] == 6
     with pytest.raises(ConfigError, match=r"drift_every=6 but this run's has drift_every=None.*drift_every=6") as err:
-        make(cifar10, dataset="cifar10").load_state_dict(state)
+        make(CIFAR10(root=str(cifar10), image_size=8)).load_state_dict(state)
     assert err.value.field == "drift_every"
 
 
@@ -227,14 +245,14 @@ def test_resume_after_max_steps_neither_skips_nor_repeats(cifar10, tmp_path, est
     k, ckpt = 7, tmp_path / "interrupted.ckpt"
     first = Recorder(estimate_steps=estimate_steps)
     run = trainer(tmp_path, max_steps=k, callbacks=[SaveAt(ckpt, k)])
-    run.fit(first, datamodule=StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3))
+    run.fit(first, datamodule=StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=3))
     assert [p for p, _, _ in first.seen] == list(range(k))
     saved = torch.load(ckpt, weights_only=False)
     assert saved["StreamDataModule"]["position"] == k
     assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{}]  # saved once, by the DataModule
 
     second = Recorder(estimate_steps=estimate_steps)
-    dm = StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=3)
+    dm = StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=3)
     trainer(tmp_path).fit(second, datamodule=dm, ckpt_path=ckpt)
     positions = [p for p, _, _ in first.seen + second.seen]
     assert positions == list(range(N_TRAIN))
@@ -242,7 +260,7 @@ def test_resume_after_max_steps_neither_skips_nor_repeats(cifar10, tmp_path, est
     assert [s for _, _, s in first.seen + second.seen] == expected
 
     with pytest.raises(ConfigError, match=r"seed=3 but this run's has seed=4"):
-        other = StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=4)
+        other = StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=4)
         trainer(tmp_path).fit(Recorder(), datamodule=other, ckpt_path=ckpt)
 
 
@@ -252,7 +270,7 @@ def test_resume_after_max_steps_neither_skips_nor_repeats(cifar10, tmp_path, est
 def test_resume_from_a_mid_stream_checkpoint_is_bit_exact_with_ood(cifar10, tmp_path, num_workers):
     def datamodule():
         return StreamDataModule(
-            "cifar10", root=str(cifar10), image_size=8, seed=1, ood_every=4, num_workers=num_workers
+            CIFAR10(root=str(cifar10), image_size=8), seed=1, num_workers=num_workers, perturbation=RotationJitter(4)
         )
 
     every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, filename="{step}")
@@ -269,7 +287,7 @@ def test_resume_from_a_mid_stream_checkpoint_is_bit_exact_with_ood(cifar10, tmp_
 @quiet_trainer
 def test_a_drifting_stream_resumed_mid_stream_shows_the_same_labels(cifar10, tmp_path):
     def datamodule():
-        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=1, drift_every=4)
+        return StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=1, drift_every=4)
 
     every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1, filename="{step}")
     full = Recorder()
@@ -277,7 +295,7 @@ def test_a_drifting_stream_resumed_mid_stream_shows_the_same_labels(cifar10, tmp
     resumed = Recorder()
     trainer(tmp_path).fit(resumed, datamodule=datamodule(), ckpt_path=tmp_path / "ckpt" / "step=10.ckpt")
     assert resumed.seen == full.seen[10:] and resumed.labels == full.labels[10:]
-    plain = StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=1)
+    plain = StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=1)
     plain.setup("fit")
     true = [int(plain.train_stream[p]["label"]) for p, _, _ in full.seen]
     assert full.labels[:4] == true[:4] and full.labels != true  # the labels drift after the first segment
@@ -288,7 +306,7 @@ def test_a_run_stopped_mid_stream_resumes_at_its_last_checkpoint(cifar10, tmp_pa
     """Checkpoints every 3 steps, the run dies at position 8 with batches prefetched by a worker; resuming from the
     step-6 checkpoint trains positions 6, 7, ... once each."""
     every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    dm = StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=2, num_workers=1)
+    dm = StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=2, num_workers=1)
     crashed = Recorder(crash_at=8)
     with pytest.raises(Killed):
         trainer(tmp_path, callbacks=[every]).fit(crashed, datamodule=dm)
@@ -298,7 +316,7 @@ def test_a_run_stopped_mid_stream_resumes_at_its_last_checkpoint(cifar10, tmp_pa
     resumed = Recorder()
     trainer(tmp_path).fit(
         resumed,
-        datamodule=StreamDataModule("cifar10", root=str(cifar10), image_size=8, seed=2),
+        datamodule=StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), seed=2),
         ckpt_path=tmp_path / "ckpt" / "step=6.ckpt",
     )
     assert [p for p, _, _ in crashed.seen[:6] + resumed.seen] == list(range(N_TRAIN))
@@ -309,7 +327,7 @@ def test_a_run_stopped_mid_stream_resumes_at_its_last_checkpoint(cifar10, tmp_pa
 @quiet_trainer
 def test_a_resumed_stream_that_ends_starts_the_next_epoch_at_zero(cifar10, tmp_path):
     def datamodule():
-        return StreamDataModule("cifar10", root=str(cifar10), image_size=8, max_samples=6)
+        return StreamDataModule(CIFAR10(root=str(cifar10), image_size=8), max_samples=6)
 
     mid, end = tmp_path / "mid.ckpt", tmp_path / "end.ckpt"
     trainer(tmp_path, callbacks=[SaveAt(mid, 4), SaveAt(end, 6)]).fit(Recorder(), datamodule=datamodule())

@@ -1,4 +1,4 @@
-"""Streamed sources (``dataset: hf:<builder>``): Hugging Face ``datasets`` in streaming mode over local Parquet, CSV,
+"""Streamed sources (``HFStream``): Hugging Face ``datasets`` in streaming mode over local Parquet, CSV,
 JSON Lines and image-folder files that the tests write in those formats. The order is the seeded shuffle buffer's,
 a resume at any position with any batch size and number of processes goes on exactly, and bad input is one error
 naming its field."""
@@ -15,14 +15,15 @@ from test_stream import Recorder, SaveAt, quiet_trainer, trainer
 
 from loko_lightning.data import (
     DataNotFoundError,
+    HFStream,
     ImageTransform,
     OpenedSource,
+    RotationJitter,
     Source,
     Split,
     Splits,
     StreamDataModule,
     StreamSettings,
-    get_source,
 )
 from loko_lightning.data.sources.hf_stream import ExampleList
 from loko_lightning.data.stream import StreamDataLoader
@@ -71,14 +72,17 @@ def _pixels(image):
     return ((rgb - torch.tensor(RESNET18_MEAN)) / torch.tensor(RESNET18_STD))[:, None, None].tolist()
 
 
-def streamed(root, **kwargs):
+def streamed(root, shuffle_buffer=10_000, **kwargs):
+    """A set-up data module streaming the parquet files at ``root`` (8 px images)."""
     kwargs.setdefault("max_samples", 20)
-    return make(root, dataset="hf:parquet", **kwargs)
+    return make(HFStream("parquet", root=str(root), shuffle_buffer=shuffle_buffer, image_size=8), **kwargs)
 
 
-def text(path, **kwargs):
-    """A set-up data module streaming a local text file (``hf:<extension>``) for MiniLM's tokenizer."""
-    dm = StreamDataModule(f"hf:{path.suffix[1:]}", root=str(path), preprocessing=TEXT, **kwargs)
+def text(path, shuffle_buffer=10_000, text_column="text", label_column="label", **kwargs):
+    """A set-up data module streaming a local text file (the builder of its extension) for MiniLM's tokenizer."""
+    source = HFStream(path.suffix[1:], root=str(path), shuffle_buffer=shuffle_buffer, text_column=text_column,
+                      label_column=label_column)  # fmt: skip
+    dm = StreamDataModule(source, preprocessing=TEXT, **kwargs)
     dm.setup("fit")
     return dm
 
@@ -89,23 +93,23 @@ def batches(dm, start=0, batch_size=1, world_size=1, rank=0, steps_before=None):
 
 
 def test_a_streamed_source_and_one_in_memory_open_to_the_same_stream_interface(tmp_path):
-    """The same rows read as they go (``hf:parquet``) or loaded into memory: both open to an OpenedSource whose stream
-    the loader reads into the same batches of the same samples, with positions 0, 1, ... in order."""
+    """The same rows read as they go (``HFStream("parquet")``) or loaded into memory: both open to an OpenedSource
+    whose stream the loader reads into the same batches of the same samples, with positions 0, 1, ... in order."""
     write_parquet(tmp_path, n_train=6, n_val=2)
     rows = datasets.load_dataset("parquet", data_dir=str(tmp_path))
 
     class InMemory(Source):
         name = "in_memory"
 
-        def load(self, root):
+        def load(self):
             train, held = (ExampleList(list(rows[s]["image"]), list(rows[s]["label"])) for s in ("train", "validation"))
             return Splits(Split(train, np.arange(len(train))), Split(held, np.arange(len(held))), CLASSES)
 
-    settings = StreamSettings(seed=0, max_samples=6, shuffle_buffer=0)
+    settings = StreamSettings(seed=0, max_samples=6)
     transform = ImageTransform(RESNET18, image_size=8)
     read = []
-    for source in (InMemory(), get_source("hf:parquet").configured(modality="image")):
-        opened = source.open(tmp_path, settings)
+    for source in (InMemory(), HFStream("parquet", root=str(tmp_path), shuffle_buffer=0).for_modality("image")):
+        opened = source.open(settings)
         assert isinstance(opened, OpenedSource) and opened.classes == CLASSES and len(opened.held_out.indices) == 2
         loader = StreamDataLoader(opened.stream(transform, None, None))
         got = [(decode(b["inputs"][0]), int(b["label"]), int(b["position"])) for b in loader]
@@ -188,14 +192,22 @@ def test_the_data_module_saves_and_restores_a_streamed_position(tmp_path):
     dm = streamed(root, seed=1, shuffle_buffer=4)
     dm.cursor.advance_past(10, steps=11)
     state = dm.state_dict()
-    other = StreamDataModule(dataset="hf:parquet", root=str(root), preprocessing=RESNET18, image_size=8,
-                             max_samples=20, seed=1, shuffle_buffer=8)  # fmt: skip
+    other = StreamDataModule(
+        HFStream("parquet", root=str(root), shuffle_buffer=8, image_size=8),
+        preprocessing=RESNET18,
+        max_samples=20,
+        seed=1,
+    )
     other.load_state_dict(state)
     with pytest.raises(ConfigError, match=r"shuffle_buffer=4 but this run's has shuffle_buffer=8") as err:
         other.setup("fit")  # another buffer is another order: resuming would repeat and skip samples
-    assert err.value.field == "shuffle_buffer"
-    again = StreamDataModule(dataset="hf:parquet", root=str(root), preprocessing=RESNET18, image_size=8,
-                             max_samples=20, seed=1, shuffle_buffer=4)  # fmt: skip
+    assert err.value.field == "source.shuffle_buffer"
+    again = StreamDataModule(
+        HFStream("parquet", root=str(root), shuffle_buffer=4, image_size=8),
+        preprocessing=RESNET18,
+        max_samples=20,
+        seed=1,
+    )
     again.load_state_dict(state)
     again.setup("fit")
     positions = [int(b["position"][0]) for b in again.train_dataloader()]
@@ -227,7 +239,7 @@ def test_an_image_folder_streams_with_its_class_folders_as_labels(tmp_path):
             folder = tmp_path / split / CLASSES[i % 3]
             folder.mkdir(parents=True, exist_ok=True)
             Image.new("RGB", (12, 10), colour(i)).save(folder / f"{i}.png")
-    dm = make(tmp_path, dataset="hf:imagefolder", max_samples=12, shuffle_buffer=0)
+    dm = make(HFStream("imagefolder", root=str(tmp_path), shuffle_buffer=0), max_samples=12)
     assert dm.classes == CLASSES
     out = list(dm.train_dataloader())
     files = datasets.load_dataset("imagefolder", data_dir=str(tmp_path), streaming=True)["train"]
@@ -257,36 +269,41 @@ def test_a_stream_shorter_than_max_samples_stops_every_process_at_the_same_step(
     [
         ({"epochs": 2}, "epochs", r"is streamed: epochs=2.*set epochs to 1"),
         ({"num_workers": 1}, "num_workers", r"is streamed: num_workers=1.*set num_workers to 0"),
-        ({"ood_every": 5}, "ood_every", r"is streamed: ood_every=5"),
-        ({"shuffle_buffer": -1}, "shuffle_buffer", r"shuffle_buffer must be >= 0"),
+        ({"perturbation": RotationJitter(5)}, "perturbation", r"is streamed: perturbation=.*set it to null"),
     ],
 )
 def test_what_a_stream_cannot_do_is_refused_naming_the_field(tmp_path, kwargs, field, message):
     with pytest.raises(ConfigError, match=message) as err:
-        StreamDataModule("hf:parquet", root=str(tmp_path), preprocessing=RESNET18, max_samples=5, **kwargs)
+        StreamDataModule(HFStream("parquet", root=str(tmp_path)), preprocessing=RESNET18, max_samples=5, **kwargs)
     assert err.value.field == field
+
+
+def test_a_negative_shuffle_buffer_is_refused_by_the_source():
+    with pytest.raises(ConfigError, match=r"shuffle_buffer must be >= 0") as err:
+        HFStream("parquet", shuffle_buffer=-1)
+    assert (err.value.field, err.value.owner) == ("shuffle_buffer", HFStream)
 
 
 def test_bad_data_is_one_error_naming_the_field(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataNotFoundError, match=r"no files at root=.*nowhere") as err:
-        make(tmp_path / "nowhere", dataset="hf:parquet", max_samples=5)
+        make(HFStream("parquet", root=str(tmp_path / "nowhere")), max_samples=5)
     assert err.value.field == "root"
     with pytest.raises(DataNotFoundError, match=r"load_dataset\('someone/missing', streaming=True\) failed") as err:
-        make(tmp_path, dataset="hf:someone/missing", max_samples=5)
-    assert err.value.field == "dataset"
-    with pytest.raises(ConfigError, match=r"dataset='hf:' names no dataset") as err:
-        make(tmp_path, dataset="hf:", max_samples=5)
+        make(HFStream("someone/missing", root=str(tmp_path)), max_samples=5)
+    assert (err.value.field, err.value.owner) == ("path", HFStream)
+    with pytest.raises(ConfigError, match=r"path names no dataset") as err:
+        HFStream("", root=str(tmp_path))
     root = write_parquet(tmp_path / "data")
     with pytest.raises(ConfigError, match=r"its length is not known ahead.*set max_samples") as err:
-        make(root, dataset="hf:parquet")
+        make(HFStream("parquet", root=str(root)))
     assert err.value.field == "max_samples"
     with pytest.raises(ConfigError, match=r"has no column 'y'") as err:
-        make(root, dataset="hf:parquet", max_samples=5, label_column="y")
+        make(HFStream("parquet", root=str(root), label_column="y"), max_samples=5)
     assert err.value.field == "label_column"
     with pytest.raises(ConfigError, match=r"3 classes \['cat', 'dog', 'eel'\] but num_classes=2") as err:
-        make(root, dataset="hf:parquet", max_samples=5, num_classes=2)
+        make(HFStream("parquet", root=str(root)), max_samples=5, num_classes=2)
     assert err.value.field == "num_classes"
     (tmp_path / "wrong.csv").write_text("text,label\nx,0\ny,1\nz,5\n")
     with pytest.raises(ConfigError, match=r"the train split has label 5 .* not a class id in \[0, 2\)") as err:
@@ -298,9 +315,9 @@ def test_bad_data_is_one_error_naming_the_field(tmp_path, monkeypatch):
     assert err.value.field == "label_column"
     hidden = write_parquet(tmp_path / "hidden", held_out_labels=[-1] * 5)  # a test split whose labels are hidden
     with pytest.raises(ConfigError, match=r"validation split has label -1 .*set eval_max_samples to 0") as err:
-        make(hidden, dataset="hf:parquet", max_samples=5)
+        make(HFStream("parquet", root=str(hidden)), max_samples=5)
     assert err.value.field == "eval_max_samples"
-    assert len(make(hidden, dataset="hf:parquet", max_samples=5, eval_max_samples=0).eval_dataset) == 0
+    assert len(make(HFStream("parquet", root=str(hidden)), max_samples=5, eval_max_samples=0).eval_dataset) == 0
     (tmp_path / "numbers.csv").write_text("text,label\n12,0\n7,1\n")
     with pytest.raises(ConfigError, match=r"column 'text' holds 12 \(int\), not text") as err:
         batches(text(tmp_path / "numbers.csv", max_samples=2, num_classes=2))
@@ -332,8 +349,8 @@ def test_a_trainer_resumed_from_a_checkpoint_goes_on_at_the_next_unread_sample(t
     root = write_parquet(tmp_path / "data")
 
     def datamodule(batch_size):
-        return StreamDataModule("hf:parquet", root=str(root), preprocessing=RESNET18, image_size=8, max_samples=20,
-                                seed=7, shuffle_buffer=5, batch_size=batch_size)  # fmt: skip
+        source = HFStream("parquet", root=str(root), image_size=8, shuffle_buffer=5)
+        return StreamDataModule(source, preprocessing=RESNET18, max_samples=20, seed=7, batch_size=batch_size)
 
     full = BatchRecorder()
     trainer(tmp_path).fit(full, datamodule=datamodule(1))
@@ -348,8 +365,9 @@ def test_a_trainer_resumed_from_a_checkpoint_goes_on_at_the_next_unread_sample(t
 
 
 def test_loko_fit_streams_a_parquet_dataset_and_resumes_it_exactly(tmp_path, monkeypatch):
-    """`loko fit --data.dataset hf:parquet`: stopped after 6 of 12 samples and resumed from its checkpoint, it ends
-    with the parameters, filter state and online accuracy of one uninterrupted run, bit for bit on the CPU."""
+    """`loko fit --data.source HFStream --data.source.path parquet`: stopped after 6 of 12 samples and resumed from
+    its checkpoint, it ends with the parameters, filter state and online accuracy of one uninterrupted run, bit for
+    bit on the CPU."""
     from runs import outputs
     from test_cli import trainable_state
 
@@ -357,8 +375,8 @@ def test_loko_fit_streams_a_parquet_dataset_and_resumes_it_exactly(tmp_path, mon
 
     monkeypatch.chdir(tmp_path)
     root = write_parquet(tmp_path / "data")
-    common = ["--config", "debug", "--data.dataset", "hf:parquet", "--data.root", str(root), "--data.max_samples",
-              "12", "--data.shuffle_buffer", "5"]  # fmt: skip
+    common = ["--config", "debug", "--data.source", "HFStream", "--data.source.path", "parquet", "--data.source.root",
+              str(root), "--data.source.shuffle_buffer", "5", "--data.max_samples", "12"]  # fmt: skip
     main(["fit", *common, *outputs(tmp_path, "full", every=12, plot=False)])
     main(["fit", *common, "--trainer.max_steps", "6", *outputs(tmp_path, "part", every=6, plot=False)])
     part = tmp_path / "part" / "checkpoints" / "last.ckpt"

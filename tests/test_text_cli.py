@@ -36,8 +36,8 @@ def text_args(local, *extra):
     model, data = local
     return [
         "--config", TEXT, "--model.network.backbone", str(model), "--model.network.weights", "null",
-        "--data.dataset", "textfile", "--data.root", str(data), "--data.max_samples", "null",
-        "--data.eval_max_samples", "null", "--data.max_length", "16", *extra,
+        "--data.source", "TextFile", "--data.source.root", str(data), "--data.source.max_length", "16",
+        "--data.max_samples", "null", "--data.eval_max_samples", "null", *extra,
     ]  # fmt: skip
 
 
@@ -96,23 +96,27 @@ def test_bad_text_input_is_one_line_naming_the_flag(local, tmp_path, capsys):
     line = one_line_error(capsys, [*text_args(local), "--model.network.backbone", "no-such-org/no-such-model", *out])
     assert line.startswith("loko: error: --model.network.backbone: could not load the config of 'no-such-org/")
     assert "Without internet" in line
-    line = one_line_error(capsys, [*text_args(local), "--data.text_column", "review", *out])
-    assert line.startswith("loko: error: --data.text_column: ") and "no column 'review'" in line
-    line = one_line_error(capsys, [*text_args(local), "--data.max_length", "0", *out])
-    assert line.startswith("loko: error: --data.max_length: max_length must be a positive")
+    line = one_line_error(capsys, [*text_args(local), "--data.source.text_column", "review", *out])
+    assert line.startswith("loko: error: --data.source.text_column: ") and "no column 'review'" in line
+    line = one_line_error(capsys, [*text_args(local), "--data.source.max_length", "0", *out])
+    assert line.startswith("loko: error: --data.source.max_length: max_length must be a positive")
+    line = one_line_error(capsys, [*text_args(local), "--data.source.image_size", "32", *out])
+    assert line.startswith("loko: error: --data.source.image_size is not an option of loko_lightning.data.TextFile")
+    line = one_line_error(capsys, [*text_args(local), "--data.source", "TextFil", *out])
+    assert line.startswith("loko: error: --data.source: 'TextFil' is not a known Source. To fix it: did you mean")
     three = write_text_file(tmp_path / "three.csv", [(f"text {i}", i % 3) for i in range(12)])
-    too_small = ["--data.root", str(three), "--model.network.num_classes", "2"]  # a 2-class head, label 2
+    too_small = ["--data.source.root", str(three), "--model.network.num_classes", "2"]  # a 2-class head, label 2
     line = one_line_error(capsys, [*text_args(local), *too_small, *out])
     assert line.startswith("loko: error: --model.network.num_classes: ") and "has label 2" in line
 
 
 def test_image_config_on_text_data_and_the_reverse(local, tmp_path, capsys):
-    line = one_line_error(capsys, ["--config", DEBUG, "--data.dataset", "textfile", "--data.root", str(local[1]),
-                                   *outputs(tmp_path)])  # fmt: skip
-    assert line.startswith("loko: error: --data.dataset: dataset='textfile' holds text samples but model.network")
+    line = one_line_error(capsys, ["--config", DEBUG, "--data.source", "TextFile", "--data.source.root",
+                                   str(local[1]), *outputs(tmp_path)])  # fmt: skip
+    assert line.startswith("loko: error: --data.source: TextFile holds text samples but model.network")
     assert "TransformersClassifier" in line
-    line = one_line_error(capsys, [*text_args(local), "--data.dataset", "mnist5k", *outputs(tmp_path)])
-    assert line.startswith("loko: error: --data.dataset: dataset='mnist5k' holds image samples")
+    line = one_line_error(capsys, [*text_args(local), "--data.source", "MNIST5k", *outputs(tmp_path)])
+    assert line.startswith("loko: error: --data.source: MNIST5k holds image samples")
 
 
 def test_text_fit_predict_export_reload_in_plain_transformers(local, tmp_path, capsys):

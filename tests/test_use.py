@@ -96,9 +96,9 @@ def test_predict_on_the_held_out_split_and_on_files(trained, tmp_path, capsys, m
     rows = json.loads((tmp_path / "files.json").read_text())
     assert [row["input"] for row in rows] == [str(paths[0])] + sorted(str(p) for p in paths)
     learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True).eval()
-    from loko_lightning.data import StreamDataModule
+    from loko_lightning.data import MNIST5k, StreamDataModule
 
-    datamodule = StreamDataModule("mnist5k", preprocessing=learner.network_factory.preprocessing(), image_size=32)
+    datamodule = StreamDataModule(MNIST5k(image_size=32), preprocessing=learner.network_factory.preprocessing())
     image = Image.open(paths[3]).convert("RGB")
     with torch.no_grad():
         want = learner(datamodule.transform(image)[None]).softmax(-1)[0]
@@ -224,7 +224,7 @@ def test_configs_ship_in_the_package_and_resolve_by_name(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)  # outside the repository: no configs/ folder here
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", "quickstart", "--print_config"])
-    assert exit_info.value.code in (0, None) and "dataset: mnist5k" in capsys.readouterr().out
+    assert exit_info.value.code in (0, None) and "class_path: loko_lightning.data.MNIST5k" in capsys.readouterr().out
     err = fail(capsys, ["fit", "--config", "quickstrat"])
     assert "did you mean quickstart" in err
 
@@ -318,15 +318,16 @@ def test_each_run_has_its_version_folder_and_last_resumes_the_newest(tmp_path, m
     assert (versions / "version_8").is_dir()  # the resumed run writes its own version folder
 
 
-def test_help_reads_as_plain_text_and_lists_the_datasets(capsys):
-    from loko_lightning.data import SOURCES
+def test_help_reads_as_plain_text_and_lists_the_source_families(capsys):
+    from loko_lightning.data import FAMILIES
 
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     text = capsys.readouterr().out
     for markup in (":class:`", ":mod:`", ":meth:`", ":func:`", ":data:`", ":math:`", "``"):
         assert markup not in text, markup
-    assert "Registered: " + ", ".join(sorted(SOURCES)) in " ".join(text.split())
+    assert "Built in: " + ", ".join(family.__name__ for family in FAMILIES) in " ".join(text.split())
+    assert "known subclasses:" in text and "loko_lightning.data.MNIST5k" in text  # jsonargparse's own list
     with pytest.raises(SystemExit):
         main(["predict", "--help"])
     assert "--predictions PREDICTIONS" in capsys.readouterr().out

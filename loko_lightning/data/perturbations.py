@@ -8,32 +8,43 @@ of the previous one rotated and jittered in brightness and contrast.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torchvision.transforms.functional as TF
 from PIL import Image
 from torchvision.transforms import InterpolationMode
 
+from loko_lightning.errors import ConfigError
 
-@runtime_checkable
-class Perturbation(Protocol):
-    """Extra stream samples: perturbed copies of normal samples, at positions the perturbation chooses."""
+
+class Perturbation:
+    """Extra stream samples: perturbed copies of normal samples, at positions the perturbation chooses.
+
+    A base class (not a protocol) so that the ``loko`` command lists and takes its subclasses by ``class_path``
+    (``--data.perturbation RotationJitter``).
+
+    Attributes:
+        every: the period in normal samples of a periodic perturbation, saved with the stream position (a resumed
+            run must insert the same samples); ``None`` for another one.
+    """
+
+    every: int | None = None
 
     def inserted(self, num_samples: int) -> int:
         """How many perturbed samples a stream of ``num_samples`` normal samples gets."""
-        ...
+        raise NotImplementedError
 
     def locate(self, position: int) -> tuple[int, bool]:
         """Which normal sample stream ``position`` shows (an index into the stream order) and whether perturbed."""
-        ...
+        raise NotImplementedError
 
     def __call__(self, sample: Any, position: int, seed: int) -> Any:
         """The perturbed copy of raw ``sample`` shown at ``position`` of the stream with ``seed``."""
-        ...
+        raise NotImplementedError
 
 
-class PeriodicPerturbation:
+class PeriodicPerturbation(Perturbation):
     """One perturbed copy of the previous sample after every ``every`` normal samples; subclasses perturb.
 
     The stream is ``every`` normal, 1 perturbed, ``every`` normal, 1 perturbed, ...
@@ -44,7 +55,11 @@ class PeriodicPerturbation:
 
     def __init__(self, every: int) -> None:
         if every < 1:
-            raise ValueError(f"Invalid every: {every} (must be >= 1)")
+            raise ConfigError(
+                f"every must be a positive integer (normal samples per OOD sample), got {every}.",
+                field="every",
+                owner=type(self),
+            )
         self.every = every
 
     def inserted(self, num_samples: int) -> int:
@@ -95,8 +110,14 @@ class RotationJitter(PeriodicPerturbation):
         jitter: brightness and contrast factors are drawn from ``[1 - jitter, 1 + jitter]`` (the paper: 0.5).
     """
 
-    def __init__(self, every: int, rotation: float = 30.0, jitter: float = 0.5) -> None:
+    def __init__(self, every: int = 100, rotation: float = 30.0, jitter: float = 0.5) -> None:
         super().__init__(every)
+        if not 0 <= rotation <= 180:
+            raise ConfigError(
+                f"rotation must be in [0, 180] degrees, got {rotation}.", field="rotation", owner=type(self)
+            )
+        if jitter < 0:
+            raise ConfigError(f"jitter must be >= 0, got {jitter}.", field="jitter", owner=type(self))
         self.rotation = rotation
         self.jitter = jitter
 

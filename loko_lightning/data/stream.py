@@ -146,12 +146,12 @@ class StreamCursor:
     """The stream's identity (dataset, seed, length, OOD and drift periods) and the next position to train on.
 
     Args:
-        dataset: dataset name.
+        dataset: the source's name (:attr:`~loko_lightning.data.Source.name`), e.g. ``"mnist5k"``.
         seed: stream seed.
         length: number of stream positions.
         ood_every: OOD period (``None``: no OOD samples).
         position: next stream position to train on.
-        owner: the class whose arguments (``dataset``, ``seed``, ...) define the stream, named in errors.
+        owner: the class whose arguments (``source``, ``seed``, ...) define the stream, named in errors.
         drift_every: drift period (``None``: no drift).
         shuffle_buffer: a streamed source's shuffle buffer, which orders it (``None``: a stream held in memory).
 
@@ -162,14 +162,14 @@ class StreamCursor:
             sample.
     """
 
-    # A differing saved value, and the argument that makes it match again.
+    # A differing saved value, and the argument (of the owner) that makes it match again.
     _FIELDS = {
-        "dataset": "dataset",
+        "dataset": "source",
         "seed": "seed",
-        "ood_every": "ood_every",
+        "ood_every": "perturbation",
         "drift_every": "drift_every",
         "length": "max_samples",
-        "shuffle_buffer": "shuffle_buffer",
+        "shuffle_buffer": "source.shuffle_buffer",
     }
 
     def __init__(
@@ -225,12 +225,12 @@ class StreamCursor:
             ValueError: the saved position is outside the stream.
         """
         hints = {
-            "dataset": f"resume with dataset={state.get('dataset')!r}",
+            "dataset": f"resume with the source of {state.get('dataset')!r}",
             "seed": f"resume with seed={state.get('seed')}",
-            "length": "resume with the same data, max_samples and ood_every",
-            "ood_every": f"resume with ood_every={state.get('ood_every')}",
+            "length": "resume with the same data, max_samples and perturbation",
+            "ood_every": f"resume with a perturbation of every={state.get('ood_every')}",
             "drift_every": f"resume with drift_every={state.get('drift_every')}",
-            "shuffle_buffer": f"resume with shuffle_buffer={state.get('shuffle_buffer')}",
+            "shuffle_buffer": f"resume with the source's shuffle_buffer={state.get('shuffle_buffer')}",
         }
         for key, field in self._FIELDS.items():
             saved, ours = state.get(key), getattr(self, key)  # a key the state lacks reads as None

@@ -196,7 +196,7 @@ def build_transform(
         max_length: text: at most this many tokens per sample (longer texts are truncated).
 
     Raises:
-        ConfigError: no transform for ``modality`` (``field="dataset"``), a preprocessing for another modality or none
+        ConfigError: no transform for ``modality`` (``field="source"``), a preprocessing for another modality or none
             for text (``field="preprocessing"``), or a bad argument of the transform.
     """
     if preprocessing is not None and not isinstance(preprocessing, (ImagePreprocessing, TextPreprocessing)):
@@ -224,4 +224,4 @@ def build_transform(
                 field="preprocessing",
             )
         return TextTransform(preprocessing.tokenizer, max_length)
-    raise ConfigError(f"no transform for {modality!r} samples; known: 'image', 'text'.", field="dataset")
+    raise ConfigError(f"no transform for {modality!r} samples; known: 'image', 'text'.", field="source")

@@ -7,12 +7,18 @@ reads alike). The data module reads every source through that one interface. A s
 :meth:`Source.load` (the raw training and held-out samples, PIL images for the ``"image"`` modality, strings for
 ``"text"``, with their labels) and the default :meth:`Source.open` orders it; a source read as it goes overrides
 :meth:`Source.open`. A source downloads its files if it can and says where it looked and how to get them when they
-are missing. It does not preprocess: the transform for its modality does (:mod:`loko_lightning.data.transforms`).
-Each family of sources has its own module in this folder; :mod:`loko_lightning.data.registry` names them.
+are missing. It does not preprocess: the transform for its modality does (:mod:`loko_lightning.data.transforms`),
+with the overrides the source carries (:class:`ImageSource`: ``image_size``, ``mean``, ``std``;
+:class:`~loko_lightning.data.sources.text_source.TextSource`: ``max_length``).
+
+Each family of sources is a class in its own module in this folder, configured by its typed ``__init__`` arguments
+(its data directory, its columns, ...): the ``loko`` command chooses it by ``class_path`` (``--data.source MNIST5k``)
+and refuses a key it does not take.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +42,8 @@ HOLDOUT_SEED = 0
 class DataNotFoundError(ConfigError, FileNotFoundError):
     """A dataset that is not on disk and could not be fetched.
 
-    A :class:`~loko_lightning.errors.ConfigError` whose ``field`` is the argument that fixes it (``root``,
-    ``download`` or ``dataset``), and a ``FileNotFoundError`` for code that catches those.
+    A :class:`~loko_lightning.errors.ConfigError` whose ``field`` is the argument that fixes it (the source's ``root``
+    or ``download``, or the data module's ``source``), and a ``FileNotFoundError`` for code that catches those.
     """
 
 
@@ -76,7 +82,6 @@ class StreamSettings:
         seed: orders the stream (a permutation, or a shuffle buffer's seed).
         max_samples: stream at most this many normal samples (``None``: all).
         epochs: passes over the training samples.
-        shuffle_buffer: a source read as it goes: samples in its seeded shuffle buffer.
         num_classes: the model's head, which every label must index (``None``: unchecked).
         eval_max_samples: held-out samples to evaluate on (``None``: the source's default).
     """
@@ -84,7 +89,6 @@ class StreamSettings:
     seed: int = 0
     max_samples: int | None = None
     epochs: int = 1
-    shuffle_buffer: int = 10_000
     num_classes: int | None = None
     eval_max_samples: int | None = None
 
@@ -116,55 +120,62 @@ class OpenedSource:
 
 
 class Source:
-    """A dataset by name: how to load its splits, where its files are, how to get them.
+    """A family of datasets: how to load its splits, where its files are, how to get them, and its options.
 
-    Subclasses set ``name`` and override :meth:`load` (and :meth:`prepare` if they can download); a source read as it
-    goes overrides :meth:`open` instead, and :meth:`check` for the settings it cannot take.
+    Subclasses set ``name`` and take their options as typed ``__init__`` arguments (the data directory ``root``, the
+    columns of a file, ...), each kept as the attribute of its name (:meth:`init_args`). They override :meth:`load`
+    (and :meth:`prepare` if they can download); a source read as it goes overrides :meth:`open` instead, and
+    :meth:`check` for the settings it cannot take. A family of one modality derives from :class:`ImageSource` or
+    :class:`~loko_lightning.data.sources.text_source.TextSource`, which carry that modality's transform overrides.
 
     Attributes:
-        name: the dataset name, as passed to :class:`~loko_lightning.data.StreamDataModule`.
+        name: the dataset's name, its identity in a checkpoint (a resumed run must stream the same one) and in
+            messages, e.g. ``"mnist5k"``.
         modality: what a raw sample is, which picks the transform: ``"image"`` (a PIL image) or ``"text"`` (a string
             or a pair of strings, :mod:`loko_lightning.data.sources.text_source`).
+        follows_network: the source holds the kind of sample the network takes (:meth:`for_modality`).
         num_classes: number of classes if known before loading, else ``None``.
         optional_held_out: whether ``eval_max_samples`` may be 0 (train without held-out samples).
-        option_names: the data module's arguments :meth:`configured` takes (``textfile`` and ``hf:``: the column names).
+        root: the data directory (``Path``) of a family that reads files; ``None`` for one that ships its data.
+        download: whether :meth:`prepare` may download missing files.
     """
 
     name: str = ""
     modality: str = "image"
+    follows_network: bool = False
     num_classes: int | None = None
     optional_held_out: bool = False
-    option_names: tuple[str, ...] = ()
+    root: Path | None = None
+    download: bool = False
 
-    def location(self, root: Path) -> str:
-        """Where the files are looked for (named in error messages).
+    def location(self) -> str:
+        """Where the files are looked for (named in error messages)."""
+        return str(self.root)
 
-        Args:
-            root: the data root.
+    def init_args(self) -> dict[str, Any]:
+        """The ``__init__`` arguments of this source, read from the attributes of their names (paths as strings).
+
+        With the class path, what a configuration file holds: the data module saves it with its hyperparameters.
         """
-        return str(root)
+        names = [name for name in inspect.signature(type(self).__init__).parameters if name != "self"]
+        values = {name: getattr(self, name) for name in names if hasattr(self, name)}
+        return {name: str(value) if isinstance(value, Path) else value for name, value in values.items()}
 
-    def configured(self, modality: str | None = None, **options: Any) -> Source:
-        """This source with the data module's source options (:attr:`option_names`); default: itself.
+    def for_modality(self, modality: str) -> Source:
+        """This source for a network of ``modality``: itself, unless it :attr:`follows_network`.
 
         Args:
             modality: the network's modality; a source that holds one kind of sample keeps its own (the transform
                 refuses a mismatch).
-            options: the source's options by name, each one of :attr:`option_names`.
-
-        Raises:
-            ConfigError: an option this source does not take (``field`` is its name).
         """
-        refuse_unknown_options(self, options)
         return self
 
-    def prepare(self, root: Path, download: bool) -> None:
-        """Fetch the files if asked to (runs in ``prepare_data``, once per machine); the default fetches nothing.
+    def transform_options(self) -> dict[str, Any]:
+        """The overrides of the transform of the source's modality (:func:`~loko_lightning.data.build_transform`)."""
+        return {}
 
-        Args:
-            root: the data root.
-            download: whether downloading is allowed.
-        """
+    def prepare(self) -> None:
+        """Fetch the files if asked to (runs in ``prepare_data``, once per machine); the default fetches nothing."""
 
     def check(self, settings: Mapping[str, Any]) -> None:
         """Refuse the data module's arguments this source cannot take (default: it takes them all).
@@ -176,18 +187,15 @@ class Source:
             ConfigError: naming the argument.
         """
 
-    def load(self, root: Path) -> Splits:
+    def load(self) -> Splits:
         """Load the training and held-out splits (a source held in memory).
-
-        Args:
-            root: the data root.
 
         Raises:
             DataNotFoundError: the files are not there.
         """
         raise NotImplementedError
 
-    def open(self, root: Path, settings: StreamSettings) -> OpenedSource:
+    def open(self, settings: StreamSettings) -> OpenedSource:
         """The source opened for a run: its splits loaded and checked, the stream a seeded permutation of them.
 
         The stream is the first ``max_samples`` of a permutation of the training split drawn from ``seed``, then
@@ -195,15 +203,14 @@ class Source:
         are at most ``eval_max_samples`` of the held-out split.
 
         Args:
-            root: the data root.
             settings: the data module's stream settings.
 
         Raises:
             DataNotFoundError: the files are not there.
             ConfigError: a split is empty, or a label is ``>= num_classes``.
         """
-        splits = self.load(root)
-        check_splits(splits, self, root, settings.num_classes)
+        splits = self.load()
+        check_splits(splits, self, settings.num_classes)
         classes = list(splits.classes)
         permutation = torch.randperm(len(splits.train.indices), generator=torch.Generator().manual_seed(settings.seed))
         order = np.asarray(splits.train.indices)[permutation.numpy()]
@@ -220,15 +227,14 @@ class Source:
         summary = f"{self.name}: label ids {dict(enumerate(classes))}" if self.modality == "text" else None
         return OpenedSource(classes, held_out, stream, summary=summary)
 
-    def missing(self, root: Path, download: bool, reason: str = "") -> DataNotFoundError:
+    def missing(self, download: bool, reason: str = "") -> DataNotFoundError:
         """The error for files that are not on disk: where they were looked for and the ways to get them.
 
         Args:
-            root: the data root.
             download: whether a download was tried (and failed, for ``reason``).
             reason: why the download or the loading failed, if known.
         """
-        where = self.location(root)
+        root, where = self.root, self.location()
         head = f"dataset={self.name!r}: no data found at {where}"
         if download:
             head = f"dataset={self.name!r}: downloading into {root} failed ({reason}) and no data found at {where}"
@@ -245,23 +251,34 @@ class Source:
         return []
 
 
-def refuse_unknown_options(source: Source, options: Mapping[str, Any]) -> None:
-    """Every key of ``options`` must be one of ``source.option_names``: an unknown key is an error, never dropped.
+class ImageSource(Source):
+    """A source of image samples (``modality = "image"``), with the overrides of the network's image preprocessing.
 
-    Raises:
-        ConfigError: naming the first unknown key (``field``), what the source takes and how to fix it.
+    Args:
+        image_size: square input size, overriding the network's (e.g. 32 for CPU debug runs).
+        mean: per-channel normalisation mean, overriding the network's.
+        std: per-channel normalisation std, overriding the network's.
     """
-    for key in options:
-        if key not in source.option_names:
-            takes = ", ".join(source.option_names) or "none"
-            fix = f"remove {key}" + (", or use one of its options" if source.option_names else "")
-            raise ConfigError(
-                f"dataset={source.name!r} takes no option {key!r} (its options: {takes}). To fix it: {fix}.", field=key
-            )
+
+    modality = "image"
+
+    def __init__(
+        self,
+        image_size: int | None = None,
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
+    ) -> None:
+        self.image_size = image_size
+        self.mean = mean
+        self.std = std
+
+    def transform_options(self) -> dict[str, Any]:
+        """``image_size``, ``mean`` and ``std``."""
+        return {"image_size": self.image_size, "mean": self.mean, "std": self.std}
 
 
 def package_missing(dataset: str, contents: str, package: str, fix: str | None = None) -> DataNotFoundError:
-    """The error for offline data that ships inside a package that is not installed (``field="dataset"``).
+    """The error for offline data that ships inside a package that is not installed (``field="source"``).
 
     Args:
         dataset: the dataset name.
@@ -273,7 +290,7 @@ def package_missing(dataset: str, contents: str, package: str, fix: str | None =
     return DataNotFoundError(
         f"dataset={dataset!r}: {contents} ship inside the {package} package, which is not installed. To fix it: "
         f"{fix}, or choose another dataset.",
-        field="dataset",
+        field="source",
     )
 
 
@@ -281,14 +298,14 @@ def hf_datasets(dataset: str) -> Any:
     """The Hugging Face ``datasets`` module, for a source that reads through it.
 
     Raises:
-        DataNotFoundError: it is not installed (``field="dataset"``).
+        DataNotFoundError: it is not installed (``field="source"``).
     """
     try:
         import datasets as hf
     except ImportError as err:
         raise DataNotFoundError(
             f"dataset={dataset!r} is read with Hugging Face datasets, which is not installed: pip install datasets.",
-            field="dataset",
+            field="source",
         ) from err
     return hf
 
@@ -306,7 +323,7 @@ def held_out_of_train(dataset: Any) -> Splits:
     return Splits(Split(dataset, train), Split(dataset, held_out), list(dataset.classes))
 
 
-def check_splits(splits: Splits, source: Source, root: Path, num_classes: int | None) -> None:
+def check_splits(splits: Splits, source: Source, num_classes: int | None) -> None:
     """Both splits must hold samples, and every label must index the model's head of ``num_classes``.
 
     Raises:
@@ -315,7 +332,7 @@ def check_splits(splits: Splits, source: Source, root: Path, num_classes: int | 
     for name, split in (("training", splits.train), ("held-out", splits.held_out)):
         if len(split.indices) == 0:
             raise ConfigError(
-                f"dataset={source.name!r}: the {name} split at {source.location(root)} is empty. To fix it: check "
+                f"dataset={source.name!r}: the {name} split at {source.location()} is empty. To fix it: check "
                 "the files there (or root).",
                 field="root",
             )

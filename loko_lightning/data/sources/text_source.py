@@ -25,9 +25,20 @@ _INTEGER = re.compile(r"-?\d+")
 
 
 class TextSource(Source):
-    """A source of text samples (``modality = "text"``): a string, or a pair of strings, per sample."""
+    """A source of text samples (``modality = "text"``): a string, or a pair of strings, per sample.
+
+    Args:
+        max_length: at most this many tokens per sample (longer texts are truncated).
+    """
 
     modality = "text"
+
+    def __init__(self, max_length: int = 128) -> None:
+        self.max_length = max_length
+
+    def transform_options(self) -> dict[str, Any]:
+        """``max_length``."""
+        return {"max_length": self.max_length}
 
 
 def text_dataset(
