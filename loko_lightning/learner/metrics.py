@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor
 from torchmetrics import MeanMetric, Metric
 
 
-class OnlineMean(MeanMetric):
+class ExactStates(Metric):
+    """A metric whose states keep the dtype they were made with when the module is converted to another precision.
+
+    torchmetrics guards its states against ``.half()`` and ``.float()`` but not against ``.to(dtype)``, which is how
+    Lightning's ``bf16-true`` and ``16-true`` precisions convert a module: a float counter in bfloat16 stops at 256
+    (8 bits of mantissa). These states stay float64 (sums, exact to 2^53) or integer whatever the module's precision;
+    a move to another device still moves them.
+    """
+
+    def _apply(self, fn: Callable, exclude_state: Sequence[str] = "") -> Metric:
+        if self._dtype_convert:  # set_dtype: a conversion asked of the metric itself
+            return super()._apply(fn, exclude_state)
+        dtypes = {key: getattr(self, key).dtype for key in self._defaults}
+        this = super()._apply(fn, exclude_state)
+        for key, dtype in dtypes.items():
+            if getattr(this, key).dtype != dtype:
+                setattr(this, key, getattr(this, key).to(dtype))
+                this._defaults[key] = this._defaults[key].to(dtype)
+        return this
+
+
+class OnlineMean(ExactStates, MeanMetric):
     """Weighted mean of per-sample values, for prequential (test-then-train) accuracies; no host sync per update.
 
     torchmetrics' ``MeanMetric`` scans every update for NaN, which reads ``.any()`` on the host (a device sync); the
@@ -19,11 +42,12 @@ class OnlineMean(MeanMetric):
         >>> metric = OnlineMean()
         >>> metric.update(torch.tensor(1.0), torch.tensor(1.0)); metric.update(torch.tensor(0.0), torch.tensor(1.0))
         >>> metric.compute()
-        tensor(0.5000)
+        tensor(0.5000, dtype=torch.float64)
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.set_dtype(torch.float64)  # a sum and a count of samples: exact in float64 whatever the module's dtype
         self.persistent(True)
 
     def update(self, value: Tensor, weight: Tensor) -> None:
@@ -50,7 +74,7 @@ class OnlineAccuracy(OnlineMean):
         >>> metric.update(torch.tensor([0.1, 0.7, 0.2]), torch.tensor(1))
         >>> metric.update(torch.tensor([0.5, 0.3, 0.2]), torch.tensor(2))
         >>> metric.compute()
-        tensor(0.5000)
+        tensor(0.5000, dtype=torch.float64)
     """
 
     def __init__(self, top_k: int = 1, **kwargs) -> None:
@@ -84,7 +108,7 @@ class OnlineAccuracy(OnlineMean):
         self.weight += weight.sum().to(self.weight.dtype)
 
 
-class MovingAverage(Metric):
+class MovingAverage(ExactStates):
     """Mean of the last ``window`` values (the paper's moving-average loss, window 1000).
 
     torchmetrics' ``RunningMean`` keeps ``window`` copies of its base metric's state (2,000 state tensors for a
