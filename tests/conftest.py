@@ -28,6 +28,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after): tiny models gain nothing from more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def cifar_ok(monkeypatch):
     """Accept hand-written CIFAR files: torchvision's real loader, without its MD5 check."""
     monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *args, **kwargs: True)

@@ -39,13 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: these steps are tiny, and more threads only add synchronisation."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models: more intra-op threads only add synchronisation (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- helpers

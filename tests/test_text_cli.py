@@ -16,13 +16,8 @@ TEXT = str(ROOT / "configs" / "text_quickstart.yaml")
 DEBUG = str(ROOT / "configs" / "debug.yaml")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: tiny models gain nothing from more, and on a shared machine they only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models: more intra-op threads only add synchronisation (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

