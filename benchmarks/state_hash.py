@@ -5,7 +5,7 @@ seed, ``OMP_NUM_THREADS=1``, and compare::
 
     python benchmarks/state_hash.py outputs/debug/version_0/checkpoints/last.ckpt
 
-Prints one line per part (``model``, ``optimizer``) and the whole.
+Prints one line per part (``network``, ``model``, ``optimizer``, ``global_step``) and the whole.
 """
 
 from __future__ import annotations
@@ -36,18 +36,20 @@ def _feed(digest: Any, value: Any) -> None:
 
 
 def state_hashes(path: str) -> dict[str, str]:
-    """``model`` (the trainable tensors and metric states), ``optimizer`` (its state, not its param groups), ``all``."""
+    """``network`` (its weights), ``model`` (the network and the metric states), ``optimizer`` (its state, not its param
+    groups), ``global_step`` and ``all``."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     model = checkpoint["state_dict"]
+    network = {key: value for key, value in model.items() if key.startswith("network.")}
     optimizer = [state["state"] for state in checkpoint.get("optimizer_states", [])]
-    parts = {"model": model, "optimizer": optimizer, "global_step": checkpoint.get("global_step")}
+    parts = {"network": network, "model": model, "optimizer": optimizer, "global_step": checkpoint.get("global_step")}
     hashes = {}
     for name, value in parts.items():
         digest = hashlib.sha256()
         _feed(digest, value)
         hashes[name] = digest.hexdigest()[:16]
     digest = hashlib.sha256()
-    _feed(digest, parts)
+    _feed(digest, {key: value for key, value in parts.items() if key != "network"})
     hashes["all"] = digest.hexdigest()[:16]
     return hashes
 
