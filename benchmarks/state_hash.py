@@ -37,7 +37,8 @@ def _feed(digest: Any, value: Any) -> None:
 
 def state_hashes(path: str) -> dict[str, str]:
     """``network`` (its weights), ``model`` (the network and the metric states), ``optimizer`` (its state, not its param
-    groups), ``global_step`` and ``all``."""
+    groups), ``global_step`` and ``all``.
+    """
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     model = checkpoint["state_dict"]
     network = {key: value for key, value in model.items() if key.startswith("network.")}

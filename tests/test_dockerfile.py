@@ -75,7 +75,9 @@ def test_readme_docker_runs_parse_and_mount_where_the_run_reads_and_writes(capsy
             main([*local, "--print_config"])
         assert exit_info.value.code in (0, None)
         config = yaml.safe_load(capsys.readouterr().out)
-        paths = [config["data"]["root"], config["trainer"]["logger"]["init_args"]["save_dir"]]
+        # The source family's data folder (families that read files from the working directory have a root).
+        root = (config["data"]["source"].get("init_args") or {}).get("root")
+        paths = [p for p in (root, config["trainer"]["logger"]["init_args"]["save_dir"]) if p is not None]
         callbacks = [c.get("init_args", {}) for c in config["trainer"]["callbacks"]]
         # A checkpoint callback without a dirpath writes under the logger's save_dir, already listed.
         paths += [c["dirpath"] for c in callbacks if c.get("dirpath") is not None]

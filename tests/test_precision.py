@@ -34,7 +34,9 @@ def test_loko_fit_in_each_precision_counts_every_sample(tmp_path, precision):
     """260 samples through ``loko fit`` (more than a bfloat16 counter can hold: 256): the online accuracy is the number
     of correct prequential predictions over 260, and every sample is in the moving average."""
     data = ["--data.max_samples", "260", "--data.eval_max_samples", "4"]
-    main(["fit", "--config", DEBUG, *TINY, *data, "--trainer.precision", precision, *outputs(tmp_path, plot=False)])
+    # A checkpoint at steps 130 and 260: the last one holds the whole run.
+    run = outputs(tmp_path, every=130, plot=False)
+    main(["fit", "--config", DEBUG, *TINY, *data, "--trainer.precision", precision, *run])
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert state["online_acc.weight"].dtype == torch.float64 and float(state["online_acc.weight"]) == 260.0
     correct = float(state["online_acc.mean_value"])
