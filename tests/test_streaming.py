@@ -3,10 +3,13 @@ JSON Lines and image-folder files that the tests write in those formats. The ord
 a resume at any position with any batch size and number of processes goes on exactly, and bad input is one error
 naming its field."""
 
+import io
 import json
+import tarfile
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from data_files import RESNET18, colour, decode, make
@@ -247,6 +250,34 @@ def test_an_image_folder_streams_with_its_class_folders_as_labels(tmp_path):
     assert [decode(b["inputs"][0]) for b in out] == order and sorted(order) == list(range(12))
     assert all(int(b["label"][0]) == decode(b["inputs"][0]) % 3 for b in out)
     assert sorted(decode(item["inputs"]) for item in dm.eval_dataset) == [30, 31, 32]
+
+
+def test_arrow_and_webdataset_files_stream_in_their_order_with_their_labels(tmp_path):
+    """The ``arrow`` builder (an Arrow IPC stream, as datasets writes its cache, ClassLabel kept in the schema) and the
+    ``webdataset`` builder (a tar of ``<key>.png`` and ``<key>.cls`` members, plain integer labels, so the model's
+    ``num_classes``): every sample once, in the files' order, with its label."""
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
+    ids = range(9)
+    rows = {"image": [Image.new("RGB", (12, 10), colour(i)) for i in ids], "label": [i % 3 for i in ids]}
+    table = datasets.Dataset.from_dict(rows, features=features).data.table
+    with pa.ipc.new_stream(str(tmp_path / "train.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    with tarfile.open(tmp_path / "train.tar", "w") as tar:
+        for i in ids:
+            image = io.BytesIO()
+            Image.new("RGB", (12, 10), colour(i)).save(image, format="PNG")
+            for name, data in ((f"{i:04d}.png", image.getvalue()), (f"{i:04d}.cls", str(i % 3).encode())):
+                member = tarfile.TarInfo(name)
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+    arrow = make(HFStream("arrow", root=str(tmp_path / "train.arrow"), shuffle_buffer=0, image_size=8), max_samples=9)
+    assert arrow.classes == CLASSES
+    tar = make(HFStream("webdataset", root=str(tmp_path / "train.tar"), shuffle_buffer=0, image_size=8,
+                        label_column="cls"), max_samples=9, num_classes=3)  # fmt: skip
+    for dm in (arrow, tar):
+        out = list(dm.train_dataloader())
+        assert [decode(b["inputs"][0]) for b in out] == list(ids)
+        assert [int(b["label"][0]) for b in out] == [i % 3 for i in ids]
 
 
 def test_a_stream_shorter_than_max_samples_stops_every_process_at_the_same_step(tmp_path):

@@ -89,6 +89,22 @@ def test_predict_on_the_held_out_split_and_on_files(trained, tmp_path, capsys, m
         assert row["predicted"] == str(int(np.argmax(probabilities)))
         assert sum(probabilities) == pytest.approx(1.0, abs=1e-4)  # ten values written with 6 significant digits
 
+    # The held-out rows are the learner's own forward pass on the held-out split, in the data module's order.
+    main([*common, "--predictions", str(tmp_path / "held_out.json"), "--trainer.enable_progress_bar", "false"])
+    held = json.loads((tmp_path / "held_out.json").read_text())
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True).eval()
+    from loko_lightning.data import MNIST5k, StreamDataModule
+
+    datamodule = StreamDataModule(MNIST5k(image_size=32), preprocessing=learner.network_factory.preprocessing(),
+                                  num_classes=10, eval_max_samples=12)  # fmt: skip
+    datamodule.setup("predict")
+    batch = next(iter(datamodule.predict_dataloader()))
+    with torch.no_grad():
+        want = learner(batch["inputs"]).softmax(-1)
+    assert [row["label"] for row in held] == [str(int(label)) for label in batch["label"]]
+    # The same batch of 12 through the same kernels: the same bits (JSON keeps every digit of a float).
+    assert torch.equal(torch.tensor([list(row["probabilities"].values()) for row in held], dtype=torch.float32), want)
+
     # Files: the same probabilities as the learner's own forward pass on the data module's preprocessing.
     paths = digits(tmp_path / "images")
     files = "[" + ", ".join(str(p) for p in [paths[0], paths[1].parent]) + "]"
