@@ -36,8 +36,10 @@ def _feed(digest: Any, value: Any) -> None:
 
 
 def state_hashes(path: str) -> dict[str, str]:
-    """``network`` (its weights), ``model`` (the network and the metric states), ``optimizer`` (its state, not its param
-    groups), ``global_step`` and ``all``.
+    """The hashes of a checkpoint's parts and of the whole.
+
+    ``network`` (its weights), ``model`` (the network and the metric states), ``optimizer`` (its state, not its param
+    groups), ``global_step`` and ``all`` (every part but ``network``, which ``model`` holds).
     """
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     model = checkpoint["state_dict"]
