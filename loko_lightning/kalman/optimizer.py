@@ -499,7 +499,7 @@ class LoKO(torch.optim.Optimizer):
         if low_rank is not None:
             low_rank_flat = self._low_rank_flat
             if low_rank_flat is None:
-                low_rank_flat = torch.cat([low_rank[i].to(plan.dtype) for i in plan.order])
+                low_rank_flat = plan.flatten_rows(low_rank)
         belief = Belief(flat, shared["R"], shared["step"], low_rank_flat)
         with torch.inference_mode():  # cheaper per operation than no_grad; the states written stay ordinary tensors
             evidence = Evidence(prediction.detach(), target.detach(), blocks, aggregation)
@@ -510,8 +510,9 @@ class LoKO(torch.optim.Optimizer):
             shared["step"].add_(applied.to(shared["step"].dtype))
             shared["skipped"].add_((~applied).to(torch.int64))
             diagnostics["innovation_norm"] = torch.linalg.vector_norm(proposal.innovation)
-            nan = torch.full((), math.nan, dtype=plan.dtype, device=plan.device)
-            diagnostics["cond"] = nan if proposal.cond is None else proposal.cond
+            diagnostics["cond"] = proposal.cond
+            if proposal.cond is None:  # no system solved (the information forms): no condition number
+                diagnostics["cond"] = torch.full((), math.nan, dtype=plan.dtype, device=plan.device)
             # p̂'s statistics cost three passes over it: with p̂ kept flat they are computed when diagnostics are read.
             self._statistics_pending = "p_mean" not in diagnostics and self._cov_flat is not None
             if "p_mean" not in diagnostics and self._cov_flat is None:
@@ -519,8 +520,7 @@ class LoKO(torch.optim.Optimizer):
         if self._cov_flat is None:
             torch._foreach_copy_(covs, plan.views(flat))
         if low_rank is not None and self._low_rank_flat is None:
-            for block, index in zip(low_rank, range(len(own)), strict=True):
-                block.copy_(low_rank_flat[plan.offsets[index] : plan.offsets[index] + block.shape[0]])
+            plan.scatter_rows(low_rank_flat, low_rank)
         diagnostics["skipped"] = shared["skipped"]
         diagnostics["step"] = shared["step"]
         self._diagnostics = diagnostics
@@ -574,7 +574,7 @@ class LoKO(torch.optim.Optimizer):
             self._low_rank_flat, self._low_rank_views = None, []
             return blocks
         if self._low_rank_flat is None or any(w is not v for w, v in zip(blocks, self._low_rank_views, strict=True)):
-            self._low_rank_flat = torch.cat([blocks[i] for i in plan.order])
+            self._low_rank_flat = plan.flatten_rows(blocks)
             self._low_rank_views = [
                 self._low_rank_flat[plan.offsets[i] : plan.offsets[i] + param.numel()] for i, param in enumerate(params)
             ]

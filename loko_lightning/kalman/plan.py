@@ -125,6 +125,15 @@ class UpdatePlan:
         """One flat vector (in this plan's order and dtype) from per-parameter tensors (in parameter order)."""
         return torch.cat([tensors[i].reshape(-1).to(device=self.device, dtype=self.dtype) for i in self.order])
 
+    def flatten_rows(self, blocks: Sequence[Tensor]) -> Tensor:
+        """One ``(n, L)`` tensor in this plan's order from per-parameter ``(numel, L)`` blocks (LoFi's ``W``)."""
+        return torch.cat([blocks[i].to(self.dtype) for i in self.order])
+
+    def scatter_rows(self, flat: Tensor, blocks: Sequence[Tensor]) -> None:
+        """Copy a flat ``(n, L)`` tensor (this plan's order) back into the per-parameter blocks, in parameter order."""
+        for block, start in zip(blocks, self.offsets, strict=True):
+            block.copy_(flat[start : start + block.shape[0]])
+
     def hpht(self, jacobians: Sequence[JacobianBlock], prior: Tensor) -> Tensor:
         """``H P Hᵀ`` for ``p̂ = prior`` (flat, this plan's order): the sum of every kind's term."""
         terms = [kind.hpht(jacobians, prior) for kind in self.kinds]

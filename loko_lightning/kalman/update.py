@@ -70,7 +70,7 @@ def loko_update(
     if filter.low_rank():
         if "W" not in state:
             raise ValueError(f"Invalid state: filter {filter.spec!r} keeps the low-rank factor W: give state['W']")
-        low_rank = torch.cat([state["W"][i].to(plan.dtype) for i in plan.order])
+        low_rank = plan.flatten_rows(state["W"])
     belief = Belief(flat, state.get("R"), state["step"], low_rank)
     proposal = filter.propose(plan, Evidence(prediction, target, jacobians), belief)
     applied = plan.apply(params, flat, proposal.posterior, proposal.finite)
@@ -78,12 +78,9 @@ def loko_update(
     state["step"].add_(applied.to(state["step"].dtype))
     torch._foreach_copy_(covs, plan.views(flat))
     if low_rank is not None:
-        for block, start in zip(state["W"], plan.offsets, strict=True):
-            block.copy_(low_rank[start : start + block.shape[0]])
-    nan = torch.full((), float("nan"), dtype=plan.dtype, device=plan.device)
-    diagnostics = {
-        "applied": applied,
-        "innovation_norm": torch.linalg.vector_norm(proposal.innovation),
-        "cond": nan if proposal.cond is None else proposal.cond,
-    }
+        plan.scatter_rows(low_rank, state["W"])
+    cond = proposal.cond
+    if cond is None:  # no system solved (the information forms)
+        cond = torch.full((), float("nan"), dtype=plan.dtype, device=plan.device)
+    diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(proposal.innovation), "cond": cond}
     return {**diagnostics, **plan.statistics(flat)}

@@ -72,7 +72,7 @@ class Proposal:
         finite: whether the step's inputs are finite (0-d bool on the device).
         innovation: ``e = y − ŷ`` (stacked).
         R: the new observation noise ``R_k``, for filters that estimate it.
-        cond: the condition number of the solved system's kept spectrum (NaN where there is none).
+        cond: the condition number of the solved system's kept spectrum (``None`` where none is solved).
         low_rank: the new ``W``, for filters that keep one.
     """
 

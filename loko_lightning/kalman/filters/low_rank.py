@@ -25,7 +25,6 @@ specification is :func:`loko_lightning.kalman.reference.lofi_step_reference`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -112,8 +111,7 @@ class LowRankPrecision(Filter):
         kept = rotated[:, rotated.shape[1] - rank :]
         plan.time.covariance(posterior)
         kept = plan.time.low_rank(kept)
-        nan = torch.full((), math.nan, dtype=dtype, device=plan.device)
-        return Proposal(posterior=posterior, finite=finite, innovation=innovation, cond=nan, low_rank=kept)
+        return Proposal(posterior=posterior, finite=finite, innovation=innovation, low_rank=kept)
 
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
         """``W_k`` where the step was applied."""
