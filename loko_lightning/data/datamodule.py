@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from loko_lightning.data.perturbations import Perturbation
 from loko_lightning.data.predict import PredictDataset
-from loko_lightning.data.sources.base import Source, StreamSettings
+from loko_lightning.data.sources.base import Source, StreamSettings, stored_init_args
 from loko_lightning.data.sources.torchvision_datasets import CIFAR10
 from loko_lightning.data.stream import (
     HeldOutDataset,
@@ -384,12 +384,7 @@ def _configuration(value: Source | Perturbation) -> dict[str, Any]:
     Its ``__init__`` arguments are read from the attributes of their names (the ones it keeps).
     """
     cls = type(value)
-    if isinstance(value, Source):
-        init_args = value.init_args()
-    else:
-        names = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
-        init_args = {name: getattr(value, name) for name in names if hasattr(value, name)}
-    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": stored_init_args(value)}
 
 
 @contextmanager

@@ -119,6 +119,14 @@ class OpenedSource:
     summary: str | None = None
 
 
+
+def stored_init_args(value: Any) -> dict[str, Any]:
+    """The ``__init__`` arguments of an object that keeps each as the attribute of its name (paths as strings)."""
+    names = [name for name in inspect.signature(type(value).__init__).parameters if name != "self"]
+    values = {name: getattr(value, name) for name in names if hasattr(value, name)}
+    return {name: str(item) if isinstance(item, Path) else item for name, item in values.items()}
+
+
 class Source:
     """A family of datasets: how to load its splits, where its files are, how to get them, and its options.
 
@@ -157,9 +165,7 @@ class Source:
 
         With the class path, what a configuration file holds: the data module saves it with its hyperparameters.
         """
-        names = [name for name in inspect.signature(type(self).__init__).parameters if name != "self"]
-        values = {name: getattr(self, name) for name in names if hasattr(self, name)}
-        return {name: str(value) if isinstance(value, Path) else value for name, value in values.items()}
+        return stored_init_args(self)
 
     def for_modality(self, modality: str) -> Source:
         """This source for a network of ``modality``: itself, unless it :attr:`follows_network`.
