@@ -87,6 +87,14 @@ class OnlineReport(pl.Callback):
             window = min(int(module.ce_avg.count), module.ce_avg.window)
             ce = float(module.ce_avg.compute())
             lines.append(f"Moving-average cross-entropy over the last {window:,} samples: {ce:.4f}")
+        if hasattr(module, "nll") and hasattr(module, "ece"):
+            recent = min(int(module.ece_recent.seen), module.ece_recent.window)
+            lines.append(
+                f"Calibration: prequential negative log-likelihood {float(module.nll.compute()):.4f} "
+                f"({float(module.nll_recent.compute()):.4f} over the last {recent:,}), expected calibration error "
+                f"{100 * float(module.ece.compute()):.2f}% ({100 * float(module.ece_recent.compute()):.2f}% over the "
+                f"last {recent:,}; {module.ece.n_bins} bins)"
+            )
         logger = trainer.logger
         if logger is not None:
             logger.save()

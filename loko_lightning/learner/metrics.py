@@ -149,3 +149,92 @@ class MovingAverage(ExactStates):
         """Mean of the last ``min(count, window)`` values (NaN before the first update)."""
         seen = self.count.clamp(max=self.window)
         return (self.buffer.sum() / seen).to(torch.float32)
+
+
+class CalibrationError(ExactStates):
+    r"""Expected calibration error of the top-1 predictions, streamed: over every sample so far, or the last ``window``.
+
+    The quantity of torchmetrics' ``MulticlassCalibrationError(n_bins, norm="l1")``, with its bins: the confidence
+    ``c = max_j ŷ_j`` of each prediction falls in one of ``n_bins`` equal-width bins of ``[0, 1]`` (a confidence of
+    exactly 1 in a bin of its own, as there), and
+
+    .. math::
+
+        \mathrm{ECE} = \sum_b \frac{|B_b|}{N} \Big| \overline{\mathrm{acc}}_b - \bar c_b \Big|
+        = \frac{1}{N} \sum_b \Big| \sum_{i \in B_b} (\mathbb 1[\arg\max \hat y_i = y_i] - c_i) \Big|.
+
+    Over the whole stream it keeps three sums per bin (O(n_bins) numbers, O(1) per sample: torchmetrics' metric keeps
+    every confidence and sorts them into bins at each ``compute``); over a window, the last ``window`` confidences
+    and hits. Float64 sums, exact in any module precision; saved in checkpoints.
+
+    Args:
+        n_bins: the number of bins (torchmetrics' default, 15).
+        window: ``None``: every sample; else the last ``window`` samples.
+
+    Example:
+        >>> metric = CalibrationError(n_bins=10)
+        >>> metric.update(torch.tensor([0.9, 0.1]), torch.tensor(0))  # confident and right
+        >>> metric.update(torch.tensor([0.35, 0.65]), torch.tensor(0))  # 65% sure, wrong
+        >>> round(float(metric.compute()), 4)  # (|1 - 0.9| + |0 - 0.65|) / 2
+        0.375
+    """
+
+    full_state_update = False
+
+    def __init__(self, n_bins: int = 15, window: int | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(n_bins, int) or n_bins < 1:
+            raise ValueError(f"Invalid n_bins: {n_bins} (must be a positive integer)")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"Invalid window: {window} (must be a positive integer or None)")
+        self.n_bins, self.window = n_bins, window
+        if window is None:
+            for name in ("count", "confidence", "correct"):
+                self.add_state(name, torch.zeros(n_bins + 1, dtype=torch.float64), "sum", persistent=True)
+        else:
+            self.add_state("confidences", torch.zeros(window, dtype=torch.float64), None, persistent=True)
+            self.add_state("hits", torch.zeros(window, dtype=torch.float64), None, persistent=True)
+            self.add_state("seen", torch.zeros((), dtype=torch.long), None, persistent=True)
+
+    def update(self, prediction: Tensor, label: Tensor, keep: Tensor | bool = True) -> None:
+        """Add one prediction ``(m,)`` (probabilities) and its 0-d label, unless ``keep`` is false (no host sync)."""
+        prediction = prediction.detach()
+        confidence, predicted = prediction.max(-1)
+        hit = (predicted == torch.as_tensor(label, device=prediction.device)).to(torch.float64)
+        keep = torch.as_tensor(keep, device=prediction.device)
+        if self.window is None:
+            slot = self.bin_of(confidence.reshape(1))
+            weight = keep.to(torch.float64).reshape(1)
+            self.count.index_add_(0, slot, weight)
+            self.confidence.index_add_(0, slot, weight * confidence.to(torch.float64).reshape(1))
+            self.correct.index_add_(0, slot, weight * hit.reshape(1))
+            return
+        slot = (self.seen % self.window).reshape(1)
+        for buffer, value in ((self.confidences, confidence.to(torch.float64)), (self.hits, hit)):
+            buffer.index_copy_(0, slot, torch.where(keep, value.reshape(1), buffer[slot]))
+        self.seen += keep.to(self.seen.dtype)
+
+    def bin_of(self, confidence: Tensor) -> Tensor:
+        """The bin of each confidence: torchmetrics' ``bucketize(c, linspace(0, 1, n_bins + 1), right=True) - 1``."""
+        confidence = confidence.float()
+        boundaries = torch.linspace(0, 1, self.n_bins + 1, dtype=confidence.dtype, device=confidence.device)
+        return torch.bucketize(confidence, boundaries, right=True) - 1
+
+    def bins(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Per bin: the number of predictions, their summed confidence and their summed hits (float64)."""
+        if self.window is None:
+            return self.count, self.confidence, self.correct
+        filled = int(self.seen.clamp(max=self.window))
+        confidences, hits = self.confidences[:filled], self.hits[:filled]
+        slots = self.bin_of(confidences)
+        zeros = torch.zeros(self.n_bins + 1, dtype=torch.float64, device=confidences.device)
+        return (
+            zeros.index_add(0, slots, torch.ones_like(confidences)),
+            zeros.index_add(0, slots, confidences),
+            zeros.index_add(0, slots, hits),
+        )
+
+    def compute(self) -> Tensor:
+        """The expected calibration error (NaN before the first prediction), float32."""
+        count, confidence, correct = self.bins()
+        return ((correct - confidence).abs().sum() / count.sum()).to(torch.float32)

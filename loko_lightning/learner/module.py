@@ -24,9 +24,9 @@ from torchmetrics.classification import (
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checks import check_schedule_length, optimizer_class, probe, resolve_selection
-from loko_lightning.learner.metrics import MovingAverage, OnlineAccuracy
+from loko_lightning.learner.metrics import CalibrationError, MovingAverage, OnlineAccuracy, OnlineMean
 from loko_lightning.learner.selection import Candidates
-from loko_lightning.learner.steps import GradientStep, KalmanStep, OnlineStep, SelectionStep
+from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
 from loko_lightning.models.adapters import count_parameters, freeze_normalization
 from loko_lightning.models.factory import NetworkFactory
 
@@ -62,7 +62,10 @@ class OnlineClassifier(pl.LightningModule):
     scheduler stepped per sample: the step strategy (:mod:`loko_lightning.learner.steps`) is chosen once, here.
     Logged every step: ``train/online_acc``, ``train/online_acc_top5``, ``train/online_acc_recent{recent_window}``
     (the accuracy of the last ``recent_window`` predictions: is the learner still improving?),
-    ``train/loss_avg{window}``, ``train/ce_avg{window}``, ``train/step_time``, ``train/skipped``, ``train/lr``
+    ``train/loss_avg{window}``, ``train/ce_avg{window}``, the calibration of the same predictions: ``train/nll`` and
+    ``train/nll_recent{recent_window}`` (prequential negative log-likelihood), ``train/ece`` and
+    ``train/ece_recent{recent_window}`` (expected calibration error, 15 bins:
+    :class:`~loko_lightning.learner.metrics.CalibrationError`), ``train/step_time``, ``train/skipped``, ``train/lr``
     (gradient optimizers),
     ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond`` (LoKO); ``val/acc``, ``test/acc``.
     Under mixed precision the forward pass and the Jacobian run under autocast, the Kalman update in LoKO's dtype.
@@ -147,7 +150,7 @@ class OnlineClassifier(pl.LightningModule):
         self.collective_timeout = float(collective_timeout)
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
-        step = KalmanStep if isinstance(probe(optimizer), LoKO) else GradientStep
+        step = step_for(probe(optimizer))
         step.check(network, lr_scheduler, owner=OnlineClassifier)
         self.online_step: OnlineStep = step() if self.select is None else SelectionStep(step(), self.select)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
@@ -160,6 +163,12 @@ class OnlineClassifier(pl.LightningModule):
         self.online_acc_recent = MovingAverage(recent_window, sync_on_compute=False)
         self.loss_avg = MovingAverage(window, sync_on_compute=False)
         self.ce_avg = MovingAverage(window, sync_on_compute=False)
+        # Calibration beside accuracy: the prequential negative log-likelihood and expected calibration error, over
+        # the stream and over the recent window.
+        self.nll = OnlineMean(sync_on_compute=False)
+        self.nll_recent = MovingAverage(recent_window, sync_on_compute=False)
+        self.ece = CalibrationError(sync_on_compute=False)
+        self.ece_recent = CalibrationError(window=recent_window, sync_on_compute=False)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         # The training data's class names (label ids in order) and preprocessing (the data module's effective image
         # data config, or tokenizer and token budget), taken from the data module at fit; kept in checkpoints.
@@ -252,6 +261,30 @@ class OnlineClassifier(pl.LightningModule):
         if preprocessing is not None:
             self.preprocessing = preprocessing
 
+    def on_validation_start(self) -> None:
+        """Evaluate with the parameters the optimizer predicts with (schedule-free AdamW's average)."""
+        self.online_step.evaluate(self, entering=True)
+
+    def on_validation_end(self) -> None:
+        """Back to the training parameters."""
+        self.online_step.evaluate(self, entering=False)
+
+    def on_test_start(self) -> None:
+        """As :meth:`on_validation_start`."""
+        self.online_step.evaluate(self, entering=True)
+
+    def on_test_end(self) -> None:
+        """As :meth:`on_validation_end`."""
+        self.online_step.evaluate(self, entering=False)
+
+    def on_predict_start(self) -> None:
+        """As :meth:`on_validation_start`."""
+        self.online_step.evaluate(self, entering=True)
+
+    def on_predict_end(self) -> None:
+        """As :meth:`on_validation_end`."""
+        self.online_step.evaluate(self, entering=False)
+
     def on_train_start(self) -> None:
         """Let the step prepare (the candidates of ``select``, from the checkpoint when resuming)."""
         self.online_step.start(self)
@@ -279,9 +312,14 @@ class OnlineClassifier(pl.LightningModule):
             self.preprocessing = dict(checkpoint["preprocessing"])
         self.online_step.on_load_checkpoint(checkpoint)
         state = checkpoint.get("state_dict")
+        if state is not None and self._trainer is not None and self.trainer.state.fn == "fit":
+            # Schedule-free AdamW's weights are its average x; training resumes from its point y.
+            state.update(checkpoint.get("loko_train_point") or {})
         if state is not None:
-            for key, value in self.online_acc_recent.state_dict(prefix="online_acc_recent.").items():
-                state.setdefault(key, value)
+            # Checkpoints from before a metric existed: it starts empty.
+            for name in ("online_acc_recent", "nll", "nll_recent", "ece", "ece_recent"):
+                for key, value in getattr(self, name).state_dict(prefix=f"{name}.").items():
+                    state.setdefault(key, value)
 
     def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:
         """Score the step's predictions ``(N, m)`` against their labels ``(N,)``, one sample after the other."""
@@ -293,7 +331,12 @@ class OnlineClassifier(pl.LightningModule):
             self.online_acc_recent.update((scores.argmax() == target).to(scores.dtype), applied)
             one_hot = F.one_hot(target, scores.shape[0]).to(scores.dtype)
             self.loss_avg.update((one_hot - scores).abs().sum(), applied)
-            self.ce_avg.update(-scores[target].clamp_min(torch.finfo(scores.dtype).tiny).log(), applied)
+            nll = -scores[target].clamp_min(torch.finfo(scores.dtype).tiny).log()
+            self.ce_avg.update(nll, applied)
+            self.nll.update(nll, weight)
+            self.nll_recent.update(nll, applied)
+            self.ece.update(scores, target, applied)
+            self.ece_recent.update(scores, target, applied)
         window = self.hparams.window
         values = {
             "train/online_acc": self.online_acc.compute(),
@@ -301,6 +344,10 @@ class OnlineClassifier(pl.LightningModule):
             f"train/online_acc_recent{self.hparams.recent_window}": self.online_acc_recent.compute(),
             f"train/loss_avg{window}": self.loss_avg.compute(),
             f"train/ce_avg{window}": self.ce_avg.compute(),
+            "train/nll": self.nll.compute(),
+            f"train/nll_recent{self.hparams.recent_window}": self.nll_recent.compute(),
+            "train/ece": self.ece.compute(),
+            f"train/ece_recent{self.hparams.recent_window}": self.ece_recent.compute(),
             "train/step_time": elapsed,
             "train/skipped": self.skipped.float(),
         }

@@ -11,7 +11,7 @@ not finite changes nothing).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.engine import JacobianEngine
 from loko_lightning.kalman.distributed import all_gather_observations
+from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checks import check_selection_trainer, refuse_learning_rate_tools
 from loko_lightning.learner.selection import Candidates, CandidateStates
 
@@ -57,6 +58,9 @@ class OnlineStep:
 
     def close(self) -> None:
         """Release what the steps held on to (called when training ends)."""
+
+    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
+        """Set the parameters evaluation and prediction use (``entering``), or back to the training ones."""
 
 
 def collective_timeout(module: pl.LightningModule) -> float | None:
@@ -168,12 +172,18 @@ class GradientStep(OnlineStep):
         """One gradient step on the mean cross-entropy of the step's samples."""
         logits = module.network(inputs)
         loss = F.cross_entropy(logits, label)
+        applied = self.descend(module, optimizer, loss)
+        prediction = logits.detach().softmax(-1)
+        return (*self.gather(module, prediction, label), applied)
+
+    @staticmethod
+    def descend(module: pl.LightningModule, optimizer: Any, loss: Tensor, finite: Tensor | None = None) -> Tensor:
+        """Backward through ``loss`` and step (and the scheduler), unless it (or ``finite``) is not finite."""
         optimizer.zero_grad(set_to_none=True)
         # One host sync per step, for gradient optimizers only: a NaN loss must not reach AdamW's moments. Under DDP
         # the processes agree first (a process skipping backward alone would leave the others waiting in all-reduce).
-        applied = torch.isfinite(loss)
-        world = world_size(module)
-        if world > 1:
+        applied = torch.isfinite(loss) if finite is None else torch.isfinite(loss) & finite
+        if world_size(module) > 1:
             applied = module.all_gather(applied).all()
         if applied:
             module.manual_backward(loss)
@@ -182,16 +192,193 @@ class GradientStep(OnlineStep):
         scheduler = module.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        prediction = logits.detach().softmax(-1)
-        if world > 1:  # the metrics score every process's predictions
+        return applied
+
+    @staticmethod
+    def gather(module: pl.LightningModule, prediction: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
+        """Under DDP every process's predictions and labels (the metrics score them all); else as they are."""
+        if world_size(module) > 1:
             target = F.one_hot(label, module.num_classes).to(prediction.dtype)
             prediction, target, _ = all_gather_observations(prediction, target, [], timeout=collective_timeout(module))
             label = target.argmax(-1)
-        return prediction, label, applied
+        return prediction, label
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The learning rate of the last step (the scheduler's ``get_last_lr()`` after its step)."""
         return {"train/lr": optimizer.param_groups[0]["lr"]}
+
+
+class PeerStep(OnlineStep):
+    """What the peers' steps (:mod:`loko_lightning.peers`) share: one process, and where they predict from."""
+
+    def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
+        """The peers run in one process (their packages' updates are not wired to Lightning's DDP here)."""
+        if trainer.world_size > 1:
+            raise ConfigError(
+                f"the peer optimizers (loko_lightning.peers) run in one process; this trainer has "
+                f"{trainer.world_size}: set --trainer.devices 1 (or use LoKO or AdamW for DDP)",
+                field="optimizer",
+                owner=owner,
+            )
+
+
+@contextlib.contextmanager
+def averaged_point(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, the parameters of a schedule-free optimizer in train mode hold its average ``x``; after, ``y`` again.
+
+    ``optimizer.eval()`` moves them to ``x``; on the way back the saved ``y`` is copied in (not ``optimizer.train()``,
+    whose interpolation back would round ``y`` differently), so predicting never changes the training trajectory.
+    """
+    groups = [group for group in optimizer.param_groups if group.get("train_mode")]
+    if not groups:
+        yield
+        return
+    params = [p for group in groups for p in group["params"]]
+    saved = [p.detach().clone() for p in params]
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, value in zip(params, saved, strict=True):
+                param.copy_(value)
+        for group in groups:
+            group["train_mode"] = True
+
+
+class ScheduleFreeStep(PeerStep, GradientStep):
+    """Schedule-free AdamW's step (:class:`~loko_lightning.peers.ScheduleFreeAdamW`): predict with ``x``, step at ``y``.
+
+    Each sample is predicted with the average ``x`` (the point whose guarantees schedule-free AdamW gives, and the one a
+    deployed model would serve), then the gradient of its cross-entropy is taken at ``y``. Evaluation, testing and
+    prediction during or after training use ``x`` too, and a checkpoint's weights are ``x`` (with ``y`` beside them
+    as ``"loko_train_point"``, from which a resumed run continues exactly). Costs one forward pass more than AdamW.
+    """
+
+    def __init__(self) -> None:
+        self._module: pl.LightningModule | None = None
+        self._evaluating: contextlib.ExitStack | None = None
+
+    def start(self, module: pl.LightningModule) -> None:
+        """Remember the learner (its checkpoints need the optimizer's average)."""
+        self._module = module
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """Predict with ``x``, then one step at ``y`` on the mean cross-entropy."""
+        free = getattr(optimizer, "optimizer", optimizer)
+        if not free.param_groups[0]["train_mode"]:
+            free.train()  # a fresh optimizer (its first step, or a candidate's): no average yet, so x = y
+        with torch.no_grad(), averaged_point(free):
+            averaged = module.network(inputs)
+        loss = F.cross_entropy(module.network(inputs), label)
+        applied = self.descend(module, optimizer, loss, finite=torch.isfinite(averaged).all())
+        return (*self.gather(module, averaged.softmax(-1), label), applied)
+
+    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
+        """Move the parameters to ``x`` for evaluation and prediction during a fit (and back to ``y`` after)."""
+        optimizers = module._trainer.optimizers if module._trainer is not None else []
+        if entering and optimizers and self._evaluating is None:
+            self._evaluating = contextlib.ExitStack()
+            self._evaluating.enter_context(averaged_point(optimizers[0]))
+        elif not entering and self._evaluating is not None:
+            self._evaluating.close()
+            self._evaluating = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The weights at ``x``; ``y`` kept as ``"loko_train_point"`` for resuming."""
+        module = self._module
+        if module is None or not module._trainer or not module.trainer.optimizers or self._evaluating is not None:
+            return
+        named = [(f"network.{name}", p) for name, p in module.network.named_parameters() if p.requires_grad]
+        checkpoint["loko_train_point"] = {name: p.detach().clone() for name, p in named}
+        with torch.no_grad(), averaged_point(module.trainer.optimizers[0]):
+            checkpoint["state_dict"].update({name: p.detach().clone() for name, p in named})
+
+
+class IVONStep(PeerStep, GradientStep):
+    """IVON's step (:class:`~loko_lightning.peers.IVON`): predict with the posterior mean, learn from draws.
+
+    Each sample is predicted with the mean (the parameters, as evaluation and ``loko predict`` use them); then for
+    each of IVON's ``mc_samples`` draws the parameters are sampled (``sampled_params(train=True)``), the cross-entropy's
+    gradient taken there, and IVON's step applies them. A draw whose loss is not finite contributes a zero gradient; a
+    sample whose prediction is not finite draws nothing and changes nothing. Costs one forward pass more than AdamW
+    (with ``mc_samples: 1``).
+    """
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """Predict with the mean, draw and differentiate, then IVON's step."""
+        ivon = getattr(optimizer, "optimizer", optimizer)
+        with torch.no_grad():
+            logits = module.network(inputs)
+        applied = torch.isfinite(F.cross_entropy(logits, label))
+        if applied:  # one host sync, as the gradient step's
+            params = module.trainable_parameters
+            for _ in range(ivon.mc_samples):
+                with ivon.sampled_params(train=True):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = F.cross_entropy(module.network(inputs), label)
+                    if torch.isfinite(loss):
+                        module.manual_backward(loss)
+                    for p in params:
+                        if p.grad is None or not torch.isfinite(loss):
+                            p.grad = torch.zeros_like(p)
+        optimizer.step()  # no draw (a skipped sample): IVON changes nothing
+        scheduler = module.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        return logits.softmax(-1), label, applied
+
+
+class FunctionalStep(PeerStep):
+    """The ``posteriors`` EKF's step (:class:`~loko_lightning.peers.DiagonalFisherEKF`): one update of its state.
+
+    The step hands the optimizer the per-sample log-likelihood of its samples as a function of the trainable
+    parameters (``torch.func.functional_call`` of the network); ``posteriors`` differentiates it and updates the mean
+    and variances; the prediction is the one it computed at the mean before the update. Logged: ``train/lr``.
+    """
+
+    def __init__(self) -> None:
+        self._names: list[str] | None = None
+
+    @staticmethod
+    def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
+        """A filter: the network must be deterministic, and there is no learning rate to schedule."""
+        KalmanStep.check(network, lr_scheduler, owner)
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """One ``posteriors`` update on the step's samples."""
+        network = module.network
+        if self._names is None:
+            self._names = [name for name, p in network.named_parameters() if p.requires_grad]
+        names = self._names
+
+        def log_likelihood(params: dict[str, Tensor], batch: tuple[Any, Tensor]) -> tuple[Tensor, Tensor]:
+            x, y = batch
+            weights = {name: params[f"p{index}"] for index, name in enumerate(names)}
+            logits = torch.func.functional_call(network, weights, (x,), strict=False)
+            return logits.log_softmax(-1).gather(-1, y[:, None])[:, 0], logits
+
+        logits, applied = optimizer.step(closure=lambda: (log_likelihood, (inputs, label)))
+        return logits.softmax(-1), label, applied
+
+
+#: The peers' steps, by the qualified name of the peer's class (their packages are imported only when used).
+PEER_STEPS: dict[str, type[OnlineStep]] = {
+    "loko_lightning.peers.schedule_free.ScheduleFreeAdamW": ScheduleFreeStep,
+    "loko_lightning.peers.ivon.IVON": IVONStep,
+    "loko_lightning.peers.ekf.DiagonalFisherEKF": FunctionalStep,
+}
+
+
+def step_for(optimizer: torch.optim.Optimizer) -> type[OnlineStep]:
+    """The step strategy of an optimizer: LoKO's, a peer's (or a subclass's), else the gradient step."""
+    if isinstance(optimizer, LoKO):
+        return KalmanStep
+    for cls in type(optimizer).__mro__:
+        step = PEER_STEPS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if step is not None:
+            return step
+    return GradientStep
 
 
 class SelectionStep(OnlineStep):
@@ -259,13 +446,18 @@ class SelectionStep(OnlineStep):
         return self.inner.logged(optimizer)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The candidates and their scores."""
+        """The inner step's state, the candidates and their scores."""
+        self.inner.on_save_checkpoint(checkpoint)
         if self.states is not None:
             checkpoint["loko_selection"] = self.states.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the candidates' state until training starts."""
         self._pending = checkpoint.get("loko_selection")
+
+    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
+        """The inner step's evaluation parameters."""
+        self.inner.evaluate(module, entering)
 
     def close(self) -> None:
         """Close the inner step."""
