@@ -8,7 +8,8 @@ A run is the training of ``loko fit`` with the same configs and overrides, built
 - callbacks: only the config's :class:`~loko_lightning.learner.DivergenceGuard` is kept (checkpoints and the
   end-of-run report have no use here), and :class:`StepRecorder` is added;
 - a learning-rate scheduler with a ``total_iters`` argument (the AdamW baseline's ``LinearLR``) runs over the
-  stream's length in steps (samples / ``data.batch_size``), so the paper's linear decay ends with the stream;
+  stream's length in steps (samples / ``data.batch_size``), so the paper's linear decay ends with the stream; an
+  optimizer with an effective sample size ``ess`` (IVON) gets the stream's samples;
 - :class:`~loko_lightning.LoKO` draws ``p̂₀`` from its own generator seeded with the run's seed (unless the config
   sets ``seed``). The learner checks its optimizer on a stand-in parameter before it builds the network; from the
   global RNG, LoKO's draw in that check would shift the network's initialisation. With its own generator nothing
@@ -138,7 +139,7 @@ class BenchmarkCLI(LoKOCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        """Keep only the divergence guard, seed LoKO's ``p̂₀``, stretch a scheduler over the stream."""
+        """Keep only the divergence guard, seed LoKO's ``p̂₀``, fit a scheduler and IVON's ``ess`` to the stream."""
         config = self.config
         callbacks = config.trainer.callbacks or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
@@ -159,7 +160,21 @@ class BenchmarkCLI(LoKOCLI):
                 self.resolved["model.optimizer.seed"] = config.seed_everything
         scheduler = config.model.lr_scheduler
         if isinstance(scheduler, Namespace) and "total_iters" in scheduler.get("init_args", Namespace()):
-            # The stream's length is known once its data is loaded (fewer samples than asked, OOD samples added).
+            # One scheduler step per training step: B samples (data.batch_size) make one step.
+            stream = self._stream()
+            scheduler.init_args.total_iters = math.ceil(stream.stream_length / stream.batch_size)
+            self.resolved["model.lr_scheduler.total_iters"] = scheduler.init_args.total_iters
+        if isinstance(optimizer, Namespace) and "ess" in optimizer.get("init_args", Namespace()):
+            # IVON's effective sample size: the samples its posterior is for, the stream's (as its authors set it to
+            # the training set's size).
+            optimizer.init_args.ess = self._stream().stream_length
+            self.resolved["model.optimizer.init_args.ess"] = optimizer.init_args.ess
+        super().before_instantiate_classes()
+
+    def _stream(self) -> StreamDataModule:
+        """The run's data module, set up once (the stream's length is known once its data is loaded)."""
+        if self._set_up is None:
+            config = self.config
             network = instantiate_class((), config.model.network.as_dict())  # cheap: builds nothing
             data = config.data.as_dict()
             for name in ("source", "perturbation"):  # configured classes: {"class_path": ..., "init_args": ...}
@@ -168,10 +183,7 @@ class BenchmarkCLI(LoKOCLI):
             self._set_up = StreamDataModule(**{**data, "preprocessing": network.preprocessing()})
             self._set_up.prepare_data()
             self._set_up.setup("fit")
-            # One scheduler step per training step: B samples (data.batch_size) make one step.
-            scheduler.init_args.total_iters = math.ceil(self._set_up.stream_length / self._set_up.batch_size)
-            self.resolved["model.lr_scheduler.total_iters"] = scheduler.init_args.total_iters
-        super().before_instantiate_classes()
+        return self._set_up
 
     def instantiate_classes(self) -> None:
         """Instantiate; a data module already set up above (same configuration) replaces the new one: one load."""
@@ -225,7 +237,7 @@ class StepRecorder(pl.Callback):
         label: prefix of the progress lines.
     """
 
-    FIELDS = ("online_acc", "recent_acc", "loss_avg", "ce_avg", "step_time")
+    FIELDS = ("online_acc", "recent_acc", "loss_avg", "ce_avg", "step_time", "nll", "nll_recent", "ece", "ece_recent")
 
     def __init__(self, print_every: int = 0, label: str = "") -> None:
         self.print_every = print_every
@@ -235,6 +247,7 @@ class StepRecorder(pl.Callback):
         self.rows: dict[str, list[float]] = {name: [] for name in self.FIELDS}
         self.samples: list[int] = []
         self.selection: str | None = None
+        self.reliability: list[list[float]] = []
         self.started = time.perf_counter()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -246,6 +259,10 @@ class StepRecorder(pl.Callback):
             "loss_avg": f"train/loss_avg{self.window}",
             "ce_avg": f"train/ce_avg{self.window}",
             "step_time": "train/step_time",
+            "nll": "train/nll",
+            "nll_recent": f"train/nll_recent{pl_module.hparams.recent_window}",
+            "ece": "train/ece",
+            "ece_recent": f"train/ece_recent{pl_module.hparams.recent_window}",
         }
         self.started = time.perf_counter()
 
@@ -254,6 +271,9 @@ class StepRecorder(pl.Callback):
         states = getattr(getattr(pl_module, "online_step", None), "states", None)  # a SelectionStep's candidates
         if states is not None:
             self.selection = states.summary()
+        ece = getattr(pl_module, "ece", None)
+        if ece is not None:  # the reliability diagram's bins: predictions, summed confidence, summed hits
+            self.reliability = [[float(v) for v in values] for values in ece.bins()]
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -291,6 +311,9 @@ class RunResult:
         recent_acc: online accuracy of the last ``recent_window`` predictions (the learner's) after each step.
         samples: samples seen after each step (a step takes ``data.batch_size`` samples per process).
         selection: what an online selection (``select``, ``p0: auto``) chose and the candidates' scores, else None.
+        nll, nll_recent: the prequential negative log-likelihood over the stream and the recent window, each step.
+        ece, ece_recent: the expected calibration error (15 bins) over the stream and the recent window, each step.
+        reliability: at the end, per confidence bin: the predictions, their summed confidence, their summed hits.
     """
 
     online_acc: list[float]
@@ -306,6 +329,11 @@ class RunResult:
     recent_acc: list[float] = field(default_factory=list)
     samples: list[int] = field(default_factory=list)
     selection: str | None = None
+    nll: list[float] = field(default_factory=list)
+    nll_recent: list[float] = field(default_factory=list)
+    ece: list[float] = field(default_factory=list)
+    ece_recent: list[float] = field(default_factory=list)
+    reliability: list[list[float]] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -368,6 +396,11 @@ def fit(
         recent_acc=rows["recent_acc"],
         samples=recorder.samples,
         selection=recorder.selection,
+        nll=rows["nll"],
+        nll_recent=rows["nll_recent"],
+        ece=rows["ece"],
+        ece_recent=rows["ece_recent"],
+        reliability=recorder.reliability,
     )
 
 

@@ -68,26 +68,58 @@ from typing import Any
 
 import common
 
-OPTIMIZERS = ("loko", "loko_auto", "adamw", "adamw_tuned", "adagrad")
+OPTIMIZERS = (
+    "loko",
+    "loko_auto",
+    "adamw",
+    "adamw_tuned",
+    "adamw_const",
+    "adagrad",
+    "schedulefree",
+    "ivon",
+    "posteriors",
+)
 LABELS = {
     "loko": "LoKO",
     "loko_auto": "LoKO (p0: auto)",
     "adamw": "LoRA/AdamW",
     "adamw_tuned": "LoRA/AdamW (lr tuned)",
+    "adamw_const": "LoRA/AdamW (lr tuned, constant)",
     "adagrad": "LoRA/AdaGrad",
+    "schedulefree": "Schedule-free AdamW (lr tuned)",
+    "ivon": "IVON (lr tuned)",
+    "posteriors": "posteriors EKF (p0 tuned)",
 }
 COLORS = {
     "loko": "tab:red",
     "loko_auto": "tab:orange",
     "adamw": "tab:blue",
     "adamw_tuned": "tab:purple",
+    "adamw_const": "tab:pink",
     "adagrad": "tab:green",
+    "schedulefree": "tab:cyan",
+    "ivon": "tab:brown",
+    "posteriors": "tab:olive",
 }
 # The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it.
 LOKO_RUNS = {"loko": [], "loko_auto": ["--model.optimizer.p0=auto"]}
 # The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
-SELECTING = ("loko_auto", "adamw_tuned")
-CSV_FIELDS = ("optimizer", "seed", "step", "samples", "online_acc", "recent_acc", "loss_avg", "ce_avg", "step_time")
+SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors")
+CSV_FIELDS = (
+    "optimizer",
+    "seed",
+    "step",
+    "samples",
+    "online_acc",
+    "recent_acc",
+    "loss_avg",
+    "ce_avg",
+    "step_time",
+    "nll",
+    "nll_recent",
+    "ece",
+    "ece_recent",
+)
 # Overrides of these keys configure one optimizer: they go to the config's own (the loko runs), not to the baselines.
 OPTIMIZER_KEYS = ("--model.optimizer", "--model.lr_scheduler")
 
@@ -138,6 +170,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return mean, std
 
 
+# The calibration a comparison reports beside accuracy (RunResult/CSV fields): the prequential negative log-likelihood
+# and expected calibration error (15 bins), over the stream and over the recent window.
+CALIBRATION = ("nll", "nll_recent", "ece", "ece_recent")
+
 # The moving-average loss a comparison reports: (the RunResult/CSV field, its name in words).
 LOSSES = {"l1": ("loss_avg", "L1 loss"), "ce": ("ce_avg", "cross-entropy")}
 
@@ -175,6 +211,14 @@ def summarize(
             "steps": {run.seed: run.result.steps for run in mine},
             "wall_s": {run.seed: run.result.wall_s for run in mine},
             "selection": {run.seed: run.result.selection for run in mine if run.result.selection},
+            **{
+                f"final_{name}": {
+                    run.seed: getattr(run.result, name)[-1]
+                    for run in mine
+                    if getattr(run.result, name) and run.result.diverged is None
+                }
+                for name in CALIBRATION
+            },
         }
     reference = medians.get("adamw", math.nan)
     for optimizer in optimizers:
@@ -185,8 +229,9 @@ def summarize(
 def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
     """The results table (ratios only, no absolute times), one row per optimizer in ``summary``'s order."""
     lines = [
-        "| optimizer | final online accuracy (%) | per seed (%) | steps to convergence | step-time ratio vs AdamW |",
-        "|---|---|---|---|---|",
+        "| optimizer | final online accuracy (%) | per seed (%) | prequential NLL | ECE (%) | steps to convergence "
+        "| step-time ratio vs AdamW |",
+        "|---|---|---|---|---|---|---|",
     ]
     for optimizer, entry in summary.items():
         per_seed = ", ".join(f"{100 * v:.2f}" for v in entry["final_online_acc"].values())
@@ -202,8 +247,18 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
             conv_text = "n/a"
         ratio = entry["step_time_ratio_vs_adamw"]
         ratio_text = f"{ratio:.2f}" if math.isfinite(ratio) else "n/a (no AdamW run)"
-        lines.append(f"| {LABELS[optimizer]} | {acc} | {per_seed} | {conv_text} | {ratio_text} |")
+        nll, ece = (_spread(list(entry[f"final_{name}"].values()), scale) for name, scale in (("nll", 1), ("ece", 100)))
+        lines.append(f"| {LABELS[optimizer]} | {acc} | {per_seed} | {nll} | {ece} | {conv_text} | {ratio_text} |")
     return "\n".join(lines)
+
+
+def _spread(values: list[float], scale: float) -> str:
+    """``mean ± std`` of the finite ``values`` times ``scale``, ``n/a`` without any."""
+    finite = [scale * v for v in values if math.isfinite(v)]
+    if not finite:
+        return "n/a"
+    mean, std = _mean_std(finite)
+    return f"{mean:.3f} ± {std:.3f}" if scale == 1 else f"{mean:.1f} ± {std:.1f}"
 
 
 def csv_rows(runs: list[Run], every: int) -> list[list[Any]]:
@@ -217,7 +272,8 @@ def csv_rows(runs: list[Run], every: int) -> list[list[Any]]:
                 continue
             samples = r.samples[i] if r.samples else step
             recent = r.recent_acc[i] if r.recent_acc else math.nan
-            values = (r.online_acc[i], recent, r.loss_avg[i], r.ce_avg[i], r.step_time[i])
+            calibration = [getattr(r, name)[i] if getattr(r, name) else math.nan for name in CALIBRATION]
+            values = (r.online_acc[i], recent, r.loss_avg[i], r.ce_avg[i], r.step_time[i], *calibration)
             rows.append([run.optimizer, run.seed, step, samples, *(f"{v:.6g}" for v in values)])
     return rows
 
@@ -271,8 +327,10 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
                 missing.append(f"{optimizer}@{n}")
                 continue
             recent = float(row["recent_acc"]) if row.get("recent_acc") else math.nan
+            nll = float(row["nll"]) if row.get("nll") else math.nan
+            ece = 100 * float(row["ece"]) if row.get("ece") else math.nan
             values.setdefault((optimizer, n), []).append(
-                (100 * float(row["online_acc"]), 100 * recent, float(row[field]))
+                (100 * float(row["online_acc"]), 100 * recent, float(row[field]), nll, ece)
             )
     if not optimizers or missing:
         missing_text = ", ".join(dict.fromkeys(missing)) or "any optimizer"
@@ -282,11 +340,11 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
         f"| optimizer | {header} |",
         "|---|" + "---|" * len(at),
     ]
-    has_recent = False
+    has_recent = has_calibration = False
     for optimizer in optimizers:
         cells = []
         for n in at:
-            accs, recents, losses = zip(*values[optimizer, n], strict=True)
+            accs, recents, losses, nlls, eces = zip(*values[optimizer, n], strict=True)
             acc_mean, acc_std = _mean_std(list(accs))
             loss_mean, _ = _mean_std(list(losses))
             cell = f"{acc_mean:.1f} ± {acc_std:.1f} %"
@@ -294,7 +352,11 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
                 has_recent = True
                 recent_mean, recent_std = _mean_std(list(recents))
                 cell += f", recent {recent_mean:.1f} ± {recent_std:.1f} %"
-            cells.append(f"{cell} ({'L1' if loss == 'l1' else 'CE'} {loss_mean:.3f})")
+            cell += f" ({'L1' if loss == 'l1' else 'CE'} {loss_mean:.3f}"
+            if all(math.isfinite(v) for v in nlls + eces):
+                has_calibration = True
+                cell += f"; NLL {statistics.fmean(nlls):.3f}, ECE {statistics.fmean(eces):.1f} %"
+            cells.append(cell + ")")
         lines.append(f"| {names[optimizer]} | {' | '.join(cells)} |")
     seeds = ", ".join(sorted({str(len(values[o, at[0]])) for o in optimizers}))
     lines.append("")
@@ -303,9 +365,15 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
         if has_recent
         else ""
     )
+    calibration_text = (
+        "; NLL and ECE: the prequential negative log-likelihood and expected calibration error (15 bins) of every "
+        "prediction until then, mean over seeds"
+        if has_calibration
+        else ""
+    )
     lines.append(
         f"Average online accuracy after that many samples, mean ± sample std over {seeds} seeds{recent_text}; and "
-        f"the mean moving-average {loss_name} then."
+        f"the mean moving-average {loss_name} then{calibration_text}."
     )
     return "\n".join(lines)
 
@@ -354,6 +422,46 @@ def plot(runs: list[Run], optimizers: Sequence[str], path: Path, title: str, los
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def plot_reliability(runs: list[Run], optimizers: Sequence[str], path: Path, title: str) -> bool:
+    """The reliability diagram of every prediction of the stream: accuracy against confidence, per optimizer.
+
+    Each optimizer's bins are pooled over its seeds (the predictions, their confidence and hits summed per bin); a
+    bin's point sits at its mean confidence and accuracy, sized by its share of the predictions. Returns whether there
+    was anything to plot (runs from before the learner recorded the bins have none).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    pooled = {}
+    for optimizer in optimizers:
+        mine = [run.result.reliability for run in runs if run.optimizer == optimizer and run.result.reliability]
+        bins = [np.array(reliability) for reliability in mine]
+        if bins:
+            pooled[optimizer] = np.sum(bins, axis=0)
+    if not pooled:
+        return False
+    fig, axis = plt.subplots(figsize=(5.5, 5))
+    axis.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--", label="calibrated")
+    for optimizer, (count, confidence, hits) in pooled.items():
+        used = count > 0
+        mean_conf, accuracy = confidence[used] / count[used], hits[used] / count[used]
+        ece = float(np.abs(hits - confidence).sum() / count.sum())
+        label = f"{LABELS[optimizer]} (ECE {100 * ece:.1f} %)"
+        axis.plot(mean_conf, accuracy, color=COLORS[optimizer], lw=1.2, label=label)
+        axis.scatter(mean_conf, accuracy, s=400 * count[used] / count.sum(), color=COLORS[optimizer], alpha=0.6)
+    axis.set(xlabel="confidence (top-1 probability)", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1))
+    axis.set_title(f"{title}: reliability of every prediction", fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
 
 
 def setting_text(runs: list[Run], args: argparse.Namespace) -> str:
@@ -500,6 +608,7 @@ def _main(args: argparse.Namespace, command: str) -> dict[str, dict[str, Any]]:
     title = args.title or f"{first['dataset']} / {first['backbone']} @ {first['image_size']}"
     common.write_csv(args.out / "metrics.csv", CSV_FIELDS, csv_rows(runs, args.csv_every))
     plot(runs, args.optimizers, args.out / "compare.png", title, loss)
+    plot_reliability(runs, args.optimizers, args.out / "reliability.png", title)
     table = markdown_table(summary)
     window = runs[0].result.window
     total = time.perf_counter() - started
@@ -516,13 +625,16 @@ def _main(args: argparse.Namespace, command: str) -> dict[str, dict[str, Any]]:
         f"T = last step; '*' = at least one seed converged only within the last window (still moving). "
         f"Step-time ratio: median per-step time (the learner's train/step_time, after {args.warmup} warm-up steps, "
         f"pooled over seeds) / AdamW's median; the runs ran one after another in one process on the same streams, "
-        f"optimizer order rotated per seed.\n\nCommand: `python benchmarks/compare.py {command}` "
+        f"optimizer order rotated per seed. Prequential NLL and ECE: the negative log-likelihood and expected "
+        f"calibration error (15 bins) of every prediction of the stream, each made before its update, mean ± std over "
+        f"seeds (reliability.png: the reliability diagram).\n\nCommand: `python benchmarks/compare.py {command}` "
         f"({total / 60:.1f} min wall). The runs of seed {args.seeds[0]} train as:\n\n{reproduce}\n"
     )
     (args.out / "results.md").write_text(text)
     (args.out / "summary.json").write_text(json.dumps({"setting": setting, "loss": loss, "results": summary}, indent=2))
     print(table)
-    print(f"[compare] wrote {args.out}/metrics.csv, compare.png, results.md, summary.json ({total / 60:.1f} min)")
+    written = "metrics.csv, compare.png, reliability.png, results.md, summary.json"
+    print(f"[compare] wrote {args.out}/{written} ({total / 60:.1f} min)")
     return summary
 
 

@@ -67,6 +67,10 @@ def test_compare_end_to_end(scripts, tmp_path):
             assert 0.0 <= float(r["loss_avg"]) <= 2.0
             assert float(r["step_time"]) > 0
     assert (tmp_path / "compare.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "reliability.png").read_bytes()[:8] == PNG_MAGIC
+    # The calibration columns: the learner's prequential NLL and ECE (a fraction) after every step.
+    for r in rows:
+        assert float(r["nll"]) > 0 and 0.0 <= float(r["ece"]) <= 1.0 and 0.0 <= float(r["ece_recent"]) <= 1.0
 
     text = (tmp_path / "results.md").read_text()
     table = [line for line in text.splitlines() if line.startswith("| ")]
@@ -77,8 +81,10 @@ def test_compare_end_to_end(scripts, tmp_path):
         cells = [c.strip() for c in line.strip("|").split("|")]
         mean = float(re.match(r"([\d.]+) ±", cells[1]).group(1))
         assert 0.0 <= mean <= 100.0
-        assert float(cells[4]) > 0
-    assert body[1].strip("|").split("|")[4].strip() == "1.00"
+        nll, ece = (float(re.match(r"([\d.]+) ±", cell).group(1)) for cell in cells[3:5])
+        assert nll > 0 and 0.0 <= ece <= 100.0
+        assert float(cells[6]) > 0
+    assert body[1].strip("|").split("|")[6].strip() == "1.00"
     assert summary["adamw"]["step_time_ratio_vs_adamw"] == pytest.approx(1.0)
     # Each run is a `loko fit` command on the config: AdamW's linear decay runs over the 20-sample stream.
     assert "baselines/adamw.yaml" in text
@@ -86,6 +92,35 @@ def test_compare_end_to_end(scripts, tmp_path):
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["results"]["loko"]["steps"] == {"0": 20}
     assert "test_resnet" in saved["setting"]
+
+
+@pytest.mark.slow
+def test_compare_runs_every_peer_on_the_same_stream(scripts, tmp_path, capsys):
+    """The peers on 20 samples, each choosing its rate (or p0) on the first 8: every step recorded, IVON's effective
+    sample size is the stream's, and the --table-from table shows calibration beside accuracy."""
+    pytest.importorskip("schedulefree")
+    pytest.importorskip("ivon")
+    pytest.importorskip("posteriors")
+    compare = scripts.compare
+    peers = ["adamw_const", "schedulefree", "ivon", "posteriors"]
+    args = [*SCRIPT, "--seeds", "0", "--warmup", "2", "--select-samples", "8", "--optimizers", *peers]
+    summary = compare.main([*args, "--out", str(tmp_path), "--", *TINY])
+    with (tmp_path / "metrics.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for peer in peers:
+        mine = [r for r in rows if r["optimizer"] == peer]
+        assert [int(r["step"]) for r in mine] == list(range(1, 21)), peer
+        assert all(math.isfinite(float(r["nll"])) and 0 <= float(r["ece"]) <= 1 for r in mine), peer
+        assert summary[peer]["selection"][0].startswith("chose"), peer
+    text = (tmp_path / "results.md").read_text()
+    assert "baselines/ivon.yaml" in text and "--model.optimizer.init_args.ess=20" in text
+    assert (tmp_path / "reliability.png").read_bytes()[:8] == PNG_MAGIC
+    capsys.readouterr()
+    compare.main(["--table-from", str(tmp_path), "--at", "10", "20"])
+    table = capsys.readouterr().out
+    for peer in peers:
+        assert compare.LABELS[peer] in table
+    assert "NLL" in table and "ECE" in table
 
 
 @pytest.mark.slow
@@ -154,6 +189,7 @@ def test_compare_table_marks_diverged_runs_and_late_convergence(scripts):
     def run(optimizer, seed, acc, loss, step_time, diverged=None):
         n = len(loss)
         result = common.RunResult([acc] * n, loss, [1.0] * n, [step_time] * n, window=10, wall_s=1.0, diverged=diverged)
+        result.nll, result.ece = [1 - acc] * n, [acc / 10] * n  # made-up calibration: the mean of the kept seeds
         return compare.Run(optimizer, seed, result)
 
     moving = [1.5 - 0.05 * k for k in range(20)]  # 0.05 per step: within 0.05 of the end only from step 20
@@ -167,8 +203,10 @@ def test_compare_table_marks_diverged_runs_and_late_convergence(scripts):
     assert summary["loko"]["steps_to_convergence"] == {0: 20}
     assert summary["loko"]["converged_in_last_window"] == {0: True}
     lines = compare.markdown_table(summary).splitlines()
-    assert lines[2] == "| LoKO | 50.00 ± 0.00 (diverged: seeds 1) | 50.00, 90.00 | 20 ± 0* | 2.00 |"
-    assert lines[3] == "| LoRA/AdamW | 35.00 ± 7.07 | 30.00, 40.00 | 1 ± 0 | 1.00 |"
+    assert lines[2] == (
+        "| LoKO | 50.00 ± 0.00 (diverged: seeds 1) | 50.00, 90.00 | 0.500 ± 0.000 | 5.0 ± 0.0 | 20 ± 0* | 2.00 |"
+    )
+    assert lines[3] == "| LoRA/AdamW | 35.00 ± 7.07 | 30.00, 40.00 | 0.650 ± 0.071 | 3.5 ± 0.7 | 1 ± 0 | 1.00 |"
 
 
 def test_curve_table_from_a_written_csv(scripts, tmp_path, capsys):

@@ -375,7 +375,10 @@ class OnlineClassifier(pl.LightningModule):
 def _check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool) -> None:
     """A checkpoint's optimizer state must be the kind this learner resumes with (LoKO's ``cov`` or not)."""
     states = checkpoint.get("optimizer_states") or []
-    per_parameter = [state for saved in states for state in (saved.get("state") or {}).values()]
+    # Per-parameter states are dicts (IVON also keeps a few counters beside them).
+    per_parameter = [
+        state for saved in states for state in (saved.get("state") or {}).values() if isinstance(state, dict)
+    ]
     if not per_parameter:
         return  # nothing saved (weights only), or not training yet: any optimizer starts fresh
     saved_kalman = any("cov" in state for state in per_parameter)
