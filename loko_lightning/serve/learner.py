@@ -276,7 +276,9 @@ class ServingLearner:
     @property
     def online_accuracy(self) -> float:
         """The prequential accuracy of the learner: each learned sample's prediction made just before its update."""
-        return float(self.module.online_acc.compute()) if float(self.module.online_acc.weight) else math.nan
+        metric = self.module.online_acc  # its sums, read directly (compute() warns on a state only loaded)
+        weight = float(metric.weight)
+        return float(metric.mean_value) / weight if weight else math.nan
 
     @property
     def served_accuracy(self) -> float:
