@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 from runs import loader, stream, tiny, trainer
 
+from loko_lightning import LoKO
 from loko_lightning.cli import main
 from loko_lightning.cli.serve import bound_socket, is_loopback
 from loko_lightning.data.transforms import image_data_config
@@ -155,6 +156,14 @@ def test_a_serving_checkpoint_is_a_loko_checkpoint(base_ckpt, tmp_path):
     assert loaded.class_names == CLASSES
     for a, b in zip(loaded.trainable_parameters, learner.module.trainable_parameters, strict=True):
         assert torch.equal(a, b)
+    # A learner built around a module (from a config, not a checkpoint) saves one too.
+    module = tiny(p0=0.1)
+    built = ServingLearner(module, LoKO(module.trainable_parameters, p0=0.1))
+    built.learn([image(0)], [0])
+    built.save(tmp_path / "built.ckpt")
+    again = ServingLearner.from_checkpoint(tmp_path / "built.ckpt")
+    assert again.learned == 1 and again.optimizer.defaults["p0"] == 0.1
+    assert_same_state(built.state(), again.state())
 
 
 def test_nonfinite_sample_is_skipped_counted_and_changes_nothing(base_ckpt):
@@ -472,10 +481,12 @@ def burst_item(i):
 
 
 def last_phase(server):
-    """Once the burst is learned: predictions of samples 30-35 and their labels by id."""
-    server.wait_learned()
+    """Predictions of samples 30-35, each once all feedback before it is learned (the same version in both runs),
+    and their labels by id."""
     for i in range(30, 36):
+        assert server.wait_learned()["learned"] == i
         (answer,) = call(server.url, "/predict", {"inputs": [png(i)]})[1]
+        assert answer["version"] == i
         assert call(server.url, "/feedback", {"id": answer["id"], "label": label(i)})[0] == 200
     return server.wait_learned()
 

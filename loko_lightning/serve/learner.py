@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
 from torch import Tensor
 
@@ -306,6 +307,9 @@ class ServingLearner:
             **extra: plain values kept beside the counters (``loko serve`` keeps its feedback log position there).
         """
         checkpoint = dict(self._base)
+        # What Lightning's load_from_checkpoint reads, for a learner that was not loaded from a checkpoint.
+        checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
+        checkpoint.setdefault(self.module.CHECKPOINT_HYPER_PARAMS_KEY, dict(self.module.hparams))
         checkpoint["state_dict"] = self.module.state_dict()
         checkpoint["optimizer_states"] = [self.optimizer.state_dict()]
         self.module.on_save_checkpoint(checkpoint)
