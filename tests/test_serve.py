@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ from loko_lightning.cli import main
 from loko_lightning.cli.serve import bound_socket, is_loopback
 from loko_lightning.data.transforms import image_data_config
 from loko_lightning.errors import ConfigError
-from loko_lightning.serve import FeedbackLog, FeedbackService, ServingLearner
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.serve import FeedbackLog, FeedbackService, Rejected, ServingLearner
 from loko_lightning.serve.app import create_app, require_server
 from loko_lightning.serve.service import CHECKPOINT_NAME, LOG_NAME
 
@@ -216,6 +218,50 @@ def test_labels_inputs_and_optimizer_are_checked(base_ckpt, tmp_path):
     assert info.value.field == "optimizer"
 
 
+def test_a_text_model_predicts_and_learns_texts_and_pairs(tmp_path):
+    """A tiny BERT with a real tokenizer: texts and text pairs in, an image string or an empty text refused."""
+    from text_helpers import tiny_bert_dir
+
+    from loko_lightning.models import TransformersClassifier
+
+    factory = TransformersClassifier(str(tiny_bert_dir(tmp_path / "bert")), num_classes=2, pretrained=True)
+    module = OnlineClassifier(factory, partial(LoKO, p0=0.1))
+    module.class_names = ["rotten", "fresh"]
+    learner = ServingLearner(module, LoKO(module.trainable_parameters, p0=0.1))
+    service = FeedbackService(learner, tmp_path / "state")
+    service.start()
+    answers = service.predict({"inputs": ["a great film", ["a plot", "that works"], "bad"]})
+    assert [sorted(a["probabilities"]) for a in answers] == [["fresh", "rotten"]] * 3
+    assert service.feedback({"id": answers[1]["id"], "label": "fresh"})["seq"] == 1
+    assert service.feedback({"input": "an awful ending", "label": 0})["seq"] == 2
+    for bad in ("", "   ", ["only one"], 3):
+        with pytest.raises(Rejected) as info:
+            service.feedback({"input": bad, "label": "fresh"})
+        assert (info.value.status, info.value.field) == (422, "input")
+    assert service.wait_learned(60) and learner.learned == 2 and learner.skipped == 0
+    service.stop()
+
+
+def test_a_step_that_raises_is_skipped_and_the_learner_thread_goes_on(base_ckpt, tmp_path, capsys):
+    service = FeedbackService.open(base_ckpt, tmp_path)
+    learn, calls = service.learner.learn, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return learn(*args, **kwargs)
+
+    service.learner.learn = failing_once
+    service.start()
+    for i in range(2):
+        service.feedback({"input": png(i), "label": label(i)})
+    assert service.wait_learned(60)
+    assert service.position == 2 and service.learner.learned == 2 and service.learner.skipped == 1
+    assert "feedback 1 skipped: RuntimeError: a bug" in capsys.readouterr().err
+    service.stop()
+
+
 # ================================================================ the feedback log
 def test_feedback_log_cuts_a_torn_last_line_and_refuses_a_damaged_one(tmp_path):
     log = FeedbackLog(tmp_path / "f.log")
@@ -260,12 +306,12 @@ def test_service_replays_the_log_after_its_checkpoint(base_ckpt, tmp_path):
 def test_predictions_are_kept_for_their_label_a_bounded_time_and_count(base_ckpt, tmp_path):
     service = FeedbackService.open(base_ckpt, tmp_path, pending_size=2, pending_seconds=0.3)
     answers = service.predict({"inputs": [png(0), png(1), png(2)]})
-    with pytest.raises(Exception) as info:  # the oldest of three was forgotten (at most 2 kept)
+    with pytest.raises(Rejected) as info:  # the oldest of three was forgotten (at most 2 kept)
         service.feedback({"id": answers[0]["id"], "label": "cat"})
     assert (info.value.status, info.value.field) == (404, "id")
     assert service.feedback({"id": answers[1]["id"], "label": "dog"}) == {"seq": 1, "duplicate": False}
     time.sleep(0.35)
-    with pytest.raises(Exception) as info:  # expired
+    with pytest.raises(Rejected) as info:  # expired
         service.feedback({"id": answers[2]["id"], "label": "owl"})
     assert (info.value.status, info.value.field) == (404, "id")
     service.stop()

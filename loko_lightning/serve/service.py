@@ -172,10 +172,15 @@ class FeedbackService:
             print(f"loko serve: feedback {record['seq']} skipped: {err}", file=sys.stderr)
             learner.skip()
         else:
-            (result,) = learner.learn([sample], [record["label"]])
-            self.step_seconds.append(result.seconds)
-            self.step_seconds_sum += result.seconds
-            self.step_count += 1
+            try:
+                (result,) = learner.learn([sample], [record["label"]])
+            except Exception as err:  # the learner thread goes on with the next record whatever one step raises
+                print(f"loko serve: feedback {record['seq']} skipped: {type(err).__name__}: {err}", file=sys.stderr)
+                learner.skip()
+            else:
+                self.step_seconds.append(result.seconds)
+                self.step_seconds_sum += result.seconds
+                self.step_count += 1
         if record.get("predicted") is not None:
             learner.record_served(int(record["predicted"]), int(record["label"]))
         self.position = int(record["seq"])
