@@ -619,6 +619,7 @@ def test_server_killed_in_a_feedback_burst_resumes_bit_for_bit(base_ckpt, tmp_pa
 
 
 # ================================================================ benchmarks/serve_load.py
+@pytest.mark.slow
 def test_load_benchmark_sends_its_requests_and_reports_its_figures(tmp_path, monkeypatch):
     """2 clients, 8 requests (4 predictions, each followed by its label) on a 10-class tiny checkpoint."""
     pytest.importorskip("mlxtend")
