@@ -29,7 +29,7 @@ from loko_lightning.data.predict import decode_image
 from loko_lightning.data.transforms import build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
-from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, check_readable, load_learner
+from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, load_learner
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 
@@ -50,6 +50,8 @@ LOKO_GROUP_KEYS = (
 )
 # A checkpoint's own keys that describe a training run's loops, not the learner: left out of a serving checkpoint.
 RUN_KEYS = ("loops", "callbacks", "lr_schedulers")
+# The keys a serving checkpoint writes afresh (not kept from the checkpoint it was read from).
+FRESH_KEYS = ("state_dict", "optimizer_states", "serve")
 
 
 @dataclasses.dataclass
@@ -103,7 +105,7 @@ class ServingLearner:
         self.modality = module.network_factory.modality
         self.transform = _transform(module)
         saved = dict((checkpoint or {}).get("serve") or {})
-        self._base = {k: v for k, v in (checkpoint or {}).items() if k not in (*RUN_KEYS, "serve")}
+        self._base = {k: v for k, v in (checkpoint or {}).items() if k not in (*RUN_KEYS, *FRESH_KEYS)}
         # Every step's counters, saved and restored with the parameters: a restart continues them exactly.
         self.learned = int(saved.get("learned", 0))
         self.served_total = int(saved.get("served_total", 0))
@@ -130,8 +132,7 @@ class ServingLearner:
             ConfigError: (field ``ckpt_path``) not a readable loko checkpoint; (``optimizer``) the checkpoint's
                 optimizer is not LoKO.
         """
-        module = load_learner(str(path))
-        check_readable(path)
+        module = load_learner(str(path))  # checks that the file is a readable loko checkpoint first
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         states = checkpoint.get("optimizer_states") or []
         state = states[0] if states else None
