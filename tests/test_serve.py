@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -552,6 +553,8 @@ def test_server_killed_in_a_feedback_burst_resumes_bit_for_bit(base_ckpt, tmp_pa
 
     crash = Server(base_ckpt, tmp_path / "crash", tmp_path / "crash-1.log")
     first_phase(crash.url)
+    crash.wait_learned()  # so that a checkpoint (after 5) precedes the kill: the restart loads it and replays the rest
+    assert torch.load(tmp_path / "crash" / CHECKPOINT_NAME, weights_only=True)["serve"]["log_position"] == 5
     acknowledged = {}  # burst index -> seq
 
     def send():
@@ -575,8 +578,14 @@ def test_server_killed_in_a_feedback_burst_resumes_bit_for_bit(base_ckpt, tmp_pa
     assert 12 <= len(acknowledged) < 24, "the kill did not land in the burst"
 
     crash = Server(base_ckpt, tmp_path / "crash", tmp_path / "crash-2.log")
-    restarted = crash.log.read_text()
-    print(restarted.strip().splitlines()[-1], f"(acknowledged before the kill: {len(acknowledged)})")
+    restarted = crash.log.read_text().strip().splitlines()[-1]
+    print(restarted, f"(acknowledged before the kill: {len(acknowledged)})")
+    logged = int(restarted.split("(")[1].split()[0])  # what the log held at the kill: all learned at the restart
+    assert 6 + len(acknowledged) <= logged <= 6 + len(acknowledged) + 1
+    found = re.search(r", (\d+) replayed from the log", restarted)
+    replayed = int(found.group(1)) if found else 0  # 0: the learner had caught up with a checkpoint (rare)
+    # The newest checkpoint (one every 5 samples, the first before the burst) loaded, the log after it replayed.
+    assert logged - replayed >= 5 and (logged - replayed) % 5 == 0
     resent = {}
     for i in range(6 + len(acknowledged), 30):
         status, answer = call(crash.url, "/feedback", burst_item(i))
