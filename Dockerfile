@@ -1,8 +1,12 @@
-# GPU image for loko-lightning: CUDA PyTorch base, the package with its offline extras, `loko` as entrypoint.
+# GPU image for loko-lightning: CUDA PyTorch base, the package with its offline and serve extras, `loko` as entrypoint.
 #   docker build -t loko-lightning .
 #   docker run --gpus all --rm \
 #     -v "$PWD/data:/work/data" -v "$PWD/outputs:/work/outputs" -v "$HOME/.cache/huggingface:/cache/huggingface" \
 #     loko-lightning fit --config /opt/loko/configs/cifar10_resnet18.yaml --trainer.accelerator gpu
+#   Serving a checkpoint (loko serve; docs/serve.md): outside the container needs a token and --host 0.0.0.0:
+#   docker run --rm -p 8000:8000 -v "$PWD/outputs:/work/outputs" -v "$PWD/token:/run/token:ro" \
+#     loko-lightning serve --ckpt_path outputs/quickstart/version_0/checkpoints/last.ckpt --host 0.0.0.0 \
+#     --token-file /run/token
 #
 # The base image and what it ships, written once: .ci/docker_base_check.sh (run by CI) installs exactly this
 # torch and torchvision from PyPI into a Python of this version, runs the RUN line below as written, the fast
@@ -31,10 +35,12 @@ COPY loko_lightning ./loko_lightning
 # keeps the image's CUDA build (and fails, rather than swapping in another torch, if a floor is ever above it).
 # hadolint ignore=DL3013
 RUN python -c "import sys, torch, torchvision; got = (torch.__version__.split('+')[0], torchvision.__version__.split('+')[0], '%d.%d' % sys.version_info[:2]); assert got == ('${TORCH}', '${TORCHVISION}', '${PYTHON}'), got" \
-    && pip install ".[offline]" "torch==${TORCH}" "torchvision==${TORCHVISION}" \
+    && pip install ".[offline,serve]" "torch==${TORCH}" "torchvision==${TORCHVISION}" \
     && ln -s loko_lightning/configs configs
 
 # Runs write data/ and outputs/ relative to the working directory: mount volumes there.
 WORKDIR /work
+# loko serve's port (its default).
+EXPOSE 8000
 ENTRYPOINT ["loko"]
 CMD ["fit", "--config", "/opt/loko/configs/quickstart.yaml"]

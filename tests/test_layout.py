@@ -9,8 +9,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "loko_lightning"
 # The loko_lightning layers each layer may import (itself included). Direction:
-# errors <- observation <- jacobians <- kalman <- learner <- cli; models <- learner; data <- cli; models and data
-# share only the preprocessing they agree on (a network's factory says it, the data module follows it).
+# errors <- observation <- jacobians <- kalman <- learner <- serve <- cli; models <- learner; data <- serve, cli; models
+# and data share only the preprocessing they agree on (a network's factory says it, the data module follows it).
 ALLOWED = {
     "__init__": {"errors", "observation", "jacobians", "kalman"},
     "errors": set(),
@@ -21,7 +21,8 @@ ALLOWED = {
     "models": {"errors", "preprocessing", "models"},
     "data": {"errors", "preprocessing", "data"},
     "learner": {"errors", "observation", "jacobians", "kalman", "models", "learner"},
-    "cli": {"errors", "observation", "jacobians", "kalman", "models", "learner", "data", "cli"},
+    "serve": {"errors", "preprocessing", "observation", "jacobians", "kalman", "models", "learner", "data", "serve"},
+    "cli": {"errors", "observation", "jacobians", "kalman", "models", "learner", "data", "serve", "cli"},
 }
 # Plain PyTorch: usable in any training loop, so these import nothing beyond torch and the standard library.
 TORCH_ONLY = {"errors", "preprocessing", "observation", "jacobians", "kalman"}

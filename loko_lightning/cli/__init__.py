@@ -21,7 +21,7 @@ writes the flag.
 - :mod:`~loko_lightning.cli.command`: :class:`LoKOCLI`, the LightningCLI subclass.
 - :mod:`~loko_lightning.cli.errors`: what is read from jsonargparse's parse errors and from a lost process.
 - :mod:`~loko_lightning.cli.configs`: the packaged configs, by name.
-- :mod:`~loko_lightning.cli.export`: ``loko export`` and :func:`~loko_lightning.cli.export.load_learner`.
+- :mod:`~loko_lightning.cli.export`: ``loko export``.
 """
 
 from loko_lightning.cli.command import LoKOCLI

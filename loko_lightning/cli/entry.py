@@ -10,6 +10,7 @@ from importlib.metadata import version
 from loko_lightning.cli.command import HelpFormatter, LoKOCLI
 from loko_lightning.cli.configs import resolve_config_names
 from loko_lightning.cli.export import export_main
+from loko_lightning.cli.serve import serve_main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import DivergenceError, LostProcessError
 from loko_lightning.learner.module import OnlineClassifier
@@ -26,7 +27,8 @@ DESCRIPTION = (
     "by LoKO (the Low-Rank Kalman Optimizer) or the LoRA/AdamW and LoRA/AdaGrad baselines. "
     "Start with: loko fit --config quickstart (a config shipped in the package, by name; a path works too). "
     "Then: loko predict --config quickstart --ckpt_path CKPT --predictions out.csv; "
-    "loko export --ckpt_path CKPT --out DIR [--merge] (see loko export --help)."
+    "loko export --ckpt_path CKPT --out DIR [--merge] (see loko export --help); "
+    "loko serve --ckpt_path CKPT (predicts, and learns from the labels it is sent; see loko serve --help)."
 )
 
 
@@ -43,6 +45,9 @@ def main(args: list[str] | None = None) -> None:
     try:
         if args[:1] == ["export"]:
             export_main(args[1:])
+            return
+        if args[:1] == ["serve"]:
+            serve_main(args[1:])
             return
         args = resolve_config_names(args)
         if from_command_line:  # LightningCLI reads sys.argv itself (given both, it warns)

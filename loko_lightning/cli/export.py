@@ -1,16 +1,12 @@
-"""``loko export``, and the learner of a checkpoint loaded without running code from the file (:func:`load_learner`)."""
+"""``loko export``: a trained checkpoint as a peft adapter directory or a merged plain model."""
 
 from __future__ import annotations
 
 import argparse
-import pickle
 from argparse import ArgumentError
-from pathlib import Path
 
-from loko_lightning.errors import ConfigError
-from loko_lightning.learner.checkpoint_io import check_readable, unreadable_checkpoint
+from loko_lightning.learner.checkpoint_io import load_learner
 from loko_lightning.learner.export import export
-from loko_lightning.learner.module import OnlineClassifier
 
 
 def export_main(args: list[str]) -> None:
@@ -36,28 +32,3 @@ def export_main(args: list[str]) -> None:
     learner = load_learner(options.ckpt_path)
     out = export(learner, options.out, merge=options.merge, overwrite=options.overwrite)
     print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}")
-
-
-def load_learner(path: str) -> OnlineClassifier:
-    """The learner of a ``loko fit`` checkpoint, loaded without running any code from the file.
-
-    Raises:
-        ConfigError: no file, a file torch cannot read (truncated, not a checkpoint, or holding objects that
-            ``weights_only`` loading refuses), or a checkpoint that is not an :class:`OnlineClassifier`'s.
-    """
-    if not Path(path).expanduser().is_file():
-        raise ConfigError(f"no checkpoint file at {path!r}", field="ckpt_path")
-    check_readable(path)
-    try:
-        return OnlineClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
-    except ConfigError:
-        raise
-    except (pickle.UnpicklingError, EOFError) as err:
-        raise unreadable_checkpoint(path, err) from None
-    except Exception as err:
-        reason = " ".join(str(err).split())[:300]
-        raise ConfigError(
-            f"{path} is not a checkpoint loko can load ({type(err).__name__}: {reason}); pass a checkpoint written "
-            "by loko fit",
-            field="ckpt_path",
-        ) from None

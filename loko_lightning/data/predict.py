@@ -7,6 +7,7 @@ The inputs are checked when the dataset is built, so a bad one is refused before
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,32 @@ def _image_files(item: str) -> list[Path]:
     return [path]
 
 
+# What PIL raises for bytes that are not a readable image (a decompression bomb included).
+UNREADABLE_IMAGE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
+def decode_image(data: bytes, field: str = FIELD) -> Image.Image:
+    """The RGB image held in ``data``, the bytes of an image file (PNG, JPEG, ...), checked whole before it is read.
+
+    Raises:
+        ConfigError: (field ``field``) the bytes are not a readable image.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except UnidentifiedImageError:
+        raise ConfigError(f"{field} is not an image file PIL can read (PNG, JPEG, ...)", field=field) from None
+    except UNREADABLE_IMAGE as err:
+        raise ConfigError(f"{field} is a damaged image ({' '.join(str(err).split())[:160]})", field=field) from None
+
+
 def _check_image(path: Path) -> None:
     try:
         with Image.open(path) as image:
             image.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+    except UNREADABLE_IMAGE as err:
         raise ConfigError(f"cannot read {str(path)!r} as an image ({err})", field=FIELD) from None
 
 

@@ -1,8 +1,9 @@
-"""Checkpoints that survive a crash: written atomically, and a torn file named in one line instead of a torch error.
+"""Checkpoints that survive a crash, written atomically; a torn file named in one line; a learner read back safely.
 
 A run killed at any moment (even with SIGKILL during a checkpoint write) leaves the previous checkpoint intact, so
 ``loko fit --config ... --ckpt_path last`` continues from the newest one with the parameters, the filter state, the
-online metrics, the RNG states and the stream position restored.
+online metrics, the RNG states and the stream position restored. :func:`load_learner` reads a checkpoint's learner
+without running code from the file (``loko export``, ``loko serve``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.learner.module import OnlineClassifier
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -96,3 +98,28 @@ def unreadable_checkpoint(path: Any, err: BaseException) -> ConfigError:
         "without ckpt_path.",
         field="ckpt_path",
     )
+
+
+def load_learner(path: str) -> OnlineClassifier:
+    """The learner of a ``loko fit`` checkpoint, loaded without running any code from the file.
+
+    Raises:
+        ConfigError: no file, a file torch cannot read (truncated, not a checkpoint, or holding objects that
+            ``weights_only`` loading refuses), or a checkpoint that is not an :class:`OnlineClassifier`'s.
+    """
+    if not Path(path).expanduser().is_file():
+        raise ConfigError(f"no checkpoint file at {path!r}", field="ckpt_path")
+    check_readable(path)
+    try:
+        return OnlineClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=True)
+    except ConfigError:
+        raise
+    except (pickle.UnpicklingError, EOFError) as err:
+        raise unreadable_checkpoint(path, err) from None
+    except Exception as err:
+        reason = " ".join(str(err).split())[:300]
+        raise ConfigError(
+            f"{path} is not a checkpoint loko can load ({type(err).__name__}: {reason}); pass a checkpoint written "
+            "by loko fit",
+            field="ckpt_path",
+        ) from None

@@ -1,0 +1,146 @@
+"""``loko serve``: a checkpoint served over HTTP that keeps learning from the labels it is sent.
+
+The options are read here; the service is :mod:`loko_lightning.serve` (FastAPI and uvicorn from the ``serve``
+extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+from argparse import ArgumentError
+from pathlib import Path
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.serve.app import MAX_BODY_BYTES, create_app, require_server
+from loko_lightning.serve.service import FeedbackService
+
+
+def serve_main(args: list[str]) -> None:
+    """``loko serve --ckpt_path CKPT``: predict, take feedback, learn it; see ``loko serve --help``."""
+    parser = argparse.ArgumentParser(
+        prog="loko serve",
+        description=(
+            "Serve a loko fit checkpoint: POST /predict answers class probabilities and an id per input; "
+            "POST /feedback takes a label for an id (or an input with its label), writes it to the feedback log on "
+            "disk before answering, and one learner thread learns it (one LoKO step per sample, in order). "
+            "GET /health, GET /metrics (Prometheus). A restart continues from the state folder's checkpoint and log."
+        ),
+        exit_on_error=False,
+    )
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by loko fit (a LoKO run)")
+    parser.add_argument(
+        "--state_dir",
+        help="folder of the feedback log and the serving checkpoint (default: serve/ beside the checkpoint); "
+        "a restart with the same folder continues where the server stopped",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    parser.add_argument(
+        "--token-file",
+        "--token_file",
+        dest="token_file",
+        help="file holding the bearer token every request must carry; required for a non-loopback --host",
+    )
+    parser.add_argument("--queue_size", type=int, default=1000, help="feedback waiting to be learned, at most (429)")
+    parser.add_argument("--checkpoint_every", type=int, default=100, help="save the learner every N learned samples")
+    parser.add_argument("--max_batch", type=int, default=32, help="inputs per /predict request, at most")
+    parser.add_argument("--max_body_bytes", type=int, default=MAX_BODY_BYTES, help="request size, at most (413)")
+    parser.add_argument("--pending_size", type=int, default=10000, help="predictions kept for a later label")
+    parser.add_argument("--pending_seconds", type=float, default=3600.0, help="how long a prediction is kept")
+    try:
+        options = parser.parse_args(args)
+    except ArgumentError as err:
+        raise ValueError(f"{err.message}. See `loko serve --help`.") from None
+    token = read_token(options.token_file)
+    check_bind(options.host, token)
+    require_server()
+    import uvicorn
+
+    state_dir = options.state_dir or str(Path(options.ckpt_path).expanduser().parent / "serve")
+    service = FeedbackService.open(
+        options.ckpt_path,
+        state_dir,
+        queue_size=options.queue_size,
+        checkpoint_every=options.checkpoint_every,
+        max_batch=options.max_batch,
+        pending_size=options.pending_size,
+        pending_seconds=options.pending_seconds,
+    )
+    sock = bound_socket(options.host, options.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def ready() -> None:
+        replayed = f", {service.replayed} replayed from the log" if service.replayed else ""
+        print(
+            f"loko serve: listening on {url} ({service.position} feedback learned{replayed}; state in {state_dir})",
+            flush=True,
+        )
+
+    app = create_app(service, token=token, max_body_bytes=options.max_body_bytes, on_ready=ready)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def read_token(path: str | None) -> str | None:
+    """The bearer token in ``path`` (surrounding whitespace removed), or ``None`` without a file.
+
+    Raises:
+        ConfigError: (field ``token-file``) no such file, or an empty one.
+    """
+    if path is None:
+        return None
+    try:
+        token = Path(path).expanduser().read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"cannot read the token file {path!r} ({err.__class__.__name__})", field="token-file"
+        ) from None
+    if not token:
+        raise ConfigError(f"the token file {path!r} is empty", field="token-file")
+    return token
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse a non-loopback ``host`` without a token: feedback changes the model, so only its owner may send it.
+
+    Raises:
+        ConfigError: (field ``host``) a non-loopback address and no token.
+    """
+    if token is not None or is_loopback(host):
+        return
+    raise ConfigError(
+        f"host {host!r} is reachable from other machines, and feedback changes the model: give --token-file "
+        "(every request then needs Authorization: Bearer <token>), or bind 127.0.0.1",
+        field="host",
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one, read back from the socket).
+
+    Raises:
+        ConfigError: (field ``port``) the address cannot be bound (in use, not this machine's).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror or err})", field="port") from None
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,130 @@
+"""The web layer of ``loko serve``: FastAPI routes over a :class:`~loko_lightning.serve.service.FeedbackService`.
+
+The routes read a request's JSON (at most ``max_body_bytes``), hand it to the service in a worker thread, and write
+its answer; every refusal is one JSON line ``{"error": ..., "field": ...}`` with a 4xx status. With a token, every
+request needs ``Authorization: Bearer <token>``. FastAPI and uvicorn come with the ``serve`` extra.
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``) when it builds them.
+import contextlib
+import hmac
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.serve.service import FeedbackService, Rejected
+
+INSTALL = 'pip install "loko-lightning[serve]"'
+# A request body larger than this is refused (413) before it is read whole.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def require_server() -> None:
+    """Check that FastAPI and uvicorn are installed.
+
+    Raises:
+        ConfigError: one of them is missing; the message names the extra to install.
+    """
+    missing = []
+    for name in ("fastapi", "uvicorn"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ConfigError(f"loko serve needs {' and '.join(missing)}: {INSTALL}", field=None)
+
+
+def create_app(
+    service: FeedbackService,
+    token: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    on_ready: Callable[[], None] | None = None,
+) -> Any:
+    """The FastAPI application: ``POST /predict``, ``POST /feedback``, ``GET /health``, ``GET /metrics``.
+
+    Its lifespan starts the service's learner thread (then calls ``on_ready``) and, at shutdown, lets it learn what
+    is queued and save a checkpoint.
+
+    Args:
+        service: what answers the requests.
+        token: the bearer token every request must carry; ``None``: no authentication (loopback binds only).
+        max_body_bytes: a larger request body is refused with 413.
+        on_ready: called once the learner thread runs.
+    """
+    require_server()
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        service.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(service.stop)
+
+    app = FastAPI(title="loko serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def refusal(status: int, field: str, message: str, headers: dict[str, str] | None = None) -> Any:
+        return JSONResponse({"error": " ".join(message.split()), "field": field}, status_code=status, headers=headers)
+
+    @app.exception_handler(Rejected)
+    async def rejected(request: Request, err: Rejected) -> Any:
+        return refusal(err.status, err.field, err.message, {"Retry-After": "1"} if err.status == 429 else None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException) -> Any:
+        return refusal(err.status_code, "path", f"{request.method} {request.url.path}: {err.detail}")
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Any) -> Any:
+        if token is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+                return refusal(401, "authorization", "this server needs the header Authorization: Bearer <token>")
+        return await call_next(request)
+
+    async def read_json(request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            raise Rejected(413, "body", f"the payload is {length} bytes; at most {max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise Rejected(413, "body", f"the payload is over {max_body_bytes} bytes")
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        if not data.strip():
+            raise Rejected(400, "body", "the payload is empty: send a JSON object")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise Rejected(400, "body", f"malformed JSON ({err})") from None
+        if not isinstance(body, dict):
+            raise Rejected(400, "body", f"the payload must be a JSON object, got a {type(body).__name__}")
+        return body
+
+    @app.post("/predict")
+    async def predict(request: Request) -> Any:
+        return JSONResponse(await run_in_threadpool(service.predict, await read_json(request)))
+
+    @app.post("/feedback")
+    async def feedback(request: Request) -> Any:
+        return JSONResponse(await run_in_threadpool(service.feedback, await read_json(request)))
+
+    @app.get("/health")
+    async def health() -> Any:
+        return JSONResponse(service.health())
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(service.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app

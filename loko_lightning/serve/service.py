@@ -1,0 +1,409 @@
+"""``FeedbackService``: predictions, durable feedback and one learner thread around a :class:`ServingLearner`.
+
+What ``loko serve`` does, without HTTP (the web layer, :mod:`loko_lightning.serve.app`, only reads requests and
+writes answers):
+
+- :meth:`FeedbackService.predict` answers class probabilities and keeps each input under a new ``id`` (at most
+  ``pending_size`` of them, each for ``pending_seconds``) so that its label can come later;
+- :meth:`FeedbackService.feedback` takes a label for a kept ``id``, or an input with its label; once accepted, the
+  sample is in the feedback log on disk (:class:`~loko_lightning.serve.log.FeedbackLog`) before the call returns,
+  then learned by the learner thread, one LoKO step per sample, in the order of the log. A full queue refuses it
+  (status 429) before anything is written;
+- every ``checkpoint_every`` samples the learner is saved atomically with its position in the log; opening the state
+  folder again loads that checkpoint and learns the log's records after it, so that a killed server resumes exactly
+  where an uninterrupted one would be.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.serve.learner import ServingLearner
+from loko_lightning.serve.log import FeedbackLog
+
+CHECKPOINT_NAME = "learner.ckpt"
+LOG_NAME = "feedback.log"
+# How many of the last step times and feedback lags the quantiles in /metrics are computed over.
+WINDOW = 1000
+
+
+class Rejected(Exception):
+    """A request refused: its HTTP status, the field it is about, and one line saying why."""
+
+    def __init__(self, status: int, field: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.field, self.message = status, field, message
+
+
+class FeedbackService:
+    """Predict, accept feedback durably, learn it in order in one thread, checkpoint with the log position.
+
+    Args:
+        learner: the learner, as loaded (from the state folder's checkpoint, or from the trained checkpoint).
+        state_dir: the folder of the feedback log and the serving checkpoint.
+        queue_size: accepted feedback waiting for the learner, at most; beyond it feedback is refused (429).
+        checkpoint_every: save the learner every this many learned samples (and when the service stops).
+        max_batch: inputs per prediction request, at most.
+        pending_size: predictions kept for a later label, at most (the oldest is forgotten first).
+        pending_seconds: how long a prediction is kept for its label.
+    """
+
+    def __init__(
+        self,
+        learner: ServingLearner,
+        state_dir: str | Path,
+        *,
+        queue_size: int = 1000,
+        checkpoint_every: int = 100,
+        max_batch: int = 32,
+        pending_size: int = 10000,
+        pending_seconds: float = 3600.0,
+    ) -> None:
+        for name, value in {
+            "queue_size": queue_size,
+            "checkpoint_every": checkpoint_every,
+            "max_batch": max_batch,
+            "pending_size": pending_size,
+        }.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+        if not 0 < pending_seconds < math.inf:
+            raise ConfigError(
+                f"pending_seconds must be positive and finite, got {pending_seconds!r}", field="pending_seconds"
+            )
+        self.learner = learner
+        self.state_dir = Path(state_dir)
+        self.queue_size, self.checkpoint_every, self.max_batch = queue_size, checkpoint_every, max_batch
+        self.pending_size, self.pending_seconds = pending_size, pending_seconds
+        self.log = FeedbackLog(self.state_dir / LOG_NAME)
+        self.position = int(learner.extra.get("log_position", 0))
+        if self.position > self.log.count:
+            raise ConfigError(
+                f"the checkpoint in {self.state_dir} has learned {self.position} feedback records but the log holds "
+                f"{self.log.count}: the log was replaced or cut; serve with the log that goes with it, or a new "
+                "state_dir",
+                field="state_dir",
+            )
+        self._keys: dict[str, int] = {}
+        for record in self.log.records():
+            if record.get("key") is not None:
+                self._keys[record["key"]] = record["seq"]
+        self._pending: collections.OrderedDict[str, tuple[Any, int, float]] = collections.OrderedDict()
+        self._pending_lock = threading.Lock()
+        self._queue: collections.deque[tuple[dict[str, Any], float]] = collections.deque()
+        self._accept = threading.Lock()  # one appender: log order is queue order
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.accepted = self.log.count
+        self.predictions = 0
+        self.refused_busy = 0
+        self.step_seconds: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.step_seconds_sum, self.step_count = 0.0, 0
+        self.lags: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.lag_sum, self.lag_count = 0.0, 0
+        self.replayed = 0
+        for record in self.log.records(after=self.position):
+            self._learn(record)
+            self.replayed += 1
+        self._saved_position = self.position
+        if self.replayed:
+            self.save()
+
+    @classmethod
+    def open(cls, ckpt_path: str | Path, state_dir: str | Path, **options: Any) -> FeedbackService:
+        """The service of a state folder: its newest checkpoint (else ``ckpt_path``) and the log learned after it."""
+        saved = Path(state_dir) / CHECKPOINT_NAME
+        learner = ServingLearner.from_checkpoint(saved if saved.is_file() else ckpt_path)
+        return cls(learner, state_dir, **options)
+
+    # ------------------------------------------------------------------ the learner thread
+    def start(self) -> None:
+        """Start the learner thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="loko-learner", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Learn what is queued (it is in the log already), stop the learner thread and save a checkpoint."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.position != self._saved_position:
+            self.save()
+        self.log.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._stopping:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                record, acknowledged = self._queue[0]
+            self._learn(record)
+            done = time.monotonic()
+            with self._wake:
+                self._queue.popleft()
+                self._wake.notify_all()
+            self.lags.append(done - acknowledged)
+            self.lag_sum += done - acknowledged
+            self.lag_count += 1
+            if self.position - self._saved_position >= self.checkpoint_every:
+                self.save()
+
+    def _learn(self, record: dict[str, Any]) -> None:
+        """One record of the log: one LoKO step (or one skipped sample), the log position moved past it."""
+        learner = self.learner
+        try:
+            sample = learner.decode(record["input"])
+        except ConfigError as err:  # accepted inputs are checked; a log edited by hand may still hold one
+            print(f"loko serve: feedback {record['seq']} skipped: {err}", file=sys.stderr)
+            learner.skip()
+        else:
+            try:
+                (result,) = learner.learn([sample], [record["label"]])
+            except Exception as err:  # the learner thread goes on with the next record whatever one step raises
+                print(f"loko serve: feedback {record['seq']} skipped: {type(err).__name__}: {err}", file=sys.stderr)
+                learner.skip()
+            else:
+                self.step_seconds.append(result.seconds)
+                self.step_seconds_sum += result.seconds
+                self.step_count += 1
+        if record.get("predicted") is not None:
+            learner.record_served(int(record["predicted"]), int(record["label"]))
+        self.position = int(record["seq"])
+
+    def save(self) -> None:
+        """Write the learner's checkpoint with the log position it has learned up to (atomically)."""
+        self.learner.save(self.state_dir / CHECKPOINT_NAME, log_position=self.position)
+        self._saved_position = self.position
+
+    def wait_learned(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted feedback is learned; whether it was within ``timeout`` seconds."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not self._queue, timeout)
+
+    @property
+    def queue_length(self) -> int:
+        """Accepted feedback not learned yet (the one being learned included)."""
+        return len(self._queue)
+
+    # ------------------------------------------------------------------ requests
+    def predict(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """``{"inputs": [...]}`` → one ``{"id", "label", "probabilities", "version"}`` per input.
+
+        Raises:
+            Rejected: no ``inputs`` list (400), too many (413), an input that does not decode (422).
+        """
+        inputs = body.get("inputs")
+        if not isinstance(inputs, list) or not inputs:
+            raise Rejected(400, "inputs", "inputs must be a non-empty list")
+        if len(inputs) > self.max_batch:
+            raise Rejected(413, "inputs", f"{len(inputs)} inputs: at most {self.max_batch} per request")
+        samples = []
+        for i, value in enumerate(inputs):
+            try:
+                samples.append(self.learner.decode(value, field=f"inputs[{i}]"))
+            except ConfigError as err:
+                raise Rejected(422, err.field or f"inputs[{i}]", str(err)) from None
+        probabilities, version = self.learner.predict_with_version(samples)
+        classes = self.learner.classes
+        answers = []
+        for value, scores in zip(inputs, probabilities.tolist(), strict=True):
+            best = max(range(len(scores)), key=scores.__getitem__)
+            ident = uuid.uuid4().hex
+            self._remember(ident, value, best)
+            answers.append(
+                {
+                    "id": ident,
+                    "label": classes[best],
+                    "probabilities": dict(zip(classes, scores, strict=True)),
+                    "version": version,
+                }
+            )
+        self.predictions += len(answers)
+        return answers
+
+    def feedback(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``{"id", "label"}`` or ``{"input", "label"[, "key"]}``: on disk when this returns, then learned in order.
+
+        A feedback whose ``id`` (or ``key``) was accepted before is not learned again: the answer names the first one's
+        ``seq`` with ``"duplicate": true`` (a client may resend what it got no answer for).
+
+        Raises:
+            Rejected: a missing or bad field (400), a label not among the classes or an input that does not decode
+                (422), an unknown or expired ``id`` (404), a full queue (429).
+        """
+        if "label" not in body:
+            raise Rejected(400, "label", "label is missing")
+        try:
+            label = self.learner.label_index(body["label"])
+        except ConfigError as err:
+            raise Rejected(422, "label", str(err)) from None
+        predicted = None
+        if "id" in body:
+            key = body["id"]
+            if not isinstance(key, str):
+                raise Rejected(400, "id", "id must be the string a prediction answered")
+            with self._pending_lock:
+                self._forget_expired()
+                kept = self._pending.get(key)
+            if kept is None:
+                if key in self._keys:
+                    return {"seq": self._keys[key], "duplicate": True}
+                raise Rejected(404, "id", f"id {key[:64]!r} is unknown or expired: send the input with its label")
+            value, predicted, _ = kept
+        elif "input" in body:
+            value, key = body["input"], body.get("key")
+            if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 200):
+                raise Rejected(400, "key", "key must be a string of 1 to 200 characters")
+            try:
+                self.learner.decode(value, field="input")
+            except ConfigError as err:
+                raise Rejected(422, "input", str(err)) from None
+        else:
+            raise Rejected(400, "id", "give the id of a prediction, or the input, with its label")
+        record = {"input": value, "label": label, "predicted": predicted, "key": key}
+        with self._accept:
+            if key is not None and key in self._keys:
+                return {"seq": self._keys[key], "duplicate": True}
+            if len(self._queue) >= self.queue_size:
+                self.refused_busy += 1
+                raise Rejected(429, "feedback", f"the learner's queue is full ({self.queue_size}): retry later")
+            seq = self.log.append(record)
+            acknowledged = time.monotonic()
+            if key is not None:
+                self._keys[key] = seq
+            with self._wake:
+                self._queue.append(({"seq": seq, **record}, acknowledged))
+                self._wake.notify_all()
+            self.accepted = seq
+        if "id" in body:
+            with self._pending_lock:
+                self._pending.pop(key, None)
+        return {"seq": seq, "duplicate": False}
+
+    def _remember(self, ident: str, value: Any, predicted: int) -> None:
+        with self._pending_lock:
+            self._forget_expired()
+            self._pending[ident] = (value, predicted, time.monotonic() + self.pending_seconds)
+            while len(self._pending) > self.pending_size:
+                self._pending.popitem(last=False)
+
+    def _forget_expired(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            ident, (_, _, expires) = next(iter(self._pending.items()))
+            if expires > now:
+                return
+            del self._pending[ident]
+
+    # ------------------------------------------------------------------ health and metrics
+    def health(self) -> dict[str, Any]:
+        """Status, samples accepted and learned, queue length, the parameter version predictions read."""
+        return {
+            "status": "ok",
+            "accepted": self.accepted,
+            "learned": self.position,
+            "queue": self.queue_length,
+            "version": self.learner.version,
+            "classes": self.learner.classes,
+        }
+
+    def metrics(self) -> str:
+        """The Prometheus text exposition of the service's counters and gauges."""
+        learner = self.learner
+        rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+            ("loko_feedback_accepted_total", "counter", "feedback accepted (in the log)", [("", self.accepted)]),
+            (
+                "loko_samples_learned_total",
+                "counter",
+                "feedback samples learned (skipped ones included)",
+                [("", self.position)],
+            ),
+            (
+                "loko_samples_skipped_total",
+                "counter",
+                "samples whose update was not finite (nothing changed)",
+                [("", learner.skipped)],
+            ),
+            (
+                "loko_feedback_refused_busy_total",
+                "counter",
+                "feedback refused because the queue was full (429)",
+                [("", self.refused_busy)],
+            ),
+            ("loko_predictions_total", "counter", "inputs predicted since the start", [("", self.predictions)]),
+            (
+                "loko_online_accuracy",
+                "gauge",
+                "accuracy of the served predictions that received feedback",
+                [("", learner.served_accuracy)],
+            ),
+            (
+                "loko_prequential_accuracy",
+                "gauge",
+                "accuracy of each learned sample's prediction just before its step",
+                [("", learner.online_accuracy)],
+            ),
+            ("loko_queue_length", "gauge", "accepted feedback waiting for the learner", [("", self.queue_length)]),
+            ("loko_queue_capacity", "gauge", "queue length beyond which feedback is refused", [("", self.queue_size)]),
+            (
+                "loko_parameter_version",
+                "gauge",
+                "samples learned by the parameters predictions read",
+                [("", learner.version)],
+            ),
+        ]
+        rows.append(
+            _summary(
+                "loko_step_seconds",
+                "wall time of one learner step",
+                self.step_seconds,
+                self.step_seconds_sum,
+                self.step_count,
+            )
+        )
+        rows.append(
+            _summary(
+                "loko_feedback_lag_seconds",
+                "from a feedback's acknowledgement to its update",
+                self.lags,
+                self.lag_sum,
+                self.lag_count,
+            )
+        )
+        lines = []
+        for name, kind, help_text, samples in rows:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{suffix} {_number(value)}" for suffix, value in samples]
+        return "\n".join(lines) + "\n"
+
+
+def _summary(name: str, help_text: str, window: Any, total: float, count: int) -> tuple[str, str, str, list]:
+    """A Prometheus summary: quantiles over the last values, sum and count over all."""
+    values = sorted(window)
+    samples = []
+    for q in (0.5, 0.99):
+        value = values[min(len(values) - 1, int(q * len(values)))] if values else math.nan
+        samples.append((f'{{quantile="{q}"}}', value))
+    samples += [("_sum", total), ("_count", count)]
+    return name, "summary", help_text, samples
+
+
+def _number(value: float) -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
