@@ -362,3 +362,64 @@ def test_outputs_beyond_the_datas_classes_are_named_by_their_ids():
     assert learner.label_names() == ["cat", "dog", "2", "3"]
     rows = prediction_rows([{"probabilities": torch.tensor([[0.1, 0.2, 0.6, 0.1]])}], learner.class_names, None)
     assert rows[0]["predicted"] == "2" and list(rows[0]["probabilities"]) == ["cat", "dog", "2", "3"]
+
+
+def _probabilities(path):
+    return torch.tensor([list(row["probabilities"].values()) for row in json.loads(path.read_text())])
+
+
+@pytest.mark.slow
+def test_predict_validate_and_python_use_the_checkpoints_preprocessing(trained, tmp_path, capsys, monkeypatch):
+    """Trained at 32 px (debug): the quickstart config's 64 px gives way to the checkpoint's 32 px; a flag is refused."""
+    monkeypatch.chdir(tmp_path)
+    quiet = ["--trainer.enable_progress_bar", "false", "--data.eval_max_samples", "12"]
+    runs = {}
+    for config in ("debug", "quickstart"):
+        out = tmp_path / f"{config}.json"
+        main(["predict", "--config", config, "--ckpt_path", str(trained), *quiet, "--predictions", str(out)])
+        runs[config] = _probabilities(out)
+    assert torch.equal(runs["quickstart"], runs["debug"])  # the same 32 px inputs through the same kernels
+
+    # A flag that disagrees with the checkpoint: one line naming both values; none written.
+    out = tmp_path / "flag.json"
+    err = fail(capsys, ["predict", "--config", "debug", "--ckpt_path", str(trained), *quiet,
+                        "--data.source.image_size", "64", "--predictions", str(out)])  # fmt: skip
+    assert err.startswith("loko: error: --data.source.image_size: this flag asks for image_size 64, but the "
+                          "checkpoint was trained with image_size 32") and "--preprocessing_from config" in err
+    assert not out.exists()
+    # The documented override: the configuration's 64 px on purpose.
+    main(["predict", "--config", "quickstart", "--ckpt_path", str(trained), *quiet, "--preprocessing_from", "config",
+          "--predictions", str(out)])  # fmt: skip
+    assert not torch.allclose(_probabilities(out), runs["debug"])
+    # A flag that agrees is taken.
+    main(["predict", "--config", "quickstart", "--ckpt_path", str(trained), *quiet, "--data.source.image_size", "32",
+          "--predictions", str(out)])  # fmt: skip
+    assert torch.equal(_probabilities(out), runs["debug"])
+
+    # validate on a checkpoint: the same held-out accuracy from either config.
+    accuracy = {}
+    for config in ("debug", "quickstart"):
+        main(["validate", "--config", config, "--ckpt_path", str(trained), *quiet, "--trainer.logger", "false"])
+        accuracy[config] = capsys.readouterr().out
+    assert _val_acc(accuracy["debug"]) == _val_acc(accuracy["quickstart"]) is not None
+
+    # Python: load_from_checkpoint, then trainer.predict with a data module configured at 64 px.
+    from loko_lightning.data import MNIST5k, StreamDataModule
+
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True)
+    data = StreamDataModule(MNIST5k(image_size=64), preprocessing=learner.network_factory.preprocessing(),
+                            num_classes=10, eval_max_samples=12)  # fmt: skip
+    import lightning.pytorch as pl
+
+    run = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    batches = run.predict(learner, data)
+    got = torch.cat([batch["probabilities"] for batch in batches])
+    assert data.data_config["input_size"] == (3, 32, 32) and torch.equal(got, runs["debug"])
+
+
+def _val_acc(printed):
+    """The ``val/acc`` value of the results table Lightning prints after ``validate``."""
+    import re
+
+    found = re.search(r"val/acc\W+([0-9.]+)", printed)
+    return found and found[1]

@@ -13,11 +13,13 @@ import importlib
 import pickle
 import re
 import signal
+import sys
 from argparse import ArgumentError
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
@@ -98,6 +100,16 @@ class LoKOCLI(LightningCLI):
                 default="predictions.csv",
                 help="file the predictions are written to: .csv (one p:<class> column per class) or .json",
             )
+        if subcommand in ("validate", "test", "predict"):
+            parser.add_argument(
+                "--preprocessing_from",
+                type=Literal["checkpoint", "config"],
+                default="checkpoint",
+                help=(
+                    "with --ckpt_path: preprocess as the checkpoint's training data was (image size, mean/std, "
+                    "max_length: what loko fit saved), or as this run's configuration and flags say ('config')"
+                ),
+            )
         return parser
 
     def before_fit(self) -> None:
@@ -125,10 +137,53 @@ class LoKOCLI(LightningCLI):
 
     def before_predict(self) -> None:
         """Write the predictions (:class:`~loko_lightning.learner.predictions.PredictionWriter`) when they end."""
+        self._check_preprocessing_flags("predict")
         self.trainer.callbacks.append(PredictionWriter(self.config["predict"]["predictions"]))
+
+    def before_validate(self) -> None:
+        """Evaluate with the checkpoint's preprocessing (:meth:`_check_preprocessing_flags`)."""
+        self._check_preprocessing_flags("validate")
+
+    def before_test(self) -> None:
+        """Evaluate with the checkpoint's preprocessing (:meth:`_check_preprocessing_flags`)."""
+        self._check_preprocessing_flags("test")
+
+    def _check_preprocessing_flags(self, subcommand: str) -> None:
+        """A checkpoint's preprocessing is used; a command-line flag that disagrees with it is refused.
+
+        The learner applies the checkpoint's preprocessing to the data module (a configuration file's image size or
+        ``max_length`` gives way to it); a flag typed on this command line that says otherwise is an error naming both
+        values, unless ``--preprocessing_from config`` asks for the configuration's.
+        """
+        config = self.config[subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if config.get("preprocessing_from") == "config":
+            self.model.use_checkpoint_preprocessing = False
+            return
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("preprocessing")
+        if not saved:
+            return
+        source = config.get("data.source")
+        init_args = getattr(source, "init_args", None)
+        for name in _flags_given(self._given_args, "data.source", PREPROCESSING_OPTIONS):
+            value = getattr(init_args, name, None)
+            trained = _saved_value(saved, name)
+            if value is None or trained is None or _same(value, trained):
+                continue
+            raise ConfigError(
+                f"this flag asks for {name} {_shown(value)}, but the checkpoint was trained with {name} "
+                f"{_shown(trained)}, which {subcommand} uses by default. To fix it: drop the flag (the checkpoint's "
+                f"{_shown(trained)} is used), or pass --preprocessing_from config to {subcommand} with "
+                f"{_shown(value)} on purpose",
+                field=f"source.{name}",
+                owner=StreamDataModule,
+            )
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
+        self._given_args = [str(arg) for arg in (sys.argv[1:] if args is None else args)]
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -232,6 +287,39 @@ class LoKOCLI(LightningCLI):
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
+
+
+# The source options that change what a sample becomes (and that a checkpoint's ``preprocessing`` records).
+PREPROCESSING_OPTIONS = ("image_size", "mean", "std", "max_length")
+
+
+def _flags_given(args: list[str], prefix: str, names: tuple[str, ...]) -> list[str]:
+    """Which of ``names`` were set by a flag under ``prefix`` (``--data.source.image_size``, ``...init_args...``)."""
+    given = []
+    for arg in args:
+        key = arg[2:].partition("=")[0].replace(".init_args.", ".") if arg.startswith("--") else ""
+        section, _, name = key.rpartition(".")
+        if section == prefix and name in names and name not in given:
+            given.append(name)
+    return given
+
+
+def _saved_value(saved: dict[str, Any], name: str) -> Any:
+    """The value of source option ``name`` that a checkpoint's ``preprocessing`` records, or ``None``."""
+    if name == "image_size":
+        size = saved.get("input_size")
+        return size[-1] if size and size[-1] == size[-2] else size
+    return saved.get(name)
+
+
+def _same(value: Any, saved: Any) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(saved, (list, tuple)):
+        return [float(a) for a in value] == [float(b) for b in saved]
+    return value == saved
+
+
+def _shown(value: Any) -> str:
+    return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _class_of(config: Any) -> type | None:

@@ -165,6 +165,8 @@ class OnlineClassifier(pl.LightningModule):
         # data config, or tokenizer and token budget), taken from the data module at fit; kept in checkpoints.
         self.class_names: list[str] | None = None
         self.preprocessing: dict[str, Any] | None = None
+        # predict/validate/test preprocess the data as the checkpoint's data was (False: as the data module says).
+        self.use_checkpoint_preprocessing = True
         self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
 
     # ------------------------------------------------------------------ setup
@@ -194,7 +196,25 @@ class OnlineClassifier(pl.LightningModule):
         """Report the parameter counts once; refuse a trainer the step cannot run with (LoKO has no ``lr`` to log)."""
         if stage == "fit":
             self.online_step.check_trainer(self.trainer, owner=OnlineClassifier)
+        else:
+            self._follow_checkpoint_preprocessing()
         rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
+
+    def _follow_checkpoint_preprocessing(self) -> None:
+        """Outside ``fit``, the data module preprocesses as the checkpoint's training data was (what it kept).
+
+        Called at ``setup`` (a learner from ``load_from_checkpoint``) and when ``trainer.predict``/``validate``/``test``
+        load a ``ckpt_path`` (after ``setup``, before any batch is drawn). A data module that cannot follow (no
+        ``use_preprocessing``), or ``use_checkpoint_preprocessing = False``, keeps its own.
+        """
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        follow = getattr(datamodule, "use_preprocessing", None)
+        if self.preprocessing is None or not self.use_checkpoint_preprocessing or not callable(follow):
+            return
+        changed = follow(self.preprocessing)
+        if changed:
+            said = "; ".join(f"{key} {saved} (the data module's: {ours})" for key, (ours, saved) in changed.items())
+            rank_zero_info(f"Preprocessing as the checkpoint's training data was: {said}")
 
     def teardown(self, stage: str) -> None:
         """Let the step release what it held (the Jacobian engine's hooks live on the network only while training)."""
@@ -277,6 +297,8 @@ class OnlineClassifier(pl.LightningModule):
             self.class_names = [str(name) for name in checkpoint["class_names"]]
         if checkpoint.get("preprocessing") is not None:
             self.preprocessing = dict(checkpoint["preprocessing"])
+            if self._trainer is not None and self.trainer.state.fn in ("validate", "test", "predict"):
+                self._follow_checkpoint_preprocessing()
         self.online_step.on_load_checkpoint(checkpoint)
         state = checkpoint.get("state_dict")
         if state is not None:
