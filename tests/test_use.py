@@ -370,7 +370,7 @@ def _probabilities(path):
 
 @pytest.mark.slow
 def test_predict_validate_and_python_use_the_checkpoints_preprocessing(trained, tmp_path, capsys, monkeypatch):
-    """Trained at 32 px (debug): the quickstart config's 64 px gives way to the checkpoint's 32 px; a flag is refused."""
+    """Trained at 32 px (debug): the quickstart config's 64 px gives way to the checkpoint's 32; a flag is refused."""
     monkeypatch.chdir(tmp_path)
     quiet = ["--trainer.enable_progress_bar", "false", "--data.eval_max_samples", "12"]
     runs = {}
@@ -423,3 +423,72 @@ def _val_acc(printed):
 
     found = re.search(r"val/acc\W+([0-9.]+)", printed)
     return found and found[1]
+
+
+def _run_printed(code, cwd, check):
+    """Run the loading lines ``loko export`` printed, then ``check``, in a fresh interpreter, offline."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code + "\n" + check], cwd=cwd, env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _no_machine_path(folder, *paths):
+    """No file of an export names a folder of this machine (home, the package's install, the test's folders)."""
+    import site
+
+    from loko_lightning.models.weights import cache_dir
+
+    machine = [str(Path.home()), str(cache_dir()), *site.getsitepackages(), str(ROOT), *map(str, paths)]
+    for file in Path(folder).rglob("*"):
+        if file.suffix in (".json", ".txt", ".md", ".yaml"):
+            text = file.read_text()
+            assert not [path for path in machine if path in text], (file.name, text[:500])
+
+
+@pytest.mark.slow
+def test_export_loading_lines_run_as_printed_offline(trained, tmp_path, capsys, monkeypatch):
+    """The lines loko export prints load the folder offline, with the training preprocessing (32 px), in a fresh
+    interpreter, and give the learner's own logits on an image; no file names a path of this machine."""
+    monkeypatch.chdir(tmp_path)
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True).eval()
+    from loko_lightning.data.transforms import saved_transform
+
+    image = digits(tmp_path / "images", n=1)[-1]  # the RGB 30x20 JPEG
+    with torch.no_grad():
+        want = learner(saved_transform(learner.preprocessing)(Image.open(image).convert("RGB"))[None])
+    torch.save(want, tmp_path / "want.pt")
+    check = (
+        "import torch\nfrom PIL import Image\n"
+        f"x = transform(Image.open({str(image)!r}).convert('RGB'))[None]\n"
+        "assert tuple(x.shape) == (1, 3, 32, 32), x.shape\n"
+        "with torch.no_grad():\n    got = model(x)\n"
+        "want = torch.load('want.pt')\n"
+    )
+    for flag, out, exact in (([], "digits-adapter", True), (["--merge"], "digits-merged", False)):
+        capsys.readouterr()
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            main(["export", "--ckpt_path", str(trained), "--out", out, *flag])
+        peft_words = [str(w.message) for w in caught if "peft" in w.filename]
+        assert not peft_words, peft_words  # no "renamed to 'None'", no hub look-up of the backbone's config
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[0].startswith("loko: exported") and printed[0].endswith("load it in Python with:")
+        code = "\n".join(printed[1:])
+        assert f"DIR = {out!r}" in code
+        # The adapter adds the same float32 operations in the same order (exact); merging rounds W + (alpha/r)·B·A
+        # to float32 once per weight (torch's float32 defaults).
+        compare = "assert torch.equal(got, want)" if exact else "torch.testing.assert_close(got, want)"
+        result = _run_printed(code, tmp_path, check + compare)
+        assert "renamed" not in result.stderr
+        _no_machine_path(tmp_path / out, tmp_path)
+        info = json.loads((tmp_path / out / "loko_export.json").read_text())
+        assert "DIR = '<this folder>'" in info["load"] and info["preprocessing"]["input_size"] == [3, 32, 32]
+    config = json.loads((tmp_path / "digits-merged" / "config.json").read_text())
+    assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]  # timm's resolve_data_config reads it

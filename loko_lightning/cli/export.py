@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.checkpoint_io import check_readable, unreadable_checkpoint
-from loko_lightning.learner.export import export
+from loko_lightning.learner.export import export, loading_code, read_export
 from loko_lightning.learner.module import OnlineClassifier
 
 
@@ -35,7 +35,9 @@ def export_main(args: list[str]) -> None:
         raise ValueError(f"{err.message}. See `loko export --help`.") from None
     learner = load_learner(options.ckpt_path)
     out = export(learner, options.out, merge=options.merge, overwrite=options.overwrite)
-    print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}")
+    code = loading_code(learner.network_factory, options.merge, read_export(out)["preprocessing"], options.out)
+    print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}; load it in Python with:")
+    print(code)
 
 
 def load_learner(path: str) -> OnlineClassifier:
