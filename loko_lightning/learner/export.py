@@ -242,6 +242,9 @@ def _export_transformers(
         model.save_pretrained(str(out), safe_serialization=True)
     else:
         peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path = factory.backbone
+        # peft's model card names the base by the loaded folder: the backbone's name instead (no path of this machine).
+        base = peft_model.get_base_model()
+        base.config._name_or_path = base.name_or_path = factory.backbone
         peft_model.save_pretrained(str(out), safe_serialization=True, save_embedding_layers=False)
     tokenizer.save_pretrained(str(out))
 
