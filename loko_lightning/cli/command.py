@@ -197,12 +197,26 @@ class LoKOCLI(LightningCLI):
             check_readable(ckpt_path)
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning reads a ``ckpt_path`` file's hyperparameters (``weights_only``); a refused file is one line."""
+        """Lightning reads a ``ckpt_path`` file's hyperparameters (``weights_only``); a refused file is one line.
+
+        Those replace the configured network's, so a ``--model.network.num_classes`` flag that the checkpoint's head
+        contradicts would be dropped without a word: it is refused in one line naming ``--model.adapters_from``.
+        """
+        subcommand = self.config.get("subcommand")
+        wanted = _num_classes(self.config[subcommand]) if subcommand else None
         try:
             super()._parse_ckpt_path()
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-            subcommand = self.config.get("subcommand")
             raise unreadable_checkpoint(self.config[subcommand].get("ckpt_path"), err) from None
+        if subcommand == "fit" and _flags_given(self._given_args, "model.network", ("num_classes",)):
+            saved = _num_classes(self.config[subcommand])
+            if wanted is not None and saved is not None and wanted != saved:
+                raise ValueError(
+                    f"--model.network.num_classes: the checkpoint (--ckpt_path) has a {saved}-class head and a resumed "
+                    f"run continues it, so {wanted} cannot apply. To fix it: drop the flag to resume, or train a new "
+                    f"{wanted}-class head on the checkpoint's adapters: --model.adapters_from "
+                    f"{self.config[subcommand].get('ckpt_path')} without --ckpt_path"
+                )
 
     def before_instantiate_classes(self) -> None:
         """Remember which configuration key each configured class sits at, to name a bad argument's flag."""
@@ -302,6 +316,12 @@ def _flags_given(args: list[str], prefix: str, names: tuple[str, ...]) -> list[s
         if section == prefix and name in names and name not in given:
             given.append(name)
     return given
+
+
+def _num_classes(config: Any) -> int | None:
+    """The configured network's ``num_classes``, if it has one."""
+    network = config.get("model.network") if config is not None else None
+    return getattr(getattr(network, "init_args", None), "num_classes", None)
 
 
 def _saved_value(saved: dict[str, Any], name: str) -> Any:

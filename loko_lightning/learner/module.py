@@ -6,6 +6,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -95,6 +96,11 @@ class OnlineClassifier(pl.LightningModule):
             checkpoint (a process killed or hung). The other collectives (metric sync, checkpoint barriers, the
             baselines' gradient all-reduce) use the strategy's own timeout (torch's default: 30 minutes;
             ``--trainer.strategy lightning.pytorch.strategies.DDPStrategy --trainer.strategy.timeout 0:05:00``).
+        adapters_from: a checkpoint of a network configured the same way but for another label set (another
+            ``num_classes``, other classes): this run starts from its adapters (the LoRA weights and, with LoKO,
+            their filter covariance p̂) with a new head for this data; the head's weights and filter state, the
+            observation noise R and the counters start fresh. Ignored when a run resumes (``ckpt_path``): the
+            checkpoint then holds everything.
 
     Example:
         >>> from functools import partial
@@ -112,6 +118,7 @@ class OnlineClassifier(pl.LightningModule):
         held_out_metrics: list[HeldOutMetric] | None = None,
         select: Candidates | None = None,
         collective_timeout: float = 300.0,
+        adapters_from: str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(network, Mapping):
@@ -145,6 +152,7 @@ class OnlineClassifier(pl.LightningModule):
                 owner=self,
             )
         self.collective_timeout = float(collective_timeout)
+        self.adapters_from = adapters_from
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
         step = KalmanStep if isinstance(probe(optimizer), LoKO) else GradientStep
@@ -263,7 +271,12 @@ class OnlineClassifier(pl.LightningModule):
         return out
 
     def on_fit_start(self) -> None:
-        """Take the class names (what the label ids mean) and the preprocessing of the data module, where it says."""
+        """Take the class names (what the label ids mean) and the preprocessing of the data module, where it says.
+
+        A new run with ``adapters_from`` starts from that checkpoint's adapters (:meth:`load_adapters`).
+        """
+        if self.adapters_from is not None and self.trainer.ckpt_path is None:
+            self.load_adapters(self.adapters_from)
         datamodule = getattr(self.trainer, "datamodule", None)
         classes = getattr(datamodule, "classes", None)
         if classes is not None:
@@ -271,6 +284,59 @@ class OnlineClassifier(pl.LightningModule):
         preprocessing = _data_preprocessing(datamodule)
         if preprocessing is not None:
             self.preprocessing = preprocessing
+
+    def load_adapters(self, path: str) -> None:
+        """Start from a checkpoint's adapters, with this learner's own (new) head: a new label set on trained adapters.
+
+        The LoRA weights are copied; with LoKO in both runs, so is each adapter parameter's covariance p̂ (what the
+        filter learned about them). The head (another ``num_classes``), its covariance, the observation noise R and
+        the step counters keep this run's fresh values. Call it after the optimizer is built (``on_fit_start`` does).
+
+        Raises:
+            ConfigError: no such file, or a checkpoint of a network configured otherwise (another backbone, target,
+                rank, ...: only ``num_classes`` may differ), naming ``adapters_from``.
+        """
+        field = "adapters_from"
+        if not Path(path).expanduser().is_file():
+            raise ConfigError(f"no checkpoint file at {path!r}", field=field, owner=OnlineClassifier)
+        checkpoint = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
+        saved_spec = (checkpoint.get("hyper_parameters") or {}).get("network") or {}
+        spec = self.network_factory.spec()
+        saved_args, own_args = dict(saved_spec.get("init_args") or {}), dict(spec["init_args"])
+        saved_args.pop("num_classes", None), own_args.pop("num_classes", None)
+        differ = sorted(k for k in set(saved_args) | set(own_args) if saved_args.get(k) != own_args.get(k))
+        if saved_spec.get("class_path") != spec["class_path"] or differ:
+            said = ", ".join(f"{k}: {saved_args.get(k)!r} there, {own_args.get(k)!r} here" for k in differ)
+            raise ConfigError(
+                f"{path} holds adapters of a network configured otherwise ({said or saved_spec.get('class_path')}); "
+                "only num_classes may differ. To fix it: configure model.network as that run did",
+                field=field,
+                owner=OnlineClassifier,
+            )
+        names = [name for name, p in self.named_parameters() if p.requires_grad]
+        adapters = [i for i, name in enumerate(names) if "lora_" in name]
+        saved_state = checkpoint["state_dict"]
+        with torch.no_grad():
+            for i in adapters:
+                parameter = self.get_parameter(names[i])
+                parameter.copy_(saved_state[names[i]].to(parameter.device, parameter.dtype))
+        kept = "their weights"
+        saved_filter = (checkpoint.get("optimizer_states") or [{}])[0].get("state") or {}
+        low_rank = any("W" in entry for entry in saved_filter.values())
+        if self.is_kalman and self.select is None and saved_filter and not low_rank:
+            optimizer = self.optimizers()
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            trainable = self.trainable_parameters
+            for i in adapters:
+                cov = (saved_filter.get(i) or {}).get("cov")
+                own = optimizer.state[trainable[i]]
+                if cov is not None and "cov" in own and own["cov"].shape == cov.shape:
+                    own["cov"].copy_(cov.to(own["cov"].device, own["cov"].dtype))
+            kept = "their weights and covariance"
+        rank_zero_info(
+            f"Starting from the adapters of {path} ({len(adapters)} tensors, {kept}) with a new "
+            f"{self.num_classes}-class head"
+        )
 
     def on_train_start(self) -> None:
         """Let the step prepare (the candidates of ``select``, from the checkpoint when resuming)."""
@@ -292,6 +358,7 @@ class OnlineClassifier(pl.LightningModule):
                 AdamW, or the reverse).
         """
         if self._trainer is not None and self.trainer.state.fn == "fit":
+            _check_head_size(checkpoint, self.num_classes)
             _check_optimizer_kind(checkpoint, self.is_kalman)
         if checkpoint.get("class_names") is not None:
             self.class_names = [str(name) for name in checkpoint["class_names"]]
@@ -345,6 +412,21 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
         self._eval_step(batch, "test", self.test_metrics)
+
+
+def _check_head_size(checkpoint: dict[str, Any], num_classes: int) -> None:
+    """A resumed run keeps the checkpoint's head: another class count is refused, with the way to a new head."""
+    spec = (checkpoint.get("hyper_parameters") or {}).get("network") or {}
+    saved = (spec.get("init_args") or {}).get("num_classes")
+    if saved is None or saved == num_classes:
+        return
+    raise ConfigError(
+        f"resuming a checkpoint with a {saved}-class head into a {num_classes}-class one: a resumed run (ckpt_path) "
+        f"continues the same head and classes. To fix it: resume with num_classes {saved}, or train a new "
+        f"{num_classes}-class head on the checkpoint's adapters with model.adapters_from=CKPT and no ckpt_path",
+        field="network.num_classes",
+        owner=OnlineClassifier,
+    )
 
 
 def _check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool) -> None:
