@@ -176,3 +176,11 @@ def test_manual_optimisation_mistakes_say_what_to_change(mistake, message):
     data = [(torch.randn(5), torch.tensor(1)) for _ in range(2)]
     with pytest.raises(ValueError, match=message):
         trainer().fit(OwnModule(mistake), torch.utils.data.DataLoader(data, batch_size=1))
+
+
+def test_an_output_of_more_than_two_dimensions_is_refused():
+    """A conv net without its head gives (1, 4, 5, 5): not 100 classes."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3))
+    with pytest.raises(ValueError, match=r"shape \(1, 4, 5, 5\), but class scores are \(batch, m\).*as 100 classes"):
+        jacobian(model, torch.randn(1, 3, 7, 7))
+    jacobian(model, torch.randn(1, 3, 7, 7), observation="regression")  # dense outputs observed as they are
