@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import pickle
 import re
 import signal
 import sys
+import warnings
 from argparse import ArgumentError
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Any, Literal
 import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
@@ -62,6 +65,11 @@ class HelpFormatter(DefaultHelpFormatter):
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return super()._fill_text(plain_text(text), width, indent)
+
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: str | None) -> str:
+        """The usage line, with ``export`` among the subcommands (``loko export`` is read before LightningCLI)."""
+        text = super()._format_usage(usage, actions, groups, prefix)
+        return text.replace("{fit,validate,test,predict}", "{fit,validate,test,predict,export}")
 
     def start_section(self, heading: str | None) -> None:
         """A section (a class's arguments) headed by its docstring's first line, read as plain text."""
@@ -138,7 +146,12 @@ class LoKOCLI(LightningCLI):
     def before_predict(self) -> None:
         """Write the predictions (:class:`~loko_lightning.learner.predictions.PredictionWriter`) when they end."""
         self._check_preprocessing_flags("predict")
-        self.trainer.callbacks.append(PredictionWriter(self.config["predict"]["predictions"]))
+        writer = PredictionWriter(self.config["predict"]["predictions"])
+        writer.check_writable()
+        # Prediction logs nothing and saves no checkpoint: no new version folder of the config's logger, and no
+        # checkpoint callback whose folder "has changed" since the checkpoint was written.
+        self.trainer.loggers = []
+        self.trainer.callbacks = [c for c in self.trainer.callbacks if not isinstance(c, Checkpoint)] + [writer]
 
     def before_validate(self) -> None:
         """Evaluate with the checkpoint's preprocessing (:meth:`_check_preprocessing_flags`)."""
@@ -261,7 +274,9 @@ class LoKOCLI(LightningCLI):
         Lightning has already stopped this process's part of the run when the error reaches here; the processes it
         started on this node are killed (one that hangs would otherwise outlive this one).
         """
-        with self._naming_errors(), ignore_intended_warnings():
+        with self._naming_errors(), ignore_intended_warnings(), warnings.catch_warnings():
+            if subcommand != "fit":  # the callbacks' saved states only matter to a resumed fit
+                warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used")
             try:
                 super()._run_subcommand(subcommand)
             except Exception as err:
@@ -283,6 +298,9 @@ class LoKOCLI(LightningCLI):
             err = caught if isinstance(caught, (ConfigError, DivergenceError)) else caught.__cause__
             if not isinstance(err, (ConfigError, DivergenceError)):
                 raise
+            if err.owner is None and err.field in inspect.signature(StreamDataModule.__init__).parameters:
+                # Raised while the stream is read (a label, the data ending before max_samples): the data module's.
+                err.owner = StreamDataModule
             owner_key = getattr(self, "_owner_keys", {}).get(err.owner) if err.owner is not None else None
             key = ".".join(part for part in (owner_key, err.field) if part) or None
             err.key = next((s.replace(".init_args", "") for s, t in LINKS if t == key), key)

@@ -315,6 +315,14 @@ class StreamDataModule(pl.LightningDataModule):
         """``predict_inputs`` in the order given (folders sorted), or the held-out split in a fixed order."""
         if self.predict_dataset is None:
             self.setup("predict")
+        if self.predict_dataset is not None and len(self.predict_dataset) == 0:
+            with _owned_by(self):
+                raise ConfigError(
+                    f"nothing to predict: dataset={self.source.name!r} has no held-out samples here (eval_max_samples "
+                    f"{self.eval_max_samples}), and without predict_inputs predict runs on the held-out split. To fix "
+                    "it: give predict_inputs (files or texts), or a held-out split (eval_max_samples > 0)",
+                    field="predict_inputs",
+                )
         return self._eval_dataloader(self.predict_dataset)
 
     def _eval_dataloader(self, dataset: Any = None) -> DataLoader:

@@ -24,7 +24,14 @@ from torchmetrics.classification import (
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
-from loko_lightning.learner.checks import check_schedule_length, optimizer_class, probe, resolve_selection
+from loko_lightning.learner.checks import (
+    check_schedule_length,
+    optimizer_class,
+    optimizer_config,
+    optimizer_from_config,
+    probe,
+    resolve_selection,
+)
 from loko_lightning.learner.metrics import MovingAverage, OnlineAccuracy
 from loko_lightning.learner.selection import Candidates
 from loko_lightning.learner.steps import GradientStep, KalmanStep, OnlineStep, SelectionStep
@@ -204,6 +211,10 @@ class OnlineClassifier(pl.LightningModule):
         """Report the parameter counts once; refuse a trainer the step cannot run with (LoKO has no ``lr`` to log)."""
         if stage == "fit":
             self.online_step.check_trainer(self.trainer, owner=OnlineClassifier)
+            # Lightning's advice for manual optimization with every_n_train_steps (save the state before the step)
+            # does not apply: a checkpoint is meant to hold the state after the sample's update. Quiet while fitting.
+            self._quiet = ignore_intended_warnings()
+            self._quiet.__enter__()
         else:
             self._follow_checkpoint_preprocessing()
         rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
@@ -227,6 +238,9 @@ class OnlineClassifier(pl.LightningModule):
     def teardown(self, stage: str) -> None:
         """Let the step release what it held (the Jacobian engine's hooks live on the network only while training)."""
         self.online_step.close()
+        quiet = self.__dict__.pop("_quiet", None)
+        if quiet is not None:
+            quiet.__exit__(None, None, None)
 
     def configure_optimizers(self) -> Any:
         """The injected optimizer over the trainable parameters, with its scheduler stepped every sample."""
@@ -349,6 +363,25 @@ class OnlineClassifier(pl.LightningModule):
             checkpoint["class_names"] = list(self.class_names)
         if self.preprocessing is not None:
             checkpoint["preprocessing"] = dict(self.preprocessing)
+        config = optimizer_config(self.optimizer_factory)
+        if config is not None:  # what load_from_checkpoint rebuilds the optimizer from when it is not given one
+            checkpoint["optimizer_config"] = config
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``, with the optimizer the checkpoint was trained with when none is given.
+
+        The network's configuration and the class names come from the checkpoint (no argument needed). So does the
+        optimizer (class and keyword arguments, e.g. ``partial(LoKO, p0=0.05)``) when it was a class or a
+        ``functools.partial`` of one with plain arguments and is not passed here: continuing to train the loaded
+        learner uses it, not LoKO's defaults. Pass ``optimizer=...`` to choose another.
+        """
+        if "optimizer" not in kwargs and isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_file():
+            saved = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+            optimizer = optimizer_from_config(saved.get("optimizer_config"))
+            if optimizer is not None:
+                kwargs["optimizer"] = optimizer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read the step's state; resume with an empty recent window from a checkpoint that has none.
