@@ -113,6 +113,8 @@ def test_a_new_label_set_through_the_cli_and_a_plain_resume_refused(trained, thr
     learner = OnlineClassifier.load_from_checkpoint(tmp_path / "new" / "run" / "checkpoints" / "last.ckpt",
                                                     weights_only=True)  # fmt: skip
     assert learner.num_classes == 3 and learner.class_names == FOLDER_CLASSES
+    assert learner.hparams.adapters_from == str(trained)  # recorded, but a loaded learner's later fit keeps its own
+    assert learner.adapters_from is None
 
 
 def test_adapters_from_a_network_configured_otherwise_is_refused(trained):

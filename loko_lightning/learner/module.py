@@ -213,6 +213,9 @@ class OnlineClassifier(pl.LightningModule):
             self.online_step.check_trainer(self.trainer, owner=OnlineClassifier)
             # Lightning's advice for manual optimization with every_n_train_steps (save the state before the step)
             # does not apply: a checkpoint is meant to hold the state after the sample's update. Quiet while fitting.
+            previous = self.__dict__.pop("_quiet", None)
+            if previous is not None:  # a fit that ended in an exception, without teardown
+                previous.__exit__(None, None, None)
             self._quiet = ignore_intended_warnings()
             self._quiet.__enter__()
         else:
@@ -377,7 +380,10 @@ class OnlineClassifier(pl.LightningModule):
         learner uses it, not LoKO's defaults. Pass ``optimizer=...`` to choose another.
         """
         if "optimizer" not in kwargs and isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_file():
-            saved = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                saved = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception:  # not a readable checkpoint: Lightning's own loading below says so
+                saved = {}
             optimizer = optimizer_from_config(saved.get("optimizer_config"))
             if optimizer is not None:
                 kwargs["optimizer"] = optimizer
@@ -393,6 +399,8 @@ class OnlineClassifier(pl.LightningModule):
         if self._trainer is not None and self.trainer.state.fn == "fit":
             _check_head_size(checkpoint, self.num_classes)
             _check_optimizer_kind(checkpoint, self.is_kalman)
+        # Trained weights are loaded: a later fit continues from them, not from adapters_from's again.
+        self.adapters_from = None
         if checkpoint.get("class_names") is not None:
             self.class_names = [str(name) for name in checkpoint["class_names"]]
         if checkpoint.get("preprocessing") is not None:
