@@ -560,6 +560,7 @@ def test_predict_writes_no_logger_folder_says_where_and_checks_the_output_first(
         main([*args, "--trainer.enable_progress_bar", "false", "--predictions", str(out)])
     assert f"Predictions: 12 rows written to {out}" in caplog.text
     assert not (tmp_path / "outputs").exists()  # the config's CSVLogger made no version folder
+    assert not (tmp_path / "config.yaml").exists()  # nor did LightningCLI save its config here instead
     assert not [w for w in caught if "dirpath has changed" in str(w.message)]
 
     # An output that cannot be written is refused before any prediction is made.
@@ -567,5 +568,6 @@ def test_predict_writes_no_logger_folder_says_where_and_checks_the_output_first(
     monkeypatch.setattr(OnlineClassifier, "predict_step", lambda *a, **k: calls.append(1))
     (tmp_path / "a_file").write_text("")
     err = fail(capsys, [*args, "--predictions", str(tmp_path / "a_file" / "rows.csv")])
-    assert err.startswith(f"loko: error: --predictions: cannot write '{tmp_path / 'a_file' / 'rows.csv'}'")
+    assert err.startswith(f"loko: error: --predictions: cannot write '{tmp_path / 'a_file' / 'rows.csv'}': "
+                          f"'{tmp_path / 'a_file'}' is a file, not a folder")  # fmt: skip
     assert not calls and not (tmp_path / "outputs").exists()

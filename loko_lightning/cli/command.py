@@ -25,7 +25,7 @@ import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -148,10 +148,12 @@ class LoKOCLI(LightningCLI):
         self._check_preprocessing_flags("predict")
         writer = PredictionWriter(self.config["predict"]["predictions"])
         writer.check_writable()
-        # Prediction logs nothing and saves no checkpoint: no new version folder of the config's logger, and no
-        # checkpoint callback whose folder "has changed" since the checkpoint was written.
+        # Prediction logs nothing and saves no checkpoint: no new version folder of the config's logger, no
+        # checkpoint callback whose folder "has changed" since the checkpoint was written, and no config.yaml (it
+        # would land in the working directory, without a logger folder).
         self.trainer.loggers = []
-        self.trainer.callbacks = [c for c in self.trainer.callbacks if not isinstance(c, Checkpoint)] + [writer]
+        unused = (Checkpoint, SaveConfigCallback)
+        self.trainer.callbacks = [c for c in self.trainer.callbacks if not isinstance(c, unused)] + [writer]
 
     def before_validate(self) -> None:
         """Evaluate with the checkpoint's preprocessing (:meth:`_check_preprocessing_flags`)."""

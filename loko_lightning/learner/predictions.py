@@ -45,6 +45,12 @@ class PredictionWriter(pl.Callback):
         Raises:
             ConfigError: naming ``predictions`` and the reason.
         """
+        blocking = next((p for p in self.path.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise ConfigError(
+                f"cannot write {str(self.path)!r}: {str(blocking)!r} is a file, not a folder; choose another path",
+                field="predictions",
+            )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             handle, probe = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
