@@ -396,12 +396,16 @@ def test_predict_validate_and_python_use_the_checkpoints_preprocessing(trained, 
           "--predictions", str(out)])  # fmt: skip
     assert torch.equal(_probabilities(out), runs["debug"])
 
-    # validate on a checkpoint: the same held-out accuracy from either config.
-    accuracy = {}
-    for config in ("debug", "quickstart"):
-        main(["validate", "--config", config, "--ckpt_path", str(trained), *quiet, "--trainer.logger", "false"])
-        accuracy[config] = capsys.readouterr().out
-    assert _val_acc(accuracy["debug"]) == _val_acc(accuracy["quickstart"]) is not None
+    # validate and test on a checkpoint: the same held-out accuracy from either config (60 samples; the quickstart
+    # config's own 64 px, on purpose, gives another).
+    evaluate = [*quiet, "--trainer.logger", "false", "--data.eval_max_samples", "60"]
+    for stage in ("validate", "test"):
+        accuracy = {}
+        for config, extra in (("debug", []), ("quickstart", []), ("64 px", ["--preprocessing_from", "config"])):
+            yaml = "quickstart" if config == "64 px" else config
+            main([stage, "--config", yaml, "--ckpt_path", str(trained), *evaluate, *extra])
+            accuracy[config] = _held_out_acc(capsys.readouterr().out, "val" if stage == "validate" else "test")
+        assert accuracy["debug"] == accuracy["quickstart"] is not None and accuracy["64 px"] != accuracy["debug"]
 
     # Python: load_from_checkpoint, then trainer.predict with a data module configured at 64 px.
     from loko_lightning.data import MNIST5k, StreamDataModule
@@ -417,11 +421,11 @@ def test_predict_validate_and_python_use_the_checkpoints_preprocessing(trained, 
     assert data.data_config["input_size"] == (3, 32, 32) and torch.equal(got, runs["debug"])
 
 
-def _val_acc(printed):
-    """The ``val/acc`` value of the results table Lightning prints after ``validate``."""
+def _held_out_acc(printed, stage):
+    """The ``val/acc`` or ``test/acc`` value of the results table Lightning prints after ``validate``/``test``."""
     import re
 
-    found = re.search(r"val/acc\W+([0-9.]+)", printed)
+    found = re.search(rf"{stage}/acc\W+([0-9.]+)", printed)
     return found and found[1]
 
 
