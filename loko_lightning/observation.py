@@ -167,7 +167,16 @@ class Softmax(Observation):
         return probability_violation(prediction, target)
 
     def check_outputs(self, outputs: Tensor) -> None:
-        """Refuse one output per sample (its softmax is always 1) and outputs that are already probabilities."""
+        """Refuse outputs a classifier does not give: one per sample, already probabilities, or not ``(batch, m)``.
+
+        The softmax of one output is always 1; outputs of more than two dimensions would be read as their product.
+        """
+        if outputs.dim() > 2:
+            raise ValueError(
+                f"Invalid model output: shape {tuple(outputs.shape)}, but class scores are (batch, m), one row of m "
+                f"logits per sample; this output would be read as {outputs[0].numel()} classes. To fix it: end the "
+                "network in a classification head (e.g. global pooling and a Linear to m outputs)"
+            )
         m = outputs.shape[-1] if outputs.dim() else 0
         if m == 1:
             raise ValueError(

@@ -589,7 +589,19 @@ def count_host_reads():
             setattr(torch.Tensor, name, method)
 
 
+def check_warmup():
+    """``(steps, reads)`` of the observation check's warm-up after a layout's first step: its count is read after
+    1, 2, 4, ... steps below CHECK_EVERY (so a prediction gone wrong early is refused early), then every CHECK_EVERY."""
+    from loko_lightning.kalman.optimizer import CHECK_EVERY
+
+    steps, reads, window = 0, 0, 1
+    while window < CHECK_EVERY:
+        steps, reads, window = steps + window, reads + 1, 2 * window
+    return steps, reads
+
+
 def test_loko_step_and_jacobian_read_nothing_on_the_host():
+    """Past the check's warm-up (one int read after 1, 2, 4, ... 64 steps of a layout), a step reads nothing."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
     params = list(model.parameters())
     opt = LoKO(params, p0=0.1, seed=0)
@@ -600,6 +612,11 @@ def test_loko_step_and_jacobian_read_nothing_on_the_host():
         return prediction, y, jacobians
 
     opt.step(closure)
+    warmup_steps, warmup_reads = check_warmup()
+    with count_host_reads() as counts:
+        for _ in range(warmup_steps):
+            opt.step(closure)
+    assert dict(counts) == {"__int__": warmup_reads}
     with count_host_reads() as counts:
         for _ in range(3):
             opt.step(closure)
@@ -611,22 +628,24 @@ def test_loko_step_and_jacobian_read_nothing_on_the_host():
 @pytest.mark.parametrize(("optimizer", "allowed"), [("loko", {}), ("adamw", {"__bool__": 1})])
 def test_training_step_reads_nothing_on_the_host_beyond_the_documented(optimizer, allowed):
     """LoKO's training step (prediction, Jacobian, update, metrics, logging without a progress bar) reads nothing on
-    the host; the baselines read one bool per step (a NaN loss must not reach AdamW's moments). The divergence guard
-    (every guard_every samples) and Lightning's logger are outside the step and read by design."""
+    the host past its observation check's warm-up (a few reads early in a stream); the baselines read one bool per
+    step (a NaN loss must not reach AdamW's moments). The divergence guard (every guard_every samples) and Lightning's
+    logger are outside the step and read by design."""
     torch.manual_seed(0)
     model = tiny(optimizer=optimizer)
     counts, steps = collections.Counter(), []
     original = model.training_step
+    warmup_steps, _ = check_warmup()  # LoKO's observation check reads early in a stream (test above)
 
     def counted(batch, batch_idx):
         with count_host_reads() as step_counts:
             original(batch, batch_idx)
-        if batch_idx > 0:  # the first step creates the filter state
+        if batch_idx > warmup_steps:  # the first step creates the filter state
             counts.update(step_counts)
             steps.append(batch_idx)
 
     model.training_step = counted
-    trainer().fit(model, DataLoader(stream(4), batch_size=1))
+    trainer().fit(model, DataLoader(stream(warmup_steps + 4), batch_size=1))
     assert len(steps) == 3
     assert dict(counts) == {name: n * len(steps) for name, n in allowed.items()}
 

@@ -169,3 +169,96 @@ def test_text_fit_predict_export_reload_in_plain_transformers(local, tmp_path, c
     with pytest.raises(SystemExit):  # the checkpoint's text network with an image dataset
         main(["predict", "--config", DEBUG, "--ckpt_path", str(ckpt)])
     assert "holds image samples but model.network is TransformersClassifier" in capsys.readouterr().err
+
+
+LONG = " ".join(["a wonderful film with a great cast but the worst ending of the year"] * 3)
+
+
+def test_text_predict_and_export_keep_the_training_max_length(local, tmp_path, capsys, monkeypatch):
+    """Trained at 16 tokens: predict truncates there whatever the configuration says, a flag saying otherwise is
+    refused, and the merged export's pipeline (tokenizer model_max_length 16) gives the learner's probabilities."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from loko_lightning.learner.module import OnlineClassifier
+
+    monkeypatch.chdir(tmp_path)
+    two = ["--model.network.num_classes", "2"]
+    main(["fit", *text_args(local, *two), *outputs(tmp_path, plot=False)])
+    ckpt = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    args = text_args(local, "--data.predict_inputs", f'["{LONG}"]')
+    at = args.index("--data.source.max_length")
+    unset = args[:at] + args[at + 2 :]  # TextFile's own default, 128 tokens
+
+    def predict(arguments, name):
+        main(["predict", *arguments, "--ckpt_path", ckpt, "--predictions", str(tmp_path / name)])
+        return [row["probabilities"] for row in json.loads((tmp_path / name).read_text())]
+
+    trained = predict(args, "trained.json")
+    assert predict(unset, "unset.json") == trained  # the checkpoint's 16 tokens, not the source's default 128
+    assert predict([*unset, "--preprocessing_from", "config"], "config.json") != trained
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["predict", *unset, "--data.source.max_length", "32", "--ckpt_path", ckpt])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("loko: error: --data.source.max_length: this flag asks for max_length 32, but the "
+                          "checkpoint was trained with max_length 16")  # fmt: skip
+
+    # The merged export in a stock pipeline, offline, in a fresh interpreter, as loko export printed it.
+    main(["export", "--ckpt_path", ckpt, "--out", "merged", "--merge"])
+    code = "\n".join(capsys.readouterr().out.splitlines()[1:])
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged").model_max_length == 16
+    check = f"import json\nscores = classify([{LONG!r}])[0]\n"
+    check += "print(json.dumps({r['label']: r['score'] for r in scores}))"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code + "\n" + check], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    learner = OnlineClassifier.load_from_checkpoint(ckpt, weights_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(local[0]))
+    with torch.no_grad():
+        want = learner(dict(tokenizer([LONG], truncation=True, max_length=16, return_tensors="pt")))[0].softmax(-1)
+    # Eager attention in the learner (for its Jacobian), the pipeline's default kernel: float32 rounding.
+    torch.testing.assert_close(torch.tensor([got["fresh"], got["rotten"]]), want)
+
+
+def hf_args(local, root, *extra):
+    """The text quick start on a local CSV read by the Hugging Face csv builder, streamed (HFStream)."""
+    model, _ = local
+    return [
+        "--config", TEXT, "--model.network.backbone", str(model), "--model.network.weights", "null",
+        "--data.source", "HFStream", "--data.source.path", "csv", "--data.source.root", str(root),
+        "--data.source.max_length", "16", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", *extra,
+    ]  # fmt: skip
+
+
+def error_of(capsys, args):
+    """Run ``loko args``: exit status 2 and its one ``loko: error:`` line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_streamed_csv_errors_name_real_flags(local, tmp_path, capsys, monkeypatch):
+    """An empty file, a label beyond the head, nothing to predict, a mistyped text file: one line naming a real flag."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.csv").write_text("")
+    err = error_of(capsys, ["fit", *hf_args(local, tmp_path / "empty.csv", "--data.max_samples", "4")])
+    assert err.startswith("loko: error: --data.source.root: dataset='hf:csv':") and "is empty (no header row" in err
+    rows = tmp_path / "rows.csv"
+    write_text_file(rows, [(f"text number {i}", i % 7) for i in range(12)])
+    err = error_of(capsys, ["fit", *hf_args(local, rows, "--data.max_samples", "8",
+                                                  "--model.network.num_classes", "5")])  # fmt: skip
+    assert err.startswith("loko: error: --model.network.num_classes: dataset='hf:csv': the train split has label 5")
+    predict = ["predict", *hf_args(local, rows, "--data.max_samples", "8", "--model.network.num_classes", "7")]
+    err = error_of(capsys, [*predict, "--data.eval_max_samples", "0", "--predictions", str(tmp_path / "p.csv")])
+    assert err.startswith("loko: error: --data.predict_inputs: nothing to predict")
+    assert not (tmp_path / "p.csv").exists()
+    err = error_of(capsys, [*predict, "--data.predict_inputs", "[nosuch.txt]"])
+    assert err.startswith("loko: error: --data.predict_inputs: no text file at 'nosuch.txt'")

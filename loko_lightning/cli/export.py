@@ -6,7 +6,7 @@ import argparse
 from argparse import ArgumentError
 
 from loko_lightning.learner.checkpoint_io import load_learner
-from loko_lightning.learner.export import export
+from loko_lightning.learner.export import export, loading_code, read_export
 
 
 def export_main(args: list[str]) -> None:
@@ -31,4 +31,7 @@ def export_main(args: list[str]) -> None:
         raise ValueError(f"{err.message}. See `loko export --help`.") from None
     learner = load_learner(options.ckpt_path)
     out = export(learner, options.out, merge=options.merge, overwrite=options.overwrite)
-    print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}")
+    code = loading_code(learner.network_factory, options.merge, read_export(out)["preprocessing"], options.out)
+    print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}; load it in Python with:")
+    print(code)
+

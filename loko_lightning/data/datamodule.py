@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +23,7 @@ from loko_lightning.data.stream import (
     StreamDataLoader,
     StreamDataset,
 )
-from loko_lightning.data.transforms import Transform, build_transform
+from loko_lightning.data.transforms import Transform, build_transform, preprocessing_values, saved_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 
@@ -175,6 +175,40 @@ class StreamDataModule(pl.LightningDataModule):
         return getattr(self.transform, "data_config", None)
 
     @property
+    def preprocessing_values(self) -> dict[str, Any] | None:
+        """What the transform does to a sample, as plain values (what a checkpoint keeps as ``preprocessing``)."""
+        return preprocessing_values(self.transform)
+
+    def use_preprocessing(self, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Preprocess every split as a checkpoint's data was (its ``preprocessing``), not as this module's settings say.
+
+        ``predict``, ``validate`` and ``test`` on a checkpoint call it (through the learner), so that a model trained at
+        32 px is not fed 64 px images because a configuration says 64. A text model keeps this module's tokenizer (the
+        checkpoint names the training machine's copy) with the checkpoint's ``max_length``.
+
+        Args:
+            saved: the checkpoint's ``preprocessing`` (``OnlineClassifier.preprocessing``).
+
+        Returns:
+            What changed: ``{key: (this module's value, the checkpoint's)}``; empty when they agree.
+        """
+        current = self.preprocessing_values or {}
+        changed = {
+            key: (current.get(key), value)
+            for key, value in saved.items()
+            if key != "tokenizer" and current.get(key) != value
+        }
+        if not changed:
+            return {}
+        with _owned_by(self):
+            transform = saved_transform(saved, tokenizer=getattr(self.transform, "source", None))
+        self.transform = transform
+        for dataset in (self.train_stream, self.eval_dataset, self.predict_dataset):
+            if dataset is not None:
+                dataset.transform = transform
+        return changed
+
+    @property
     def num_classes(self) -> int | None:
         """Number of classes of the dataset (an ImageFolder's are known after :meth:`setup`), else ``None``."""
         if self.classes is not None:
@@ -281,6 +315,14 @@ class StreamDataModule(pl.LightningDataModule):
         """``predict_inputs`` in the order given (folders sorted), or the held-out split in a fixed order."""
         if self.predict_dataset is None:
             self.setup("predict")
+        if self.predict_dataset is not None and len(self.predict_dataset) == 0:
+            with _owned_by(self):
+                raise ConfigError(
+                    f"nothing to predict: dataset={self.source.name!r} has no held-out samples here (eval_max_samples "
+                    f"{self.eval_max_samples}), and without predict_inputs predict runs on the held-out split. To fix "
+                    "it: give predict_inputs (files or texts), or a held-out split (eval_max_samples > 0)",
+                    field="predict_inputs",
+                )
         return self._eval_dataloader(self.predict_dataset)
 
     def _eval_dataloader(self, dataset: Any = None) -> DataLoader:

@@ -146,6 +146,18 @@ def _texts(item: str) -> list[str]:
             "line); for images, use an image model's checkpoint and config",
             field=FIELD,
         )
+    if path is not None and path.is_dir():
+        raise ConfigError(
+            f"{item!r} is a folder, but a text model predicts texts, or .txt files with one text a line: give the "
+            "files (e.g. [reviews.txt]), or the texts themselves",
+            field=FIELD,
+        )
+    if not is_file and path is not None and path.suffix.lower() == ".txt" and not any(c.isspace() for c in item):
+        raise ConfigError(
+            f"no text file at {item!r} (a .txt name, not a text to classify); give the path of a .txt file with one "
+            "text a line, or the text itself",
+            field=FIELD,
+        )
     if is_file and path.suffix.lower() == ".txt":
         try:
             lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]

@@ -11,7 +11,7 @@ string or a pair of strings (MRPC's two sentences), tokenised without padding (a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -90,6 +90,20 @@ class ImageTransform:
     ) -> None:
         self.data_config = image_data_config(preprocessing, image_size, mean, std)
         self.preprocess = create_transform(**self.data_config, is_training=False)
+
+    @classmethod
+    def from_data_config(cls, data_config: Mapping[str, Any]) -> ImageTransform:
+        """The transform of a saved timm data config (a checkpoint's ``preprocessing``, lists for tuples)."""
+        fields = {field.name for field in dataclasses.fields(ImagePreprocessing)}
+        unknown = sorted(set(data_config) - fields)
+        if unknown:
+            raise ConfigError(
+                f"the saved image preprocessing has keys {unknown} that timm's data config does not take (known: "
+                f"{sorted(fields)})",
+                field="preprocessing",
+            )
+        values = {key: tuple(value) if isinstance(value, list) else value for key, value in data_config.items()}
+        return cls(ImagePreprocessing(**values))
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         """Preprocess one image (grayscale is repeated to three channels)."""
@@ -225,3 +239,35 @@ def build_transform(
             )
         return TextTransform(preprocessing.tokenizer, max_length)
     raise ConfigError(f"no transform for {modality!r} samples; known: 'image', 'text'.", field="source")
+
+
+def saved_transform(preprocessing: Mapping[str, Any], tokenizer: str | None = None) -> Transform:
+    """The transform a checkpoint's data went through, from its saved ``preprocessing`` (``learner.preprocessing``).
+
+    Args:
+        preprocessing: images: timm's data config (``input_size``, ``mean``, ...); text: ``{"tokenizer",
+            "max_length"}``.
+        tokenizer: text: where the tokenizer is, in place of the saved one (a directory of the machine that trained).
+
+    Example:
+        >>> transform = saved_transform({"input_size": [3, 32, 32], "mean": [0.5] * 3, "std": [0.5] * 3})
+        >>> transform(Image.new("L", (28, 28))).shape
+        torch.Size([3, 32, 32])
+    """
+    if "max_length" in preprocessing:
+        return TextTransform(tokenizer or preprocessing["tokenizer"], int(preprocessing["max_length"]))
+    return ImageTransform.from_data_config(preprocessing)
+
+
+def preprocessing_values(transform: Transform) -> dict[str, Any] | None:
+    """What a transform does to a sample, as plain values (what a checkpoint keeps); ``None`` when it does not say.
+
+    Images: timm's data config, lists for tuples; text: ``{"tokenizer", "max_length"}``.
+    """
+    data_config = getattr(transform, "data_config", None)
+    if isinstance(data_config, dict):
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in data_config.items()}
+    tokenizer, max_length = getattr(transform, "source", None), getattr(transform, "max_length", None)
+    if isinstance(tokenizer, str) and isinstance(max_length, int):
+        return {"tokenizer": tokenizer, "max_length": max_length}
+    return None

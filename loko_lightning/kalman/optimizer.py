@@ -28,7 +28,9 @@ Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
 
 # Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
 # the state of the first parameter, so that ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
-# Steps between the host reads of the observation's check after a layout's first step (that one reads at once).
+# Steps between the host reads of the observation's check after a layout's first step (that one reads at once): the
+# window starts at 1 and doubles after each clean read up to this many, so a prediction that goes wrong right after
+# the first step (probabilities, then logits) is refused on its own step, and a long run reads once in CHECK_EVERY.
 CHECK_EVERY = 100
 _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
@@ -118,9 +120,10 @@ class LoKO(torch.optim.Optimizer):
             and the prediction is not (a negative entry, or a sum off 1 by more than rounding: logits passed where
             probabilities belong), :meth:`step` raises a ``ValueError``: at once on the first step of a layout, and
             otherwise within :data:`CHECK_EVERY` steps, the failing steps skipped (the check runs on the device; its
-            count is read every ``CHECK_EVERY`` steps). ``"regression"``: any real outputs, no check. ``"topk<k>"``:
-            the label, the ``k`` most probable other classes and the rest. An
-            :class:`~loko_lightning.observation.Observation` instance works too. Give the Jacobian engine
+            count is read after 1, 2, 4, ... steps, then every ``CHECK_EVERY`` steps). ``"regression"``: any real
+            outputs, no check (see the p0 advice in the docs' "Regression" section). ``"topk<k>"``: the label, the
+            ``k`` most probable other classes and the rest. An :class:`~loko_lightning.observation.Observation`
+            instance works too. Give the Jacobian engine
             :attr:`observation` (the rows this filter needs of it).
         filter: how the belief is updated (:mod:`loko_lightning.kalman.filters`). ``"covariance"`` (default): the
             paper's Algorithm 1. Not the paper: ``"natural"`` / ``"natural_exact"``, the diagonal natural-gradient
@@ -272,6 +275,7 @@ class LoKO(torch.optim.Optimizer):
         self._plan_key: tuple | None = None
         self._violations: Tensor | None = None  # steps that failed the observation's check, since the last read
         self._unchecked = 0
+        self._check_window = 1  # steps before the next read: 1, 2, 4, ... up to CHECK_EVERY
         self._cov_flat: Tensor | None = None
         self._cov_views: list[Tensor] = []
         self._low_rank_flat: Tensor | None = None  # LoFi's W, the same way: one (n, L) tensor, "W" states views of it
@@ -389,7 +393,8 @@ class LoKO(torch.optim.Optimizer):
         """The observation's check without a host read, on a layout's later steps.
 
         A failing step is skipped (its prediction made non-finite) and counted on the device; every
-        :data:`CHECK_EVERY` steps the count is read, and a failure raises then.
+        :data:`CHECK_EVERY` steps the count is read, and a failure raises then; right after a layout's first step the
+        reads come sooner (after 1, 2, 4, ... steps).
 
         Probabilities on one step and logits on the next have the same layout, so the first-step check alone would
         miss them; this way the step stays free of host reads and nothing wrong is ever applied.
@@ -400,16 +405,18 @@ class LoKO(torch.optim.Optimizer):
             return prediction
         self._violations = bad.long() if self._violations is None else self._violations + bad.long()
         self._unchecked += 1
-        if self._unchecked >= CHECK_EVERY:
+        if self._unchecked >= self._check_window:
+            window = self._unchecked
             count, self._unchecked, self._violations = int(self._violations), 0, None
+            self._check_window = min(2 * window, CHECK_EVERY)
             if count:
                 try:
                     self.observation.check(*view)  # the message of the check, if this step fails it too
                 except ValueError as err:
-                    message = f"{err} ({count} of the last {CHECK_EVERY} steps failed it and were skipped)"
+                    message = f"{err} ({count} of the last {window} steps failed it and were skipped)"
                     raise ValueError(message) from None
                 raise ValueError(
-                    f"Invalid prediction on {count} of the last {CHECK_EVERY} steps (skipped): it did not fit the "
+                    f"Invalid prediction on {count} of the last {window} steps (skipped): it did not fit the "
                     f"{self.observation.name!r} observation (for class probabilities: a probability vector where "
                     "the target is one; were logits passed where probabilities belong?)"
                 )
@@ -475,6 +482,7 @@ class LoKO(torch.optim.Optimizer):
             check_observation(prediction, target, blocks, own, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
+            self._check_window, self._unchecked, self._violations = 1, 0, None
         else:  # the same layout: the same check on the device, read every CHECK_EVERY steps
             prediction = self._check_on_device(prediction, target, samples)
         m = prediction.shape[0] // samples

@@ -121,3 +121,45 @@ def optimizer_class(optimizer: OptimizerCallable) -> type | None:
         if isinstance(target, type):
             break
     return target if isinstance(target, type) else None
+
+
+def optimizer_config(optimizer: OptimizerCallable) -> dict[str, Any] | None:
+    """An optimizer callable as plain values, ``{"class_path", "init_args"}``; ``None`` when it is not that simple.
+
+    A class, or ``functools.partial`` of one (nested partials merged, the outer keywords last) with keyword
+    arguments that are numbers, strings, booleans, ``None`` or lists of them: what a checkpoint can keep and
+    :func:`optimizer_from_config` rebuild.
+    """
+    keywords: dict[str, Any] = {}
+    target = optimizer
+    while isinstance(target, functools.partial):
+        if target.args:
+            return None
+        keywords = {**target.keywords, **keywords}
+        target = target.func
+    if not isinstance(target, type) or not all(_plain(value) for value in keywords.values()):
+        return None
+    return {"class_path": f"{target.__module__}.{target.__qualname__}", "init_args": dict(keywords)}
+
+
+def optimizer_from_config(config: Any) -> OptimizerCallable | None:
+    """The optimizer callable an :func:`optimizer_config` describes, if its class is an already imported optimizer.
+
+    Nothing is imported because a file names it (a checkpoint is data, never code to run).
+    """
+    import sys
+
+    class_path = config.get("class_path") if isinstance(config, dict) else None
+    if not isinstance(class_path, str):
+        return None
+    module_name, _, name = class_path.rpartition(".")
+    cls = getattr(sys.modules.get(module_name), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return None
+    return functools.partial(cls, **dict(config.get("init_args") or {}))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(item) for item in value)
+    return value is None or isinstance(value, (bool, int, float, str))

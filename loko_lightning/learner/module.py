@@ -6,6 +6,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -23,7 +24,14 @@ from torchmetrics.classification import (
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
-from loko_lightning.learner.checks import check_schedule_length, optimizer_class, probe, resolve_selection
+from loko_lightning.learner.checks import (
+    check_schedule_length,
+    optimizer_class,
+    optimizer_config,
+    optimizer_from_config,
+    probe,
+    resolve_selection,
+)
 from loko_lightning.learner.metrics import CalibrationError, MovingAverage, OnlineAccuracy, OnlineMean
 from loko_lightning.learner.selection import Candidates
 from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
@@ -98,6 +106,11 @@ class OnlineClassifier(pl.LightningModule):
             checkpoint (a process killed or hung). The other collectives (metric sync, checkpoint barriers, the
             baselines' gradient all-reduce) use the strategy's own timeout (torch's default: 30 minutes;
             ``--trainer.strategy lightning.pytorch.strategies.DDPStrategy --trainer.strategy.timeout 0:05:00``).
+        adapters_from: a checkpoint of a network configured the same way but for another label set (another
+            ``num_classes``, other classes): this run starts from its adapters (the LoRA weights and, with LoKO,
+            their filter covariance p̂) with a new head for this data; the head's weights and filter state, the
+            observation noise R and the counters start fresh. Ignored when a run resumes (``ckpt_path``): the
+            checkpoint then holds everything.
 
     Example:
         >>> from functools import partial
@@ -115,6 +128,7 @@ class OnlineClassifier(pl.LightningModule):
         held_out_metrics: list[HeldOutMetric] | None = None,
         select: Candidates | None = None,
         collective_timeout: float = 300.0,
+        adapters_from: str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(network, Mapping):
@@ -148,6 +162,7 @@ class OnlineClassifier(pl.LightningModule):
                 owner=self,
             )
         self.collective_timeout = float(collective_timeout)
+        self.adapters_from = adapters_from
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
         step = step_for(probe(optimizer))
@@ -174,6 +189,8 @@ class OnlineClassifier(pl.LightningModule):
         # data config, or tokenizer and token budget), taken from the data module at fit; kept in checkpoints.
         self.class_names: list[str] | None = None
         self.preprocessing: dict[str, Any] | None = None
+        # predict/validate/test preprocess the data as the checkpoint's data was (False: as the data module says).
+        self.use_checkpoint_preprocessing = True
         self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
 
     # ------------------------------------------------------------------ setup
@@ -203,11 +220,39 @@ class OnlineClassifier(pl.LightningModule):
         """Report the parameter counts once; refuse a trainer the step cannot run with (LoKO has no ``lr`` to log)."""
         if stage == "fit":
             self.online_step.check_trainer(self.trainer, owner=OnlineClassifier)
+            # Lightning's advice for manual optimization with every_n_train_steps (save the state before the step)
+            # does not apply: a checkpoint is meant to hold the state after the sample's update. Quiet while fitting.
+            previous = self.__dict__.pop("_quiet", None)
+            if previous is not None:  # a fit that ended in an exception, without teardown
+                previous.__exit__(None, None, None)
+            self._quiet = ignore_intended_warnings()
+            self._quiet.__enter__()
+        else:
+            self._follow_checkpoint_preprocessing()
         rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
+
+    def _follow_checkpoint_preprocessing(self) -> None:
+        """Outside ``fit``, the data module preprocesses as the checkpoint's training data was (what it kept).
+
+        Called at ``setup`` (a learner from ``load_from_checkpoint``) and when ``trainer.predict``/``validate``/``test``
+        load a ``ckpt_path`` (after ``setup``, before any batch is drawn). A data module that cannot follow (no
+        ``use_preprocessing``), or ``use_checkpoint_preprocessing = False``, keeps its own.
+        """
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        follow = getattr(datamodule, "use_preprocessing", None)
+        if self.preprocessing is None or not self.use_checkpoint_preprocessing or not callable(follow):
+            return
+        changed = follow(self.preprocessing)
+        if changed:
+            said = "; ".join(f"{key} {saved} (the data module's: {ours})" for key, (ours, saved) in changed.items())
+            rank_zero_info(f"Preprocessing as the checkpoint's training data was: {said}")
 
     def teardown(self, stage: str) -> None:
         """Let the step release what it held (the Jacobian engine's hooks live on the network only while training)."""
         self.online_step.close()
+        quiet = self.__dict__.pop("_quiet", None)
+        if quiet is not None:
+            quiet.__exit__(None, None, None)
 
     def configure_optimizers(self) -> Any:
         """The injected optimizer over the trainable parameters, with its scheduler stepped every sample."""
@@ -252,7 +297,12 @@ class OnlineClassifier(pl.LightningModule):
         return out
 
     def on_fit_start(self) -> None:
-        """Take the class names (what the label ids mean) and the preprocessing of the data module, where it says."""
+        """Take the class names (what the label ids mean) and the preprocessing of the data module, where it says.
+
+        A new run with ``adapters_from`` starts from that checkpoint's adapters (:meth:`load_adapters`).
+        """
+        if self.adapters_from is not None and self.trainer.ckpt_path is None:
+            self.load_adapters(self.adapters_from)
         datamodule = getattr(self.trainer, "datamodule", None)
         classes = getattr(datamodule, "classes", None)
         if classes is not None:
@@ -285,6 +335,59 @@ class OnlineClassifier(pl.LightningModule):
         """As :meth:`on_validation_end`."""
         self.online_step.evaluate(self, entering=False)
 
+    def load_adapters(self, path: str) -> None:
+        """Start from a checkpoint's adapters, with this learner's own (new) head: a new label set on trained adapters.
+
+        The LoRA weights are copied; with LoKO in both runs, so is each adapter parameter's covariance p̂ (what the
+        filter learned about them). The head (another ``num_classes``), its covariance, the observation noise R and
+        the step counters keep this run's fresh values. Call it after the optimizer is built (``on_fit_start`` does).
+
+        Raises:
+            ConfigError: no such file, or a checkpoint of a network configured otherwise (another backbone, target,
+                rank, ...: only ``num_classes`` may differ), naming ``adapters_from``.
+        """
+        field = "adapters_from"
+        if not Path(path).expanduser().is_file():
+            raise ConfigError(f"no checkpoint file at {path!r}", field=field, owner=OnlineClassifier)
+        checkpoint = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
+        saved_spec = (checkpoint.get("hyper_parameters") or {}).get("network") or {}
+        spec = self.network_factory.spec()
+        saved_args, own_args = dict(saved_spec.get("init_args") or {}), dict(spec["init_args"])
+        saved_args.pop("num_classes", None), own_args.pop("num_classes", None)
+        differ = sorted(k for k in set(saved_args) | set(own_args) if saved_args.get(k) != own_args.get(k))
+        if saved_spec.get("class_path") != spec["class_path"] or differ:
+            said = ", ".join(f"{k}: {saved_args.get(k)!r} there, {own_args.get(k)!r} here" for k in differ)
+            raise ConfigError(
+                f"{path} holds adapters of a network configured otherwise ({said or saved_spec.get('class_path')}); "
+                "only num_classes may differ. To fix it: configure model.network as that run did",
+                field=field,
+                owner=OnlineClassifier,
+            )
+        names = [name for name, p in self.named_parameters() if p.requires_grad]
+        adapters = [i for i, name in enumerate(names) if "lora_" in name]
+        saved_state = checkpoint["state_dict"]
+        with torch.no_grad():
+            for i in adapters:
+                parameter = self.get_parameter(names[i])
+                parameter.copy_(saved_state[names[i]].to(parameter.device, parameter.dtype))
+        kept = "their weights"
+        saved_filter = (checkpoint.get("optimizer_states") or [{}])[0].get("state") or {}
+        low_rank = any("W" in entry for entry in saved_filter.values())
+        if self.is_kalman and self.select is None and saved_filter and not low_rank:
+            optimizer = self.optimizers()
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            trainable = self.trainable_parameters
+            for i in adapters:
+                cov = (saved_filter.get(i) or {}).get("cov")
+                own = optimizer.state[trainable[i]]
+                if cov is not None and "cov" in own and own["cov"].shape == cov.shape:
+                    own["cov"].copy_(cov.to(own["cov"].device, own["cov"].dtype))
+            kept = "their weights and covariance"
+        rank_zero_info(
+            f"Starting from the adapters of {path} ({len(adapters)} tensors, {kept}) with a new "
+            f"{self.num_classes}-class head"
+        )
+
     def on_train_start(self) -> None:
         """Let the step prepare (the candidates of ``select``, from the checkpoint when resuming)."""
         self.online_step.start(self)
@@ -296,6 +399,28 @@ class OnlineClassifier(pl.LightningModule):
             checkpoint["class_names"] = list(self.class_names)
         if self.preprocessing is not None:
             checkpoint["preprocessing"] = dict(self.preprocessing)
+        config = optimizer_config(self.optimizer_factory)
+        if config is not None:  # what load_from_checkpoint rebuilds the optimizer from when it is not given one
+            checkpoint["optimizer_config"] = config
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``, with the optimizer the checkpoint was trained with when none is given.
+
+        The network's configuration and the class names come from the checkpoint (no argument needed). So does the
+        optimizer (class and keyword arguments, e.g. ``partial(LoKO, p0=0.05)``) when it was a class or a
+        ``functools.partial`` of one with plain arguments and is not passed here: continuing to train the loaded
+        learner uses it, not LoKO's defaults. Pass ``optimizer=...`` to choose another.
+        """
+        if "optimizer" not in kwargs and isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_file():
+            try:
+                saved = torch.load(checkpoint_path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception:  # not a readable checkpoint: Lightning's own loading below says so
+                saved = {}
+            optimizer = optimizer_from_config(saved.get("optimizer_config"))
+            if optimizer is not None:
+                kwargs["optimizer"] = optimizer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Read the step's state; resume with an empty recent window from a checkpoint that has none.
@@ -305,11 +430,16 @@ class OnlineClassifier(pl.LightningModule):
                 AdamW, or the reverse).
         """
         if self._trainer is not None and self.trainer.state.fn == "fit":
+            _check_head_size(checkpoint, self.num_classes)
             _check_optimizer_kind(checkpoint, self.is_kalman)
+        # Trained weights are loaded: a later fit continues from them, not from adapters_from's again.
+        self.adapters_from = None
         if checkpoint.get("class_names") is not None:
             self.class_names = [str(name) for name in checkpoint["class_names"]]
         if checkpoint.get("preprocessing") is not None:
             self.preprocessing = dict(checkpoint["preprocessing"])
+            if self._trainer is not None and self.trainer.state.fn in ("validate", "test", "predict"):
+                self._follow_checkpoint_preprocessing()
         self.online_step.on_load_checkpoint(checkpoint)
         state = checkpoint.get("state_dict")
         if state is not None and self._trainer is not None and self.trainer.state.fn == "fit":
@@ -370,6 +500,21 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
         self._eval_step(batch, "test", self.test_metrics)
+
+
+def _check_head_size(checkpoint: dict[str, Any], num_classes: int) -> None:
+    """A resumed run keeps the checkpoint's head: another class count is refused, with the way to a new head."""
+    spec = (checkpoint.get("hyper_parameters") or {}).get("network") or {}
+    saved = (spec.get("init_args") or {}).get("num_classes")
+    if saved is None or saved == num_classes:
+        return
+    raise ConfigError(
+        f"resuming a checkpoint with a {saved}-class head into a {num_classes}-class one: a resumed run (ckpt_path) "
+        f"continues the same head and classes. To fix it: resume with num_classes {saved}, or train a new "
+        f"{num_classes}-class head on the checkpoint's adapters with model.adapters_from=CKPT and no ckpt_path",
+        field="network.num_classes",
+        owner=OnlineClassifier,
+    )
 
 
 def _check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool) -> None:

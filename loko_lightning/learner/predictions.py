@@ -12,6 +12,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from loko_lightning.errors import ConfigError
 
@@ -38,8 +39,35 @@ class PredictionWriter(pl.Callback):
             )
         self._outputs: list[dict[str, torch.Tensor]] = []
 
+    def check_writable(self) -> None:
+        """Refuse, before any prediction is made, a path whose folder cannot be made or written to.
+
+        Raises:
+            ConfigError: naming ``predictions`` and the reason.
+        """
+        blocking = next((p for p in self.path.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise ConfigError(
+                f"cannot write {str(self.path)!r}: {str(blocking)!r} is a file, not a folder; choose another path",
+                field="predictions",
+            )
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle, probe = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            os.close(handle)
+            Path(probe).unlink()
+        except OSError as err:
+            raise ConfigError(
+                f"cannot write {str(self.path)!r} ({err.strerror or err}); choose a file in a folder you can write to",
+                field="predictions",
+            ) from None
+        if self.path.is_dir():
+            raise ConfigError(f"{str(self.path)!r} is a folder; give a file name ending in .csv or .json",
+                              field="predictions")  # fmt: skip
+
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Start empty; refuse several processes (each would see only its share of the inputs)."""
+        """Start empty; refuse several processes (each sees a share) or a path that cannot be written now."""
+        self.check_writable()
         if trainer.world_size > 1:
             raise ConfigError(
                 "prediction writes one file from one process; run it with trainer.devices=1 (num_nodes=1)",
@@ -65,6 +93,7 @@ class PredictionWriter(pl.Callback):
         rows = prediction_rows(self._outputs, _class_names(trainer, pl_module), _input_names(trainer))
         self._outputs = []
         write_rows(rows, self.path)
+        rank_zero_info(f"Predictions: {len(rows)} rows written to {self.path}")
 
 
 def prediction_rows(

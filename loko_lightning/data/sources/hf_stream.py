@@ -244,7 +244,7 @@ class HFStream(Source):
         train = splits["train"]
         features = train.features
         if features is None:  # csv/json: the types are known only once a row is read
-            features = _first_row_features(train)
+            features = self._first_row_features(train)
         self._check_columns(features)
         classes = self._classes(features, num_classes)
         decode = _identity
@@ -315,6 +315,20 @@ class HFStream(Source):
             "To fix it: cast the column to datasets.Image, or name it 'image'.",
             field="source",
         )
+
+    def _first_row_features(self, split: Any) -> dict[str, Any]:
+        """:func:`_first_row_features`; a file with nothing to read (no header row) is named, not pandas' words."""
+        try:
+            return _first_row_features(split)
+        except ValueError as err:
+            if type(err).__name__ != "EmptyDataError":  # pandas.errors.EmptyDataError, through the csv builder
+                raise
+            raise ConfigError(
+                f"dataset={self.name!r}: {self.location()} is empty (no header row, no rows). To fix it: give a file "
+                "with a header row naming its columns and one row per sample",
+                field="root",
+                owner=type(self),
+            ) from None
 
     def _check_columns(self, features: dict[str, Any]) -> None:
         """Every named column exists (text: ``text_column`` and ``text_pair_column``; always ``label_column``)."""

@@ -108,6 +108,12 @@ def read_text_file(path: Path, columns: dict[str, str | None]) -> dict[str, list
         else:
             reader = csv.DictReader(handle, delimiter=FORMATS[suffix])
             rows, header = list(reader), list(reader.fieldnames or [])
+    if not header:
+        raise ConfigError(
+            f"{path} is empty (no header row, no rows). To fix it: give a file whose first "
+            f"{'object names' if FORMATS[suffix] is None else 'row names'} its columns, one sample a row",
+            field="root",
+        )
     out: dict[str, list[Any]] = {}
     for argument, column in columns.items():
         if column is None:
