@@ -35,10 +35,16 @@ def scripts():
         import compare
         import drift_recovery
         import p0_range
+        import peers_table
         import scale
 
     return SimpleNamespace(
-        common=common, compare=compare, drift_recovery=drift_recovery, p0_range=p0_range, scale=scale
+        common=common,
+        compare=compare,
+        drift_recovery=drift_recovery,
+        p0_range=p0_range,
+        scale=scale,
+        peers_table=peers_table,
     )
 
 
@@ -553,3 +559,28 @@ def test_a_run_with_an_online_selection_reports_what_it_chose(scripts):
     select = ["--model.select.samples", "4", "--model.lr_scheduler.total_iters", "8"]
     result = scripts.common.fit([*DEBUG, *tuned, *TINY, "--data.max_samples", "8", *select])
     assert result.selection is not None and "lr" in result.selection
+
+
+def test_peers_table_pools_each_learners_seeds_and_marks_a_choice_on_an_edge(scripts, tmp_path):
+    """Two seeds of one learner: mean ± std at each checkpoint, the end's recent accuracy, NLL and ECE, and the
+    choice at the top of the grid marked ^ (the one at the bottom v)."""
+    compare = scripts.compare
+    for seed, (acc, chosen) in enumerate([(0.5, "0.003"), (0.7, "0.0001")]):
+        run = tmp_path / f"adamw_tuned_s{seed}"
+        run.mkdir()
+        rows = [
+            {"optimizer": "adamw_tuned", "seed": seed, "step": n, "samples": n, "online_acc": acc, "recent_acc": acc,
+             "loss_avg": 1.0, "ce_avg": 1.0, "step_time": 0.1, "nll": 1.0 + seed, "nll_recent": 1.0, "ece": 0.1,
+             "ece_recent": 0.1}
+            for n in (10, 20)
+        ]  # fmt: skip
+        scripts.common.write_csv(run / "metrics.csv", compare.CSV_FIELDS, rows)
+        grid = "lr=0.0001: 1.0, lr=0.0003: 1.0, lr=0.001: 1.0, lr=0.003: 0.9"
+        selection = f"chose lr={chosen} after 500 samples (mean prequential cross-entropy: {grid})"
+        (run / "summary.json").write_text(json.dumps({"results": {"adamw_tuned": {"selection": {seed: selection}}}}))
+    lines = scripts.peers_table.table(tmp_path, [10, 20], ["adamw_tuned", "ivon"]).splitlines()
+    assert len(lines) == 3  # header, rule, one learner (no ivon runs)
+    cells = [cell.strip() for cell in lines[2].strip("|").split("|")]
+    assert cells[1:3] == ["60.0 ± 14.1", "60.0 ± 14.1"]
+    assert cells[3] == "60.0 ± 14.1" and cells[4] == "1.500 ± 0.707" and cells[5] == "10.0 ± 0.0"
+    assert cells[6] == "0.003^, 0.0001v" and cells[7] == "0, 1"
