@@ -102,3 +102,19 @@ def outputs(tmp_path, name="run", every=100, keep_all=False, plot=True, guard_ev
 def trainable(state_dict):
     """The adapters and the head of a checkpoint's ``state_dict`` (LoRA factors and peft's modules_to_save)."""
     return {k: v for k, v in state_dict.items() if "lora_" in k or "modules_to_save" in k}
+
+
+def assert_same_tensors(a, b, what):
+    """Two nested states (dicts, lists, tensors, numbers) equal, tensors bit for bit and of the same dtype."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), what
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{what}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tensors(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, what

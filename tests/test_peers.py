@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runs import outputs, trainable
+from runs import assert_same_tensors, outputs, trainable
 from torch.nn import functional as F
 
 from loko_lightning import JacobianEngine, LoKO
@@ -169,22 +169,6 @@ def test_ivon_without_a_draw_changes_nothing_and_resumes_its_step_counter():
 
 
 # ------------------------------------------------------------------ through loko fit
-def _equal_states(a, b, where=""):
-    """Every tensor and number of two optimizer states (nested dicts/lists) equal, bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _equal_states(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal_states(x, y, f"{where}[{index}]")
-    else:
-        assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), where
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("peer", PEERS)
 def test_each_peer_fits_the_debug_config_and_resumes_exactly(peer, tmp_path):
@@ -208,9 +192,9 @@ def test_each_peer_fits_the_debug_config_and_resumes_exactly(peer, tmp_path):
     for key in full["state_dict"]:
         if key in weights or key.startswith(("online_acc", "nll", "ece")):
             assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
-    _equal_states(full["optimizer_states"], resumed["optimizer_states"], "optimizer_states")
+    assert_same_tensors(full["optimizer_states"], resumed["optimizer_states"], "optimizer_states")
     if peer == "schedulefree":  # the weights are the average x, the training point y beside them
-        _equal_states(full["loko_train_point"], resumed["loko_train_point"], "loko_train_point")
+        assert_same_tensors(full["loko_train_point"], resumed["loko_train_point"], "loko_train_point")
         x, y = trainable(full["state_dict"]), full["loko_train_point"]
         assert any(not torch.equal(x[key], y[key]) for key in x)
 

@@ -21,7 +21,7 @@ import runs
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
-from runs import stream, tiny, trainable, trainer
+from runs import assert_same_tensors, stream, tiny, trainable, trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -59,21 +59,6 @@ def run_cli(args, capsys):
         code = exit_info.code
     err = capsys.readouterr().err.strip().splitlines()
     return code, (err[-1] if err else ""), sum(line.startswith("loko:") for line in err)
-
-
-def assert_same_tensors(a, b, what):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), what
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for key in a:
-            assert_same_tensors(a[key], b[key], f"{what}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same_tensors(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, what
 
 
 # ================================================================ 1. crash and resume

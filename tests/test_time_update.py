@@ -120,10 +120,7 @@ def test_zero_shrinkage_inflation_and_forgetting_are_the_papers_update_bit_for_b
     assert torch.equal(flat_cov(plain, model.parameters()), flat_cov(zero, twin.parameters()))
     theta, p = torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
     assert all(
-        torch.equal(a, b)
-        for a, b in zip(
-            time_update_reference(theta, p, TimeUpdate()), (theta, p), strict=True
-        )
+        torch.equal(a, b) for a, b in zip(time_update_reference(theta, p, TimeUpdate()), (theta, p), strict=True)
     )
 
 

@@ -384,8 +384,13 @@ def test_predict_validate_and_python_use_the_checkpoints_preprocessing(trained, 
     out = tmp_path / "flag.json"
     err = fail(capsys, ["predict", "--config", "debug", "--ckpt_path", str(trained), *quiet,
                         "--data.source.image_size", "64", "--predictions", str(out)])  # fmt: skip
-    assert err.startswith("loko: error: --data.source.image_size: this flag asks for image_size 64, but the "
-                          "checkpoint was trained with image_size 32") and "--preprocessing_from config" in err
+    assert (
+        err.startswith(
+            "loko: error: --data.source.image_size: this flag asks for image_size 64, but the "
+            "checkpoint was trained with image_size 32"
+        )
+        and "--preprocessing_from config" in err
+    )
     assert not out.exists()
     # The documented override: the configuration's 64 px on purpose.
     main(["predict", "--config", "quickstart", "--ckpt_path", str(trained), *quiet, "--preprocessing_from", "config",
