@@ -317,10 +317,11 @@ class IVONStep(PeerStep, GradientStep):
                 with ivon.sampled_params(train=True):
                     optimizer.zero_grad(set_to_none=True)
                     loss = F.cross_entropy(module.network(inputs), label)
-                    if torch.isfinite(loss):
+                    finite = bool(torch.isfinite(loss))  # one host read per draw
+                    if finite:
                         module.manual_backward(loss)
                     for p in params:
-                        if p.grad is None or not torch.isfinite(loss):
+                        if p.grad is None or not finite:
                             p.grad = torch.zeros_like(p)
         optimizer.step()  # no draw (a skipped sample): IVON changes nothing
         scheduler = module.lr_schedulers()
