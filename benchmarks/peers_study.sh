@@ -23,6 +23,7 @@ PYTHON="${PYTHON:-python}"
 THREADS="${THREADS:-1}"
 SAMPLES="${SAMPLES:-}"  # a shorter stream for a dry run (and SELECT, the selection's samples)
 SELECT="${SELECT:-}"
+PRINT_EVERY="${PRINT_EVERY:-0}"  # a progress line every N samples in each run's log.txt (0: none)
 EXTRA="${EXTRA:-}"  # more `loko fit` overrides for every run, e.g. EXTRA="--model.select.values [0.1,0.3,1,3]"
 
 stream_args() {
@@ -73,12 +74,12 @@ run_one() {
     if [ -n "$SAMPLES" ]; then shorter+=(--samples "$SAMPLES"); fi
     if [ -n "$SELECT" ]; then shorter+=(--select-samples "$SELECT"); fi
     "$PYTHON" benchmarks/compare.py $(stream_args "$stream") $(learner_args "$stream" "$learner") --seeds "$seed" \
-        "${shorter[@]}" --threads "$THREADS" --csv-every 10 --out "$out" -- $(stream_overrides "$stream") $EXTRA \
+        "${shorter[@]}" --threads "$THREADS" --csv-every 10 --print-every "$PRINT_EVERY" --out "$out" -- $(stream_overrides "$stream") $EXTRA \
         >"$out/log.txt" 2>&1 \
         || echo "FAILED: $stream $learner $seed (see $out/log.txt)"
 }
 export -f run_one stream_args stream_overrides learner_args
-export OUT PYTHON THREADS SAMPLES SELECT EXTRA
+export OUT PYTHON THREADS SAMPLES SELECT EXTRA PRINT_EVERY
 
 printf '%s\n' "${jobs[@]}" | xargs -P "$PARALLEL" -L 1 bash -c 'run_one $0 $1 $2'
 echo "done: ${#jobs[@]} runs under $OUT"
