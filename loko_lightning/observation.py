@@ -326,7 +326,7 @@ OBSERVATIONS: dict[str, Callable[[], Observation]] = {
     "topk": TopK,
 }
 # Names of filters (loko_lightning.kalman.filters), which say how the belief is updated, not what is observed.
-_FILTER_NAMES = re.compile(r"natural(_exact)?|lofi\d+(_empirical)?")
+_FILTER_NAMES = re.compile(r"natural(_exact|_sampled)?|lofi\d+(_empirical|_sampled)?")
 
 
 def get_observation(observation: str | Observation, *, owner: type | None = None) -> Observation:

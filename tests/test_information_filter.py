@@ -24,6 +24,7 @@ def _run(
                filter=DiagonalInformation(fisher))  # fmt: skip
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
+    twin = FisherRows(fisher, seed=4)  # the sampled Fisher's labels: the optimizer's generator, drawn alike
     samples = list(stream)
     for start in range(0, len(samples), batch):
         chunk = samples[start : start + batch]
@@ -32,8 +33,9 @@ def _run(
         jz, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=False) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
         time_update = TimeUpdate(process_noise, p_floor, shrinkage, inflation, forgetting, reference=0.5)
+        sampled = twin.draw(torch.stack(y_hat) if batch > 1 else y_hat[0]) if fisher == "sampled" else None
         theta, p = natural_step_reference(theta, p, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher,
-                                          time_update=time_update)  # fmt: skip
+                                          sampled=sampled, time_update=time_update)  # fmt: skip
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
         opt.step(lambda prediction=prediction, target=target, jacobians=jacobians: (prediction, target, jacobians))
@@ -45,12 +47,12 @@ def _run(
     return opt
 
 
-@pytest.mark.parametrize("fisher", ["empirical", "exact"])
+@pytest.mark.parametrize("fisher", ["empirical", "exact", "sampled"])
 def test_natural_gradient_matches_the_float64_reference_on_dense_blocks(fisher):
     _run(mlp(), teacher_stream(40), fisher, factorize=False)
 
 
-@pytest.mark.parametrize("fisher", ["empirical", "exact"])
+@pytest.mark.parametrize("fisher", ["empirical", "exact", "sampled"])
 def test_natural_gradient_matches_the_float64_reference_on_factored_blocks(fisher):
     torch.manual_seed(0)
     _run(SmallConvNet().double(), conv_stream(25), fisher, factorize=True, p0_init="constant", process_noise=1e-3)
@@ -62,7 +64,7 @@ def test_natural_gradient_with_a_floor_on_p_hat_matches_the_reference():
     assert float(opt.diagnostics["p_min"]) == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize("fisher", ["empirical", "exact"])
+@pytest.mark.parametrize("fisher", ["empirical", "exact", "sampled"])
 def test_natural_gradient_joint_step_of_several_samples_matches_the_reference(fisher):
     torch.manual_seed(0)
     _run(SmallConvNet().double(), conv_stream(24), fisher, factorize=True, batch=3)

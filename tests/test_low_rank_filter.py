@@ -8,7 +8,7 @@ from loko_helpers import SmallConvNet, conv_stream, flat, jacrev_rows, mlp, teac
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
-from loko_lightning.kalman.filters import LowRankPrecision, get_filter
+from loko_lightning.kalman.filters import FisherRows, LowRankPrecision, get_filter
 from loko_lightning.kalman.reference import lofi_step_reference
 from loko_lightning.kalman.time_update import TimeUpdate
 from loko_lightning.kalman.update import loko_update
@@ -22,6 +22,7 @@ def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", fisher="exa
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     W = torch.zeros(theta.numel(), rank, dtype=torch.float64)
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
+    twin = FisherRows(fisher, seed=4)  # the sampled Fisher's labels: the optimizer's generator, drawn alike
     samples = list(stream)
     for start in range(0, len(samples), batch):
         chunk = samples[start : start + batch]
@@ -29,8 +30,10 @@ def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", fisher="exa
         label = torch.stack([s[1].argmax() for s in chunk])
         jz, y_hat = zip(*(jacrev_rows(reference_model, s[0], probabilities=False) for s in chunk), strict=True)
         targets = torch.stack([s[1] for s in chunk])
+        sampled = twin.draw(torch.stack(y_hat) if batch > 1 else y_hat[0]) if fisher == "sampled" else None
+        jz, y_hat = torch.stack(jz), torch.stack(y_hat)
         theta, p, W = lofi_step_reference(
-            theta, p, W, torch.stack(jz), torch.stack(y_hat), targets, fisher=fisher, time_update=time_update
+            theta, p, W, jz, y_hat, targets, fisher=fisher, sampled=sampled, time_update=time_update
         )
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         prediction, target, jacobians = engine.observe(x, label, batched=batch > 1)
@@ -78,6 +81,30 @@ def test_lofi_with_the_empirical_fisher_matches_the_reference(model, stream, fac
     assert opt.observation.rows(10) == opt.observation.reverse_rows(10) == 1
 
 
+@pytest.mark.parametrize(
+    ("model", "stream", "factorize", "batch"),
+    [(mlp, lambda: teacher_stream(24), False, 1), (lambda: SmallConvNet().double(), lambda: conv_stream(18), True, 3)],
+    ids=["dense", "factored-joint"],
+)
+def test_lofi_with_a_sampled_fisher_matches_the_reference(model, stream, factorize, batch):
+    """Two reverse rows per sample: d, and the factor of a label drawn from the prediction, W̃ = [W, f_1 … f_B]."""
+    torch.manual_seed(0)
+    opt = _run(model(), stream(), 3, factorize=factorize, batch=batch, fisher="sampled", process_noise=1e-3)
+    assert opt.observation.rows(10) == opt.observation.reverse_rows(10) == 2
+
+
+def test_the_sampled_fisher_is_the_exact_one_in_expectation():
+    """E_s[(u_s − ŷ)(u_s − ŷ)ᵀ] = diag(ŷ) − ŷŷᵀ: the mean of many draws' outer products converges to it (the
+    Monte Carlo error of 20,000 draws is about 0.5/√20000 ≈ 0.004 per entry; 0.02 is four of those)."""
+    rows = FisherRows("sampled", seed=0)
+    y_hat = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64).expand(20_000, 4)
+    a = rows.cotangents(y_hat, torch.zeros_like(y_hat))[1]
+    expected = torch.diag(y_hat[0]) - torch.outer(y_hat[0], y_hat[0])
+    torch.testing.assert_close(a.T @ a / a.shape[0], expected, rtol=0, atol=0.02)
+    drawn = torch.bincount(rows.draw(y_hat), minlength=4).double() / 20_000
+    torch.testing.assert_close(drawn, y_hat[0], rtol=0, atol=0.02)
+
+
 def test_lofi_with_forgetting_matches_the_reference():
     opt = _run(mlp(), teacher_stream(24), 2, factorize=False, forgetting=0.05, process_noise=1e-3)
     assert opt.param_groups[0]["forgetting"] == 0.05
@@ -89,6 +116,9 @@ def test_lofi_empirical_names_round_trip():
     assert get_filter(lofi.spec) == lofi and get_filter("lofi7").fisher == "exact"
     with pytest.raises(ConfigError, match="lofi<rank>_empirical"):
         get_filter("lofi7_exact")
+    sampled = get_filter("lofi7_sampled")
+    assert (sampled.fisher, sampled.spec, get_filter("natural_sampled").spec) == ("sampled", "lofi7_sampled",
+                                                                                   "natural_sampled")  # fmt: skip
 
 
 def test_lofi_keeps_the_diagonal_of_the_precision_exactly():
@@ -128,16 +158,23 @@ def test_lofi_keeps_w_as_views_of_one_flat_tensor_with_the_gathering_path_s_numb
     assert len({w.untyped_storage().data_ptr() for w in states}) == 1  # one storage: views of the flat W
 
 
-def test_lofi_resumes_from_its_state_dict_exactly():
+@pytest.mark.parametrize("spec", ["lofi3", "lofi3_sampled"])
+def test_lofi_resumes_from_its_state_dict_exactly(spec):
+    """The sampled Fisher's generator is in the state dict: the resumed run draws the labels the first one does,
+    though the second optimizer is built with another seed."""
     model, twin = mlp(), mlp()
-    first = LoKO(model.parameters(), p0=0.5, seed=1, filter="lofi3")
+    first = LoKO(model.parameters(), p0=0.5, seed=1, filter=spec)
     stream = list(teacher_stream(12))
     engine = JacobianEngine(model, observation=first.observation)
     for x, y in stream[:6]:
         first.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
     twin.load_state_dict(model.state_dict())
-    second = LoKO(twin.parameters(), p0=0.5, seed=1, filter="lofi3")
-    second.load_state_dict(first.state_dict())
+    second = LoKO(twin.parameters(), p0=0.5, seed=1, filter=spec)
+    saved = first.state_dict()
+    assert ("observation_rng" in saved) == spec.endswith("_sampled")
+    if spec.endswith("_sampled"):
+        second.observation.generator.manual_seed(99)  # as another seed would leave it
+    second.load_state_dict(saved)
     twin_engine = JacobianEngine(twin, observation=second.observation)
     for x, y in stream[6:]:
         first.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))

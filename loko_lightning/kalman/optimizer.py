@@ -128,14 +128,16 @@ class LoKO(torch.optim.Optimizer):
         filter: how the belief is updated (:mod:`loko_lightning.kalman.filters`). ``"covariance"`` (default): the
             paper's Algorithm 1. Not the paper: ``"natural"`` / ``"natural_exact"``, the diagonal natural-gradient
             filter in information form (the categorical ``R``, the empirical or the exact Fisher diagonal as the
-            information, one or ``m + 1`` reverse rows and no ``m x m`` solve), and ``"lofi<L>"`` /
-            ``"lofi<L>_empirical"``, LoFi's low-rank plus diagonal precision of rank ``L``. Their rows of ``H`` come
+            information, one or ``m + 1`` reverse rows and no ``m x m`` solve; ``"natural_sampled"``: a label drawn
+            from the prediction, two rows), and ``"lofi<L>"`` / ``"lofi<L>_empirical"`` / ``"lofi<L>_sampled"``,
+            LoFi's low-rank plus diagonal precision of rank ``L``. Their rows of ``H`` come
             from the label, so the closure must return what :meth:`loko_lightning.JacobianEngine.observe` gives for
             :attr:`observation`. A :class:`~loko_lightning.kalman.filters.Filter` instance works too. ``beta``,
             ``r_estimator`` and ``rcond`` are the covariance filter's; the others observe ``"softmax"`` only.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
-        seed: seed of the generator drawing :math:`\hat p_0`; ``None`` uses the global RNG.
+        seed: seed of the generator drawing :math:`\hat p_0` (and the labels of a sampled Fisher, from their own
+            generator, saved in :meth:`state_dict`); ``None`` uses the global RNG.
         shard: under ``torch.distributed`` with several processes, split the update between them
             (:mod:`loko_lightning.kalman.sharded`): each process owns a shard of the parameters (whole tensors),
             receives only its shard's Jacobian blocks for every process's samples (an all-to-all instead of an
@@ -207,6 +209,9 @@ class LoKO(torch.optim.Optimizer):
         self.filter = get_filter(filter, owner=LoKO)
         #: The observation the Jacobian engine computes for this filter (its rows of ``H``).
         self.observation = self.filter.observe(observed)
+        drawing = getattr(self.observation, "generator", None)
+        if drawing is not None:  # a sampled Fisher: labels from ``seed``, else from the global RNG (seed_everything)
+            drawing.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
         allowed = self.filter.r_estimators(observed)
         if r_estimator is None:
             r_estimator = allowed[0]
@@ -342,6 +347,9 @@ class LoKO(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype)."""
         saved = {index: dict(state) for index, state in state_dict["state"].items()}
+        drawing = getattr(self.observation, "generator", None)
+        if drawing is not None and "observation_rng" in state_dict:
+            drawing.set_state(state_dict["observation_rng"])
         _check_saved_state(saved, self._params())
         state_dict = {**state_dict, "state": saved}
         super().load_state_dict(state_dict)
@@ -375,6 +383,9 @@ class LoKO(torch.optim.Optimizer):
         others' ``p̂``; the result then holds every parameter's, as an unsharded optimizer's does.
         """
         state = super().state_dict()
+        drawing = getattr(self.observation, "generator", None)
+        if drawing is not None:  # the sampled Fisher's draws continue where they were on a resume
+            state["observation_rng"] = drawing.get_state()
         if self._shards is None:
             return state
         if self._consolidated is None:

@@ -2,9 +2,10 @@
 
 - :mod:`~loko_lightning.kalman.filters.covariance`: the paper's Algorithm 1 (``filter: covariance``, the default).
 - :mod:`~loko_lightning.kalman.filters.information`: the diagonal natural-gradient filter in information form
-  (``natural``: the empirical Fisher, one reverse row; ``natural_exact``: the exact one, ``m + 1`` rows).
+  (``natural``: the empirical Fisher, one reverse row; ``natural_sampled``: a sampled label's, two rows;
+  ``natural_exact``: the exact one, ``m + 1`` rows).
 - :mod:`~loko_lightning.kalman.filters.low_rank`: LoFi, a low-rank plus diagonal precision (``lofi<L>``, e.g.
-  ``lofi10``; ``lofi<L>_empirical`` on the empirical Fisher).
+  ``lofi10``; ``lofi<L>_empirical`` on the empirical Fisher, ``lofi<L>_sampled`` on a sampled label's).
 
 A new family is one module with a :class:`Filter` subclass, registered in :data:`FILTERS` (or passed to
 :class:`~loko_lightning.LoKO` as an instance).
@@ -38,12 +39,13 @@ __all__ = [
     "psd_pinv",
 ]
 
-#: The filters by name, as ``filter: <name>`` selects them; ``lofi<L>`` and ``lofi<L>_empirical`` (any rank ``L``)
-#: are :class:`LowRankPrecision` too.
+#: The filters by name, as ``filter: <name>`` selects them; ``lofi<L>``, ``lofi<L>_empirical`` and ``lofi<L>_sampled``
+#: (any rank ``L``) are :class:`LowRankPrecision` too.
 FILTERS: dict[str, Callable[..., Filter]] = {
     "covariance": Covariance,
     "natural": DiagonalInformation,
     "natural_exact": partial(DiagonalInformation, fisher="exact"),
+    "natural_sampled": partial(DiagonalInformation, fisher="sampled"),
 }
 
 
@@ -60,14 +62,14 @@ def get_filter(spec: str | Filter, *, owner: type | None = None, **covariance: o
     """
     if isinstance(spec, Filter):
         return spec
-    lofi = re.fullmatch(r"lofi(\d+)(_empirical)?", spec) if isinstance(spec, str) else None
+    lofi = re.fullmatch(r"lofi(\d+)(?:_(empirical|sampled))?", spec) if isinstance(spec, str) else None
     if lofi is not None:
-        return LowRankPrecision(rank=int(lofi[1]), fisher="empirical" if lofi[2] else "exact")
+        return LowRankPrecision(rank=int(lofi[1]), fisher=lofi[2] or "exact")
     build = FILTERS.get(spec) if isinstance(spec, str) else None
     if build is None:
         raise ConfigError(
             f"Invalid filter: {spec!r} (expected one of {tuple(FILTERS)}, lofi<rank> such as lofi10, "
-            "lofi<rank>_empirical, or a Filter)",
+            "lofi<rank>_empirical, lofi<rank>_sampled, or a Filter)",
             field="filter",
             owner=owner,
         )

@@ -19,7 +19,11 @@ rows, not ``m - 1``, and no ``m x m`` solve:
 - ``fisher="empirical"`` (1 row, the default): :math:`\operatorname{diag}(F) \approx (J_z^\top e)^{\odot 2}`, the
   squared gradient of the observed label;
 - ``fisher="exact"`` (``m + 1`` rows): :math:`\operatorname{diag}(F) = \sum_r (J_z^\top a_r)^{\odot 2}` with
-  :math:`a_r = \sqrt{\hat y_r}(u_r - \hat y)` (:math:`\sum_r a_r a_r^\top = J_s`, :math:`u_r` the unit vectors).
+  :math:`a_r = \sqrt{\hat y_r}(u_r - \hat y)` (:math:`\sum_r a_r a_r^\top = J_s`, :math:`u_r` the unit vectors);
+- ``fisher="sampled"`` (2 rows): :math:`\operatorname{diag}(F) \approx (J_z^\top (u_s - \hat y))^{\odot 2}` with
+  a label :math:`s \sim \mathrm{Cat}(\hat y)` drawn from the prediction (the Monte Carlo Fisher of K-FAC, Martens &
+  Grosse 2015): :math:`\mathbb E_s[(u_s - \hat y)(u_s - \hat y)^\top] = J_s`, so it is the exact Fisher in
+  expectation, where the empirical one (the observed label's gradient) is biased (Kunstner et al. 2019).
 
 Its float64 specification is :func:`loko_lightning.kalman.reference.natural_step_reference`.
 """
@@ -40,33 +44,44 @@ from loko_lightning.observation import Observation, Softmax
 __all__ = ["FISHERS", "DiagonalInformation", "FisherRows", "sum_rows"]
 
 #: What ``fisher`` of the information-form filters may be.
-FISHERS = ("empirical", "exact")
+FISHERS = ("empirical", "exact", "sampled")
 
 
 class FisherRows(Softmax):
     r"""The softmax observation with the rows of ``H`` the information-form filters read, chosen from the label.
 
     Row 0 is :math:`d = J_z^\top e`; with ``fisher="exact"`` rows ``1 … m`` are the factors :math:`J_z^\top a_r` of
-    the Fisher (:math:`a_r = \sqrt{\hat y_r}(u_r - \hat y)`); with ``"empirical"`` row 0 is the only one. The
-    categorical noise is known, so the only ``r_estimator`` is ``"softmax"``.
+    the Fisher (:math:`a_r = \sqrt{\hat y_r}(u_r - \hat y)`); with ``"sampled"`` row 1 is the one factor
+    :math:`J_z^\top (u_s - \hat y)` of a label :math:`s` drawn from :math:`\hat y` (by inverse CDF from a uniform of
+    :attr:`generator`, a CPU generator whose state the optimizer saves and restores); with ``"empirical"`` row 0 is
+    the only one. The categorical noise is known, so the only ``r_estimator`` is ``"softmax"``.
     """
 
     r_estimators = ("softmax",)
     needs_label = True
 
-    def __init__(self, fisher: str = "empirical") -> None:
+    def __init__(self, fisher: str = "empirical", seed: int = 0) -> None:
         self.fisher = fisher
+        #: The draws of ``fisher="sampled"`` (None for the others).
+        self.generator = torch.Generator().manual_seed(seed) if fisher == "sampled" else None
 
     def rows(self, m: int) -> int:
-        """1 (the gradient, whose square is the empirical Fisher) or ``m + 1`` (the gradient and ``m`` Fisher rows)."""
-        return 1 if self.fisher == "empirical" else m + 1
+        """1 (the gradient, whose square is the empirical Fisher), 2 (and a sampled label's) or ``m + 1``."""
+        return {"empirical": 1, "sampled": 2}.get(self.fisher, m + 1)
 
     def reverse_rows(self, m: int) -> int:
         """As :meth:`rows`: the cotangents are chosen from the label, none follows from the others."""
         return self.rows(m)
 
+    def draw(self, prediction: Tensor) -> Tensor:
+        """A label from each row of ``prediction`` (``(..., m)`` class probabilities), by inverse CDF: ``(...)``."""
+        uniform = torch.rand(prediction.shape[:-1], generator=self.generator, dtype=torch.float64)
+        uniform = uniform.to(device=prediction.device, dtype=prediction.dtype)
+        below = (prediction.cumsum(-1) <= uniform[..., None]).sum(-1)
+        return below.clamp_(max=prediction.shape[-1] - 1)
+
     def cotangents(self, prediction: Tensor, target: Tensor) -> Tensor:
-        """``e = y - ŷ``, then (``"exact"``) the ``m`` rows ``a_r = √ŷ_r (u_r - ŷ)``; ``(rows, [B,] m)``."""
+        """``e = y - ŷ``, then the ``m`` rows ``a_r = √ŷ_r (u_r - ŷ)`` (exact) or ``u_s - ŷ`` (sampled)."""
         rows = [target - prediction]
         if self.fisher == "exact":
             m = prediction.shape[-1]
@@ -74,13 +89,16 @@ class FisherRows(Softmax):
             roots = prediction.clamp_min(0).sqrt()
             a = roots[..., :, None] * (eye - prediction[..., None, :])  # (..., m, m): row r is a_r
             rows.extend(a.movedim(-2, 0).unbind(0))
+        elif self.fisher == "sampled":
+            drawn = torch.nn.functional.one_hot(self.draw(prediction), prediction.shape[-1]).to(prediction.dtype)
+            rows.append(drawn - prediction)
         return torch.stack(rows)
 
     def __repr__(self) -> str:
         return f"FisherRows(fisher={self.fisher!r})"
 
 
-def categorical_rows(observation: Observation, fisher: str, owner: type) -> FisherRows:
+def categorical_rows(observation: Observation, fisher: str, owner: type, seed: int = 0) -> FisherRows:
     """The rows an information-form filter needs for ``observation``, which must be the plain softmax one.
 
     Raises:
@@ -94,7 +112,7 @@ def categorical_rows(observation: Observation, fisher: str, owner: type) -> Fish
             field="observation",
             owner=owner,
         )
-    return FisherRows(fisher)
+    return FisherRows(fisher, seed)
 
 
 def check_fisher(fisher: str, owner: type) -> None:
@@ -149,7 +167,7 @@ class DiagonalInformation(Filter):
     shard of the parameters needs only its columns.
 
     Args:
-        fisher: ``"empirical"`` (one reverse row) or ``"exact"`` (``m + 1``).
+        fisher: ``"empirical"`` (one reverse row), ``"sampled"`` (two) or ``"exact"`` (``m + 1``).
     """
 
     name: ClassVar[str] = "natural"
@@ -161,8 +179,8 @@ class DiagonalInformation(Filter):
 
     @property
     def spec(self) -> str:
-        """``"natural"`` or ``"natural_exact"``."""
-        return "natural" if self.fisher == "empirical" else "natural_exact"
+        """``"natural"``, ``"natural_exact"`` or ``"natural_sampled"``."""
+        return "natural" if self.fisher == "empirical" else f"natural_{self.fisher}"
 
     def observe(self, observation: Observation) -> Observation:
         """:class:`FisherRows` of this filter's ``fisher`` (the observation must be ``softmax``)."""

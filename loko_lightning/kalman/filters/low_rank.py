@@ -46,7 +46,8 @@ class LowRankPrecision(Filter):
 
     Args:
         rank: the columns ``L`` of the low-rank factor ``W``, an int >= 1.
-        fisher: ``"exact"`` (``m + 1`` reverse rows, the default) or ``"empirical"`` (one).
+        fisher: ``"exact"`` (``m + 1`` reverse rows, the default), ``"empirical"`` (one) or ``"sampled"`` (two:
+            the gradient and one sampled label's factor, the exact Fisher in expectation).
     """
 
     name: ClassVar[str] = "lofi"
@@ -67,8 +68,8 @@ class LowRankPrecision(Filter):
 
     @property
     def spec(self) -> str:
-        """``"lofi<rank>"`` (exact Fisher) or ``"lofi<rank>_empirical"``."""
-        return f"lofi{self.rank}" + ("_empirical" if self.fisher == "empirical" else "")
+        """``"lofi<rank>"`` (exact Fisher), ``"lofi<rank>_empirical"`` or ``"lofi<rank>_sampled"``."""
+        return f"lofi{self.rank}" + ("" if self.fisher == "exact" else f"_{self.fisher}")
 
     def observe(self, observation: Observation) -> Observation:
         """:class:`FisherRows` of this filter's ``fisher`` (the observation must be ``softmax``)."""
@@ -93,6 +94,7 @@ class LowRankPrecision(Filter):
         direction = rows[:, 0].sum(0)
         rank = low_rank.shape[1]
         factors = rows[:, :1] if rows.shape[1] == 1 else rows[:, 1:]  # the empirical Fisher: d_b is the factor
+        # (sampled: rows[:, 1:] is the one factor of the drawn label)
         wide = torch.cat([low_rank, factors.reshape(-1, n).T], dim=1)  # n x (L + B m), or n x (L + B)
         finite = torch.isfinite(innovation).all() & torch.isfinite(wide.sum())
         wide = torch.where(finite, wide, 0.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loko_lightning.kalman.reference.information import categorical_terms
+from loko_lightning.kalman.reference.information import categorical_terms, information_factors
 from loko_lightning.kalman.reference.time_update import time_update_reference
 from loko_lightning.kalman.time_update import TimeUpdate
 
@@ -25,6 +25,7 @@ def lofi_step_reference(
     target: Tensor,
     *,
     fisher: str = "exact",
+    sampled: Tensor | None = None,
     time_update: TimeUpdate | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""One step of the low-rank plus diagonal precision filter on ``B`` samples, dense and in float64, by definition.
@@ -52,7 +53,9 @@ def lofi_step_reference(
         prediction: ``ŷ``, ``(B, m)`` (or ``(m,)``).
         target: ``y``, like ``prediction``.
         fisher: ``"exact"``: the information :math:`H_b^\top R_b^{+} H_b` as above; ``"empirical"``: the outer product
-            :math:`d_b d_b^\top` of :math:`d_b = H_b^\top R_b^{+} e_b` in its place.
+            :math:`d_b d_b^\top` of :math:`d_b = H_b^\top R_b^{+} e_b` in its place; ``"sampled"``: the outer
+            product of :math:`H_b^\top R_b^{+} (u_{s_b} - \hat y_b)` for the drawn label :math:`s_b`.
+        sampled: the drawn labels, ``(B,)``, with ``fisher="sampled"``.
         time_update: the process model (:class:`~loko_lightning.kalman.time_update.TimeUpdate`): ``q`` on the
             diagonal part, then :func:`time_update_reference` on the new ``1/υ`` (the floor last); inflation and
             forgetting scale ``W`` by :math:`\sqrt{(1 - \gamma)/(1 + \alpha)}`.
@@ -66,10 +69,9 @@ def lofi_step_reference(
     ups = 1.0 / (p.double() + q)
     low = W @ W.T
     direction = torch.zeros_like(ups)
-    if fisher not in ("exact", "empirical"):
-        raise ValueError(f"Invalid fisher: {fisher!r}")
-    for information, d in categorical_terms(Jz, prediction, target):
-        low = low + (information if fisher == "exact" else torch.outer(d, d))
+    terms = categorical_terms(Jz, prediction, target)
+    for (information, d), f in zip(terms, information_factors(fisher, terms, Jz, prediction, sampled), strict=True):
+        low = low + (information if f is None else torch.outer(f, f))
         direction = direction + d
     theta_new = theta.double() + torch.linalg.solve(torch.diag(ups) + low, direction)
     values, vectors = torch.linalg.eigh(low)
