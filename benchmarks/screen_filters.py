@@ -38,6 +38,9 @@ Variants (one function each, ``v_<name>``):
   p0kind     (f) the paper's update with p̂_0 = c / fan_in per kind (LoRA A, LoRA B, head weight; bias c).
   ngdiag     (g) diagonal-Fisher natural gradient, information form with the categorical R (fisher=mc|emp|exact).
   catR       (h) the paper's covariance-form update with the categorical R = J_s instead of the EMA Taylor R.
+  late       (1-3) the paper's update with a late-stream option: q=, point=avg|ema|sf, anneal=1, iterate=1.
+  adamlin    Adam with the learning rate decayed linearly to 0 over the stream (the tuned AdamW's horizon).
+  sfadam     schedule-free AdamW (PyPI ``schedulefree``), scored at its averaged point.
 """
 
 import math
@@ -162,15 +165,25 @@ def v_adam(seed, lr, **_):
 
 
 # ---------------------------------------------------------------------------------------------------- covariance form
-def _cov_form(t, P, R_kind="taylor", alpha=0.0, shrink=0.0, beta=0.95):
+def _cov_form(t, P, R_kind="taylor", alpha=0.0, shrink=0.0, beta=0.95, q=0.0, point="mean", anneal=False,
+              iterate=False, sf_beta=0.9, ema=0.99):  # fmt: skip
     """The paper's diagonal EKF (Algorithm 1) with optional departures, returns (metrics, diagnostics).
 
     Per sample: predict θ ← (1 − shrink) θ, p̂ ← (1 + alpha) p̂ (the paper: both identities); H = J_s J_z;
     R_taylor ← β R + (1 − β)(e eᵀ + H P Hᵀ) (the paper's default) or R = J_s (``R_kind="cat"``);
     S = H P Hᵀ + R; K = P Hᵀ S⁺; θ += K e; p̂ −= diag(K H) ⊙ p̂ (clamped at 1e-12, as the toy).
+
+    Late-stream options (the late-stream issue's hypotheses 1-3; all off is the paper's update):
+      q        additive process noise p̂ += q before each observation (Algorithm 1's own q);
+      point    where the scored prediction is made: "mean" (the filter's θ, the paper), "avg" (the uniform average
+               θ̄ of the filter's means, Polyak-Ruppert), "ema" (an exponential average, decay ``ema``), or "sf"
+               (schedule-free: θ̄ the uniform average, and the filter linearises at y = (1 − sf_beta) θ + sf_beta θ̄);
+      anneal   the applied step scaled by 1 − k/T (a horizon-aware decay like the tuned AdamW's linear schedule);
+      iterate  on a mistake, one relinearisation (an iterated EKF step at the updated mean, the same P and R).
     """
     P0 = P.clone()
     theta = t.theta.clone()
+    average = theta.clone()
     R = torch.zeros(10, 10, dtype=dt)
     hits, gains = [], []
     for k in range(len(t.Y)):
@@ -179,10 +192,16 @@ def _cov_form(t, P, R_kind="taylor", alpha=0.0, shrink=0.0, beta=0.95):
             theta = (1 - shrink) * theta
         if alpha:
             P = P * (1 + alpha)
+        if q:
+            P = P + q
         yv = torch.zeros(10, dtype=dt)
         yv[y] = 1
-        yhat, Jz = t.jz(theta, x)
-        hits.append(int(yhat.argmax()) == y)
+        at = (1 - sf_beta) * theta + sf_beta * average if point == "sf" else theta
+        yhat, Jz = t.jz(at, x)
+        if point == "mean":
+            hits.append(int(yhat.argmax()) == y)
+        else:
+            hits.append(int(t.logits(average, x).argmax()) == y)
         Js = torch.diag(yhat) - torch.outer(yhat, yhat)
         H = Js @ Jz
         e = yv - yhat
@@ -191,7 +210,21 @@ def _cov_form(t, P, R_kind="taylor", alpha=0.0, shrink=0.0, beta=0.95):
         R = beta * R + (1 - beta) * (torch.outer(e, e) + HPHt) if R_kind == "taylor" else Js
         Sinv = torch.linalg.pinv(HPHt + R, hermitian=True, rtol=1e-10)
         K = PHt @ Sinv
-        theta = theta + K @ e
+        scale = 1 - k / len(t.Y) if anneal else 1.0
+        new = theta + scale * (K @ e)  # schedule-free too: z moves by the step taken at y
+        if iterate and int(yhat.argmax()) != y:  # iterated EKF: θ₀ + K₁ (y − h(θ₁) − H₁ (θ₀ − θ₁))
+            yhat1, Jz1 = t.jz(new, x)
+            Js1 = torch.diag(yhat1) - torch.outer(yhat1, yhat1)
+            H1 = Js1 @ Jz1
+            PHt1 = P[:, None] * H1.T
+            K1 = PHt1 @ torch.linalg.pinv(H1 @ PHt1 + R, hermitian=True, rtol=1e-10)
+            new = theta + K1 @ (yv - yhat1 - H1 @ (theta - new))
+            K, H = K1, H1
+        theta = new
+        if point in ("avg", "sf"):
+            average = average + (theta - average) / (k + 2)
+        elif point == "ema":
+            average = average + (1 - ema) * (theta - average)
         gains.append(float(torch.linalg.vector_norm(HPHt @ (Sinv @ e)) / torch.linalg.vector_norm(e)))
         P = torch.clamp(P - (K * H.T).sum(1) * P, min=1e-12)
     return _metrics(hits), {"gain": _gain_windows(gains), "p_end/p_0": _quantiles(P / P0)}
@@ -206,6 +239,51 @@ def v_loko(seed, p0, **_):
     t = Toy(seed)
     P = torch.rand(t.n, generator=t.g, dtype=dt) * p0
     return _cov_form(t, P)
+
+
+def v_late(seed, p0, q=0.0, point="mean", anneal=0, iterate=0, sf_beta=0.9, ema=0.99, **_):
+    """(1-3) The paper's LoKO with the late-stream options of :func:`_cov_form` (``anneal=1``, ``iterate=1``)."""
+    t = Toy(seed)
+    P = torch.rand(t.n, generator=t.g, dtype=dt) * p0
+    return _cov_form(t, P, q=q, point=point, anneal=bool(anneal), iterate=bool(iterate), sf_beta=sf_beta, ema=ema)
+
+
+def v_adamlin(seed, lr, **_):
+    """Adam with its learning rate decayed linearly to 0 over the stream (the tuned AdamW's horizon)."""
+    t = Toy(seed)
+    p = t.theta.clone().requires_grad_(True)
+    opt = torch.optim.Adam([p], lr=lr)
+    schedule = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=len(t.Y))
+    hits = []
+    for k in range(len(t.Y)):
+        out = t.logits(p, t.X[k])
+        hits.append(int(out.argmax()) == int(t.Y[k]))
+        loss = torch.nn.functional.cross_entropy(out[None], t.Y[k][None])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        schedule.step()
+    return _metrics(hits), {}
+
+
+def v_sfadam(seed, lr, **_):
+    """Schedule-free AdamW (PyPI ``schedulefree``; no warm-up, no weight decay), scored at its averaged point x."""
+    import schedulefree
+
+    t = Toy(seed)
+    p = t.theta.clone().requires_grad_(True)
+    opt = schedulefree.AdamWScheduleFree([p], lr=lr, warmup_steps=0, weight_decay=0.0)
+    hits = []
+    for k in range(len(t.Y)):
+        opt.eval()
+        with torch.no_grad():
+            hits.append(int(t.logits(p, t.X[k]).argmax()) == int(t.Y[k]))
+        opt.train()
+        loss = torch.nn.functional.cross_entropy(t.logits(p, t.X[k])[None], t.Y[k][None])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _metrics(hits), {}
 
 
 def v_inflate(seed, alpha, p0=0.1, **_):
@@ -354,7 +432,7 @@ def v_ngdiag(seed, p0, fisher="mc", gamma=1.0, **_):
 
 
 # ---------------------------------------------------------------------------------------------------- LoFi
-def v_lofi(seed, L, p0=1.0, gamma=1.0, **_):
+def v_lofi(seed, L, p0=1.0, gamma=1.0, fisher="exact", **_):
     """(e) LoFi (Chang et al. 2023): precision Λ = diag(υ) + W Wᵀ, W n×L, with the categorical R = J_s.
 
     Update (exact for the rank-m observation, then projected back to rank L): W̃ = [W, J_zᵀ J_s^{1/2}] (since
@@ -363,7 +441,8 @@ def v_lofi(seed, L, p0=1.0, gamma=1.0, **_):
     Predict with forgetting γ towards the prior: υ ← γ υ + (1 − γ)/p0, W ← √γ W (exact for Λ ← γ Λ + (1 − γ) Λ_0;
     LoFi's own predict uses additive noise q instead). L = 0 is a diagonal filter whose mean step uses the exact
     rank-10 posterior. Cost per step O(n (L + 10)²). Departs from Algorithm 1: low-rank + diagonal, information
-    form, categorical R.
+    form, categorical R. ``fisher="emp"``: the information's factor is the observed label's gradient J_zᵀ e (one
+    row, ``lofi<L>_empirical``); ``"mc"``: the factor J_zᵀ (u_s − ŷ) of a label s drawn from ŷ (``lofi<L>_sampled``).
     """
     t = Toy(seed)
     L = int(L)
@@ -380,10 +459,16 @@ def v_lofi(seed, L, p0=1.0, gamma=1.0, **_):
         hits.append(int(yhat.argmax()) == y)
         e = -yhat
         e[y] += 1
-        Js = torch.diag(yhat) - torch.outer(yhat, yhat)
-        ev, V = torch.linalg.eigh(Js)
-        Js_half = (V * ev.clamp(min=0).sqrt()) @ V.T
-        Wt = torch.cat([W, Jz.T @ Js_half], 1)
+        if fisher == "emp":
+            factors = (Jz.T @ e)[:, None]
+        elif fisher == "mc":
+            s = int(torch.multinomial(yhat, 1, generator=t.g))
+            factors = (Jz.T @ (torch.nn.functional.one_hot(torch.tensor(s), 10).to(dt) - yhat))[:, None]
+        else:
+            Js = torch.diag(yhat) - torch.outer(yhat, yhat)
+            ev, V = torch.linalg.eigh(Js)
+            factors = Jz.T @ ((V * ev.clamp(min=0).sqrt()) @ V.T)
+        Wt = torch.cat([W, factors], 1)
         ui = 1 / ups
         G = torch.linalg.pinv(torch.eye(Wt.shape[1], dtype=dt) + Wt.T @ (ui[:, None] * Wt), hermitian=True)
         v = ui * (Jz.T @ e)
@@ -407,6 +492,9 @@ VARIANTS = {
     "p0kind": (v_p0kind, [0.3, 3.0, 30.0]),
     "ngdiag": (v_ngdiag, [0.01, 0.1, 1.0, 10.0]),
     "catR": (v_catR, [0.01, 0.1, 1.0, 10.0]),
+    "late": (v_late, [0.01, 0.1, 1.0]),
+    "adamlin": (v_adamlin, [3e-4, 1e-3, 3e-3]),
+    "sfadam": (v_sfadam, [1e-3, 3e-3, 1e-2]),
 }
 
 

@@ -217,6 +217,13 @@ def test_labels_inputs_and_optimizer_are_checked(base_ckpt, tmp_path):
     with pytest.raises(ConfigError, match="LoKO") as info:
         ServingLearner.from_checkpoint(tmp_path / "adamw.ckpt")
     assert info.value.field == "optimizer"
+    # A run whose weights are the average of the filter's mean (LoKO average > 0) is refused, not learned on wrongly.
+    averaged = torch.load(base_ckpt, weights_only=False)
+    averaged["loko_train_point"] = {}
+    torch.save(averaged, tmp_path / "averaged.ckpt")
+    with pytest.raises(ConfigError, match="averaged prediction point") as info:
+        ServingLearner.from_checkpoint(tmp_path / "averaged.ckpt")
+    assert info.value.field == "ckpt_path"
 
 
 def test_a_text_model_predicts_and_learns_texts_and_pairs(tmp_path):

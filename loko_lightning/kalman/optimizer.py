@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Literal, get_args
 
@@ -189,6 +190,7 @@ class LoKO(torch.optim.Optimizer):
         filter: str | Filter = "covariance",  # noqa: A002 (the paper's word)
         shard: bool = False,
         collective_timeout: float | None = None,
+        average: float = 0.0,
         **unexpected: Any,
     ) -> None:
         if "lr" in unexpected:
@@ -250,6 +252,16 @@ class LoKO(torch.optim.Optimizer):
                 field="collective_timeout",
                 owner=LoKO,
             )
+        if not (real_number(average) and 0.0 <= average < 1.0):
+            raise ConfigError(
+                f"Invalid average: {average!r} (the decay of the average of the filter's mean that predicts, in "
+                "[0, 1); 0 predicts with the mean itself, the paper; e.g. 0.999)",
+                field="average",
+                owner=LoKO,
+            )
+        #: The decay ``δ`` of the exponential average ``θ̄ ← δ_k θ̄ + (1 − δ_k) θ`` of the filter's mean after every
+        #: step (``δ_k = min(δ, (1 + k)/(10 + k))``), which predicts (:meth:`averaged`); 0: none (the paper).
+        self.average = float(average)
         self.shard = shard
         self.collective_timeout = collective_timeout
         self._shards: ShardPlan | None = None  # the owners of the parameters once a sharded step has run
@@ -315,6 +327,8 @@ class LoKO(torch.optim.Optimizer):
             if param.is_complex() or not param.is_floating_point():
                 raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
             self.state[param]["cov"] = self._initial_cov(param, group)
+            if self.average:
+                self.state[param]["average"] = param.detach().clone()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``."""
@@ -361,6 +375,25 @@ class LoKO(torch.optim.Optimizer):
             for key, value in saved.get(index, {}).items():
                 if isinstance(value, Tensor):
                     self.state[param][key] = value.to(device=param.device, copy=True)
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """Inside, the parameters hold the average ``θ̄`` of the filter's mean (with ``average`` > 0); after, ``θ``.
+
+        The values are swapped in and copied back, so predicting inside never changes the filter's trajectory.
+        """
+        params = [p for p in self._params() if "average" in self.state[p]]
+        if not self.average or not params:
+            yield
+            return
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            torch._foreach_copy_(params, [self.state[p]["average"] for p in params])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, saved)
 
     def consolidate_state_dict(self) -> None:
         """Gather every process's shard of ``p̂`` so that :meth:`state_dict` holds the whole filter state.
@@ -542,6 +575,14 @@ class LoKO(torch.optim.Optimizer):
             plan.scatter_rows(low_rank_flat, low_rank)
         diagnostics["skipped"] = shared["skipped"]
         diagnostics["step"] = shared["step"]
+        if self.average:  # θ̄ ← θ̄ + (1 − δ_k)(θ − θ̄), every parameter (a sharded step broadcast them all)
+            with torch.no_grad():
+                # δ_k = min(δ, (1 + k)/(10 + k)) after k applied steps, the warm-up of TensorFlow's
+                # ExponentialMovingAverage: early in the stream θ̄ is not held back by θ₀ (δ = 0.99 from k = 890 on).
+                k = shared["step"].to(torch.float64)
+                weight = 1.0 - torch.clamp((1.0 + k) / (10.0 + k), max=self.average)
+                averages = [self.state[p]["average"] for p in params]
+                torch._foreach_lerp_(averages, list(params), [weight.to(a.dtype) for a in averages])
         self._diagnostics = diagnostics
         return result if observed.returned is None else observed.returned
 
@@ -660,12 +701,13 @@ def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor
     """Refuse a state dict that is not LoKO's for these parameters (another optimizer's, or other shapes)."""
     if not saved:
         return
-    foreign = sorted({key for state in saved.values() for key in state} - {"cov", "R", "step", "skipped", "W"})
+    known = {"cov", "R", "step", "skipped", "W", "average"}
+    foreign = sorted({key for state in saved.values() for key in state} - known)
     if foreign or any("cov" not in state for state in saved.values()):
         raise ValueError(
             f"Invalid state dict: it is not LoKO's (its per-parameter state holds {foreign or 'no cov'}; LoKO keeps "
-            "cov, R, step, skipped and, for lofi, W): it comes from another optimizer, e.g. AdamW. Load it into that "
-            "optimizer, or start LoKO from its initial state"
+            "cov, R, step, skipped, for lofi W, and with average the average of the mean): it comes from another "
+            "optimizer, e.g. AdamW. Load it into that optimizer, or start LoKO from its initial state"
         )
     for index, state in saved.items():
         param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None

@@ -83,6 +83,8 @@ class KalmanStep(OnlineStep):
 
     def __init__(self) -> None:
         self._engine: JacobianEngine | None = None
+        self._module: pl.LightningModule | None = None
+        self._evaluating: contextlib.ExitStack | None = None
 
     @staticmethod
     def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
@@ -124,6 +126,13 @@ class KalmanStep(OnlineStep):
         autocast_dtype = torch.get_autocast_dtype(device) if mixed else None
         world = world_size(module)
         joint = label.shape[0] > 1 or world > 1
+        if loko.average and world > 1:
+            raise ConfigError(
+                f"average={loko.average} with {world} processes: the averaged mean predicts each process's own "
+                "samples only, which the learner does not gather yet; use average=0 (the paper) under DDP",
+                field="average",
+                owner=LoKO,
+            )
         # LoKO(shard=True) exchanges each shard's blocks itself; the replicated update needs every observation here.
         sharded = world > 1 and getattr(loko, "shard", False)
         if sharded and loko.collective_timeout is None:
@@ -137,13 +146,41 @@ class KalmanStep(OnlineStep):
                 return all_gather_observations(prediction, target, jacobians, timeout=collective_timeout(module))
             return prediction, target, jacobians
 
+        averaged = None
+        if loko.average:  # the prediction scored (and served) is the averaged mean's, made before the update
+            with torch.no_grad(), loko.averaged():
+                averaged = loko.observation.predict(module.network(inputs).reshape(label.shape[0], -1))
         with torch.autocast(device, enabled=False) if mixed else contextlib.nullcontext():
             prediction, target, _ = optimizer.step(closure=closure)
         if not joint:
             prediction = prediction[None]
         elif world > 1:
             label = target.argmax(-1)
+        if averaged is not None:
+            prediction = averaged.to(prediction.dtype)
         return prediction, label, loko.diagnostics["applied"]
+
+    def start(self, module: pl.LightningModule) -> None:
+        """Remember the learner (with ``LoKO(average=...)`` its checkpoints hold the average)."""
+        self._module = module
+
+    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
+        """With ``LoKO(average=...)``: evaluation and prediction during a fit use ``θ̄``, then ``θ`` again."""
+        optimizers = module._trainer.optimizers if module._trainer is not None else []
+        if entering and optimizers and self._evaluating is None:
+            self._evaluating = contextlib.ExitStack()
+            self._evaluating.enter_context(_averaged(optimizers[0]))
+        elif not entering and self._evaluating is not None:
+            self._evaluating.close()
+            self._evaluating = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With ``LoKO(average=...)``: the weights are the average ``θ̄`` (what predicts), ``θ`` kept for resuming."""
+        module = self._module
+        if module is None or not module._trainer or not module.trainer.optimizers or self._evaluating is not None:
+            return
+        if getattr(module.trainer.optimizers[0], "average", 0.0):
+            save_served_weights(module, checkpoint, _averaged(module.trainer.optimizers[0]))
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The filter's diagnostics of the last step."""
@@ -246,6 +283,25 @@ def averaged_point(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             group["train_mode"] = True
 
 
+def _averaged(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+    """LoKO's :meth:`~loko_lightning.LoKO.averaged` (nothing for another optimizer)."""
+    averaged = getattr(optimizer, "averaged", None)
+    return averaged() if averaged is not None else contextlib.nullcontext()
+
+
+def save_served_weights(
+    module: pl.LightningModule, checkpoint: dict[str, Any], serving: contextlib.AbstractContextManager[None]
+) -> None:
+    """A checkpoint's weights are those that predict (inside ``serving``), the training point beside them.
+
+    The training point is ``"loko_train_point"``, from which a resumed fit continues exactly.
+    """
+    named = [(f"network.{name}", p) for name, p in module.network.named_parameters() if p.requires_grad]
+    checkpoint["loko_train_point"] = {name: p.detach().clone() for name, p in named}
+    with torch.no_grad(), serving:
+        checkpoint["state_dict"].update({name: p.detach().clone() for name, p in named})
+
+
 class ScheduleFreeStep(PeerStep, GradientStep):
     """Schedule-free AdamW's step (:class:`~loko_lightning.peers.ScheduleFreeAdamW`): predict with ``x``, step at ``y``.
 
@@ -289,10 +345,7 @@ class ScheduleFreeStep(PeerStep, GradientStep):
         module = self._module
         if module is None or not module._trainer or not module.trainer.optimizers or self._evaluating is not None:
             return
-        named = [(f"network.{name}", p) for name, p in module.network.named_parameters() if p.requires_grad]
-        checkpoint["loko_train_point"] = {name: p.detach().clone() for name, p in named}
-        with torch.no_grad(), averaged_point(module.trainer.optimizers[0]):
-            checkpoint["state_dict"].update({name: p.detach().clone() for name, p in named})
+        save_served_weights(module, checkpoint, averaged_point(module.trainer.optimizers[0]))
 
 
 class IVONStep(PeerStep, GradientStep):

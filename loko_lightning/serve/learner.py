@@ -143,6 +143,13 @@ class ServingLearner:
                 "learns with LoKO: serve a checkpoint of a LoKO run",
                 field="optimizer",
             )
+        if checkpoint.get("loko_train_point") is not None:
+            raise ConfigError(
+                f"{path} was trained with an averaged prediction point (LoKO average > 0): its weights are the "
+                "average, and a serving learner would learn on from them instead of the filter's mean. Serving it is "
+                "not supported yet: `loko predict` and `loko export` use it, or serve a run with average=0",
+                field="ckpt_path",
+            )
         if optimizer is None:
             optimizer = _saved_loko(state)
         built = optimizer(module.trainable_parameters)

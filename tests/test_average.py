@@ -1,0 +1,110 @@
+"""LoKO(average=δ): predicting with an exponential average of the filter's mean (the late-stream study's option)."""
+
+import copy
+
+import pytest
+import torch
+from loko_helpers import flat, mlp, teacher_stream
+
+from loko_lightning import JacobianEngine, LoKO
+from loko_lightning.errors import ConfigError
+
+
+def _train(model, opt, stream):
+    trajectory = [flat(p.detach().clone() for p in model.parameters())]
+    engine = JacobianEngine(model, observation=opt.observation)
+    for x, y in stream:
+        opt.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
+        trajectory.append(flat(p.detach().clone() for p in model.parameters()))
+    return trajectory
+
+
+@pytest.mark.parametrize("filter_", ["covariance", "natural", "lofi2"])
+def test_average_off_is_the_paper_and_on_leaves_the_filter_s_trajectory_alone(filter_):
+    """The average is read, never fed back: the filter's means with average=0.99 are those without, bit for bit,
+    and without it the optimizer keeps no average."""
+    plain, averaged = mlp(), mlp()
+    options = dict(p0=0.5, seed=3, filter=filter_) | ({"r_estimator": "softmax"} if filter_ != "covariance" else {})
+    first = LoKO(plain.parameters(), **options)
+    second = LoKO(averaged.parameters(), average=0.99, **options)
+    stream = list(teacher_stream(15))
+    a, b = _train(plain, first, stream), _train(averaged, second, stream)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert all("average" not in first.state[p] for p in plain.parameters())
+
+
+def test_the_average_is_the_exponential_average_of_the_means():
+    """θ̄_0 = θ_0 and θ̄_k = δ_k θ̄_{k-1} + (1 − δ_k) θ_k after step k, δ_k = min(δ, (1 + k)/(10 + k)), against the
+    trajectory recorded in float64 (the fast path's lerp and this recursion round differently: a few ulps of values
+    of order 1). 40 steps with δ = 0.8: the warm-up ends at k = 36."""
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.5, seed=3, average=0.8)
+    trajectory = _train(model, opt, list(teacher_stream(40)))
+    expected = trajectory[0]
+    for k, theta in enumerate(trajectory[1:], start=1):
+        decay = min(0.8, (1 + k) / (10 + k))
+        expected = decay * expected + (1 - decay) * theta
+    got = flat(opt.state[p]["average"] for p in model.parameters())
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    before = flat(p.detach().clone() for p in model.parameters())
+    with opt.averaged():
+        torch.testing.assert_close(flat(p.detach() for p in model.parameters()), expected, rtol=1e-12, atol=1e-14)
+    assert torch.equal(flat(p.detach() for p in model.parameters()), before)  # θ back exactly
+
+
+def test_the_average_resumes_exactly():
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.5, seed=3, average=0.95)
+    stream = list(teacher_stream(12))
+    _train(model, opt, stream[:6])
+    twin = copy.deepcopy(model)
+    second = LoKO(twin.parameters(), p0=0.5, seed=3, average=0.95)
+    second.load_state_dict(opt.state_dict())
+    _train(model, opt, stream[6:])
+    _train(twin, second, stream[6:])
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["average"], second.state[q]["average"])
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 1.5, "0.9", True, float("nan")])
+def test_a_bad_average_is_refused_naming_the_field(value):
+    with pytest.raises(ConfigError, match=r"Invalid average") as raised:
+        LoKO(mlp().parameters(), average=value)
+    assert raised.value.field == "average"
+
+
+@pytest.mark.slow
+def test_loko_fit_with_an_average_checkpoints_the_average_and_resumes_exactly(tmp_path):
+    """24 samples of the debug config, stopped after 12 with a checkpoint at 6 and resumed: the same weights (the
+    average θ̄, what predicts), training point θ and optimizer state as one uninterrupted run, bit for bit on the CPU;
+    and the prediction scored is the average's, so the online accuracy differs from the paper's run."""
+    from pathlib import Path
+
+    from runs import assert_same_tensors, outputs, trainable
+
+    from loko_lightning.cli import main
+
+    debug = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
+    common = ["--config", debug, "--data.max_samples", "24", "--data.eval_max_samples", "8"]
+    averaged = [*common, "--model.optimizer.init_args.average", "0.9"]
+    main(["fit", *averaged, *outputs(tmp_path, "full", every=24)])
+    main(["fit", *averaged, "--trainer.max_steps", "12", *outputs(tmp_path, "part", every=6, keep_all=True)])
+    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=6.ckpt"
+    main(["fit", *averaged, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=24)])
+    main(["fit", *common, *outputs(tmp_path, "paper", every=24)])
+
+    load = lambda name: torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)  # noqa: E731
+    full, resumed, paper = load("full"), load("resumed"), load("paper")
+    assert full["global_step"] == resumed["global_step"] == 24
+    weights = trainable(full["state_dict"])
+    assert weights and weights.keys() == trainable(resumed["state_dict"]).keys()
+    for key in weights:
+        assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
+    assert_same_tensors(full["loko_train_point"], resumed["loko_train_point"], "loko_train_point")
+    assert_same_tensors(full["optimizer_states"], resumed["optimizer_states"], "optimizer_states")
+    # The training point is the paper's run's weights (the average never feeds back); the weights are the average.
+    theta, paper_weights = full["loko_train_point"], trainable(paper["state_dict"])
+    assert all(torch.equal(theta[key], paper_weights[key]) for key in theta)
+    assert any(not torch.equal(weights[key], theta[key]) for key in theta)
+    nll = [key for key in full["state_dict"] if key.startswith("nll.")]
+    assert nll and any(not torch.equal(full["state_dict"][key], paper["state_dict"][key]) for key in nll)
