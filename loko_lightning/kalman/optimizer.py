@@ -152,6 +152,10 @@ class LoKO(torch.optim.Optimizer):
         collective_timeout: seconds each collective of a sharded step may wait for the other processes before it
             raises (a process killed or hung); ``None``: the process group's own timeout (30 minutes by default;
             :class:`~loko_lightning.OnlineClassifier` sets its own ``collective_timeout`` here).
+        average: not the paper's: the decay ``δ`` in ``[0, 1)`` of an exponential average of the filter's mean,
+            updated after every step (with a warm-up, ``min(δ, (1 + k)/(10 + k))``); the learner predicts with it
+            (:meth:`averaged`) and checkpoints it as the weights. The filter's own recursion is unchanged. 0 (the
+            default): none, the paper. See ``docs/filters.md``.
 
     LoKO has no learning rate: ``lr``, as an argument or in a param group, raises a ``ValueError``; ``p0`` plays
     that role.
