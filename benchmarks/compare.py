@@ -8,7 +8,8 @@ Every run is the training of ``loko fit`` on the given config(s), built by the p
 says what a benchmark run changes: no logger, checkpoints or validation; only the config's divergence guard kept):
 
 - ``loko``: the config's own optimizer (LoKO), with the overrides after ``--``; ``loko_auto``: the same with
-  ``p0: auto`` (:mod:`loko_lightning.learner.selection`);
+  ``p0: auto`` (:mod:`loko_lightning.learner.selection`); ``loko_avg``: the same predicting with the average of the
+  filter's mean (``average: 0.99``, not the paper's; ``docs/filters.md``);
 - ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
   (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
   learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
@@ -71,6 +72,7 @@ import common
 OPTIMIZERS = (
     "loko",
     "loko_auto",
+    "loko_avg",
     "adamw",
     "adamw_tuned",
     "adamw_const",
@@ -82,6 +84,7 @@ OPTIMIZERS = (
 LABELS = {
     "loko": "LoKO",
     "loko_auto": "LoKO (p0: auto)",
+    "loko_avg": "LoKO (averaged mean, 0.99)",
     "adamw": "LoRA/AdamW",
     "adamw_tuned": "LoRA/AdamW (lr tuned)",
     "adamw_const": "LoRA/AdamW (lr tuned, constant)",
@@ -93,6 +96,7 @@ LABELS = {
 COLORS = {
     "loko": "tab:red",
     "loko_auto": "tab:orange",
+    "loko_avg": "tab:gray",
     "adamw": "tab:blue",
     "adamw_tuned": "tab:purple",
     "adamw_const": "tab:pink",
@@ -102,7 +106,11 @@ COLORS = {
     "posteriors": "tab:olive",
 }
 # The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it.
-LOKO_RUNS = {"loko": [], "loko_auto": ["--model.optimizer.p0=auto"]}
+LOKO_RUNS = {
+    "loko": [],
+    "loko_auto": ["--model.optimizer.p0=auto"],
+    "loko_avg": ["--model.optimizer.init_args.average=0.99"],
+}
 # The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
 SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors")
 CSV_FIELDS = (
@@ -512,7 +520,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=["loko", "adamw", "adagrad"],
         choices=OPTIMIZERS,
-        help="to compare: loko (the config's own), loko_auto (the same with p0: auto), and the baselines, each the "
+        help="to compare: loko (the config's own), loko_auto (the same with p0: auto), loko_avg (predicting with the "
+        "average of the filter's mean, average 0.99), and the baselines, each the "
         "overlay configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: auto's budget)",
     )
     runs.add_argument(
