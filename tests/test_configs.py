@@ -117,6 +117,8 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
         "natural",
         "--model.optimizer.r_estimator",
         "softmax",
+        "--model.optimizer.init_args.average",
+        "0.99",
     ]
     preset = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
     extra = ["--trainer.logger", "false"]
@@ -125,10 +127,12 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
         pinned = build(CONFIGS / f"{name}.yaml", *extra, *changed, *preset)
         unpinned = build(CONFIGS / f"{name}.yaml", *extra, *preset, *changed)
     param = torch.nn.Parameter(torch.zeros(3))
-    groups = {
-        key: cli.model.optimizer_factory([param]).param_groups[0]
+    optimizers = {
+        key: cli.model.optimizer_factory([param])
         for key, cli in (("plain", plain), ("pinned", pinned), ("unpinned", unpinned))
     }
+    groups = {key: optimizer.param_groups[0] for key, optimizer in optimizers.items()}
+    assert (optimizers["plain"].average, optimizers["pinned"].average, optimizers["unpinned"].average) == (0, 0, 0.99)
     for key in ("plain", "pinned"):
         assert {k: groups[key][k] for k in PAPER_LOKO} == PAPER_LOKO, key
         assert groups[key]["p_floor"] == 0.0
