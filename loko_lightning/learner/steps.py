@@ -68,7 +68,48 @@ def collective_timeout(module: pl.LightningModule) -> float | None:
     return getattr(module, "collective_timeout", None)
 
 
-class KalmanStep(OnlineStep):
+class ServesAnAverage(OnlineStep):
+    """A step whose model predicts with an average of its training point (:meth:`serving`, None: with that point).
+
+    Evaluation, testing and prediction during a fit then use the average too, and a checkpoint's weights are the
+    average, with the training point beside them (:func:`save_served_weights`).
+    """
+
+    def __init__(self) -> None:
+        self._module: pl.LightningModule | None = None
+        self._evaluating: contextlib.ExitStack | None = None
+
+    def serving(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
+        """Inside, the parameters hold the average (None: this optimizer keeps none)."""
+        raise NotImplementedError
+
+    def start(self, module: pl.LightningModule) -> None:
+        """Remember the learner (its checkpoints need the optimizer's average)."""
+        self._module = module
+
+    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
+        """Move the parameters to the average for evaluation and prediction during a fit (and back after)."""
+        optimizers = module._trainer.optimizers if module._trainer is not None else []
+        if entering and optimizers and self._evaluating is None:
+            serving = self.serving(optimizers[0])
+            if serving is not None:
+                self._evaluating = contextlib.ExitStack()
+                self._evaluating.enter_context(serving)
+        elif not entering and self._evaluating is not None:
+            self._evaluating.close()
+            self._evaluating = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The weights are the average; the training point is kept as ``"loko_train_point"`` for resuming."""
+        module = self._module
+        if module is None or not module._trainer or not module.trainer.optimizers or self._evaluating is not None:
+            return
+        serving = self.serving(module.trainer.optimizers[0])
+        if serving is not None:
+            save_served_weights(module, checkpoint, serving)
+
+
+class KalmanStep(ServesAnAverage):
     """:class:`~loko_lightning.LoKO`'s step: the Jacobian engine observes the samples, the filter updates on them.
 
     The engine is built at the first step, with the optimizer's observation model, so the prediction, the target
@@ -82,9 +123,8 @@ class KalmanStep(OnlineStep):
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self._engine: JacobianEngine | None = None
-        self._module: pl.LightningModule | None = None
-        self._evaluating: contextlib.ExitStack | None = None
 
     @staticmethod
     def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
@@ -160,27 +200,9 @@ class KalmanStep(OnlineStep):
             prediction = averaged.to(prediction.dtype)
         return prediction, label, loko.diagnostics["applied"]
 
-    def start(self, module: pl.LightningModule) -> None:
-        """Remember the learner (with ``LoKO(average=...)`` its checkpoints hold the average)."""
-        self._module = module
-
-    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
-        """With ``LoKO(average=...)``: evaluation and prediction during a fit use ``θ̄``, then ``θ`` again."""
-        optimizers = module._trainer.optimizers if module._trainer is not None else []
-        if entering and optimizers and self._evaluating is None:
-            self._evaluating = contextlib.ExitStack()
-            self._evaluating.enter_context(_averaged(optimizers[0]))
-        elif not entering and self._evaluating is not None:
-            self._evaluating.close()
-            self._evaluating = None
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """With ``LoKO(average=...)``: the weights are the average ``θ̄`` (what predicts), ``θ`` kept for resuming."""
-        module = self._module
-        if module is None or not module._trainer or not module.trainer.optimizers or self._evaluating is not None:
-            return
-        if getattr(module.trainer.optimizers[0], "average", 0.0):
-            save_served_weights(module, checkpoint, _averaged(module.trainer.optimizers[0]))
+    def serving(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
+        """With ``LoKO(average=...)``: :meth:`~loko_lightning.LoKO.averaged` (the checkpoints hold ``θ̄``)."""
+        return optimizer.averaged() if getattr(optimizer, "average", 0.0) else None
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The filter's diagnostics of the last step."""
@@ -283,12 +305,6 @@ def averaged_point(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             group["train_mode"] = True
 
 
-def _averaged(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
-    """LoKO's :meth:`~loko_lightning.LoKO.averaged` (nothing for another optimizer)."""
-    averaged = getattr(optimizer, "averaged", None)
-    return averaged() if averaged is not None else contextlib.nullcontext()
-
-
 def save_served_weights(
     module: pl.LightningModule, checkpoint: dict[str, Any], serving: contextlib.AbstractContextManager[None]
 ) -> None:
@@ -302,7 +318,7 @@ def save_served_weights(
         checkpoint["state_dict"].update({name: p.detach().clone() for name, p in named})
 
 
-class ScheduleFreeStep(PeerStep, GradientStep):
+class ScheduleFreeStep(ServesAnAverage, PeerStep, GradientStep):
     """Schedule-free AdamW's step (:class:`~loko_lightning.peers.ScheduleFreeAdamW`): predict with ``x``, step at ``y``.
 
     Each sample is predicted with the average ``x`` (the point whose guarantees schedule-free AdamW gives, and the one a
@@ -311,13 +327,9 @@ class ScheduleFreeStep(PeerStep, GradientStep):
     as ``"loko_train_point"``, from which a resumed run continues exactly). Costs one forward pass more than AdamW.
     """
 
-    def __init__(self) -> None:
-        self._module: pl.LightningModule | None = None
-        self._evaluating: contextlib.ExitStack | None = None
-
-    def start(self, module: pl.LightningModule) -> None:
-        """Remember the learner (its checkpoints need the optimizer's average)."""
-        self._module = module
+    def serving(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
+        """:func:`averaged_point`: the average ``x``."""
+        return averaged_point(optimizer)
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """Predict with ``x``, then one step at ``y`` on the mean cross-entropy."""
@@ -329,23 +341,6 @@ class ScheduleFreeStep(PeerStep, GradientStep):
         loss = F.cross_entropy(module.network(inputs), label)
         applied = self.descend(module, optimizer, loss, finite=torch.isfinite(averaged).all())
         return (*self.gather(module, averaged.softmax(-1), label), applied)
-
-    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
-        """Move the parameters to ``x`` for evaluation and prediction during a fit (and back to ``y`` after)."""
-        optimizers = module._trainer.optimizers if module._trainer is not None else []
-        if entering and optimizers and self._evaluating is None:
-            self._evaluating = contextlib.ExitStack()
-            self._evaluating.enter_context(averaged_point(optimizers[0]))
-        elif not entering and self._evaluating is not None:
-            self._evaluating.close()
-            self._evaluating = None
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The weights at ``x``; ``y`` kept as ``"loko_train_point"`` for resuming."""
-        module = self._module
-        if module is None or not module._trainer or not module.trainer.optimizers or self._evaluating is not None:
-            return
-        save_served_weights(module, checkpoint, averaged_point(module.trainer.optimizers[0]))
 
 
 class IVONStep(PeerStep, GradientStep):
