@@ -148,11 +148,15 @@ def _gain_windows(gains):
 
 
 # ---------------------------------------------------------------------------------------------------- Adam
-def v_adam(seed, lr, **_):
-    """Adam (betas 0.9/0.999, no weight decay), one sample per step: the toy's baseline, identical ops."""
+def v_adam(seed, lr, decay=0, **_):
+    """Adam (betas 0.9/0.999, no weight decay), one sample per step: the toy's baseline, identical ops.
+
+    ``decay=1``: the learning rate decayed linearly to 0 over the stream (the tuned AdamW's horizon; ``adamlin``).
+    """
     t = Toy(seed)
     p = t.theta.clone().requires_grad_(True)
     opt = torch.optim.Adam([p], lr=lr)
+    schedule = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=len(t.Y)) if decay else None
     hits = []
     for k in range(len(t.Y)):
         out = t.logits(p, t.X[k])
@@ -161,6 +165,8 @@ def v_adam(seed, lr, **_):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
     return _metrics(hits), {}
 
 
@@ -250,20 +256,7 @@ def v_late(seed, p0, q=0.0, point="mean", anneal=0, iterate=0, sf_beta=0.9, ema=
 
 def v_adamlin(seed, lr, **_):
     """Adam with its learning rate decayed linearly to 0 over the stream (the tuned AdamW's horizon)."""
-    t = Toy(seed)
-    p = t.theta.clone().requires_grad_(True)
-    opt = torch.optim.Adam([p], lr=lr)
-    schedule = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.0, total_iters=len(t.Y))
-    hits = []
-    for k in range(len(t.Y)):
-        out = t.logits(p, t.X[k])
-        hits.append(int(out.argmax()) == int(t.Y[k]))
-        loss = torch.nn.functional.cross_entropy(out[None], t.Y[k][None])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        schedule.step()
-    return _metrics(hits), {}
+    return v_adam(seed, lr, decay=1)
 
 
 def v_sfadam(seed, lr, **_):
