@@ -365,10 +365,10 @@ class LoKO(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype)."""
         saved = {index: dict(state) for index, state in state_dict["state"].items()}
-        drawing = getattr(self.observation, "generator", None)
-        if drawing is not None and "observation_rng" in state_dict:
-            drawing.set_state(state_dict["observation_rng"])
         _check_saved_state(saved, self._params())
+        drawing = getattr(self.observation, "generator", None)
+        if drawing is not None and "observation_rng" in state_dict:  # after the check: a refused state changes nothing
+            drawing.set_state(state_dict["observation_rng"])
         state_dict = {**state_dict, "state": saved}
         super().load_state_dict(state_dict)
         if self._shards is not None:  # every p̂ is back: the next sharded step splits it again (maybe differently)

@@ -98,7 +98,7 @@ class FisherRows(Softmax):
         return f"FisherRows(fisher={self.fisher!r})"
 
 
-def categorical_rows(observation: Observation, fisher: str, owner: type, seed: int = 0) -> FisherRows:
+def categorical_rows(observation: Observation, fisher: str, owner: type) -> FisherRows:
     """The rows an information-form filter needs for ``observation``, which must be the plain softmax one.
 
     Raises:
@@ -112,7 +112,7 @@ def categorical_rows(observation: Observation, fisher: str, owner: type, seed: i
             field="observation",
             owner=owner,
         )
-    return FisherRows(fisher, seed)
+    return FisherRows(fisher)
 
 
 def check_fisher(fisher: str, owner: type) -> None:
