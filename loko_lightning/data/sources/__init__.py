@@ -12,8 +12,9 @@ on the command line; ``StreamDataModule(MNIST5k(image_size=32), ...)`` in Python
 - :mod:`~loko_lightning.data.sources.text_source`: what the text families share (``TextSource``, its ``max_length``):
   texts in memory, read and checked.
 - :mod:`~loko_lightning.data.sources.textfile`, :mod:`~loko_lightning.data.sources.glue`,
-  :mod:`~loko_lightning.data.sources.rotten_tomatoes`, :mod:`~loko_lightning.data.sources.bbc_news`: the text
-  families ``TextFile``, ``Glue``, ``RottenTomatoes``, ``BBCNews``.
+  :mod:`~loko_lightning.data.sources.rotten_tomatoes`, :mod:`~loko_lightning.data.sources.bbc_news`,
+  :mod:`~loko_lightning.data.sources.wordnet`: the text families ``TextFile``, ``Glue``, ``RottenTomatoes``,
+  ``BBCNews``, ``WordNetNouns``.
 - :mod:`~loko_lightning.data.sources.hf_stream`: ``HFStream``, Hugging Face datasets read in streaming mode, images
   or text as the network takes.
 
