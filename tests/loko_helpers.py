@@ -149,5 +149,5 @@ def factor_dense(jac, param):
 
 def variant(name):
     """LoKO's keyword for a variant named in a test: a filter (``natural``, ``lofi3``, ...) or an observation."""
-    filters = r"covariance|natural(_exact)?|lofi\d+(_empirical)?"
+    filters = r"covariance|natural(_exact|_sampled)?|lofi\d+(_empirical|_sampled)?"
     return {"filter": name} if re.fullmatch(filters, name) else {"observation": name}

@@ -74,6 +74,22 @@ def test_version_and_help_describe_the_tool(capsys):
     assert "Lightning Trainer command line tool" not in out
 
 
+def test_version_from_a_source_tree_without_distribution_metadata(capsys, monkeypatch):
+    """Run from a checkout on PYTHONPATH (no install, so no metadata), the command still starts and names the
+    package's own version; every `loko` command used to stop there on PackageNotFoundError."""
+    import importlib.metadata
+
+    import loko_lightning.cli.entry as entry
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(entry, "version", missing)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code in (0, None) and capsys.readouterr().out.strip() == f"loko {__version__}"
+
+
 def test_print_config_shows_the_resolved_configuration(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", DEBUG, "--print_config"])

@@ -25,6 +25,9 @@ VARIANTS = [
     ("topk1", {}),
     ("lofi3", {"inflation": 0.02}),
     ("lofi3_empirical", {"forgetting": 0.05}),
+    ("natural_sampled", {}),  # the drawn labels come from a CPU generator seeded by `seed`, alike on both devices
+    ("lofi3_sampled", {}),
+    ("softmax", {"average": 0.9}),
 ]
 
 
@@ -48,6 +51,8 @@ def _steps(device, observation, options, batch, n=12):
         "cov": flat(opt.state[q]["cov"] for q in params).cpu(),
         "device": {opt.state[q]["cov"].device.type for q in params} | {q.device.type for q in params},
     }
+    if "average" in opt.state[params[0]]:
+        state["average"] = flat(opt.state[q]["average"] for q in params).cpu()
     if "W" in opt.state[params[0]]:
         W = torch.cat([opt.state[q]["W"] for q in params]).cpu()
         state["WWt"] = W @ W.T  # W up to the signs of its columns, which eigensolvers choose freely
@@ -67,6 +72,8 @@ def test_a_cuda_step_is_the_cpu_step_in_float64(observation, options, batch):
     torch.testing.assert_close(cuda["cov"], cpu["cov"], rtol=1e-8, atol=1e-11)
     if "WWt" in cpu:
         torch.testing.assert_close(cuda["WWt"], cpu["WWt"], rtol=1e-8, atol=1e-10)
+    if "average" in cpu:  # a convex combination of the means above: their tolerance
+        torch.testing.assert_close(cuda["average"], cpu["average"], rtol=1e-8, atol=1e-10)
 
 
 def test_a_gpu_run_continues_on_the_cpu_and_loads_there(tmp_path, monkeypatch):

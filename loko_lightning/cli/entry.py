@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from argparse import ArgumentError
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 from loko_lightning.cli.command import HelpFormatter, LoKOCLI
 from loko_lightning.cli.configs import resolve_config_names
@@ -30,6 +30,16 @@ DESCRIPTION = (
     "loko export --ckpt_path CKPT --out DIR [--merge] (see loko export --help); "
     "loko serve --ckpt_path CKPT (predicts, and learns from the labels it is sent; see loko serve --help)."
 )
+
+
+def _version() -> str:
+    """The installed distribution's version, else the package's own (a source tree on PYTHONPATH has no metadata)."""
+    try:
+        return version("loko-lightning")
+    except PackageNotFoundError:
+        from loko_lightning import __version__
+
+        return __version__
 
 
 def main(args: list[str] | None = None) -> None:
@@ -66,7 +76,7 @@ def main(args: list[str] | None = None) -> None:
                 "prog": "loko",
                 "description": DESCRIPTION,
                 "formatter_class": HelpFormatter,
-                "version": version("loko-lightning"),
+                "version": _version(),
             },
         )
     except (*USER_ERRORS, LostProcessError) as err:
