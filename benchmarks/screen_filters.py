@@ -39,6 +39,8 @@ Variants (one function each, ``v_<name>``):
   ngdiag     (g) diagonal-Fisher natural gradient, information form with the categorical R (fisher=mc|emp|exact).
   catR       (h) the paper's covariance-form update with the categorical R = J_s instead of the EMA Taylor R.
   late       (1-3) the paper's update with a late-stream option: q=, point=avg|ema|sf, anneal=1, iterate=1.
+  kinds      (5) the paper's update with one p0 for the head (the knob) and one for LoRA A and B (body=).
+  split      (6) the paper's filter on the head (filt=head) or on LoRA A and B (filt=body), Adam (lr=) on the rest.
   adamlin    Adam with the learning rate decayed linearly to 0 over the stream (the tuned AdamW's horizon).
   sfadam     schedule-free AdamW (PyPI ``schedulefree``), scored at its averaged point.
 """
@@ -172,7 +174,7 @@ def v_adam(seed, lr, decay=0, **_):
 
 # ---------------------------------------------------------------------------------------------------- covariance form
 def _cov_form(t, P, R_kind="taylor", alpha=0.0, shrink=0.0, beta=0.95, q=0.0, point="mean", anneal=False,
-              iterate=False, sf_beta=0.9, ema=0.99):  # fmt: skip
+              iterate=False, sf_beta=0.9, ema=0.99, adam=None, lr=1e-3):  # fmt: skip
     """The paper's diagonal EKF (Algorithm 1) with optional departures, returns (metrics, diagnostics).
 
     Per sample: predict θ ← (1 − shrink) θ, p̂ ← (1 + alpha) p̂ (the paper: both identities); H = J_s J_z;
@@ -186,7 +188,14 @@ def _cov_form(t, P, R_kind="taylor", alpha=0.0, shrink=0.0, beta=0.95, q=0.0, po
                (schedule-free: θ̄ the uniform average, and the filter linearises at y = (1 − sf_beta) θ + sf_beta θ̄);
       anneal   the applied step scaled by 1 − k/T (a horizon-aware decay like the tuned AdamW's linear schedule);
       iterate  on a mistake, one relinearisation (an iterated EKF step at the updated mean, the same P and R).
+
+    ``adam`` (a boolean mask over θ): those entries are left out of the filter (p̂ = 0 there, so K has no rows for
+    them) and trained by Adam (betas 0.9/0.999, eps 1e-8, learning rate ``lr``) on the cross-entropy's gradient
+    −J_zᵀ e at the same linearisation point: the diagnostic of which part the filter loses on (hypothesis 6).
     """
+    if adam is not None:
+        P = torch.where(adam, torch.zeros_like(P), P)
+        m1, m2 = torch.zeros(int(adam.sum()), dtype=dt), torch.zeros(int(adam.sum()), dtype=dt)
     P0 = P.clone()
     theta = t.theta.clone()
     average = theta.clone()
@@ -227,13 +236,22 @@ def _cov_form(t, P, R_kind="taylor", alpha=0.0, shrink=0.0, beta=0.95, q=0.0, po
             new = theta + K1 @ (yv - yhat1 - H1 @ (theta - new))
             K, H = K1, H1
         theta = new
+        if adam is not None:  # Adam's step on its part, from the gradient at the point the filter linearised at
+            g = -(Jz.T @ e)[adam]
+            m1, m2 = 0.9 * m1 + 0.1 * g, 0.999 * m2 + 0.001 * g * g
+            step = (m1 / (1 - 0.9 ** (k + 1))) / ((m2 / (1 - 0.999 ** (k + 1))).sqrt() + 1e-8)
+            theta = theta.clone()
+            theta[adam] -= lr * step
         if point in ("avg", "sf"):
             average = average + (theta - average) / (k + 2)
         elif point == "ema":
             average = average + (1 - ema) * (theta - average)
         gains.append(float(torch.linalg.vector_norm(HPHt @ (Sinv @ e)) / torch.linalg.vector_norm(e)))
         P = torch.clamp(P - (K * H.T).sum(1) * P, min=1e-12)
-    return _metrics(hits), {"gain": _gain_windows(gains), "p_end/p_0": _quantiles(P / P0)}
+        if adam is not None:
+            P = torch.where(adam, torch.zeros_like(P), P)
+    ratio = P / P0 if adam is None else P[~adam] / P0[~adam]
+    return _metrics(hits), {"gain": _gain_windows(gains), "p_end/p_0": _quantiles(ratio)}
 
 
 def v_loko(seed, p0, **_):
@@ -252,6 +270,29 @@ def v_late(seed, p0, q=0.0, point="mean", anneal=0, iterate=0, sf_beta=0.9, ema=
     t = Toy(seed)
     P = torch.rand(t.n, generator=t.g, dtype=dt) * p0
     return _cov_form(t, P, q=q, point=point, anneal=bool(anneal), iterate=bool(iterate), sf_beta=sf_beta, ema=ema)
+
+
+def v_kinds(seed, head, body=0.1, **_):
+    """(5) The paper's LoKO with one ``p0`` per kind: p̂_0 ~ U(0, head] on the head, U(0, body] on LoRA A and B.
+
+    The draw is the paper's (the same uniform numbers as ``loko``), scaled per kind; ``head == body`` is ``loko``.
+    """
+    t = Toy(seed)
+    scale = torch.cat([torch.full((t.sizes[0] + t.sizes[1],), body, dtype=dt),
+                       torch.full((t.sizes[2] + t.sizes[3],), head, dtype=dt)])  # fmt: skip
+    return _cov_form(t, torch.rand(t.n, generator=t.g, dtype=dt) * scale)
+
+
+def v_split(seed, p0, filt="head", lr=1e-3, **_):
+    """(6) Where the gap sits: the paper's filter on one part, Adam (learning rate ``lr``) on the other.
+
+    ``filt=head``: the filter on the head, Adam on LoRA A and B; ``filt=body``: the reverse. ``p̂_0 ~ U(0, p0]`` on the
+    filtered part, as the paper.
+    """
+    t = Toy(seed)
+    head = torch.arange(t.n) >= t.sizes[0] + t.sizes[1]
+    P = torch.rand(t.n, generator=t.g, dtype=dt) * p0
+    return _cov_form(t, P, adam=~head if filt == "head" else head, lr=lr)
 
 
 def v_adamlin(seed, lr, **_):
@@ -486,6 +527,8 @@ VARIANTS = {
     "ngdiag": (v_ngdiag, [0.01, 0.1, 1.0, 10.0]),
     "catR": (v_catR, [0.01, 0.1, 1.0, 10.0]),
     "late": (v_late, [0.01, 0.1, 1.0]),
+    "kinds": (v_kinds, [0.1, 1.0, 10.0]),
+    "split": (v_split, [0.01, 0.1, 1.0]),
     "adamlin": (v_adamlin, [3e-4, 1e-3, 3e-3]),
     "sfadam": (v_sfadam, [1e-3, 3e-3, 1e-2]),
 }
