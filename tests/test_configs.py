@@ -92,6 +92,7 @@ PAPER_LOKO = {
         ("loko_topk", {"observation": "topk5", "r_estimator": "taylor", "p0": 0.2}),
         ("loko_natural", {"filter": "natural", "r_estimator": "softmax", "p0": 0.03}),
         ("loko_lofi", {"filter": "lofi10", "r_estimator": "softmax", "p0": 0.03}),
+        ("loko_natural_average", {"filter": "natural", "r_estimator": "softmax", "p0": 0.03, "average": 0.99}),
     ],
 )
 def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected):
@@ -100,7 +101,8 @@ def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, ex
         cli = build(CONFIGS / "cifar100_resnet50.yaml", *extra, "--config", str(CONFIGS / "presets" / f"{preset}.yaml"))
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = cli.model.optimizer_factory([param])
-    assert {k: optimizer.param_groups[0][k] for k in expected} == expected
+    settings = {**optimizer.param_groups[0], "average": optimizer.average}
+    assert {k: settings[k] for k in expected} == expected
 
 
 @pytest.mark.parametrize("name", ["fashion_mnist_lite0", "cifar10_resnet18", "sst2_roberta_base"])
@@ -146,11 +148,11 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
 
 
 def test_the_text_selection_preset_chooses_p0_from_its_grid():
-    """presets/loko_auto_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10 on 500 samples."""
+    """presets/loko_auto_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10, 30 on 500 samples."""
     extra = ["--trainer.logger", "false"]
     cli = build(CONFIGS / "text_quickstart.yaml", *extra, "--config", str(CONFIGS / "presets" / "loko_auto_text.yaml"))
     assert (cli.model.select.name, cli.model.select.values, cli.model.select.samples) == (
         "p0",
-        (0.3, 1.0, 3.0, 10.0),
+        (0.3, 1.0, 3.0, 10.0, 30.0),
         500,
     )
