@@ -272,15 +272,16 @@ def v_late(seed, p0, q=0.0, point="mean", anneal=0, iterate=0, sf_beta=0.9, ema=
     return _cov_form(t, P, q=q, point=point, anneal=bool(anneal), iterate=bool(iterate), sf_beta=sf_beta, ema=ema)
 
 
-def v_kinds(seed, head, body=0.1, **_):
+def v_kinds(seed, head, body=0.1, point="mean", ema=0.99, **_):
     """(5) The paper's LoKO with one ``p0`` per kind: p̂_0 ~ U(0, head] on the head, U(0, body] on LoRA A and B.
 
     The draw is the paper's (the same uniform numbers as ``loko``), scaled per kind; ``head == body`` is ``loko``.
+    ``point=ema`` predicts with the exponential average of the means (``late``'s option), to see whether they stack.
     """
     t = Toy(seed)
     scale = torch.cat([torch.full((t.sizes[0] + t.sizes[1],), body, dtype=dt),
                        torch.full((t.sizes[2] + t.sizes[3],), head, dtype=dt)])  # fmt: skip
-    return _cov_form(t, torch.rand(t.n, generator=t.g, dtype=dt) * scale)
+    return _cov_form(t, torch.rand(t.n, generator=t.g, dtype=dt) * scale, point=point, ema=ema)
 
 
 def v_split(seed, p0, filt="head", lr=1e-3, **_):
