@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import tomllib
 from argparse import ArgumentError
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from loko_lightning.cli.command import HelpFormatter, LoKOCLI
 from loko_lightning.cli.configs import resolve_config_names
@@ -33,13 +35,19 @@ DESCRIPTION = (
 
 
 def _version() -> str:
-    """The installed distribution's version, else the package's own (a source tree on PYTHONPATH has no metadata)."""
+    """The version ``loko --version`` prints.
+
+    The installed distribution's, else the source tree's ``pyproject.toml`` one (a checkout run from PYTHONPATH has no
+    distribution metadata), else ``"unknown"``.
+    """
     try:
         return version("loko-lightning")
     except PackageNotFoundError:
-        from loko_lightning import __version__
-
-        return __version__
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+        try:
+            return str(tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
 
 
 def main(args: list[str] | None = None) -> None:
