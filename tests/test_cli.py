@@ -74,9 +74,10 @@ def test_version_and_help_describe_the_tool(capsys):
     assert "Lightning Trainer command line tool" not in out
 
 
-def test_version_from_a_source_tree_without_distribution_metadata(capsys, monkeypatch):
-    """Run from a checkout on PYTHONPATH (no install, so no metadata), the command still starts and names the
-    package's own version; every `loko` command used to stop there on PackageNotFoundError."""
+def test_version_from_a_source_tree_without_distribution_metadata(capsys, monkeypatch, tmp_path):
+    """Run from a checkout on PYTHONPATH (no install, so no metadata), the command still starts and names the source
+    tree's pyproject.toml version, or "unknown" without one; every `loko` command used to stop there on
+    PackageNotFoundError."""
     import importlib.metadata
 
     import loko_lightning.cli.entry as entry
@@ -85,9 +86,16 @@ def test_version_from_a_source_tree_without_distribution_metadata(capsys, monkey
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(entry, "version", missing)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
-    assert exit_info.value.code in (0, None) and capsys.readouterr().out.strip() == f"loko {__version__}"
+    tree = tmp_path / "checkout"
+    (tree / "loko_lightning" / "cli").mkdir(parents=True)
+    (tree / "pyproject.toml").write_text('[project]\nname = "loko-lightning"\nversion = "9.8.7"\n')
+    for pyproject, expected in ((True, "9.8.7"), (False, "unknown")):
+        if not pyproject:
+            (tree / "pyproject.toml").unlink()
+        monkeypatch.setattr(entry, "__file__", str(tree / "loko_lightning" / "cli" / "entry.py"))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--version"])
+        assert exit_info.value.code in (0, None) and capsys.readouterr().out.strip() == f"loko {expected}"
 
 
 def test_print_config_shows_the_resolved_configuration(capsys):
