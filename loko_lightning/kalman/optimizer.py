@@ -82,7 +82,9 @@ class LoKO(torch.optim.Optimizer):
 
     Args:
         params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise``,
-            ``p_floor``, ``shrinkage``, ``inflation`` and ``forgetting``.
+            ``p_floor``, ``shrinkage``, ``inflation`` and ``forgetting``, and ``p0_scale`` (a factor > 0 on the
+            group's ``p0``, 1 when absent: its prior is ``p0 × p0_scale``, so a ``p0`` chosen online keeps the
+            ratio between groups; :class:`~loko_lightning.learner.OnlineClassifier`'s ``step_scales`` sets it).
         p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
             constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
         p0_init: ``"uniform"`` (paper method 2, default), ``"constant"`` (method 1), or ``"fan_in"`` (not the paper:
@@ -683,22 +685,28 @@ class LoKO(torch.optim.Optimizer):
 
 def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
     """``p̂_0`` of one parameter: the constant ``p0``, ``p0 / fan_in`` or a draw from ``U(0, p0]``."""
+    p0 = group_p0(group)
     if group["p0_init"] == "constant":
-        return torch.full(param.shape, float(group["p0"]), dtype=dtype, device=param.device)
+        return torch.full(param.shape, p0, dtype=dtype, device=param.device)
     if group["p0_init"] == "fan_in":
         fan_in = param.shape[1:].numel() if param.dim() > 1 else 1
-        return torch.full(param.shape, float(group["p0"]) / fan_in, dtype=dtype, device=param.device)
+        return torch.full(param.shape, p0 / fan_in, dtype=dtype, device=param.device)
     draw = torch.rand(param.shape, generator=generator, dtype=torch.float64)
     # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
-    draw = (1.0 - draw) * float(group["p0"])
+    draw = (1.0 - draw) * p0
     return draw.to(dtype=dtype, device=param.device)
 
 
 def _reference_cov(param: Tensor, group: dict[str, Any]) -> float:
     """The reference variance of ``forgetting``: the largest ``p̂₀`` the group's ``p0_init`` draws (``p0``)."""
     if group["p0_init"] == "fan_in":
-        return float(group["p0"]) / (param.shape[1:].numel() if param.dim() > 1 else 1)
-    return float(group["p0"])
+        return group_p0(group) / (param.shape[1:].numel() if param.dim() > 1 else 1)
+    return group_p0(group)
+
+
+def group_p0(group: dict[str, Any]) -> float:
+    """A param group's prior scale: its ``p0`` times its ``p0_scale`` (1 when the group sets none)."""
+    return float(group["p0"]) * float(group.get("p0_scale", 1.0))
 
 
 def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor]) -> None:
@@ -737,6 +745,13 @@ def _check_group(group: dict[str, Any]) -> None:
             f"default is 0.2{auto})"
         )
         raise ConfigError(message, field="p0", owner=LoKO)
+    scale = group.get("p0_scale", 1.0)
+    if not (real_number(scale) and 0 < scale < float("inf")):
+        raise ConfigError(
+            f"Invalid p0_scale: {scale!r} (a group's factor on p0: must be a finite number > 0; 1 is the group's p0)",
+            field="p0_scale",
+            owner=LoKO,
+        )
     if group["p0_init"] not in P0_INITS:
         raise ConfigError(
             f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=LoKO

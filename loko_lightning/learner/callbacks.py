@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from loko_lightning.errors import ConfigError, DivergenceError
-from loko_lightning.kalman.optimizer import LoKO
+from loko_lightning.kalman.optimizer import LoKO, group_p0
 
 # Where the divergence guard saves the last good state, beside the periodic checkpoints. Its name must not start with
 # "last": Lightning's ``ckpt_path="last"`` picks the newest ``last*.ckpt`` and would resume a diverged run from it.
@@ -216,9 +216,10 @@ class DivergenceGuard(pl.Callback):
         p_grew = False
         if kalman:
             p0 = max(group["p0"] for group in optimizer.param_groups)
+            prior = max(group_p0(group) for group in optimizer.param_groups)  # p0 x a group's p0_scale
             q = max(group["process_noise"] for group in optimizer.param_groups)
             p_max = float(optimizer.diagnostics["p_max"])
-            p_grew = not p_max <= self.p_limit * p0
+            p_grew = not p_max <= self.p_limit * prior
             if p_grew:
                 reasons.append(f"the largest covariance entry p̂ is {p_max:.3g}, above {self.p_limit:g} x p0")
         elif not bool(torch.stack([p.isfinite().all() for p in pl_module.trainable_parameters]).all()):

@@ -35,7 +35,7 @@ from loko_lightning.learner.checks import (
 from loko_lightning.learner.metrics import CalibrationError, MovingAverage, OnlineAccuracy, OnlineMean
 from loko_lightning.learner.selection import Candidates
 from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
-from loko_lightning.models.adapters import count_parameters, freeze_normalization
+from loko_lightning.models.adapters import PARAMETER_KINDS, count_parameters, freeze_normalization, parameter_kind
 from loko_lightning.models.factory import NetworkFactory
 
 HeldOutMetric = Literal["mcc", "f1"]
@@ -111,6 +111,12 @@ class OnlineClassifier(pl.LightningModule):
             their filter covariance p̂) with a new head for this data; the head's weights and filter state, the
             observation noise R and the counters start fresh. Ignored when a run resumes (``ckpt_path``): the
             checkpoint then holds everything.
+        step_scales: a factor on the step size of each kind of trainable parameter (``"head"``: every trainable
+            parameter outside the LoRA matrices, the new head first; ``"lora_A"``; ``"lora_B"``; a kind left out
+            keeps 1): LoKO's prior ``p0`` (the group's ``p0_scale``, so ``p0: auto`` chooses the scale and keeps the
+            ratio), a gradient optimizer's ``lr``. E.g. ``{"head": 0.1}``: the zero head, whose Jacobian (the
+            features) is large next to LoRA's, starts with a 10x smaller prior. ``None`` (default): one step size,
+            the paper's.
 
     Example:
         >>> from functools import partial
@@ -129,6 +135,7 @@ class OnlineClassifier(pl.LightningModule):
         select: Candidates | None = None,
         collective_timeout: float = 300.0,
         adapters_from: str | None = None,
+        step_scales: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         if isinstance(network, Mapping):
@@ -163,6 +170,7 @@ class OnlineClassifier(pl.LightningModule):
             )
         self.collective_timeout = float(collective_timeout)
         self.adapters_from = adapters_from
+        self.step_scales = _check_step_scales(step_scales, owner=OnlineClassifier)
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
         step = step_for(probe(optimizer))
@@ -204,6 +212,44 @@ class OnlineClassifier(pl.LightningModule):
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The adapter and head parameters, in a fixed order (the optimizer's and the Jacobian's)."""
         return [p for p in self.network.parameters() if p.requires_grad]
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """The trainable parameters in their fixed order, in runs of one ``step_scales`` factor (``"scale"``)."""
+        groups: list[dict[str, Any]] = []
+        for name, param in self.network.named_parameters():
+            if not param.requires_grad:
+                continue
+            scale = float((self.step_scales or {}).get(parameter_kind(name), 1.0))
+            if groups and groups[-1]["scale"] == scale:
+                groups[-1]["params"].append(param)
+            else:
+                groups.append({"params": [param], "scale": scale})
+        return groups
+
+    def build_optimizer(self, optimizer: OptimizerCallable | None = None, **overrides: Any) -> torch.optim.Optimizer:
+        """``optimizer`` (default: the learner's) over the trainable parameters, scaled by ``step_scales``.
+
+        ``overrides`` are the optimizer's keyword arguments a selection tries (``p0=0.3``). Without ``step_scales``
+        this is ``optimizer(trainable_parameters, **overrides)``; with them LoKO gets one param group per run of one
+        factor with that ``p0_scale``, a gradient optimizer the same groups with their ``lr`` multiplied.
+        """
+        factory = self.optimizer_factory if optimizer is None else optimizer
+        if self.step_scales is None:
+            return factory(self.trainable_parameters, **overrides)
+        groups = self.parameter_groups()
+        if self.is_kalman:
+            return factory([{"params": g["params"], "p0_scale": g["scale"]} for g in groups], **overrides)
+        built = factory([{"params": g["params"]} for g in groups], **overrides)
+        for group, scaled in zip(built.param_groups, groups, strict=True):
+            if "lr" not in group:
+                raise ConfigError(
+                    f"step_scales scales LoKO's p0 or a gradient optimizer's lr; {type(built).__name__} has neither: "
+                    "remove step_scales",
+                    field="step_scales",
+                    owner=OnlineClassifier,
+                )
+            group["lr"] = group["lr"] * scaled["scale"]
+        return built
 
     def label_names(self) -> list[str]:
         """A name for each of the network's ``m`` outputs: the training data's class names, the ids beyond them."""
@@ -256,7 +302,7 @@ class OnlineClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """The injected optimizer over the trainable parameters, with its scheduler stepped every sample."""
-        optimizer = self.optimizer_factory(self.trainable_parameters)
+        optimizer = self.build_optimizer()
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
@@ -576,6 +622,33 @@ def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[n
                 raise ConfigError(message, field="held_out_metrics", owner=owner)
         pair.append(metrics)
     return pair[0], pair[1]
+
+
+def _check_step_scales(scales: Any, owner: Any) -> dict[str, float] | None:
+    """``step_scales`` as ``{kind: factor}``; an unknown kind or a factor that is not finite and > 0 is refused."""
+    if scales is None:
+        return None
+    if not isinstance(scales, Mapping):
+        raise ConfigError(
+            f"step_scales must map kinds of parameter to factors, e.g. {{'head': 0.1}}, got {scales!r}",
+            field="step_scales",
+            owner=owner,
+        )
+    for kind, factor in scales.items():
+        if kind not in PARAMETER_KINDS:
+            raise ConfigError(
+                f"step_scales: unknown kind of parameter {kind!r}; known: {', '.join(PARAMETER_KINDS)}",
+                field="step_scales",
+                owner=owner,
+            )
+        number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        if not (number and 0 < factor < float("inf")):
+            raise ConfigError(
+                f"step_scales: the factor of {kind} must be a finite number > 0, got {factor!r}",
+                field="step_scales",
+                owner=owner,
+            )
+    return {kind: float(factor) for kind, factor in scales.items()}
 
 
 def _describe(factory: NetworkFactory, network: nn.Module, optimizer: OptimizerCallable) -> str:

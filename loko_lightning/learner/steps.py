@@ -463,7 +463,10 @@ class SelectionStep(OnlineStep):
         """Set up the candidates (from the checkpoint when resuming)."""
         self.inner.start(module)
         self.states = CandidateStates(
-            self.candidates, module.trainable_parameters, module.optimizer_factory, module.lr_scheduler_factory
+            self.candidates,
+            module.trainable_parameters,
+            lambda params, **value: module.build_optimizer(**value),
+            module.lr_scheduler_factory,
         )
         if self._pending is not None:
             self.states.load_state_dict(self._pending)

@@ -219,3 +219,21 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return trainable, total
+
+
+#: The kinds of trainable parameter (:func:`parameter_kind`), e.g. for ``OnlineClassifier``'s ``step_scales``.
+PARAMETER_KINDS = ("head", "lora_A", "lora_B")
+
+
+def parameter_kind(name: str) -> str:
+    """The kind of a trainable parameter, from its name.
+
+    ``"lora_A"`` or ``"lora_B"`` for a parameter of a LoRA matrix (peft's ``lora_A``/``lora_embedding_A``, ...), else
+    ``"head"``: every other trainable parameter (the new head, peft's ``modules_to_save``, a trainable bias).
+    """
+    parts = name.split(".")
+    if "lora_A" in parts or "lora_embedding_A" in parts:
+        return "lora_A"
+    if "lora_B" in parts or "lora_embedding_B" in parts:
+        return "lora_B"
+    return "head"

@@ -152,7 +152,7 @@ class ServingLearner:
             )
         if optimizer is None:
             optimizer = _saved_loko(state)
-        built = optimizer(module.trainable_parameters)
+        built = module.build_optimizer(optimizer)
         if state is not None and per_parameter:
             built.load_state_dict(state)
         return cls(module, built, checkpoint)
