@@ -121,6 +121,8 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
         "softmax",
         "--model.optimizer.init_args.average",
         "0.99",
+        "--model.step_scales",
+        "{head: 0.1}",
     ]
     preset = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
     extra = ["--trainer.logger", "false"]
@@ -135,6 +137,7 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
     }
     groups = {key: optimizer.param_groups[0] for key, optimizer in optimizers.items()}
     assert (optimizers["plain"].average, optimizers["pinned"].average, optimizers["unpinned"].average) == (0, 0, 0.99)
+    assert (plain.model.step_scales, pinned.model.step_scales, unpinned.model.step_scales) == (None, None, {"head": 0.1})
     for key in ("plain", "pinned"):
         assert {k: groups[key][k] for k in PAPER_LOKO} == PAPER_LOKO, key
         assert groups[key]["p_floor"] == 0.0
@@ -145,6 +148,19 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
         0.9,
         "natural",
     )
+
+
+def test_the_average_head_preset_gives_the_head_a_tenth_of_the_adapters_prior():
+    """presets/loko_average_head over the Fashion-MNIST config: the average, and the head's p0 0.1 x 0.2 (LoRA: 0.2)."""
+    extra = ["--trainer.logger", "false"]
+    preset = str(CONFIGS / "presets" / "loko_average_head.yaml")
+    with torch.device("meta"):
+        cli = build(CONFIGS / "fashion_mnist_lite0.yaml", *extra, "--config", preset)
+    assert cli.model.step_scales == {"head": 0.1}
+    optimizer = cli.model.build_optimizer()
+    assert optimizer.average == 0.99
+    scales = {group["p0_scale"] for group in optimizer.param_groups}
+    assert scales == {1.0, 0.1} and {group["p0"] for group in optimizer.param_groups} == {0.2}
 
 
 def test_the_text_selection_preset_chooses_p0_from_its_grid():
