@@ -42,8 +42,10 @@ Variants (one function each, ``v_<name>``):
   kinds      (5) the paper's update with one p0 for the head (the knob) and one for LoRA A and B (body=).
   split      (6) the paper's filter on the head (filt=head) or on LoRA A and B (filt=body), Adam (lr=) on the rest.
   block      (4) the paper's update with a block-diagonal P: full blocks along the rows of LoRA A, LoRA B and the
-             head (size=0) or chunks of at most ``size`` entries of each (size=1 is the paper's diagonal); head= a p0
-             for the head (hypothesis 5 with it).
+             head (size=0) or chunks of at most ``size`` entries of each (size=1 is the paper's diagonal); kinds= the
+             tensors that get blocks (default ABh); head= a p0 for the head (hypothesis 5 with it).
+  headcov    (4) the paper's update with a full covariance on the head's weight rows only: one per class (shared=0,
+             block kinds=h) or one shared by every class (shared=1, memory HID² whatever the classes).
   adamlin    Adam with the learning rate decayed linearly to 0 over the stream (the tuned AdamW's horizon).
   sfadam     schedule-free AdamW (PyPI ``schedulefree``), scored at its averaged point.
 """
@@ -299,15 +301,17 @@ def v_split(seed, p0, filt="head", lr=1e-3, **_):
     return _cov_form(t, P, adam=~head if filt == "head" else head, lr=lr)
 
 
-def _blocks(t, size):
+def _blocks(t, size, kinds="ABh"):
     """θ's indices in blocks, stacked by block length.
 
     Each of A (r×64), B (HID×r), the head's W (10×HID) and b is cut into its rows (``size=0``; b is one block) or
-    into contiguous chunks of at most ``size`` entries.
+    into contiguous chunks of at most ``size`` entries; a tensor whose kind (``A``, ``B``, ``W`` and ``b`` for the head's
+    weight and bias, ``h`` for both) is not in ``kinds`` into single entries (diagonal, the paper's).
     """
     rows, by_length, start = (64, RANK, HID, 10), {}, 0
-    for count, row in zip(t.sizes, rows, strict=True):
-        step = row if size == 0 else int(size)
+    kinds = kinds.replace("h", "Wb")
+    for count, row, kind in zip(t.sizes, rows, "ABWb", strict=True):
+        step = 1 if kind not in kinds else row if size == 0 else int(size)
         for s in range(0, count, step):
             block = torch.arange(start + s, start + min(s + step, count))
             by_length.setdefault(len(block), []).append(block)
@@ -315,19 +319,21 @@ def _blocks(t, size):
     return [torch.stack(blocks) for blocks in by_length.values()]
 
 
-def v_block(seed, p0, size=0, head=None, beta=0.95, **_):
+def v_block(seed, p0, size=0, head=None, beta=0.95, kinds="ABh", **_):
     """(4) The paper's update with a block-diagonal covariance: a full P_b per block.
 
     (As the layer-wise Kalman filters of deepmd-kit keep one per block of weights.)
     P starts diagonal, the paper's draw U(0, p0] (U(0, head] on the head when ``head`` is given); per sample, with
     H_b = H's columns of block b: S = Σ_b H_b P_b H_bᵀ + R (R the paper's Taylor EMA), θ_b += P_b H_bᵀ S⁺ e,
     P_b −= P_b H_bᵀ S⁺ H_b P_b (symmetrised). ``size=1`` is the paper's diagonal update exactly: ``loko``'s numbers.
+    ``kinds``: which tensors get blocks (``A``, ``B``, ``h``: the head), the others stay diagonal; ``kinds=B``
+    costs about r times the diagonal's memory, where rows of A and of the head cost their row length times.
     """
     t = Toy(seed)
     d = torch.rand(t.n, generator=t.g, dtype=dt) * p0
     if head is not None:
         d[t.sizes[0] + t.sizes[1] :] *= head / p0
-    groups = _blocks(t, size)
+    groups = _blocks(t, size, kinds)
     Ps = [torch.diag_embed(d[g]) for g in groups]
     theta = t.theta.clone()
     R = torch.zeros(10, 10, dtype=dt)
@@ -355,6 +361,56 @@ def v_block(seed, p0, size=0, head=None, beta=0.95, **_):
     for g, P in zip(groups, Ps, strict=True):
         diag[g] = torch.diagonal(P, dim1=1, dim2=2)
     return _metrics(hits), {"gain": _gain_windows(gains), "p_end/p_0": _quantiles(diag / d)}
+
+
+def v_headcov(seed, p0, shared=1, beta=0.95, **_):
+    """(4) The paper's diagonal update on LoRA A, B and the head's bias, a full covariance on the head's weight rows.
+
+    ``shared=0``: one ``HID×HID`` covariance per class row (``block kinds=h``'s filter, written out); ``shared=1``:
+    one ``Σ`` for every row (``P_W = I ⊗ Σ``, memory ``HID²`` whatever the classes). The head's Jacobian is
+    ``H_W[:, c, :] = J_s[:, c] hᵀ``, so ``H_W P_W H_Wᵀ = Σ_c J_s[:, c] J_s[:, c]ᵀ (hᵀ Σ_c h)``, row ``c`` moves by
+    ``Σ_c h (J_s[:, c]ᵀ S⁺ e)`` and ``Σ_c −= α_c Σ_c h hᵀ Σ_c`` with ``α_c = J_s[:, c]ᵀ S⁺ J_s[:, c]``; the shared ``Σ``
+    takes the mean of the ``α_c``. The prior is the paper's draw, ``Σ_0`` diagonal (the mean of the rows' draws
+    when shared).
+    """
+    t = Toy(seed)
+    d = torch.rand(t.n, generator=t.g, dtype=dt) * p0
+    a, b = t.sizes[0] + t.sizes[1], t.sizes[0] + t.sizes[1] + t.sizes[2]
+    diag = torch.cat([torch.arange(a), torch.arange(b, t.n)])
+    P = d[diag].clone()
+    rows = d[a:b].view(10, HID)
+    Sig = torch.diag_embed(rows.mean(0)) if shared else torch.diag_embed(rows)
+    theta = t.theta.clone()
+    R = torch.zeros(10, 10, dtype=dt)
+    hits = []
+    for k in range(len(t.Y)):
+        x, y = t.X[k], int(t.Y[k])
+        yhat, Jz = t.jz(theta, x)
+        hits.append(int(yhat.argmax()) == y)
+        Js = torch.diag(yhat) - torch.outer(yhat, yhat)
+        H = Js @ Jz
+        e = -yhat
+        e[y] += 1
+        h = Jz[0, a : a + HID]  # the features: row 0 of z's Jacobian over the head's first row
+        Hd = H[:, diag]
+        Sh = Sig @ h  # (HID,) or (10, HID)
+        q = h @ Sh if shared else Sh @ h  # hᵀ Σ_c h: a scalar, or one per class
+        HPHt = (Hd * P) @ Hd.T + (Js * q) @ Js.T
+        R = beta * R + (1 - beta) * (torch.outer(e, e) + HPHt)
+        Sinv = torch.linalg.pinv(HPHt + R, hermitian=True, rtol=1e-10)
+        Se = Sinv @ e
+        theta = theta.clone()
+        theta[diag] += P * (Hd.T @ Se)
+        coef = Js.T @ Se  # (10,): J_s[:, c]ᵀ S⁺ e
+        theta[a:b] += (coef[:, None] * (Sh if not shared else Sh[None, :])).reshape(-1)
+        alpha = ((Js.T @ Sinv) * Js.T).sum(1)  # α_c
+        P = torch.clamp(P - ((Hd.T @ Sinv) * Hd.T).sum(1) * P * P, min=1e-12)
+        if shared:
+            Sig = Sig - alpha.mean() * torch.outer(Sh, Sh)
+        else:
+            Sig = Sig - alpha[:, None, None] * Sh[:, :, None] * Sh[:, None, :]
+        Sig = 0.5 * (Sig + Sig.transpose(-1, -2))
+    return _metrics(hits), {}
 
 
 def v_adamlin(seed, lr, **_):
@@ -592,6 +648,7 @@ VARIANTS = {
     "kinds": (v_kinds, [0.1, 1.0, 10.0]),
     "split": (v_split, [0.01, 0.1, 1.0]),
     "block": (v_block, [0.01, 0.1, 1.0]),
+    "headcov": (v_headcov, [0.03, 0.1]),
     "adamlin": (v_adamlin, [3e-4, 1e-3, 3e-3]),
     "sfadam": (v_sfadam, [1e-3, 3e-3, 1e-2]),
 }
