@@ -305,8 +305,8 @@ def _blocks(t, size, kinds="ABh"):
     """θ's indices in blocks, stacked by block length.
 
     Each of A (r×64), B (HID×r), the head's W (10×HID) and b is cut into its rows (``size=0``; b is one block) or
-    into contiguous chunks of at most ``size`` entries; a tensor whose kind (``A``, ``B``, ``W`` and ``b`` for the head's
-    weight and bias, ``h`` for both) is not in ``kinds`` into single entries (diagonal, the paper's).
+    into contiguous chunks of at most ``size`` entries; a tensor whose kind (``A``, ``B``, ``W`` and ``b`` for the
+    head's weight and bias, ``h`` for both) is not in ``kinds`` into single entries (diagonal, the paper's).
     """
     rows, by_length, start = (64, RANK, HID, 10), {}, 0
     kinds = kinds.replace("h", "Wb")

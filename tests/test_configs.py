@@ -137,7 +137,8 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
     }
     groups = {key: optimizer.param_groups[0] for key, optimizer in optimizers.items()}
     assert (optimizers["plain"].average, optimizers["pinned"].average, optimizers["unpinned"].average) == (0, 0, 0.99)
-    assert (plain.model.step_scales, pinned.model.step_scales, unpinned.model.step_scales) == (None, None, {"head": 0.1})
+    scales = (plain.model.step_scales, pinned.model.step_scales, unpinned.model.step_scales)
+    assert scales == (None, None, {"head": 0.1})
     for key in ("plain", "pinned"):
         assert {k: groups[key][k] for k in PAPER_LOKO} == PAPER_LOKO, key
         assert groups[key]["p_floor"] == 0.0
