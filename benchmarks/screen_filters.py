@@ -363,7 +363,7 @@ def v_block(seed, p0, size=0, head=None, beta=0.95, kinds="ABh", **_):
     return _metrics(hits), {"gain": _gain_windows(gains), "p_end/p_0": _quantiles(diag / d)}
 
 
-def v_headcov(seed, p0, shared=1, beta=0.95, **_):
+def v_headcov(seed, p0, shared=1, beta=0.95, ema=0.0, **_):
     """(4) The paper's diagonal update on LoRA A, B and the head's bias, a full covariance on the head's weight rows.
 
     ``shared=0``: one ``HID×HID`` covariance per class row (``block kinds=h``'s filter, written out); ``shared=1``:
@@ -371,7 +371,8 @@ def v_headcov(seed, p0, shared=1, beta=0.95, **_):
     ``H_W[:, c, :] = J_s[:, c] hᵀ``, so ``H_W P_W H_Wᵀ = Σ_c J_s[:, c] J_s[:, c]ᵀ (hᵀ Σ_c h)``, row ``c`` moves by
     ``Σ_c h (J_s[:, c]ᵀ S⁺ e)`` and ``Σ_c −= α_c Σ_c h hᵀ Σ_c`` with ``α_c = J_s[:, c]ᵀ S⁺ J_s[:, c]``; the shared ``Σ``
     takes the mean of the ``α_c``. The prior is the paper's draw, ``Σ_0`` diagonal (the mean of the rows' draws
-    when shared).
+    when shared). ``ema``: predict with an exponential average of the means (decay ``ema``, no warm-up, as ``late
+    point=ema``); 0 predicts with the mean.
     """
     t = Toy(seed)
     d = torch.rand(t.n, generator=t.g, dtype=dt) * p0
@@ -381,12 +382,13 @@ def v_headcov(seed, p0, shared=1, beta=0.95, **_):
     rows = d[a:b].view(10, HID)
     Sig = torch.diag_embed(rows.mean(0)) if shared else torch.diag_embed(rows)
     theta = t.theta.clone()
+    average = theta.clone()
     R = torch.zeros(10, 10, dtype=dt)
     hits = []
     for k in range(len(t.Y)):
         x, y = t.X[k], int(t.Y[k])
         yhat, Jz = t.jz(theta, x)
-        hits.append(int(yhat.argmax()) == y)
+        hits.append(int((t.logits(average, x) if ema else yhat).argmax()) == y)
         Js = torch.diag(yhat) - torch.outer(yhat, yhat)
         H = Js @ Jz
         e = -yhat
@@ -410,6 +412,8 @@ def v_headcov(seed, p0, shared=1, beta=0.95, **_):
         else:
             Sig = Sig - alpha[:, None, None] * Sh[:, :, None] * Sh[:, None, :]
         Sig = 0.5 * (Sig + Sig.transpose(-1, -2))
+        if ema:
+            average = average + (1 - ema) * (theta - average)
     return _metrics(hits), {}
 
 
