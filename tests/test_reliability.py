@@ -462,7 +462,7 @@ def test_divergence_guard_stops_a_growing_p_hat_and_names_the_process_noise(tmp_
     fit = trainer(callbacks=[guard], default_root_dir=tmp_path)
     with pytest.raises(
         DivergenceError,
-        match=r"^LoKO diverged by sample 10: the largest covariance entry p̂ is 1\.1e-05, above 8 x p0\. "
+        match=r"^LoKO diverged by sample 10: the largest covariance entry p̂ is 1\.1e-05, above 8 x p0 = 8e-06\. "
         r"p̂ grows by the process noise q each sample: restart with process_noise = 1e-07\. "
         r"The parameters and filter state after sample 5 are saved in .*good-before-divergence\.ckpt\.$",
     ) as info:

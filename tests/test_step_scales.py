@@ -92,6 +92,26 @@ def test_parameter_kinds_follow_peft_names():
     assert parameter_kind("base_model.model.embed.lora_embedding_A.default") == "lora_A"
     assert parameter_kind("base_model.model.fc.modules_to_save.default.weight") == "head"
     assert parameter_kind("base_model.model.fc.weight") == "head"
+    assert parameter_kind("base_model.model.conv1.lora_magnitude_vector.default.weight") == "lora_magnitude"
+
+
+def test_doras_magnitudes_are_adapters_not_the_head():
+    """A DoRA network's magnitudes keep their own kind: ``{"head": 0.1}`` scales only the head's prior, and the
+    adapters a run hands on (``adapters_from``) are every trainable parameter but the head."""
+    torch.manual_seed(0)
+    dora = TimmClassifier("test_resnet", 4, pretrained=False, r=2, use_dora=True)
+    model = OnlineClassifier(dora, partial(LoKO, p0=0.2, seed=0), step_scales={"head": 0.1})
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    kinds = {parameter_kind(name) for name in names}
+    assert kinds == {"head", "lora_A", "lora_B", "lora_magnitude"}
+    scale = {
+        id(p): group.get("p0_scale", 1.0)
+        for group in model.configure_optimizers().param_groups
+        for p in group["params"]
+    }
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert scale[id(p)] == (0.1 if parameter_kind(name) == "head" else 1.0), name
 
 
 def test_the_learners_groups_keep_the_parameter_order_and_scale_loko_p0():

@@ -221,7 +221,11 @@ class DivergenceGuard(pl.Callback):
             p_max = float(optimizer.diagnostics["p_max"])
             p_grew = not p_max <= self.p_limit * prior
             if p_grew:
-                reasons.append(f"the largest covariance entry p̂ is {p_max:.3g}, above {self.p_limit:g} x p0")
+                reasons.append(
+                    f"the largest covariance entry p̂ is {p_max:.3g}, above {self.p_limit:g} x p0"
+                    + (" x the largest p0_scale" if prior != p0 else "")
+                    + f" = {self.p_limit * prior:.3g}"
+                )
         elif not bool(torch.stack([p.isfinite().all() for p in pl_module.trainable_parameters]).all()):
             # LoKO never writes a non-finite update; a gradient step can (a finite loss with an overflowing gradient).
             reasons.append("a trainable parameter is NaN or infinite")

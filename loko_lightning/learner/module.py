@@ -112,10 +112,11 @@ class OnlineClassifier(pl.LightningModule):
             observation noise R and the counters start fresh. Ignored when a run resumes (``ckpt_path``): the
             checkpoint then holds everything.
         step_scales: a factor on the step size of each kind of trainable parameter (``"head"``: every trainable
-            parameter outside the LoRA matrices, the new head first; ``"lora_A"``; ``"lora_B"``; a kind left out
-            keeps 1): LoKO's prior ``p0`` (the group's ``p0_scale``, so ``p0: auto`` chooses the scale and keeps the
-            ratio), a gradient optimizer's ``lr``. E.g. ``{"head": 0.1}``: the zero head, whose Jacobian (the
-            features) is large next to LoRA's, starts with a 10x smaller prior. ``None`` (default): one step size,
+            parameter outside the adapters, the new head first; ``"lora_A"``; ``"lora_B"``; ``"lora_magnitude"``,
+            DoRA's magnitudes; a kind left out keeps 1): LoKO's prior ``p0`` (the group's ``p0_scale``, so
+            ``p0: auto`` chooses the scale and keeps the ratio), a gradient optimizer's ``lr``. E.g.
+            ``{"head": 0.1}``: the zero head, whose Jacobian (the features) is large next to LoRA's, starts with a 10x
+            smaller prior. ``None`` (default): one step size,
             the paper's.
 
     Example:
@@ -410,7 +411,7 @@ class OnlineClassifier(pl.LightningModule):
                 owner=OnlineClassifier,
             )
         names = [name for name, p in self.named_parameters() if p.requires_grad]
-        adapters = [i for i, name in enumerate(names) if "lora_" in name]
+        adapters = [i for i, name in enumerate(names) if parameter_kind(name) != "head"]
         saved_state = checkpoint["state_dict"]
         with torch.no_grad():
             for i in adapters:

@@ -222,18 +222,22 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 #: The kinds of trainable parameter (:func:`parameter_kind`), e.g. for ``OnlineClassifier``'s ``step_scales``.
-PARAMETER_KINDS = ("head", "lora_A", "lora_B")
+PARAMETER_KINDS = ("head", "lora_A", "lora_B", "lora_magnitude")
 
 
 def parameter_kind(name: str) -> str:
     """The kind of a trainable parameter, from its name.
 
-    ``"lora_A"`` or ``"lora_B"`` for a parameter of a LoRA matrix (peft's ``lora_A``/``lora_embedding_A``, ...), else
-    ``"head"``: every other trainable parameter (the new head, peft's ``modules_to_save``, a trainable bias).
+    ``"lora_A"`` or ``"lora_B"`` for a parameter of a LoRA matrix (peft's ``lora_A``/``lora_embedding_A``, ...),
+    ``"lora_magnitude"`` for DoRA's magnitude vector (``lora_magnitude_vector``), else ``"head"``: every other
+    trainable parameter (the new head, peft's ``modules_to_save``, a trainable bias). The adapters saved by a run
+    (:meth:`~loko_lightning.learner.module.OnlineClassifier.load_adapters`) are every kind but ``"head"``.
     """
     parts = name.split(".")
     if "lora_A" in parts or "lora_embedding_A" in parts:
         return "lora_A"
     if "lora_B" in parts or "lora_embedding_B" in parts:
         return "lora_B"
+    if "lora_magnitude_vector" in parts:
+        return "lora_magnitude"
     return "head"
