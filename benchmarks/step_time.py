@@ -7,12 +7,14 @@ Usage:
     python benchmarks/step_time.py --filter natural --cases vit_base_patch16_224:100 --text-cases \
         --image-size 224 --target query                  # another filter, ViT-B/16 at 224 px
     python benchmarks/step_time.py --device cuda       # on the GPU
+    python benchmarks/step_time.py --cases resnet18:10 resnet50:100 --text-cases --head-covariance shared
 
 For each case: timm backbone (random init; weights do not change the cost), LoRA rank 4 on every conv with
 ``groups == 1`` (``--target``) plus a new ``m``-class head, 32x32 input (``--image-size``). A LoKO step is
 ``JacobianEngine(..., factorize=True).observe`` (the engine built once per model, as the training loop builds it)
 plus ``LoKO.step``, with the filter ``--filter`` (``covariance``: the paper's; ``natural``/``natural_exact``: the
-natural-gradient filter, one or ``m + 1`` reverse rows; ``lofi<L>``) and the observation ``--observation``;
+natural-gradient filter, one or ``m + 1`` reverse rows; ``lofi<L>``), the observation ``--observation`` and the
+head's covariance ``--head-covariance`` (``shared``: one full covariance shared by the head's rows);
 an AdamW step is forward, cross-entropy, backward, ``AdamW.step``. The two alternate step by step after a warm-up,
 and the script prints medians as ratios to the AdamW step (absolute times on a shared machine are noise; ratios
 measured side by side are not), the Kalman arithmetic's share of the LoKO step, and the peak memory of each step
@@ -53,8 +55,16 @@ from torch.nn import functional as F
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.models import TimmClassifier
+from loko_lightning.models.adapters import parameter_kind
 
-OPTIONS = {"observation": "softmax", "filter": "covariance", "target": "convs", "image_size": 32, "device": "cpu"}
+OPTIONS = {
+    "observation": "softmax",
+    "filter": "covariance",
+    "target": "convs",
+    "image_size": 32,
+    "device": "cpu",
+    "head_covariance": "diagonal",
+}
 
 
 def build(backbone: str, num_classes: int) -> nn.Module:
@@ -64,8 +74,18 @@ def build(backbone: str, num_classes: int) -> nn.Module:
     return network.to(OPTIONS["device"]).eval()
 
 
-def new_loko(params: list[torch.Tensor]) -> LoKO:
+def new_loko(model: nn.Module) -> LoKO:
+    """LoKO over ``model``'s trainable parameters; with ``--head-covariance shared`` the head's matrices share Σ."""
     paper = OPTIONS["observation"] == "softmax" and OPTIONS["filter"] == "covariance"
+    params: list[dict] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shared = OPTIONS["head_covariance"] == "shared" and parameter_kind(name) == "head" and param.dim() >= 2
+        if params and params[-1]["shared_rows"] == shared:
+            params[-1]["params"].append(param)
+        else:
+            params.append({"params": [param], "shared_rows": shared})
     return LoKO(params, p0=0.2 if paper else 0.03, seed=0, observation=OPTIONS["observation"],
                 filter=OPTIONS["filter"])  # fmt: skip
 
@@ -128,7 +148,7 @@ def time_case(backbone: str, m: int, steps: int, warmup: int, seq_len: int | Non
     model_adamw = build_text(backbone, m) if text else build(backbone, m)
     params_loko = [p for p in model_loko.parameters() if p.requires_grad]
     params_adamw = [p for p in model_adamw.parameters() if p.requires_grad]
-    opt_loko = new_loko(params_loko)
+    opt_loko = new_loko(model_loko)
     engine = JacobianEngine(model_loko, params_loko, factorize=True, observation=opt_loko.observation)
     opt_adamw = torch.optim.AdamW(params_adamw, lr=1e-4, weight_decay=1e-4)
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
@@ -172,7 +192,7 @@ def peak_memory(backbone: str, m: int, kind: str, steps: int) -> float:
     torch.manual_seed(0)
     model = build(backbone, m)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = new_loko(params) if kind == "loko" else torch.optim.AdamW(params, lr=1e-4)
+    opt = new_loko(model) if kind == "loko" else torch.optim.AdamW(params, lr=1e-4)
     x = image()
     label = label_of(m)
     timings = {"loko": [], "jacobian": [], "kalman": [], "adamw": []}
@@ -213,10 +233,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", default="convs", help="LoRA target preset of the image backbones")
     parser.add_argument("--image-size", type=int, default=32, help="input size of the image cases")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (timed with a synchronize around each step)")
+    parser.add_argument(
+        "--head-covariance", default="diagonal", choices=("diagonal", "shared"), help="LoKO's covariance of the head"
+    )
     parser.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     OPTIONS.update(observation=args.observation, filter=args.filter, target=args.target, image_size=args.image_size)
-    OPTIONS.update(device=args.device)
+    OPTIONS.update(device=args.device, head_covariance=args.head_covariance)
     if args._memory:
         backbone, m, kind, steps = args._memory
         print(peak_memory(backbone, int(m), kind, int(steps)))
@@ -246,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
                     args.target,
                     "--image-size",
                     str(args.image_size),
+                    "--head-covariance",
+                    args.head_covariance,
                 ],  # fmt: skip
                 check=True,
                 capture_output=True,

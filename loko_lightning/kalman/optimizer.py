@@ -84,7 +84,11 @@ class LoKO(torch.optim.Optimizer):
         params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise``,
             ``p_floor``, ``shrinkage``, ``inflation`` and ``forgetting``, and ``p0_scale`` (a factor > 0 on the
             group's ``p0``, 1 when absent: its prior is ``p0 × p0_scale``, so a ``p0`` chosen online keeps the
-            ratio between groups; :class:`~loko_lightning.learner.OnlineClassifier`'s ``step_scales`` sets it).
+            ratio between groups; :class:`~loko_lightning.learner.OnlineClassifier`'s ``step_scales`` sets it), and
+            ``shared_rows`` (not the paper; ``filter="covariance"`` only, no time update in the group, every parameter
+            a matrix, not sharded): the rows of each parameter of the group share one full covariance ``Σ``
+            (``state[param]["row_cov"]``, ``cols x cols``) instead of a diagonal one
+            (:class:`~loko_lightning.kalman.algebra.SharedRowBlocks`; the learner's ``head_covariance="shared"``).
         p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
             constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
         p0_init: ``"uniform"`` (paper method 2, default), ``"constant"`` (method 1), or ``"fan_in"`` (not the paper:
@@ -329,12 +333,44 @@ class LoKO(torch.optim.Optimizer):
         self._plan = self._plan_key = None
         group = self.param_groups[-1]
         _check_group(group)
+        shared_rows = self._check_shared_rows(group)
         for param in group["params"]:
             if param.is_complex() or not param.is_floating_point():
                 raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
             self.state[param]["cov"] = self._initial_cov(param, group)
+            if shared_rows:  # Σ₀ = diag of the rows' mean p̂₀, and p̂₀ = diag(Σ₀) on every row
+                cov = self.state[param]["cov"]
+                mean = cov.reshape(param.shape[0], -1).mean(0)
+                cov.view(param.shape[0], -1).copy_(mean[None].expand(param.shape[0], -1))
+                self.state[param]["row_cov"] = torch.diag(mean)
             if self.average:
                 self.state[param]["average"] = param.detach().clone()
+
+    def _check_shared_rows(self, group: dict[str, Any]) -> bool:
+        """The group's ``shared_rows`` (``False`` when absent); refused where it is not built, naming the field."""
+        shared = group.get("shared_rows", False)
+        if not isinstance(shared, bool):
+            problem = f"{shared!r} (must be true or false)"
+        elif not shared:
+            return False
+        elif not self.filter.shares_rows:
+            problem = f"filter {self.filter.spec!r} keeps no full covariance; only filter 'covariance' does"
+        elif self.shard:
+            problem = "the sharded update does not split a shared covariance; use shard=False"
+        elif TimeUpdate.of_group(group) != TimeUpdate():
+            problem = (
+                "the time updates (process_noise, p_floor, shrinkage, inflation, forgetting) are not built for a "
+                "shared covariance; set them to 0 in this group"
+            )
+        elif any(param.dim() < 2 for param in group["params"]):
+            problem = "every parameter of the group must be a matrix (rows share Σ); put biases in another group"
+        else:
+            return True
+        raise ConfigError(
+            f"Invalid shared_rows: {problem}. shared_rows gives a weight's rows one full covariance (not the paper)",
+            field="shared_rows",
+            owner=LoKO,
+        )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``."""
@@ -368,6 +404,14 @@ class LoKO(torch.optim.Optimizer):
         """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype)."""
         saved = {index: dict(state) for index, state in state_dict["state"].items()}
         _check_saved_state(saved, self._params())
+        own_rows = [bool(group.get("shared_rows")) for group in self.param_groups]
+        saved_rows = [bool(group.get("shared_rows")) for group in state_dict.get("param_groups", [])]
+        if len(saved_rows) == len(own_rows) and saved_rows != own_rows:
+            raise ValueError(
+                f"Invalid state dict: its param groups' shared_rows are {saved_rows}, this optimizer's {own_rows}: "
+                "the state comes from a run with the other covariance of the head; configure this run as that one "
+                "(OnlineClassifier's head_covariance)"
+            )
         drawing = getattr(self.observation, "generator", None)
         if drawing is not None and "observation_rng" in state_dict:  # after the check: a refused state changes nothing
             drawing.set_state(state_dict["observation_rng"])
@@ -526,8 +570,9 @@ class LoKO(torch.optim.Optimizer):
             self._adopt_shards(observed.shards)
         own = [params[i] for i in observed.owned]
         time_updates = self._time_updates(observed.owned)
+        shared_rows = self._shared_rows(observed.owned)
         prediction, target, blocks, samples = observed.prediction, observed.target, observed.blocks, observed.samples
-        key = layout_key(prediction, target, blocks, (time_updates, samples, observed.layout))
+        key = layout_key(prediction, target, blocks, (time_updates, shared_rows, samples, observed.layout))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             check_observation(prediction, target, blocks, own, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
@@ -545,7 +590,7 @@ class LoKO(torch.optim.Optimizer):
         shared = self._shared_state(m, prediction.device, dtype)
         if self._plan is None:
             self._plan = UpdatePlan(blocks, [p.shape for p in own], dtype, covs[0].device, samples=samples,
-                                    time_updates=time_updates)  # fmt: skip
+                                    time_updates=time_updates, shared_rows=shared_rows)  # fmt: skip
             self._plan_key, self._cov_flat, self._low_rank_flat = key, None, None
         plan = self._plan
         if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
@@ -558,7 +603,8 @@ class LoKO(torch.optim.Optimizer):
             low_rank_flat = self._low_rank_flat
             if low_rank_flat is None:
                 low_rank_flat = plan.flatten_rows(low_rank)
-        belief = Belief(flat, shared["R"], shared["step"], low_rank_flat)
+        row_covs = [self._row_cov(own[i], dtype) for i in plan.rows.order]
+        belief = Belief(flat, shared["R"], shared["step"], low_rank_flat, row_covs)
         with torch.inference_mode():  # cheaper per operation than no_grad; the states written stay ordinary tensors
             evidence = Evidence(prediction.detach(), target.detach(), blocks, aggregation)
             proposal = self.filter.propose(plan, evidence, belief, exchange.reduce)
@@ -621,6 +667,21 @@ class LoKO(torch.optim.Optimizer):
                 forgets = group["forgetting"]
                 settings.append(replace(update, reference=_reference_cov(param, group)) if forgets else update)
         return tuple(settings[i] for i in owned)
+
+    def _shared_rows(self, owned: Sequence[int]) -> tuple[bool, ...]:
+        """Whether each parameter in ``owned`` (indices in parameter order) shares its rows' covariance."""
+        flags = [bool(group.get("shared_rows")) for group in self.param_groups for _ in group["params"]]
+        return tuple(flags[i] for i in owned)
+
+    def _row_cov(self, param: Tensor, dtype: torch.dtype) -> Tensor:
+        """The ``Σ`` shared by ``param``'s rows; from ``p̂`` (the diagonal of its rows' mean) when a state holds none.
+
+        A state saved without shared rows (the paper's) starts its ``Σ`` that way, as a new one does.
+        """
+        state = self.state[param]
+        if "row_cov" not in state:
+            state["row_cov"] = torch.diag(state["cov"].reshape(param.shape[0], -1).mean(0).to(dtype))
+        return state["row_cov"]
 
     def _low_rank(self, params: Sequence[Tensor], covs: Sequence[Tensor]) -> list[Tensor]:
         """The low-rank factor ``W`` of the precision, one ``(numel, rank)`` block per parameter (zeros at first).
@@ -713,13 +774,14 @@ def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor
     """Refuse a state dict that is not LoKO's for these parameters (another optimizer's, or other shapes)."""
     if not saved:
         return
-    known = {"cov", "R", "step", "skipped", "W", "average"}
+    known = {"cov", "R", "step", "skipped", "W", "average", "row_cov"}
     foreign = sorted({key for state in saved.values() for key in state} - known)
     if foreign or any("cov" not in state for state in saved.values()):
         raise ValueError(
             f"Invalid state dict: it is not LoKO's (its per-parameter state holds {foreign or 'no cov'}; LoKO keeps "
-            "cov, R, step, skipped, for lofi W, and with average the average of the mean): it comes from another "
-            "optimizer, e.g. AdamW. Load it into that optimizer, or start LoKO from its initial state"
+            "cov, R, step, skipped, for lofi W, with average the average of the mean, with shared_rows row_cov): "
+            "it comes from another optimizer, e.g. AdamW. Load it into that optimizer, or start LoKO from its initial "
+            "state"
         )
     for index, state in saved.items():
         param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
@@ -731,6 +793,14 @@ def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor
                 f"Invalid state dict: parameter {index}'s covariance has shape {got}, this optimizer's parameter is "
                 f"{want}: the state comes from another model (other adapters, rank or head); load it into that "
                 "model's optimizer"
+            )
+        row_cov = state.get("row_cov")
+        cols = param.numel() // param.shape[0] if param.dim() else 1
+        if row_cov is not None and (not isinstance(row_cov, Tensor) or tuple(row_cov.shape) != (cols, cols)):
+            got = tuple(row_cov.shape) if isinstance(row_cov, Tensor) else type(row_cov).__name__
+            raise ValueError(
+                f"Invalid state dict: parameter {index}'s shared row covariance has shape {got}, expected "
+                f"{(cols, cols)}: the state comes from another model; load it into that model's optimizer"
             )
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.algebra import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks
+from loko_lightning.kalman.algebra import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks, SharedRowBlocks
 from loko_lightning.kalman.time_update import CompiledTimeUpdate, TimeUpdate
 
 __all__ = ["UpdatePlan", "innovation_covariance"]
@@ -63,6 +63,8 @@ class UpdatePlan:
             ``m / B`` outputs each, with a block-diagonal ``R``. 1: the paper's single observation.
         time_updates: one :class:`~loko_lightning.kalman.time_update.TimeUpdate` per parameter (default: none, the
             paper's identity process model), compiled into :attr:`time`.
+        shared_rows: one flag per parameter: its rows share one full covariance (:attr:`rows`, last in the flat
+            order; not the paper). Default: none, every parameter diagonal.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class UpdatePlan:
         device: torch.device,
         samples: int = 1,
         time_updates: Sequence[TimeUpdate] | None = None,
+        shared_rows: Sequence[bool] | None = None,
     ) -> None:
         if not jacobians:
             raise ValueError("Invalid jacobians: expected at least one parameter block, got none")
@@ -82,12 +85,16 @@ class UpdatePlan:
             raise ValueError(f"Invalid samples: {samples} (must be >= 1 and divide the {m} rows of the Jacobian)")
         self.samples = samples
         self.shapes = [torch.Size(s) for s in shapes]
-        self.dense = DenseBlocks(jacobians, self.shapes, m, dtype, device)
-        self.outer = OuterBlocks(jacobians, self.dense.end, m, dtype, device)
-        self.factored = FactoredBlocks(jacobians, self.outer.end, m, dtype, device)
+        shared = frozenset(i for i, flag in enumerate(shared_rows or ()) if flag)
+        self.dense = DenseBlocks(jacobians, self.shapes, m, dtype, device, exclude=shared)
+        self.outer = OuterBlocks(jacobians, self.dense.end, m, dtype, device, exclude=shared)
+        self.factored = FactoredBlocks(jacobians, self.outer.end, m, dtype, device, exclude=shared)
+        #: The kinds whose update is ``p̂ ⊙ Hᵀ w`` (every filter's).
         self.kinds: list[Blocks] = [kind for kind in (self.dense, self.outer, self.factored) if kind]
-        self.order = [i for kind in self.kinds for i in kind.order]
-        self.n = self.factored.end
+        #: The parameters whose rows share one full covariance (the covariance filter's option), last in the order.
+        self.rows = SharedRowBlocks(jacobians, self.shapes, sorted(shared), self.factored.end, m, dtype, device)
+        self.order = [i for kind in self.kinds for i in kind.order] + self.rows.order
+        self.n = self.rows.end
         numels = [s.numel() for s in self.shapes]
         self.offsets = [0] * len(numels)
         position = 0
@@ -137,13 +144,15 @@ class UpdatePlan:
     def hpht(self, jacobians: Sequence[JacobianBlock], prior: Tensor) -> Tensor:
         """``H P Hᵀ`` for ``p̂ = prior`` (flat, this plan's order): the sum of every kind's term."""
         terms = [kind.hpht(jacobians, prior) for kind in self.kinds]
+        if not terms:  # every parameter shares its rows' covariance (the filter adds that term)
+            return torch.zeros(self.m, self.m, dtype=self.dtype, device=self.device)
         return terms[0] if len(terms) == 1 else torch.stack(terms).sum(0)
 
     def rows_matrix(self, jacobians: Sequence[JacobianBlock]) -> Tensor:
         """``H`` as one ``(rows, n)`` matrix in this plan's order (factored blocks multiplied out)."""
         parts = [self.dense.matrix(jacobians).to(self.dtype)] if self.dense else []
-        for kind in (self.outer, self.factored):
-            parts += [jacobians[i].to_dense().reshape(self.m, -1).to(self.dtype) for i in kind.order]
+        for kind in (self.outer, self.factored, self.rows):
+            parts += [_dense(jacobians[i]).reshape(self.m, -1).to(self.dtype) for i in kind.order]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def apply(self, params: Sequence[Tensor], cov: Tensor, posterior: Tensor, finite: Tensor) -> Tensor:
@@ -180,3 +189,7 @@ class UpdatePlan:
             "p_max": p_max,
             "gain_norm": torch.linalg.vector_norm(self._update),
         }
+
+
+def _dense(block: JacobianBlock) -> Tensor:
+    return block if isinstance(block, Tensor) else block.to_dense()

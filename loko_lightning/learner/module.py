@@ -118,6 +118,11 @@ class OnlineClassifier(pl.LightningModule):
             ``{"head": 0.1}``: the zero head, whose Jacobian (the features) is large next to LoRA's, starts with a 10x
             smaller prior. ``None`` (default): one step size,
             the paper's.
+        head_covariance: ``"diagonal"`` (default, the paper): a diagonal covariance on every parameter.
+            ``"shared"`` (not the paper; LoKO's ``filter: covariance`` only): the rows of each matrix of the head
+            (one row per class) share one full ``features x features`` covariance ``Σ``, the param group key
+            ``shared_rows`` (:class:`~loko_lightning.kalman.algebra.SharedRowBlocks`); the head's bias and the
+            adapters stay diagonal. Costs ``features²`` numbers of state and about ``features²`` operations a sample.
 
     Example:
         >>> from functools import partial
@@ -137,6 +142,7 @@ class OnlineClassifier(pl.LightningModule):
         collective_timeout: float = 300.0,
         adapters_from: str | None = None,
         step_scales: dict[str, float] | None = None,
+        head_covariance: str = "diagonal",
     ) -> None:
         super().__init__()
         if isinstance(network, Mapping):
@@ -174,9 +180,11 @@ class OnlineClassifier(pl.LightningModule):
         self.step_scales = _check_step_scales(step_scales, owner=OnlineClassifier)
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
-        step = step_for(probe(optimizer))
+        probed = probe(optimizer)
+        step = step_for(probed)
         step.check(network, lr_scheduler, owner=OnlineClassifier)
         self.online_step: OnlineStep = step() if self.select is None else SelectionStep(step(), self.select)
+        self.head_covariance = _check_head_covariance(head_covariance, probed, owner=OnlineClassifier)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
@@ -215,16 +223,22 @@ class OnlineClassifier(pl.LightningModule):
         return [p for p in self.network.parameters() if p.requires_grad]
 
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """The trainable parameters in their fixed order, in runs of one ``step_scales`` factor (``"scale"``)."""
+        """The trainable parameters in their fixed order, in runs of one factor and one covariance.
+
+        A run's ``"scale"`` is its ``step_scales`` factor, its ``"shared_rows"`` whether it holds the head's matrices
+        with ``head_covariance="shared"``.
+        """
         groups: list[dict[str, Any]] = []
         for name, param in self.network.named_parameters():
             if not param.requires_grad:
                 continue
-            scale = float((self.step_scales or {}).get(parameter_kind(name), 1.0))
-            if groups and groups[-1]["scale"] == scale:
+            kind = parameter_kind(name)
+            scale = float((self.step_scales or {}).get(kind, 1.0))
+            shared = self.head_covariance == "shared" and kind == "head" and param.dim() >= 2
+            if groups and groups[-1]["scale"] == scale and groups[-1]["shared_rows"] == shared:
                 groups[-1]["params"].append(param)
             else:
-                groups.append({"params": [param], "scale": scale})
+                groups.append({"params": [param], "scale": scale, "shared_rows": shared})
         return groups
 
     def build_optimizer(self, optimizer: OptimizerCallable | None = None, **overrides: Any) -> torch.optim.Optimizer:
@@ -235,11 +249,14 @@ class OnlineClassifier(pl.LightningModule):
         factor with that ``p0_scale``, a gradient optimizer the same groups with their ``lr`` multiplied.
         """
         factory = self.optimizer_factory if optimizer is None else optimizer
-        if self.step_scales is None:
+        if self.step_scales is None and self.head_covariance == "diagonal":
             return factory(self.trainable_parameters, **overrides)
         groups = self.parameter_groups()
         if self.is_kalman:
-            return factory([{"params": g["params"], "p0_scale": g["scale"]} for g in groups], **overrides)
+            return factory(
+                [{"params": g["params"], "p0_scale": g["scale"], "shared_rows": g["shared_rows"]} for g in groups],
+                **overrides,
+            )
         built = factory([{"params": g["params"]} for g in groups], **overrides)
         for group, scaled in zip(built.param_groups, groups, strict=True):
             if "lr" not in group:
@@ -623,6 +640,41 @@ def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[n
                 raise ConfigError(message, field="held_out_metrics", owner=owner)
         pair.append(metrics)
     return pair[0], pair[1]
+
+
+#: ``OnlineClassifier``'s ``head_covariance``: the paper's diagonal, or one full covariance shared by the head's rows.
+HEAD_COVARIANCES = ("diagonal", "shared")
+
+
+def _check_head_covariance(value: Any, probed: torch.optim.Optimizer, owner: Any) -> str:
+    """``head_covariance`` checked: a known value, and ``"shared"`` only where LoKO builds it.
+
+    ``probed`` is the optimizer built on a stand-in parameter.
+    """
+    if value not in HEAD_COVARIANCES:
+        raise ConfigError(
+            f"head_covariance must be one of {', '.join(HEAD_COVARIANCES)}, got {value!r}",
+            field="head_covariance",
+            owner=owner,
+        )
+    if value == "shared" and not isinstance(probed, LoKO):
+        raise ConfigError(
+            "head_covariance: shared is a covariance of LoKO's filter; a gradient optimizer keeps none. Remove it, "
+            "or use LoKO",
+            field="head_covariance",
+            owner=owner,
+        )
+    if value == "shared":  # the filter, shard and time updates the optimizer would refuse the shared group for
+        group = {**probed.defaults, "params": [nn.Parameter(torch.zeros(2, 2))], "shared_rows": True}
+        try:
+            probed._check_shared_rows(group)
+        except ConfigError as err:
+            raise ConfigError(
+                f"head_covariance: shared is refused by the optimizer: {err.args[0]}",
+                field="head_covariance",
+                owner=owner,
+            ) from None
+    return value
 
 
 def _check_step_scales(scales: Any, owner: Any) -> dict[str, float] | None:

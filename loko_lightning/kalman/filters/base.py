@@ -53,12 +53,15 @@ class Belief:
         R: the observation noise ``R_{k-1}`` (``m x m``), for filters that estimate it.
         step: the number of updates applied so far (0-d integer tensor).
         low_rank: the low-rank factor ``W`` of the precision, ``(n, L)``, for the filters that keep one.
+        shared_rows: the full covariance ``Σ`` shared by the rows of each parameter of :attr:`UpdatePlan.rows`
+            (in its order), for the filters that keep them.
     """
 
     cov: Tensor
     R: Tensor | None
     step: Tensor
     low_rank: Tensor | None = None
+    shared_rows: Sequence[Tensor] = ()
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Proposal:
         R: the new observation noise ``R_k``, for filters that estimate it.
         cond: the condition number of the solved system's kept spectrum (``None`` where none is solved).
         low_rank: the new ``W``, for filters that keep one.
+        shared_rows: the new ``Σ`` of each parameter of :attr:`UpdatePlan.rows`.
     """
 
     posterior: Tensor
@@ -82,6 +86,7 @@ class Proposal:
     R: Tensor | None = None
     cond: Tensor | None = None
     low_rank: Tensor | None = None
+    shared_rows: Sequence[Tensor] = ()
 
 
 class Filter:
@@ -94,11 +99,14 @@ class Filter:
         shardable: the update separates over the parameters but for sums the processes can all-reduce
             (``LoKO(shard=True)``).
         estimates_noise: ``R`` is part of the filter state (an EMA), so the optimizer keeps it.
+        shares_rows: the filter updates a full covariance shared by a weight's rows (the param group key
+            ``shared_rows``, :class:`~loko_lightning.kalman.algebra.SharedRowBlocks`).
     """
 
     name: ClassVar[str]
     shardable: ClassVar[bool] = True
     estimates_noise: ClassVar[bool] = False
+    shares_rows: ClassVar[bool] = False
 
     @property
     def spec(self) -> str:
@@ -134,4 +142,3 @@ class Filter:
 
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
         """Write the filter's own state (``R``, ``W``) where the step was applied (the optimizer writes θ̃, p̂)."""
-

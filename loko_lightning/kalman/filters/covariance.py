@@ -88,6 +88,7 @@ class Covariance(Filter):
 
     name: ClassVar[str] = "covariance"
     estimates_noise: ClassVar[bool] = True
+    shares_rows: ClassVar[bool] = True
 
     beta: float = 0.95
     r_estimator: REstimator = "taylor"
@@ -102,6 +103,8 @@ class Covariance(Filter):
         prediction = evidence.prediction.to(dtype)
         innovation = evidence.target.to(dtype) - prediction
         hpht = plan.hpht(evidence.blocks, prior)
+        if plan.rows:  # weights whose rows share a full covariance Σ (not the paper): Σ_i L_i Rᵀ Σ R L_iᵀ
+            hpht = hpht + plan.rows.hpht(evidence.blocks, belief.shared_rows)
         if reduce is not None:
             hpht = reduce(hpht)
         # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
@@ -113,9 +116,7 @@ class Covariance(Filter):
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
         # softmax outputs). eigh must never see NaN/Inf (LAPACK fails): a step to be skipped decomposes I instead.
         finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
-        factor, cond = _pinv_factor(
-            torch.where(finite, S, plan.eye), torch.where(finite, innovation, 0.0), self.rcond
-        )
+        factor, cond = _pinv_factor(torch.where(finite, S, plan.eye), torch.where(finite, innovation, 0.0), self.rcond)
         # 5. The gain K = P Hᵀ S⁺ is never formed: K e = p̂ ⊙ Hᵀ S⁺ e and (K H)_ii = p̂_i (Hᵀ S⁺ H)_ii, per kind.
         update, quad = plan.update, plan.work
         for kind in plan.kinds:
@@ -125,8 +126,14 @@ class Covariance(Filter):
         posterior = torch.addcmul(plan.one, prior, quad, value=-1.0, out=quad)
         posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
         plan.time.covariance(posterior)
-        return Proposal(posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond)
+        # The shared-row weights: ΔW_i = Σ R L_iᵀ w and Σ⁺ (their entries of update and posterior overwritten).
+        shared_rows = plan.rows.update(factor, belief.shared_rows, update, posterior) if plan.rows else []
+        return Proposal(
+            posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond, shared_rows=shared_rows
+        )
 
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
-        """``R_k`` where the step was applied."""
+        """``R_k`` and the shared rows' ``Σ`` where the step was applied."""
         torch.where(applied, proposal.R, belief.R, out=belief.R)
+        for new, old in zip(proposal.shared_rows, belief.shared_rows, strict=True):
+            torch.where(applied, new, old, out=old)

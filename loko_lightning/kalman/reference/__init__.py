@@ -2,7 +2,8 @@
 
 One module per filter family (:mod:`loko_lightning.kalman.filters`), none sharing arithmetic with the fast path:
 
-- :mod:`~loko_lightning.kalman.reference.covariance`: Algorithm 1 (one sample, a joint step, the top-k observation).
+- :mod:`~loko_lightning.kalman.reference.covariance`: Algorithm 1 (one sample, a joint step, the top-k observation),
+  and the same filter with a weight's rows sharing a full covariance.
 - :mod:`~loko_lightning.kalman.reference.information`: the diagonal natural-gradient filter.
 - :mod:`~loko_lightning.kalman.reference.low_rank`: LoFi.
 - :mod:`~loko_lightning.kalman.reference.time_update`: the time update from its process model.
@@ -13,6 +14,7 @@ from loko_lightning.kalman.reference.covariance import (
     loko_step_reference,
     loko_step_reference_batch,
     pinv_reference,
+    shared_rows_step_reference,
     topk_step_reference,
 )
 from loko_lightning.kalman.reference.information import natural_step_reference
@@ -26,6 +28,7 @@ __all__ = [
     "loko_step_reference_batch",
     "natural_step_reference",
     "pinv_reference",
+    "shared_rows_step_reference",
     "time_update_reference",
     "topk_step_reference",
 ]

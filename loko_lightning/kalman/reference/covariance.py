@@ -42,6 +42,7 @@ __all__ = [
     "loko_step_reference",
     "loko_step_reference_batch",
     "pinv_reference",
+    "shared_rows_step_reference",
     "topk_step_reference",
 ]
 
@@ -192,6 +193,80 @@ def loko_step_reference_batch(
     # 7. Time update to the next step's prior (the identity in Algorithm 1).
     theta, p = time_update_reference(theta, p, time_update)
     return theta, p, R
+
+
+def shared_rows_step_reference(
+    theta: Tensor,
+    p: Tensor,
+    sigmas: list[Tensor],
+    R: Tensor,
+    H: Tensor,
+    prediction: Tensor,
+    target: Tensor,
+    k: int,
+    *,
+    spans: list[tuple[int, int, int]],
+    beta: float,
+    r_estimator: REstimator,
+    rcond: float | None = None,
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
+    """One joint step of the covariance filter where some weights' rows share a full covariance, dense, float64.
+
+    The covariance is the dense ``ñ x ñ`` matrix ``P``: ``diag(p̂)`` but for the entries of each weight in ``spans``,
+    whose block is ``I_rows ⊗ Σ`` (the weight's entries row by row, as ``θ̃`` holds them). The step is the Kalman
+    update with that ``P``, written out (``K = P Hᵀ S⁺``, ``P⁺ = P − K H P``); the new ``p̂`` is the diagonal of
+    ``P⁺`` and each new ``Σ`` the mean of the weight's ``rows`` diagonal blocks of ``P⁺`` (where the weight's
+    entries of ``p̂`` are set to its diagonal). No process noise or time update.
+
+    Args:
+        theta: ``θ̃_{k-1}``, shape ``(ñ,)``.
+        p: ``p̂_{k-1}``, shape ``(ñ,)`` (the entries of the ``spans`` are not read).
+        sigmas: the ``Σ`` of each weight in ``spans``, ``cols x cols``.
+        R: ``R_{k-1}``, ``m x m``.
+        H: the ``B`` Jacobians, shape ``(B, m, ñ)``.
+        prediction: ``(B, m)``.
+        target: ``(B, m)``.
+        k: the 1-based index of this joint update.
+        spans: ``(start, rows, cols)`` of each weight in ``θ̃``.
+        beta: forgetting factor of the ``R`` EMA.
+        r_estimator: as in :func:`loko_step_reference`.
+        rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
+
+    Returns:
+        ``(θ̃_k, p̂_k, [Σ_k], R_k)``, float64.
+    """
+    theta, R, H = theta.double(), R.double(), H.double()
+    y_hat, y = prediction.double(), target.double()
+    B, m = y.shape
+    P = torch.diag(p.double())
+    for (start, rows, cols), sigma in zip(spans, sigmas, strict=True):
+        end = start + rows * cols
+        P[start:end, start:end] = torch.kron(torch.eye(rows, dtype=torch.float64), sigma.double())
+    Hs = H.reshape(B * m, -1)
+    e = (y - y_hat).reshape(B * m)
+    PHt = P @ Hs.T
+    HPHt = Hs @ PHt
+    estimate, smoothed = REFERENCE_R_ESTIMATORS[r_estimator]
+    blocks = [slice(b * m, (b + 1) * m) for b in range(B)]
+    estimates = [estimate(e[r], HPHt[r, r], y_hat[b], k) for b, r in enumerate(blocks)]
+    if smoothed:
+        R = beta * R + (1 - beta) * sum(estimates) / B
+        noise = [R] * B
+    else:
+        R = sum(estimates) / B
+        noise = estimates
+    S = HPHt + torch.block_diag(*noise)
+    K = PHt @ pinv_reference(S, rcond)
+    theta = theta + K @ e
+    P = P - K @ Hs @ P
+    p = P.diagonal().clone()
+    new_sigmas = []
+    for start, rows, cols in spans:
+        sigma = sum(P[start + i * cols : start + (i + 1) * cols, start + i * cols : start + (i + 1) * cols]
+                    for i in range(rows)) / rows  # fmt: skip
+        new_sigmas.append(sigma)
+        p[start : start + rows * cols] = sigma.diagonal().repeat(rows)
+    return theta, p, new_sigmas, R
 
 
 def topk_step_reference(

@@ -1,0 +1,253 @@
+"""A weight's rows sharing one full covariance (``shared_rows``, the learner's ``head_covariance="shared"``).
+
+Not the paper: the head's ``P_W = I ⊗ Σ`` with ``Σ`` full (``features x features``). The fast path
+(:class:`~loko_lightning.kalman.algebra.SharedRowBlocks`) is held to the dense float64 reference
+(:func:`~loko_lightning.kalman.reference.shared_rows_step_reference`: the Kalman update with that dense ``P``, then
+the mean of the posterior's diagonal row blocks), for every Jacobian block kind and for joint steps.
+"""
+
+import copy
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from loko_helpers import SmallConvNet, conv_stream, flat_cov, loko_closure, mlp, teacher_stream
+from runs import loader, outputs, stream, trainer
+from test_multistream import batch_closure, batches
+from torch.func import functional_call, jacrev
+
+from loko_lightning import LoKO
+from loko_lightning.cli import main
+from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.reference import shared_rows_step_reference
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models import TimmClassifier
+from loko_lightning.serve.learner import ServingLearner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class SharedRowsReference:
+    """The filter the slow way: θ̃ one float64 vector, ``H`` from ``jacrev``, the dense reference step."""
+
+    def __init__(self, model, opt, shared):
+        self.model = copy.deepcopy(model)
+        params = list(model.parameters())
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [p.shape for p in params]
+        self.theta = torch.cat([p.detach().reshape(-1) for p in params]).double()
+        self.p = flat_cov(opt, params).double().clone()
+        offsets = [0]
+        for p in params:
+            offsets.append(offsets[-1] + p.numel())
+        self.spans = [(offsets[i], params[i].shape[0], params[i][0].numel()) for i in shared]
+        self.sigmas = [opt.state[params[i]]["row_cov"].double().clone() for i in shared]
+        self.R, self.k = None, 0
+
+    def predict(self, theta, x):
+        values, start = {}, 0
+        for name, shape in zip(self.names, self.shapes, strict=True):
+            values[name] = theta[start : start + shape.numel()].reshape(shape)
+            start += shape.numel()
+        return torch.softmax(functional_call(self.model, values, (x,)).reshape(-1), 0)
+
+    def step(self, xs, ys, beta):
+        self.k += 1
+        y_hat = torch.stack([self.predict(self.theta, x) for x in xs])
+        H = torch.stack([jacrev(self.predict)(self.theta, x) for x in xs])
+        if self.R is None:
+            self.R = torch.zeros(y_hat.shape[1], y_hat.shape[1], dtype=torch.float64)
+        self.theta, self.p, self.sigmas, self.R = shared_rows_step_reference(
+            self.theta, self.p, self.sigmas, self.R, H, y_hat, torch.stack(ys), self.k,
+            spans=self.spans, beta=beta, r_estimator="taylor",
+        )  # fmt: skip
+        return y_hat
+
+
+def mlp_optimizer(model, **kwargs):
+    w1, b1, w2, b2 = model.parameters()
+    groups = [{"params": [w1, b1]}, {"params": [w2], "shared_rows": True}, {"params": [b2]}]
+    return LoKO(groups, **{"p0": 0.3, "beta": 0.9, "seed": 3, **kwargs})
+
+
+def assert_matches(model, opt, reference, shared):
+    # The same float64 arithmetic in another order (as the paper's filter against its reference): relative error
+    # near 1e-13 after tens of contracting steps, so 1e-9 leaves room without hiding an algorithmic difference.
+    params = list(model.parameters())
+    theta = torch.cat([p.detach().reshape(-1) for p in params])
+    torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(flat_cov(opt, params), reference.p, rtol=1e-9, atol=1e-15)
+    for i, sigma in zip(shared, reference.sigmas, strict=True):
+        torch.testing.assert_close(opt.state[params[i]]["row_cov"], sigma, rtol=1e-9, atol=1e-15)
+    torch.testing.assert_close(opt.state[params[0]]["R"], reference.R, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("factorize", [True, False])
+def test_single_sample_steps_match_the_dense_float64_reference(factorize):
+    """40 samples, the head's weight shared (an outer-product block, or a dense one without factorize)."""
+    model = mlp()
+    opt = mlp_optimizer(model)
+    reference = SharedRowsReference(model, opt, shared=[2])
+    for x, y in teacher_stream(40):
+        y_ref = reference.step([x], [y], beta=0.9)[0]
+        y_fast, _, jacs = opt.step(loko_closure(model, x, y, factorize=factorize))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    assert type(jacs[2]).__name__ == ("OuterJacobian" if factorize else "Tensor")
+    assert_matches(model, opt, reference, shared=[2])
+    assert opt.diagnostics["step"].item() == 40
+
+
+def test_joint_steps_match_the_dense_float64_reference():
+    """B = 3: the stacked observation's factored block (B positions) in the shared covariance."""
+    model = mlp()
+    opt = mlp_optimizer(model)
+    reference = SharedRowsReference(model, opt, shared=[2])
+    for xs, ys in batches(teacher_stream(60), 3):
+        y_ref = reference.step(xs, ys, beta=0.9)
+        y_fast, _, _ = opt.step(batch_closure(model, xs, ys, factorize=True))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    assert_matches(model, opt, reference, shared=[2])
+
+
+def test_a_conv_weight_seen_at_several_positions_matches_the_reference(monkeypatch):
+    """A convolution's rows (output channels) sharing ``Σ`` over ``in x kh x kw``: a factored block with k > 1."""
+    monkeypatch.setattr(sys.modules["loko_lightning.jacobians.reverse"], "factored_is_cheaper", lambda *args: True)
+    torch.manual_seed(3)
+    model = SmallConvNet().double()
+    params = list(model.parameters())
+    conv2 = [n for n, _ in model.named_parameters()].index("conv2.weight")
+    head = [n for n, _ in model.named_parameters()].index("head.weight")
+    groups = [{"params": [p], "shared_rows": i in (conv2, head)} for i, p in enumerate(params)]
+    opt = LoKO(groups, p0=0.3, beta=0.9, seed=3)
+    reference = SharedRowsReference(model, opt, shared=[conv2, head])
+    kinds = set()
+    for x, y in conv_stream(20):
+        reference.step([x], [y], beta=0.9)
+        _, _, jacs = opt.step(loko_closure(model, x, y, factorize=True))
+        kinds.add(type(jacs[conv2]).__name__)
+    assert kinds == {"FactoredJacobian"}
+    assert_matches(model, opt, reference, shared=[conv2, head])
+
+
+def test_shared_rows_off_is_the_papers_update_bit_for_bit():
+    models = [mlp(), mlp()]
+    w1, b1, w2, b2 = models[0].parameters()
+    off = LoKO([{"params": [w1, b1]}, {"params": [w2], "shared_rows": False}, {"params": [b2]}], p0=0.3, seed=3)
+    paper = LoKO(models[1].parameters(), p0=0.3, seed=3)
+    for x, y in teacher_stream(20):
+        for model, opt in zip(models, (off, paper), strict=True):
+            opt.step(loko_closure(model, x, y))
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(off.state[p]["cov"], paper.state[q]["cov"])
+    assert all("row_cov" not in off.state[p] for p in models[0].parameters())
+
+
+def test_the_prior_is_the_rows_mean_draw_and_p_hat_holds_the_diagonal():
+    model = mlp()
+    drawn = LoKO(model.parameters(), p0=0.3, seed=3).state[list(model.parameters())[2]]["cov"]
+    opt = mlp_optimizer(model)
+    w2 = list(model.parameters())[2]
+    torch.testing.assert_close(opt.state[w2]["row_cov"], torch.diag(drawn.mean(0)), rtol=0, atol=0)
+    for x, y in teacher_stream(10):
+        opt.step(loko_closure(model, x, y))
+    sigma = opt.state[w2]["row_cov"]
+    assert torch.equal(sigma, sigma.T)
+    assert torch.linalg.eigvalsh(sigma).min() > 0
+    assert torch.equal(opt.state[w2]["cov"], sigma.diagonal()[None].expand_as(w2))
+
+
+def test_a_resumed_state_continues_the_run_exactly():
+    model, copy_model = mlp(), mlp()
+    opt = mlp_optimizer(model)
+    samples = list(teacher_stream(20))
+    for x, y in samples[:10]:
+        opt.step(loko_closure(model, x, y))
+    copy_model.load_state_dict(model.state_dict())
+    resumed = mlp_optimizer(copy_model)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for x, y in samples[10:]:
+        opt.step(loko_closure(model, x, y))
+        resumed.step(loko_closure(copy_model, x, y))
+    for p, q in zip(model.parameters(), copy_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    w2, v2 = list(model.parameters())[2], list(copy_model.parameters())[2]
+    assert torch.equal(opt.state[w2]["row_cov"], resumed.state[v2]["row_cov"])
+
+
+def test_a_state_of_the_other_covariance_is_refused():
+    """The same groups, the head's diagonal in the state: loading it into a shared Σ would drop the setting."""
+    w1, b1, w2, b2 = mlp().parameters()
+    paper = LoKO([{"params": [w1, b1]}, {"params": [w2]}, {"params": [b2]}], p0=0.3, seed=3)
+    with pytest.raises(ValueError, match=r"shared_rows are \[False, False, False\], this optimizer's \[False, True"):
+        mlp_optimizer(mlp()).load_state_dict(paper.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "group", "message"),
+    [
+        ({}, {"shared_rows": "yes"}, "'yes' \\(must be true or false\\)"),
+        ({"filter": "natural"}, {}, "filter 'natural' keeps no full covariance"),
+        ({"filter": "lofi2"}, {}, "filter 'lofi2' keeps no full covariance"),
+        ({"shard": True}, {}, "the sharded update does not split a shared covariance"),
+        ({}, {"process_noise": 1e-4}, "the time updates .* are not built for a shared covariance"),
+        ({}, {"forgetting": 0.01}, "the time updates .* are not built for a shared covariance"),
+        ({}, {"with_bias": True}, "every parameter of the group must be a matrix"),
+    ],
+)
+def test_where_shared_rows_is_not_built_it_is_refused_naming_the_field(kwargs, group, message):
+    model = mlp()
+    w1, b1, w2, b2 = model.parameters()
+    params = [w2, b2] if group.pop("with_bias", False) else [w2]
+    with pytest.raises(ConfigError, match=message) as error:
+        LoKO([{"params": [w1, b1]}, {"params": params, "shared_rows": True, **group}], p0=0.3, **kwargs)
+    assert (error.value.field, error.value.owner) == ("shared_rows", LoKO)
+
+
+def network():
+    return TimmClassifier("test_resnet", 4, pretrained=False, r=2)
+
+
+def test_the_learners_head_covariance_shares_the_head_weights_rows_only():
+    torch.manual_seed(0)
+    module = OnlineClassifier(network(), partial(LoKO, p0=0.1, seed=0), head_covariance="shared")
+    trainer(max_steps=3).fit(module, loader(stream(3)))
+    opt = module.optimizers().optimizer
+    shared = {name for name, p in module.network.named_parameters() if "row_cov" in opt.state.get(p, {})}
+    assert shared == {"base_model.model.fc.modules_to_save.default.weight"}  # not its bias, not the LoRA matrices
+    (name,) = shared
+    weight = module.network.get_parameter(name)
+    assert opt.state[weight]["row_cov"].shape == (weight.shape[1], weight.shape[1])
+    assert opt.diagnostics["step"].item() == 3
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "value", "message"),
+    [
+        (partial(LoKO, p0=0.1), "full", "head_covariance must be one of diagonal, shared, got 'full'"),
+        (partial(torch.optim.AdamW, lr=1e-3), "shared", "a gradient optimizer keeps none"),
+        (partial(LoKO, p0=0.1, filter="natural"), "shared", "filter 'natural' keeps no full covariance"),
+        (partial(LoKO, p0=0.1, process_noise=1e-4), "shared", "time updates"),
+    ],
+)
+def test_a_bad_head_covariance_is_refused_before_the_network_is_built(optimizer, value, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        OnlineClassifier(network(), optimizer, head_covariance=value)
+    assert error.value.field == "head_covariance"
+
+
+def test_loko_fit_checkpoints_and_serves_a_shared_head_covariance(tmp_path):
+    """``--model.head_covariance shared`` end to end: the checkpoint holds Σ, and a server loads it."""
+    debug = str(Path(__file__).resolve().parents[1] / "configs" / "debug.yaml")
+    common = ["--config", debug, "--data.max_samples", "4", "--data.eval_max_samples", "4"]
+    main(["fit", *common, "--model.head_covariance", "shared", *outputs(tmp_path, every=4)])
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert last["hyper_parameters"]["head_covariance"] == "shared"
+    states = last["optimizer_states"][0]["state"]
+    sigmas = [s["row_cov"] for s in states.values() if "row_cov" in s]
+    assert len(sigmas) == 1 and sigmas[0].shape[0] == sigmas[0].shape[1]
+    served = ServingLearner.from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    served_sigmas = [s["row_cov"] for s in served.optimizer.state.values() if "row_cov" in s]
+    assert len(served_sigmas) == 1 and torch.equal(served_sigmas[0], sigmas[0])
