@@ -42,6 +42,7 @@ def state(model, opt):
     params = list(model.parameters())
     parts = [p.detach().reshape(-1) for p in params] + [opt.state[p]["cov"].reshape(-1) for p in params]
     parts += [opt.state[p]["W"].reshape(-1) for p in params if "W" in opt.state[p]]
+    parts += [opt.state[p]["row_cov"].reshape(-1) for p in params if "row_cov" in opt.state[p]]
     return torch.cat([*parts, opt.state[params[0]]["R"].reshape(-1)]).double()
 
 
@@ -146,7 +147,11 @@ def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):
 def label_setup(observation):
     torch.manual_seed(0)
     model = SmallConvNet()
-    opt = LoKO(model.parameters(), p0=0.05, seed=1, **variant(observation))
+    if observation == "shared_head":  # not label-dependent rows: the head's rows sharing a full covariance
+        groups = [{"params": [p], "shared_rows": name == "head.weight"} for name, p in model.named_parameters()]
+        opt = LoKO(groups, p0=0.05, seed=1)
+    else:
+        opt = LoKO(model.parameters(), p0=0.05, seed=1, **variant(observation))
     return model, opt, [(x.float(), y.float()) for x, y in conv_stream(2 * STEPS)]
 
 
@@ -169,12 +174,12 @@ def label_worker(rank, world, port, out, observation):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("observation", ["natural_exact", "topk1", "lofi2"])
+@pytest.mark.parametrize("observation", ["natural_exact", "topk1", "lofi2", "shared_head"])
 def test_label_dependent_rows_keep_ranks_identical_and_equal_one_process_with_both_samples(tmp_path, observation):
     """The exact-Fisher natural gradient (m + 1 rows per sample), top-1 (the label, the most probable other class
-    and the rest, chosen per sample) and LoFi (its W from every process's rows): both ranks hold the same bits after
-    30 joint steps, and they are the bits of one process observing the two samples jointly (each through its own
-    batch of one, as on the ranks)."""
+    and the rest, chosen per sample), LoFi (its W from every process's rows) and the head's shared row covariance
+    (its Σ from every process's samples): both ranks hold the same bits after 30 joint steps, and they are the bits
+    of one process observing the two samples jointly (each through its own batch of one, as on the ranks)."""
     out = tmp_path / "result.pt"
     args = (2, free_port(), str(out), observation)
     mp.start_processes(label_worker, args=args, nprocs=2, join=True, start_method="spawn")

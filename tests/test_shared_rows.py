@@ -23,6 +23,7 @@ from loko_lightning.cli import main
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.reference import shared_rows_step_reference
 from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.selection import AUTO_P0
 from loko_lightning.models import TimmClassifier
 from loko_lightning.serve.learner import ServingLearner
 
@@ -221,6 +222,18 @@ def test_the_learners_head_covariance_shares_the_head_weights_rows_only():
     weight = module.network.get_parameter(name)
     assert opt.state[weight]["row_cov"].shape == (weight.shape[1], weight.shape[1])
     assert opt.diagnostics["step"].item() == 3
+
+
+def test_every_p0_auto_candidate_shares_the_heads_rows():
+    module = OnlineClassifier(network(), partial(LoKO, p0="auto", seed=0), head_covariance="shared")
+    trainer(max_steps=3).fit(module, loader(stream(3)))
+    snapshots = module.online_step.states.snapshots
+    assert len(snapshots) == len(AUTO_P0)
+    for value, snapshot in zip(AUTO_P0, snapshots, strict=True):
+        groups = snapshot["optimizer"]["param_groups"]
+        assert {g["p0"] for g in groups} == {value}
+        assert [g["shared_rows"] for g in groups] == [False, True, False]
+        assert sum("row_cov" in s for s in snapshot["optimizer"]["state"].values()) == 1
 
 
 @pytest.mark.parametrize(
