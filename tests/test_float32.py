@@ -18,6 +18,9 @@ analysis with eps = eps(float32) = 2u (a factor 2 for the second-order terms):
   (``gap`` between the L-th and (L+1)-th eigenvalues), so each diagonal entry ``1/p̂_i`` moves by at most
   ``2·|w̃_i|²·eps·(λ_max/gap + c)`` (``c`` columns of W̃, the rounding of their sum of squares) beside the three
   roundings of ``1/p̂`` itself (``2·eps/p̂``), and ``W Wᵀ`` by ``2·eps·λ_max·(λ_max/gap + c)``;
+- the head's rows sharing one full Σ (``shared_head``): the covariance form's bounds, and each entry of the new Σ
+  within ``10·cond(S)·eps`` of Σ's largest entry (its correction ``Σ R N̄ Rᵀ Σ`` comes from the same solve and is no
+  larger than Σ);
 - the final ``θ + Δθ`` rounds once more: ``eps·|θ|`` per entry.
 
 Every step must be applied, every parameter tensor must move and LoFi's W must take each step's information.
@@ -32,7 +35,15 @@ from loko_helpers import SmallConvNet, conv_stream, flat, variant
 from loko_lightning import JacobianEngine, LoKO
 
 EPS = torch.finfo(torch.float32).eps
-VARIANTS = ["covariance", "topk2", "natural", "natural_exact", "lofi3", "lofi3_empirical"]
+VARIANTS = ["covariance", "topk2", "natural", "natural_exact", "lofi3", "lofi3_empirical", "shared_head"]
+
+
+def _loko(model, name):
+    """LoKO of the variant; ``shared_head``: the covariance filter with the head's rows sharing one full Σ."""
+    if name == "shared_head":
+        groups = [{"params": [p], "shared_rows": n == "head.weight"} for n, p in model.named_parameters()]
+        return LoKO(groups, p0=0.3, seed=3)
+    return LoKO(model.parameters(), p0=0.3, seed=3, **variant(name))
 
 
 def _cast(state_dict, dtype):
@@ -66,7 +77,7 @@ def test_a_float32_run_stays_within_the_rounding_bound_of_float64(name):
     torch.manual_seed(0)
     model = SmallConvNet().double()
     start = [p.detach().float().clone() for p in model.parameters()]
-    opt64 = LoKO(model.parameters(), p0=0.3, seed=3, **variant(name))
+    opt64 = _loko(model, name)
     # The float32 prediction is a probability vector to float32 rounding only: the check against logits passed as
     # probabilities would refuse it in float64.
     opt64.observation.check = opt64.observation.violation = lambda *args: None
@@ -78,13 +89,15 @@ def test_a_float32_run_stays_within_the_rounding_bound_of_float64(name):
                 p.copy_(p.float())
         opt64.load_state_dict(_cast(_cast(opt64.state_dict(), torch.float32), torch.float64))
         model32 = copy.deepcopy(model).float()
-        opt32 = LoKO(model32.parameters(), p0=0.3, seed=3, **variant(name))
+        opt32 = _loko(model32, name)
         opt32.load_state_dict(_cast(opt64.state_dict(), torch.float32))
         with JacobianEngine(model32, observation=opt32.observation, factorize=True) as engine:
             prediction, target, blocks = engine.observe(x.float(), y.argmax()[None])
         params64 = list(model.parameters())
         theta0 = flat(params64).detach().clone()
         prior = flat(opt64.state[p]["cov"] for p in params64).clone()
+        shared = {id(p) for p in params64 if "row_cov" in opt64.state[p]}
+        sigma_prior = [opt64.state[p]["row_cov"].clone() for p in params64 if id(p) in shared]
         rank = int(name[4]) if name.startswith("lofi") else 0
         low_rank = torch.cat([opt64.state[p].get("W", torch.zeros(p.numel(), rank)).double() for p in params64])
         rows = _rows(blocks)
@@ -99,10 +112,16 @@ def test_a_float32_run_stays_within_the_rounding_bound_of_float64(name):
         p64 = flat(opt64.state[p]["cov"] for p in params64)
         p32 = flat(opt32.state[p]["cov"] for p in model32.parameters()).double()
         theta_error = (theta32 - theta64).abs() - EPS * theta64.abs()
-        if name in ("covariance", "topk2"):
+        if name in ("covariance", "topk2", "shared_head"):
             cond = float(opt64.diagnostics["cond"])
             assert (theta_error <= 10 * cond * EPS * step).all(), (cond, float(theta_error.max() / step / EPS))
             assert ((p32 - p64).abs() <= 10 * cond * EPS * prior).all()
+            # Σ: the same solve, its correction Σ R N̄ Rᵀ Σ no larger than Σ itself: relative to Σ's largest entry.
+            pairs = zip(params64, model32.parameters(), strict=True)
+            sigmas = [(opt64.state[p]["row_cov"], opt32.state[q]["row_cov"]) for p, q in pairs if id(p) in shared]
+            assert len(sigmas) == (name == "shared_head")
+            for (s64, s32), s0 in zip(sigmas, sigma_prior, strict=True):
+                assert ((s32.double() - s64).abs() <= 10 * cond * EPS * s0.abs().max()).all()
         elif name.startswith("natural"):
             update = (theta64 - theta0).abs()
             assert (theta_error <= (rows_per_sample + 5) * EPS / 2 * update + EPS * theta64.abs()).all()
