@@ -13,9 +13,9 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
 - ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
   (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
   learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
-  ``--select-samples`` for both). Overrides of ``model.optimizer`` and
-  ``model.lr_scheduler`` go to the ``loko`` runs only (a baseline's optimizer has other arguments); the other
-  overrides go to every run.
+  ``--select-samples`` for both). Overrides of ``model.optimizer``,
+  ``model.lr_scheduler`` and ``model.head_covariance`` go to the ``loko`` runs only (a baseline's optimizer has other
+  arguments); the other overrides go to every run.
 
 Each run gets ``--seed_everything seed --data.seed seed --data.max_samples N``: the three optimizers read the identical
 stream (the permutation is the data seed) and build their network from the same global RNG state, so they start from
@@ -128,8 +128,9 @@ CSV_FIELDS = (
     "ece",
     "ece_recent",
 )
-# Overrides of these keys configure one optimizer: they go to the config's own (the loko runs), not to the baselines.
-OPTIMIZER_KEYS = ("--model.optimizer", "--model.lr_scheduler")
+# Overrides of these keys configure one optimizer: they go to the config's own (the loko runs), not to the baselines
+# (model.head_covariance is a covariance of LoKO's filter, which a gradient optimizer refuses).
+OPTIMIZER_KEYS = ("--model.optimizer", "--model.lr_scheduler", "--model.head_covariance")
 
 
 @dataclass
@@ -498,7 +499,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "weights, each run built from `loko` configs; write per-step metrics (CSV), the paper's Figure 1 (PNG) and a "
         "results table (markdown). Arguments after `--` are `loko fit` overrides (e.g. -- --data.source.image_size 32);"
         " "
-        "model.optimizer/model.lr_scheduler overrides go to the loko runs only.",
+        "model.optimizer/model.lr_scheduler/model.head_covariance overrides go to the loko runs only.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Steps to convergence: smallest step s with |L(t) - L(T)| <= --conv-tol for all t >= s, L the "
         "moving-average L1 loss, T the last step ('*': s within the last window, still moving). Step-time ratio: "

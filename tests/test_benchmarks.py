@@ -168,11 +168,13 @@ def test_every_optimizer_starts_from_the_same_adapters_and_reads_the_same_stream
 def test_optimizer_overrides_go_to_the_loko_runs_only(scripts):
     compare = scripts.compare
     overrides = ["--data.source.image_size", "48", "--model.optimizer.p0", "0.05", "--model.lr_scheduler=null"]
+    overrides += ["--model.head_covariance", "shared"]  # LoKO's covariance: a gradient optimizer refuses it
     args = compare.parse_args([*SCRIPT, "--", *overrides])
     loko = compare.run_args(args, "loko", 3)
     adamw = compare.run_args(args, "adamw", 3)
     assert loko[-len(overrides) :] == overrides
     assert adamw[-2:] == ["--data.source.image_size", "48"] and "--model.optimizer.p0" not in adamw
+    assert "--model.head_covariance" not in adamw
     assert "--config" in adamw and adamw[adamw.index("--seed_everything=3") - 1].endswith("baselines/adamw.yaml")
     for run in (loko, adamw):
         assert {"--seed_everything=3", "--data.seed=3", "--data.max_samples=20"} <= set(run)
