@@ -175,17 +175,9 @@ def loko_step_reference_batch(
     PHt = p[:, None] * Hs.T
     HPHt = Hs @ PHt
     # 4. Observation noise.
-    estimate, smoothed = REFERENCE_R_ESTIMATORS[r_estimator]
-    rows = [slice(b * m, (b + 1) * m) for b in range(B)]
-    estimates = [estimate(e[r], HPHt[r, r], y_hat[b], k) for b, r in enumerate(rows)]
-    if smoothed:
-        R = beta * R + (1 - beta) * sum(estimates) / B
-        blocks = [R] * B
-    else:
-        R = sum(estimates) / B
-        blocks = estimates
+    R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator)
     # 5. Gain.
-    S = HPHt + torch.block_diag(*blocks)
+    S = HPHt + noise
     K = PHt @ pinv_reference(S, rcond)
     # 6. Update: θ̃_k = θ̃_{k|k-1} + K e and p̂_k,i = p̂_i - (Σ_j K_ij H_ji) p̂_i, the diagonal of P - K H P.
     theta = theta + K @ e
@@ -193,6 +185,25 @@ def loko_step_reference_batch(
     # 7. Time update to the next step's prior (the identity in Algorithm 1).
     theta, p = time_update_reference(theta, p, time_update)
     return theta, p, R
+
+
+def _observation_noise(
+    R: Tensor, e: Tensor, HPHt: Tensor, y_hat: Tensor, k: int, beta: float, r_estimator: REstimator
+) -> tuple[Tensor, Tensor]:
+    """``R_k`` and the block-diagonal noise of ``S`` for the ``B`` samples stacked in ``e``.
+
+    Sample ``b`` has rows ``b·m … b·m + m − 1``. A smoothed estimator (``"taylor"``, ``"residual"``) takes one EMA
+    step with the mean of the per-sample estimates ``R̂_b`` and puts ``R_k`` on every block; the others put each
+    sample's own ``R̂_b`` on its block and return their mean as ``R_k``.
+    """
+    B, m = y_hat.shape
+    estimate, smoothed = REFERENCE_R_ESTIMATORS[r_estimator]
+    rows = [slice(b * m, (b + 1) * m) for b in range(B)]
+    estimates = [estimate(e[r], HPHt[r, r], y_hat[b], k) for b, r in enumerate(rows)]
+    if smoothed:
+        R = beta * R + (1 - beta) * sum(estimates) / B
+        return R, torch.block_diag(*([R] * B))
+    return sum(estimates) / B, torch.block_diag(*estimates)
 
 
 def shared_rows_step_reference(
@@ -246,16 +257,8 @@ def shared_rows_step_reference(
     e = (y - y_hat).reshape(B * m)
     PHt = P @ Hs.T
     HPHt = Hs @ PHt
-    estimate, smoothed = REFERENCE_R_ESTIMATORS[r_estimator]
-    blocks = [slice(b * m, (b + 1) * m) for b in range(B)]
-    estimates = [estimate(e[r], HPHt[r, r], y_hat[b], k) for b, r in enumerate(blocks)]
-    if smoothed:
-        R = beta * R + (1 - beta) * sum(estimates) / B
-        noise = [R] * B
-    else:
-        R = sum(estimates) / B
-        noise = estimates
-    S = HPHt + torch.block_diag(*noise)
+    R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator)
+    S = HPHt + noise
     K = PHt @ pinv_reference(S, rcond)
     theta = theta + K @ e
     P = P - K @ Hs @ P
