@@ -515,8 +515,9 @@ class SharedRowBlocks:
             torch.mm(products[m].view(rows, k), sigma_r.T, out=update[start : start + rows * cols].view(rows, cols))
             rooted = products[:m].reshape(m * rows, k)  # Wᵀ L_i stacked: N̄ = Σ_i (Wᵀ L_i)ᵀ Wᵀ L_i / rows
             mean_inner = rooted.T @ rooted / rows
-            shrink = sigma_r @ mean_inner @ sigma_r.T
-            sigma_new = sigma - 0.5 * (shrink + shrink.T)
+            # Σ − (Σ R N̄) (Σ R)ᵀ, then made exactly symmetric: two cols x cols temporaries at most.
+            sigma_new = torch.addmm(sigma, sigma_r @ mean_inner, sigma_r.T, alpha=-1.0)
+            sigma_new = torch.add(sigma_new, sigma_new.T).mul_(0.5)
             posterior[start : start + rows * cols].view(rows, cols).copy_(sigma_new.diagonal()[None].expand(rows, cols))
             new.append(sigma_new)
         self._factors = []
