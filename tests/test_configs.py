@@ -164,6 +164,26 @@ def test_the_average_head_preset_gives_the_head_a_tenth_of_the_adapters_prior():
     assert scales == {1.0, 0.1} and {group["p0"] for group in optimizer.param_groups} == {0.2}
 
 
+def test_the_average_shared_preset_shares_the_heads_rows():
+    """presets/loko_average_shared over the Fashion-MNIST config: the average, and one Σ for the head's weight."""
+    extra = ["--trainer.logger", "false"]
+    preset = str(CONFIGS / "presets" / "loko_average_shared.yaml")
+    with torch.device("meta"):
+        cli = build(CONFIGS / "fashion_mnist_lite0.yaml", *extra, "--config", preset)
+    assert cli.model.head_covariance == "shared"
+    groups = cli.model.parameter_groups()
+    assert [g["shared_rows"] for g in groups] == [False, True, False]  # the adapters, the head's weight, its bias
+    assert groups[1]["params"][0].shape == (10, 1280)
+
+
+def test_the_paper_preset_pins_a_diagonal_head_covariance():
+    extra = ["--trainer.logger", "false"]
+    paper = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
+    with torch.device("meta"):
+        cli = build(CONFIGS / "fashion_mnist_lite0.yaml", *extra, "--model.head_covariance", "shared", *paper)
+    assert cli.model.head_covariance == "diagonal"
+
+
 def test_the_text_selection_preset_chooses_p0_from_its_grid():
     """presets/loko_auto_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10, 30 on 500 samples."""
     extra = ["--trainer.logger", "false"]
