@@ -676,7 +676,8 @@ class LoKO(torch.optim.Optimizer):
     def _row_cov(self, param: Tensor, dtype: torch.dtype) -> Tensor:
         """The ``Σ`` shared by ``param``'s rows; from ``p̂`` (the diagonal of its rows' mean) when a state holds none.
 
-        A state saved without shared rows (the paper's) starts its ``Σ`` that way, as a new one does.
+        ``add_param_group`` always makes one and a state with the other ``shared_rows`` is refused on load, so only a
+        state dict written without ``row_cov`` for a shared group gets here; its ``Σ`` starts as a new one does.
         """
         state = self.state[param]
         if "row_cov" not in state:

@@ -116,8 +116,7 @@ class OnlineClassifier(pl.LightningModule):
             DoRA's magnitudes; a kind left out keeps 1): LoKO's prior ``p0`` (the group's ``p0_scale``, so
             ``p0: auto`` chooses the scale and keeps the ratio), a gradient optimizer's ``lr``. E.g.
             ``{"head": 0.1}``: the zero head, whose Jacobian (the features) is large next to LoRA's, starts with a 10x
-            smaller prior. ``None`` (default): one step size,
-            the paper's.
+            smaller prior. ``None`` (default): one step size, the paper's.
         head_covariance: ``"diagonal"`` (default, the paper): a diagonal covariance on every parameter.
             ``"shared"`` (not the paper; LoKO's ``filter: covariance`` only): the rows of each matrix of the head
             (one row per class) share one full ``features x features`` covariance ``Σ``, the param group key
@@ -246,7 +245,8 @@ class OnlineClassifier(pl.LightningModule):
 
         ``overrides`` are the optimizer's keyword arguments a selection tries (``p0=0.3``). Without ``step_scales``
         this is ``optimizer(trainable_parameters, **overrides)``; with them LoKO gets one param group per run of one
-        factor with that ``p0_scale``, a gradient optimizer the same groups with their ``lr`` multiplied.
+        factor with that ``p0_scale``, a gradient optimizer the same groups with their ``lr`` multiplied; with
+        ``head_covariance="shared"`` LoKO's group of the head's matrices also carries ``shared_rows``.
         """
         factory = self.optimizer_factory if optimizer is None else optimizer
         if self.step_scales is None and self.head_covariance == "diagonal":
