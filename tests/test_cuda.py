@@ -31,11 +31,16 @@ VARIANTS = [
 ]
 
 
-def _steps(device, observation, options, batch, n=12):
-    """``n`` float64 samples of the conv stream through the engine and LoKO on ``device``, ``batch`` per step."""
+def _steps(device, observation, options, batch, n=12, shared_head=False):
+    """``n`` float64 samples of the conv stream through the engine and LoKO on ``device``, ``batch`` per step;
+    ``shared_head`` puts the head's weight in a ``shared_rows`` group (one full ``Σ`` for its rows)."""
     torch.manual_seed(0)
     model = SmallConvNet().double().to(device)
-    opt = LoKO(model.parameters(), p0=0.5, seed=4, **variant(observation), **options)  # p̂0 drawn on the CPU
+    params = model.parameters()
+    if shared_head:
+        *body, weight, bias = model.parameters()  # the groups in the engine's (the module's) parameter order
+        params = [{"params": body}, {"params": [weight], "shared_rows": True}, {"params": [bias]}]
+    opt = LoKO(params, p0=0.5, seed=4, **variant(observation), **options)  # p̂0 drawn on the CPU
     engine = JacobianEngine(model, observation=opt.observation, factorize=True)
     samples = list(conv_stream(n))
     for start in range(0, n, batch):
@@ -51,6 +56,9 @@ def _steps(device, observation, options, batch, n=12):
         "cov": flat(opt.state[q]["cov"] for q in params).cpu(),
         "device": {opt.state[q]["cov"].device.type for q in params} | {q.device.type for q in params},
     }
+    if shared_head:
+        state["row_cov"] = opt.state[model.head.weight]["row_cov"].cpu()
+        state["device"] |= {opt.state[model.head.weight]["row_cov"].device.type}
     if "average" in opt.state[params[0]]:
         state["average"] = flat(opt.state[q]["average"] for q in params).cpu()
     if "W" in opt.state[params[0]]:
@@ -73,6 +81,21 @@ def test_a_cuda_step_is_the_cpu_step_in_float64(observation, options, batch):
     if "WWt" in cpu:
         torch.testing.assert_close(cuda["WWt"], cpu["WWt"], rtol=1e-8, atol=1e-10)
     if "average" in cpu:  # a convex combination of the means above: their tolerance
+        torch.testing.assert_close(cuda["average"], cpu["average"], rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("options", [{}, {"average": 0.9}], ids=["plain", "average"])
+def test_a_shared_head_covariance_on_cuda_is_the_cpu_step_in_float64(options, batch):
+    """The head's rows sharing one ``Σ`` (``shared_rows``): the same float64 arithmetic on both devices, so the
+    tolerance above; ``Σ`` itself is a sum of the same products as ``P``'s diagonal, held to that diagonal's."""
+    cpu = _steps("cpu", "softmax", options, batch, shared_head=True)
+    cuda = _steps("cuda", "softmax", options, batch, shared_head=True)
+    assert cuda["device"] == {"cuda"} and cpu["device"] == {"cpu"}
+    torch.testing.assert_close(cuda["theta"], cpu["theta"], rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(cuda["cov"], cpu["cov"], rtol=1e-8, atol=1e-11)
+    torch.testing.assert_close(cuda["row_cov"], cpu["row_cov"], rtol=1e-8, atol=1e-11)
+    if "average" in cpu:
         torch.testing.assert_close(cuda["average"], cpu["average"], rtol=1e-8, atol=1e-10)
 
 
