@@ -176,6 +176,20 @@ def test_the_average_shared_preset_shares_the_heads_rows():
     assert groups[1]["params"][0].shape == (10, 1280)
 
 
+def test_the_average_head_shared_preset_shares_the_heads_rows_under_a_tenth_of_the_prior():
+    """presets/loko_average_head_shared: the average, one Σ for the head's weight and the head's p0 0.1 x 0.2."""
+    extra = ["--trainer.logger", "false"]
+    preset = str(CONFIGS / "presets" / "loko_average_head_shared.yaml")
+    with torch.device("meta"):
+        cli = build(CONFIGS / "fashion_mnist_lite0.yaml", *extra, "--config", preset)
+    assert (cli.model.head_covariance, cli.model.step_scales) == ("shared", {"head": 0.1})
+    optimizer = cli.model.build_optimizer()
+    assert optimizer.average == 0.99
+    groups = [(g["shared_rows"], g["p0_scale"], tuple(g["params"][0].shape)) for g in optimizer.param_groups]
+    assert groups[-2:] == [(True, 0.1, (10, 1280)), (False, 0.1, (10,))]  # the head's weight, then its bias
+    assert {g[:2] for g in groups[:-2]} == {(False, 1.0)}  # the adapters
+
+
 def test_the_paper_preset_pins_a_diagonal_head_covariance():
     extra = ["--trainer.logger", "false"]
     paper = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
