@@ -36,11 +36,11 @@ def _steps(device, observation, options, batch, n=12, shared_head=False):
     ``shared_head`` puts the head's weight in a ``shared_rows`` group (one full ``Σ`` for its rows)."""
     torch.manual_seed(0)
     model = SmallConvNet().double().to(device)
-    params = model.parameters()
+    groups = model.parameters()
     if shared_head:
         *body, weight, bias = model.parameters()  # the groups in the engine's (the module's) parameter order
-        params = [{"params": body}, {"params": [weight], "shared_rows": True}, {"params": [bias]}]
-    opt = LoKO(params, p0=0.5, seed=4, **variant(observation), **options)  # p̂0 drawn on the CPU
+        groups = [{"params": body}, {"params": [weight], "shared_rows": True}, {"params": [bias]}]
+    opt = LoKO(groups, p0=0.5, seed=4, **variant(observation), **options)  # p̂0 drawn on the CPU
     engine = JacobianEngine(model, observation=opt.observation, factorize=True)
     samples = list(conv_stream(n))
     for start in range(0, n, batch):
@@ -67,21 +67,26 @@ def _steps(device, observation, options, batch, n=12, shared_head=False):
     return state
 
 
+def assert_same_step(cpu, cuda):
+    """The states of :func:`_steps` on the two devices, with the float64 tolerances the tests below justify."""
+    assert cuda["device"] == {"cuda"} and cpu["device"] == {"cpu"}
+    torch.testing.assert_close(cuda["theta"], cpu["theta"], rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(cuda["cov"], cpu["cov"], rtol=1e-8, atol=1e-11)
+    if "row_cov" in cpu:  # sums of the same products as the covariance's diagonal: its tolerance
+        torch.testing.assert_close(cuda["row_cov"], cpu["row_cov"], rtol=1e-8, atol=1e-11)
+    if "WWt" in cpu:
+        torch.testing.assert_close(cuda["WWt"], cpu["WWt"], rtol=1e-8, atol=1e-10)
+    if "average" in cpu:  # a convex combination of the means above: their tolerance
+        torch.testing.assert_close(cuda["average"], cpu["average"], rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize(("observation", "options"), VARIANTS, ids=[f"{o}-{sorted(k)}" for o, k in VARIANTS])
 def test_a_cuda_step_is_the_cpu_step_in_float64(observation, options, batch):
     """The same float64 arithmetic on both devices: they differ only in the order of the reductions (BLAS, cuBLAS,
     cuSOLVER), a relative n·eps64 ≈ 1e-14 per step that the pseudo-inverse and the eigendecompositions amplify by
     their conditioning (< 1e4 here), so the float64 reference tests' tolerance holds between the devices too."""
-    cpu = _steps("cpu", observation, options, batch)
-    cuda = _steps("cuda", observation, options, batch)
-    assert cuda["device"] == {"cuda"} and cpu["device"] == {"cpu"}
-    torch.testing.assert_close(cuda["theta"], cpu["theta"], rtol=1e-8, atol=1e-10)
-    torch.testing.assert_close(cuda["cov"], cpu["cov"], rtol=1e-8, atol=1e-11)
-    if "WWt" in cpu:
-        torch.testing.assert_close(cuda["WWt"], cpu["WWt"], rtol=1e-8, atol=1e-10)
-    if "average" in cpu:  # a convex combination of the means above: their tolerance
-        torch.testing.assert_close(cuda["average"], cpu["average"], rtol=1e-8, atol=1e-10)
+    assert_same_step(_steps("cpu", observation, options, batch), _steps("cuda", observation, options, batch))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -90,13 +95,8 @@ def test_a_shared_head_covariance_on_cuda_is_the_cpu_step_in_float64(options, ba
     """The head's rows sharing one ``Σ`` (``shared_rows``): the same float64 arithmetic on both devices, so the
     tolerance above; ``Σ`` itself is a sum of the same products as ``P``'s diagonal, held to that diagonal's."""
     cpu = _steps("cpu", "softmax", options, batch, shared_head=True)
-    cuda = _steps("cuda", "softmax", options, batch, shared_head=True)
-    assert cuda["device"] == {"cuda"} and cpu["device"] == {"cpu"}
-    torch.testing.assert_close(cuda["theta"], cpu["theta"], rtol=1e-8, atol=1e-10)
-    torch.testing.assert_close(cuda["cov"], cpu["cov"], rtol=1e-8, atol=1e-11)
-    torch.testing.assert_close(cuda["row_cov"], cpu["row_cov"], rtol=1e-8, atol=1e-11)
-    if "average" in cpu:
-        torch.testing.assert_close(cuda["average"], cpu["average"], rtol=1e-8, atol=1e-10)
+    assert "row_cov" in cpu
+    assert_same_step(cpu, _steps("cuda", "softmax", options, batch, shared_head=True))
 
 
 def test_a_gpu_run_continues_on_the_cpu_and_loads_there(tmp_path, monkeypatch):
