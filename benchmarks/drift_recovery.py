@@ -4,6 +4,9 @@ Usage:
     python benchmarks/compare.py --config configs/fashion_mnist_lite0.yaml --samples 4000 --seeds 0 1 2 \
         --csv-every 1 --out results/drift -- --data.drift_every 1000 --model.recent_window 100
     python benchmarks/drift_recovery.py results/drift/metrics.csv --drift-every 1000 --window 100
+    # one folder per run: name the rows (LABEL=PATH), the seeds of one label pooled
+    python benchmarks/drift_recovery.py preset=results/drift_s0/metrics.csv preset=results/drift_s1/metrics.csv \
+        --drift-every 1000 --window 100
 
 For a change at stream position ``c`` (the labels of positions ``c, c + 1, ...`` follow a new permutation, see
 ``StreamDataModule(drift_every=...)``): the *pre-drift accuracy* is the recent-window accuracy after sample ``c``
@@ -13,8 +16,9 @@ For a change at stream position ``c`` (the labels of positions ``c, c + 1, ...``
 change (or the end) is reported as ``>`` the samples it had. The CSV must hold every step (``--csv-every 1``) for
 the exact value; with ``--csv-every k`` the answer is rounded up to the recorded steps.
 
-Prints one row per optimizer: mean ± sample std over seeds of the recovery after each change, and the pre-drift
-accuracy.
+Prints one row per optimizer (or per ``LABEL`` given as ``LABEL=PATH``, which replaces the optimizer's name of that
+file's rows): mean ± sample std over seeds of the recovery after each change, and the pre-drift accuracy. A label
+and seed found in two files is refused (the same run counted twice).
 """
 
 from __future__ import annotations
@@ -43,15 +47,26 @@ def recoveries(steps: dict[int, float], every: int, window: int, fraction: float
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("metrics", type=Path, help="metrics.csv of benchmarks/compare.py")
+    parser.add_argument(
+        "metrics", nargs="+", help="metrics.csv of benchmarks/compare.py, or LABEL=PATH to name its rows LABEL"
+    )
     parser.add_argument("--drift-every", type=int, required=True, help="the stream's drift_every")
     parser.add_argument("--window", type=int, required=True, help="the learner's recent_window")
     parser.add_argument("--fraction", type=float, default=0.9)
     args = parser.parse_args(argv)
     runs: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
-    with args.metrics.open() as f:
-        for row in csv.DictReader(f):
-            runs[(row["optimizer"], row["seed"])][int(row["samples"])] = float(row["recent_acc"])
+    for item in args.metrics:
+        label, _, path = item.rpartition("=")
+        mine: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+        with Path(path).open() as f:
+            for row in csv.DictReader(f):
+                mine[(label or row["optimizer"], row["seed"])][int(row["samples"])] = float(row["recent_acc"])
+        for key, steps in mine.items():
+            if key in runs:
+                raise SystemExit(
+                    f"{path}: {key[0]} seed {key[1]} is in an earlier file too: give each run its own LABEL"
+                )
+            runs[key] = steps
     table: dict[str, list[list[tuple]]] = defaultdict(list)
     for (optimizer, _seed), steps in sorted(runs.items()):
         table[optimizer].append(recoveries(steps, args.drift_every, args.window, args.fraction, max(steps)))

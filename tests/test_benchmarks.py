@@ -553,6 +553,18 @@ def test_drift_recovery_counts_samples_until_a_post_change_window_is_back_to_90_
     out = capsys.readouterr().out
     assert "| loko | 2 | 4 ± 0 (pre 80.0%) | 2 ± 0 (pre 75.0%) |" in out
 
+    # One folder per run: LABEL=PATH names the rows, and the seeds of one label are pooled across files.
+    later = {t: (a if t < 9 else 0.9) for t, a in recent.items()}  # the second window 9-10 at 0.9 of 0.75 -> 2
+    other = tmp_path / "other.csv"
+    with other.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["optimizer", "seed", "samples", "recent_acc"])
+        writer.writeheader()
+        writer.writerows({"optimizer": "loko", "seed": 2, "samples": t, "recent_acc": a} for t, a in later.items())
+    drift.main([f"preset={path}", f"preset={other}", "--drift-every", "4", "--window", "2"])
+    assert "| preset | 3 | 4 ± 0 (pre 80.0%) | 2 ± 0 (pre 75.0%) |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="seed 0 is in an earlier file"):  # the same run given twice
+        drift.main([f"preset={path}", f"preset={path}", "--drift-every", "4", "--window", "2"])
+
 
 def test_a_run_with_an_online_selection_reports_what_it_chose(scripts):
     """The tuned AdamW's choice of learning rate (and p0: auto's choice of p0) reaches the run's result, the progress
