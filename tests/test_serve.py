@@ -217,13 +217,71 @@ def test_labels_inputs_and_optimizer_are_checked(base_ckpt, tmp_path):
     with pytest.raises(ConfigError, match="LoKO") as info:
         ServingLearner.from_checkpoint(tmp_path / "adamw.ckpt")
     assert info.value.field == "optimizer"
-    # A run whose weights are the average of the filter's mean (LoKO average > 0) is refused, not learned on wrongly.
+    # Weights that are an average (a training point beside them) with no decay to go on averaging: the optimizer is
+    # asked for; a training point that does not name the network's parameters is refused, not learned on wrongly.
     averaged = torch.load(base_ckpt, weights_only=False)
     averaged["loko_train_point"] = {}
     torch.save(averaged, tmp_path / "averaged.ckpt")
-    with pytest.raises(ConfigError, match="averaged prediction point") as info:
+    with pytest.raises(ConfigError, match="average's decay") as info:
         ServingLearner.from_checkpoint(tmp_path / "averaged.ckpt")
+    assert info.value.field == "optimizer"
+    with pytest.raises(ConfigError, match="loko_train_point does not name") as info:
+        ServingLearner.from_checkpoint(tmp_path / "averaged.ckpt", optimizer=partial(LoKO, p0=0.1, average=0.9))
     assert info.value.field == "ckpt_path"
+
+
+def test_an_averaged_fit_is_served_from_its_average_and_learns_on_from_its_mean(tmp_path):
+    """A fit with ``LoKO(average=...)``: 3 steps, saved, then 3 more served, equal the fit's 6 steps bit for bit.
+
+    The checkpoint's weights are the average ``θ̄``; the served learner takes the filter's mean ``θ`` from beside them
+    (``loko_train_point``) and the decay from the saved LoKO state, predicts with ``θ̄``, and its own checkpoint
+    holds ``θ̄`` and ``θ`` the same way (``loko predict`` reads ``θ̄``)."""
+    from loko_lightning.learner.checkpoint_io import load_learner
+
+    items = stream(6)
+
+    def fit(steps):
+        torch.manual_seed(0)
+        model = tiny(p0=0.1, average=0.9, seed=0)
+        run = trainer(max_steps=steps)
+        run.fit(model, loader(items[:steps]))
+        return model, run
+
+    whole, _ = fit(6)
+    half, run = fit(3)
+    run.save_checkpoint(tmp_path / "half.ckpt")
+    # The decay comes from LoKO's own state: a `loko fit` from a config saves no optimizer_config.
+    checkpoint = torch.load(tmp_path / "half.ckpt", weights_only=False)
+    assert checkpoint["optimizer_states"][0]["average"] == 0.9
+    del checkpoint["optimizer_config"]
+    torch.save(checkpoint, tmp_path / "half.ckpt")
+    learner = ServingLearner.from_checkpoint(tmp_path / "half.ckpt")
+    assert learner.optimizer.average == 0.9
+    learner.learn([item["inputs"] for item in items[3:]], [int(item["label"]) for item in items[3:]])
+
+    loko = whole.trainer.optimizers[0]
+    means = list(whole.trainable_parameters)
+    for i, (served, mean) in enumerate(zip(learner.module.trainable_parameters, means, strict=True)):
+        assert torch.equal(served, mean), i  # the filter's mean θ
+        for key in ("cov", "average"):
+            assert torch.equal(learner.optimizer.state[served][key], loko.state[mean][key]), (key, i)
+    assert torch.equal(learner.state()["R"], loko.state[means[0]]["R"])
+    assert not torch.equal(loko.state[means[-1]]["average"], means[-1])  # θ̄ is not θ here
+    for served, mean in zip(learner._serving_params, means, strict=True):
+        assert torch.equal(served, loko.state[mean]["average"])  # the serving copy predicts with θ̄
+    # Its online accuracy scored the averaged predictions, as the fit did.
+    assert torch.equal(learner.module.online_acc.mean_value, whole.online_acc.mean_value)
+
+    learner.save(tmp_path / "served.ckpt")
+    saved = torch.load(tmp_path / "served.ckpt", weights_only=True)
+    loaded = load_learner(str(tmp_path / "served.ckpt"))
+    for name, mean in zip(saved["loko_train_point"], means, strict=True):
+        assert torch.equal(saved["loko_train_point"][name], mean)
+        assert torch.equal(saved["state_dict"][name], loko.state[mean]["average"])
+    for a, mean in zip(loaded.trainable_parameters, means, strict=True):
+        assert torch.equal(a, loko.state[mean]["average"])
+    again = ServingLearner.from_checkpoint(tmp_path / "served.ckpt")
+    assert_same_state(again.state(), learner.state())
 
 
 def test_a_text_model_predicts_and_learns_texts_and_pairs(tmp_path):

@@ -462,6 +462,9 @@ class LoKO(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state (``p̂``, ``R``, the counters) and param groups, as torch's optimizers give it.
 
+        Beside them: the sampled Fisher's generator state (``observation_rng``) and, with ``average`` > 0, its decay
+        (``average``, which :class:`~loko_lightning.serve.ServingLearner` goes on averaging with).
+
         After sharded steps it needs :meth:`consolidate_state_dict` first (on every process), which gathers the
         others' ``p̂``; the result then holds every parameter's, as an unsharded optimizer's does.
         """
@@ -469,6 +472,8 @@ class LoKO(torch.optim.Optimizer):
         drawing = getattr(self.observation, "generator", None)
         if drawing is not None:  # the sampled Fisher's draws continue where they were on a resume
             state["observation_rng"] = drawing.get_state()
+        if self.average:  # the decay of the averages saved beside p̂: what a served checkpoint goes on averaging with
+            state["average"] = self.average
         if self._shards is None:
             return state
         if self._consolidated is None:

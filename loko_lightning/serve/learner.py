@@ -6,6 +6,10 @@ It wraps a ``loko fit`` checkpoint's :class:`~loko_lightning.learner.module.Onli
 by a second copy of the adapters and head, which receives every new parameter version whole, under a lock, after
 the step that made it: a prediction never sees a half-applied update, and the update never waits for a prediction
 longer than one forward pass. The frozen backbone's weights are shared by both copies.
+
+With ``LoKO(average=δ)`` (the averaging presets) the filter learns on from its own mean ``θ`` (a fit checkpoint's
+``"loko_train_point"``) and the predictions are the average ``θ̄``'s, as in ``loko fit``: the serving copy receives
+``θ̄``, and a serving checkpoint holds ``θ̄`` as its weights with ``θ`` beside them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import base64
 import binascii
 import copy
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -31,6 +36,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, load_learner
 from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.steps import save_served_weights
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 
 # The LoKO arguments a checkpoint's param group holds (the others, dtype and seed, are read from the state).
@@ -51,7 +57,9 @@ LOKO_GROUP_KEYS = (
 # A checkpoint's own keys that describe a training run's loops, not the learner: left out of a serving checkpoint.
 RUN_KEYS = ("loops", "callbacks", "lr_schedulers")
 # The keys a serving checkpoint writes afresh (not kept from the checkpoint it was read from).
-FRESH_KEYS = ("state_dict", "optimizer_states", "serve")
+FRESH_KEYS = ("state_dict", "optimizer_states", "serve", "loko_train_point")
+# LoKO's states held once for the whole optimizer (on its first parameter), not one per parameter.
+SHARED_STATE = ("R", "step", "skipped")
 
 
 @dataclasses.dataclass
@@ -114,7 +122,7 @@ class ServingLearner:
         self.extra: dict[str, Any] = {k: v for k, v in saved.items() if k not in counters}
         self._lock = threading.Lock()
         self._serving = _serving_copy(module)
-        self._version = self.learned
+        self._publish()  # with an average the serving copy predicts with θ̄, not the filter's mean
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -143,15 +151,11 @@ class ServingLearner:
                 "learns with LoKO: serve a checkpoint of a LoKO run",
                 field="optimizer",
             )
-        if checkpoint.get("loko_train_point") is not None:
-            raise ConfigError(
-                f"{path} was trained with an averaged prediction point (LoKO average > 0): its weights are the "
-                "average, and a serving learner would learn on from them instead of the filter's mean. Serving it is "
-                "not supported yet: `loko predict` and `loko export` use it, or serve a run with average=0",
-                field="ckpt_path",
-            )
+        train_point = checkpoint.get("loko_train_point")
         if optimizer is None:
-            optimizer = _saved_loko(state)
+            optimizer = _saved_loko(state, checkpoint.get("optimizer_config"), averaged=train_point is not None)
+        if train_point is not None:  # its weights are the average θ̄: the filter learns on from its mean θ
+            _load_train_point(module, train_point, path)
         built = module.build_optimizer(optimizer)
         if state is not None and per_parameter:
             built.load_state_dict(state)
@@ -271,10 +275,15 @@ class ServingLearner:
             module.online_acc_top5.update(scores, target, weight)
 
     def _publish(self) -> None:
-        """Copy the new parameters into the serving copy, whole, while no prediction reads it."""
+        """Copy the parameters that predict into the serving copy, whole, while no prediction reads it.
+
+        They are the filter's mean, or with ``LoKO(average=...)`` its average ``θ̄``.
+        """
+        state = self.optimizer.state
+        average = bool(self.optimizer.average)
         with torch.no_grad(), self._lock:
             for served, learned in zip(self._serving_params, self.module.trainable_parameters, strict=True):
-                served.copy_(learned)
+                served.copy_(state[learned]["average"] if average and "average" in state[learned] else learned)
             self._version = self.learned
 
     @property
@@ -300,12 +309,16 @@ class ServingLearner:
         return int(self.module.skipped)
 
     def state(self) -> dict[str, Tensor]:
-        """The filter state, for comparisons: the trainable parameters, ``p̂`` (``cov/<i>``) and ``R``, as copies."""
+        """The filter state as copies, for comparisons.
+
+        The trainable parameters (``param/<i>``), their own states (``p̂`` as ``cov/<i>``, the average as
+        ``average/<i>``, ...) and the states held once (``R``, ``step``, ``skipped``).
+        """
         out = {f"param/{i}": p.detach().clone() for i, p in enumerate(self.module.trainable_parameters)}
         for i, p in enumerate(self.module.trainable_parameters):
             for key, value in self.optimizer.state[p].items():
                 if isinstance(value, Tensor):
-                    out[f"{key}/{i}" if key == "cov" else key] = value.detach().clone()
+                    out[key if key in SHARED_STATE else f"{key}/{i}"] = value.detach().clone()
         return out
 
     def checkpoint(self, **extra: Any) -> dict[str, Any]:
@@ -321,6 +334,8 @@ class ServingLearner:
         checkpoint["state_dict"] = self.module.state_dict()
         checkpoint["optimizer_states"] = [self.optimizer.state_dict()]
         self.module.on_save_checkpoint(checkpoint)
+        if self.optimizer.average:  # as a fit saves it: the weights θ̄ that predict, the filter's mean θ beside them
+            save_served_weights(self.module, checkpoint, self.optimizer.averaged())
         checkpoint["serve"] = {
             **self.extra,
             **extra,
@@ -335,12 +350,29 @@ class ServingLearner:
         AtomicCheckpointIO().save_checkpoint(self.checkpoint(**extra), path)
 
 
-def _saved_loko(state: dict[str, Any] | None) -> Callable[[list[torch.nn.Parameter]], LoKO]:
-    """LoKO with the hyperparameters of a saved LoKO state (the paper's defaults when there is none)."""
+def _saved_loko(
+    state: dict[str, Any] | None, config: Any = None, averaged: bool = False
+) -> Callable[[list[torch.nn.Parameter]], LoKO]:
+    """LoKO with the hyperparameters of a saved LoKO state (the paper's defaults when there is none).
+
+    The decay of the average (``average``) is the state's (saved beside ``p̂``), else that of the checkpoint's
+    ``"optimizer_config"`` (``config``); ``averaged``: the checkpoint's weights are an average, so a decay is required.
+    """
+    init_args = (config.get("init_args") if isinstance(config, dict) else None) or {}
+    average = (state or {}).get("average", init_args.get("average", 0.0))
+    if averaged and not (isinstance(average, (int, float)) and 0 < average < 1):
+        raise ConfigError(
+            "the checkpoint's weights are the average of LoKO's mean (it holds the training point beside them) but "
+            f"not the average's decay (its LoKO saved average={average!r}): pass the optimizer, e.g. "
+            "ServingLearner.from_checkpoint(path, optimizer=functools.partial(LoKO, p0=..., average=0.99))",
+            field="optimizer",
+        )
     if state is None or not state.get("param_groups"):
-        return LoKO
+        return functools.partial(LoKO, average=average) if average else LoKO
     group = state["param_groups"][0]
     kwargs = {key: group[key] for key in LOKO_GROUP_KEYS if key in group}
+    if average:
+        kwargs["average"] = average
     shared = next((values for values in state.get("state", {}).values() if "R" in values), None)
     if shared is not None:
         kwargs["dtype"] = shared["R"].dtype
@@ -354,6 +386,21 @@ def _saved_loko(state: dict[str, Any] | None) -> Callable[[list[torch.nn.Paramet
         return LoKO(params, **kwargs)
 
     return build
+
+
+def _load_train_point(module: OnlineClassifier, train_point: dict[str, Tensor], path: str | Path) -> None:
+    """Put the filter's mean ``θ`` a checkpoint keeps beside its averaged weights into the trainable parameters."""
+    named = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    if set(train_point) != set(named):
+        missing = sorted(set(named) - set(train_point))[:3]
+        raise ConfigError(
+            f"{path}: its loko_train_point does not name this network's trainable parameters (missing e.g. {missing}): "
+            "not a checkpoint a loko fit wrote",
+            field="ckpt_path",
+        )
+    with torch.no_grad():
+        for name, param in named.items():
+            param.copy_(train_point[name])
 
 
 def _transform(module: OnlineClassifier) -> Callable[[Any], Any]:
