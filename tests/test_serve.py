@@ -59,6 +59,20 @@ def base_ckpt(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def averaged_ckpt(tmp_path_factory):
+    """``base_ckpt`` with ``LoKO(average=0.9)``: its weights are the average, the filter's mean beside them."""
+    torch.manual_seed(0)
+    model = tiny(p0=0.1, average=0.9)
+    fit = trainer(max_steps=3)
+    fit.fit(model, loader(stream(3)))
+    model.class_names = list(CLASSES)
+    model.preprocessing = image_data_config(image_size=32)
+    path = tmp_path_factory.mktemp("averaged") / "averaged.ckpt"
+    fit.save_checkpoint(path)
+    return path
+
+
 def image(seed):
     """A 32x32 RGB image: noise around one colour per class (``seed % 4``), as a PIL image."""
     gen = torch.Generator().manual_seed(seed)
@@ -604,11 +618,14 @@ def last_phase(server):
 
 
 @pytest.mark.slow
-def test_server_killed_in_a_feedback_burst_resumes_bit_for_bit(base_ckpt, tmp_path):
+@pytest.mark.parametrize("checkpoint", ["base_ckpt", "averaged_ckpt"])
+def test_server_killed_in_a_feedback_burst_resumes_bit_for_bit(checkpoint, request, tmp_path):
     """Two real servers take the same predictions and feedback (6 labels by id, a burst of 24 inputs with labels,
     6 more by id). One is SIGKILLed in the burst, restarted on its state folder, and sent the burst from its first
     unanswered feedback on (a resent one that was logged is answered as a duplicate). Both end with the same
-    parameters, p̂, R and counters, bit for bit, and every acknowledged feedback is in the log once and learned."""
+    parameters, p̂, R and counters, bit for bit, and every acknowledged feedback is in the log once and learned.
+    The same for a run that predicts with the average of its mean (its averages and its mean too)."""
+    base_ckpt = request.getfixturevalue(checkpoint)
     full = Server(base_ckpt, tmp_path / "full", tmp_path / "full.log")
     first_phase(full.url)
     for i in range(6, 30):
@@ -679,10 +696,12 @@ def test_server_killed_in_a_feedback_burst_resumes_bit_for_bit(base_ckpt, tmp_pa
     states = {name: torch.load(tmp_path / name / CHECKPOINT_NAME, weights_only=True) for name in ("full", "crash")}
     assert states["full"]["serve"] == states["crash"]["serve"]
     assert states["crash"]["serve"]["learned"] == 36 and states["crash"]["serve"]["log_position"] == 36
-    full_state, crash_state = states["full"]["state_dict"], states["crash"]["state_dict"]
-    assert full_state.keys() == crash_state.keys()
-    for key in full_state:
-        assert torch.equal(full_state[key], crash_state[key]), key
+    for part in ("state_dict", "loko_train_point"):  # the weights (with an average: θ̄), and the filter's mean θ
+        full_state, crash_state = states["full"].get(part), states["crash"].get(part)
+        assert (full_state is None) == (crash_state is None) == (checkpoint == "base_ckpt" and part != "state_dict")
+        for key in full_state or {}:
+            assert torch.equal(full_state[key], crash_state[key]), key
+        assert (full_state or {}).keys() == (crash_state or {}).keys()
     full_filter, crash_filter = states["full"]["optimizer_states"][0], states["crash"]["optimizer_states"][0]
     assert full_filter["state"].keys() == crash_filter["state"].keys()
     for index, values in full_filter["state"].items():
