@@ -198,6 +198,19 @@ def test_the_paper_preset_pins_a_diagonal_head_covariance():
     assert cli.model.head_covariance == "diagonal"
 
 
+def test_the_many_class_text_preset_shares_the_heads_rows_and_gives_the_adapters_a_tenth_of_the_prior():
+    """presets/loko_auto_text_many: p0 chosen among 1-100, one Σ for the head's weight, the adapters at 0.1 x p0."""
+    extra = ["--trainer.logger", "false"]
+    preset = str(CONFIGS / "presets" / "loko_auto_text_many.yaml")
+    cli = build(CONFIGS / "wordnet_minilm.yaml", *extra, "--config", preset)
+    assert (cli.model.head_covariance, cli.model.step_scales) == ("shared", {"lora_A": 0.1, "lora_B": 0.1})
+    assert (cli.model.select.name, cli.model.select.values) == ("p0", (1.0, 3.0, 10.0, 30.0, 100.0))
+    optimizer = cli.model.build_optimizer(p0=10.0)  # a candidate of the selection
+    groups = [(g["shared_rows"], g["p0_scale"], tuple(g["params"][0].shape)) for g in optimizer.param_groups]
+    assert groups[-2:] == [(True, 1.0, (25, 384)), (False, 1.0, (25,))]  # the head's weight, then its bias
+    assert {g[:2] for g in groups[:-2]} == {(False, 0.1)}  # LoRA A and B
+
+
 def test_the_text_selection_preset_chooses_p0_from_its_grid():
     """presets/loko_auto_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10, 30 on 500 samples."""
     extra = ["--trainer.logger", "false"]
