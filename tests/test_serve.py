@@ -44,33 +44,30 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def base_ckpt(tmp_path_factory):
+def fitted_checkpoint(folder, **loko):
     """A LoKO checkpoint of the tiny network after 3 steps, with class names and a 32 px preprocessing (as fit
-    saves them)."""
+    saves them), written into ``folder``."""
     torch.manual_seed(0)
-    model = tiny(p0=0.1)
+    model = tiny(p0=0.1, **loko)
     fit = trainer(max_steps=3)
     fit.fit(model, loader(stream(3)))
     model.class_names = list(CLASSES)
     model.preprocessing = image_data_config(image_size=32)
-    path = tmp_path_factory.mktemp("base") / "base.ckpt"
+    path = folder / "fitted.ckpt"
     fit.save_checkpoint(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def base_ckpt(tmp_path_factory):
+    """The paper's LoKO, 3 steps."""
+    return fitted_checkpoint(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")
 def averaged_ckpt(tmp_path_factory):
-    """``base_ckpt`` with ``LoKO(average=0.9)``: its weights are the average, the filter's mean beside them."""
-    torch.manual_seed(0)
-    model = tiny(p0=0.1, average=0.9)
-    fit = trainer(max_steps=3)
-    fit.fit(model, loader(stream(3)))
-    model.class_names = list(CLASSES)
-    model.preprocessing = image_data_config(image_size=32)
-    path = tmp_path_factory.mktemp("averaged") / "averaged.ckpt"
-    fit.save_checkpoint(path)
-    return path
+    """``LoKO(average=0.9)``, 3 steps: its weights are the average, the filter's mean beside them."""
+    return fitted_checkpoint(tmp_path_factory.mktemp("averaged"), average=0.9)
 
 
 def image(seed):
