@@ -334,8 +334,9 @@ class ServingLearner:
         checkpoint["state_dict"] = self.module.state_dict()
         checkpoint["optimizer_states"] = [self.optimizer.state_dict()]
         self.module.on_save_checkpoint(checkpoint)
-        if self.optimizer.average:  # as a fit saves it: the weights θ̄ that predict, the filter's mean θ beside them
-            save_served_weights(self.module, checkpoint, self.optimizer.averaged())
+        serving = self.module.online_step.serving(self.optimizer)  # with an average: θ̄ (the step's own rule)
+        if serving is not None:  # as a fit saves it: the weights θ̄ that predict, the filter's mean θ beside them
+            save_served_weights(self.module, checkpoint, serving)
         checkpoint["serve"] = {
             **self.extra,
             **extra,
