@@ -27,7 +27,7 @@ def main() -> None:
     propose = LowRankPrecision.propose
 
     def probed(self, plan, evidence, belief, reduce=None):
-        prior, W = plan.time.prior(belief.cov), belief.low_rank
+        prior, W = plan.time.prior(belief.cov), belief.entries["W"]
         proposal = propose(self, plan, evidence, belief, reduce)
         gram = torch.linalg.eigvalsh(W.T.double() @ W.double()) if W.abs().sum() > 0 else torch.zeros(1)
         gain = (1 / proposal.posterior.double()).sum() - (1 / prior.double()).sum()

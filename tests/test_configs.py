@@ -78,11 +78,10 @@ def test_every_config_has_the_four_sections_and_builds(path):
 PAPER_LOKO = {
     "p0": 0.2,
     "p0_init": "uniform",
-    "beta": 0.95,
-    "r_estimator": "taylor",
     "process_noise": 0.0,
     "observation": "softmax",
-    "filter": "covariance",
+    # The filter owns its settings: the paper's beta and Taylor R.
+    "filter": {"name": "covariance", "beta": 0.95, "r_estimator": "taylor", "rcond": None},
 }
 
 
@@ -90,9 +89,10 @@ PAPER_LOKO = {
     ("preset", "expected"),
     [
         ("loko_topk", {"observation": "topk5", "r_estimator": "taylor", "p0": 0.2}),
-        ("loko_natural", {"filter": "natural", "r_estimator": "softmax", "p0": 0.03}),
-        ("loko_lofi", {"filter": "lofi10", "r_estimator": "softmax", "p0": 0.03}),
-        ("loko_natural_average", {"filter": "natural", "r_estimator": "softmax", "p0": 0.03, "average": 0.99}),
+        # The information-form filters keep no R setting (their noise is the categorical one).
+        ("loko_natural", {"filter": "natural", "p0": 0.03}),
+        ("loko_lofi", {"filter": "lofi10", "p0": 0.03}),
+        ("loko_natural_average", {"filter": "natural", "p0": 0.03, "average": 0.99}),
     ],
 )
 def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected):
@@ -101,7 +101,9 @@ def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, ex
         cli = build(CONFIGS / "cifar100_resnet50.yaml", *extra, "--config", str(CONFIGS / "presets" / f"{preset}.yaml"))
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = cli.model.optimizer_factory([param])
-    settings = {**optimizer.param_groups[0], "average": optimizer.average}
+    # The filter's settings are the filter's (its config), the prior's the group's.
+    settings = {**optimizer.param_groups[0], **optimizer.filter.config(), "average": optimizer.average}
+    settings["filter"] = optimizer.filter.spec
     assert {k: settings[k] for k in expected} == expected
 
 
@@ -143,11 +145,11 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
         assert {k: groups[key][k] for k in PAPER_LOKO} == PAPER_LOKO, key
         assert groups[key]["p_floor"] == 0.0
     unpinned = groups["unpinned"]
-    assert (unpinned["p0"], unpinned["process_noise"], unpinned["beta"], unpinned["filter"]) == (
+    # beta is the covariance filter's: the natural filter has none to take.
+    assert (unpinned["p0"], unpinned["process_noise"], unpinned["filter"]) == (
         0.05,
         1e-5,
-        0.9,
-        "natural",
+        {"name": "natural", "fisher": "empirical"},
     )
 
 

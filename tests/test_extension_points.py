@@ -41,7 +41,7 @@ def test_a_new_filter_family_trains_through_loko_like_its_definition():
     model = mlp()
     twin = copy.deepcopy(model)
     opt = LoKO(model.parameters(), p0=0.05, p0_init="constant", filter=FixedGain())
-    assert opt.defaults["filter"] == "fixed_gain" and opt.defaults["r_estimator"] == "softmax"
+    assert opt.defaults["filter"] == {"name": "fixed_gain"}
     engine = JacobianEngine(model, observation=opt.observation)
     for x, y in teacher_stream(12):
         label = y.argmax()[None]

@@ -108,7 +108,7 @@ def test_natural_gradient_is_refused_where_it_cannot_work():
     opt = LoKO(model.parameters(), filter="natural")
     with pytest.raises(ValueError, match=r"use engine.observe\(inputs, label\)"):
         JacobianEngine(model, observation=opt.observation)(torch.randn(1, 5, dtype=torch.float64))
-    assert opt.defaults["r_estimator"] == "softmax" and opt.defaults["filter"] == "natural"
+    assert opt.defaults["filter"] == {"name": "natural", "fisher": "empirical"} and "r_estimator" not in opt.defaults
     assert get_filter("natural_exact") == DiagonalInformation("exact")
     assert get_filter("natural") != DiagonalInformation("exact")
 

@@ -66,7 +66,7 @@ def test_a_scripts_partial_loko_checkpoint_reloads_with_its_optimizer(tmp_path):
     run.save_checkpoint(tmp_path / "script.ckpt")
     loaded = OnlineClassifier.load_from_checkpoint(tmp_path / "script.ckpt", weights_only=True)
     optimizer = loaded.configure_optimizers()
-    assert type(optimizer) is LoKO and optimizer.defaults["p0"] == 0.05 and optimizer.defaults["beta"] == 0.9
+    assert type(optimizer) is LoKO and optimizer.defaults["p0"] == 0.05 and optimizer.filter.beta == 0.9
     # An optimizer passed explicitly wins.
     chosen = OnlineClassifier.load_from_checkpoint(tmp_path / "script.ckpt", weights_only=True,
                                                    optimizer=partial(LoKO, p0=0.3))  # fmt: skip

@@ -1,4 +1,10 @@
-"""``LoKO``: the Low-Rank Kalman Optimizer as a :class:`torch.optim.Optimizer`."""
+"""``LoKO``: the Low-Rank Kalman Optimizer as a :class:`torch.optim.Optimizer`.
+
+The optimizer keeps θ̃, the counters and the step pipeline (stack, check, plan, the filter's proposal, apply, commit)
+and asks the others: the filter for its state and update (:mod:`~loko_lightning.kalman.filters`), the prior for
+``p̂₀`` (:mod:`~loko_lightning.kalman.prior`), the exchange for where the observations come from and the update goes
+(:mod:`~loko_lightning.kalman.exchange`), the average for ``θ̄`` (:mod:`~loko_lightning.kalman.average`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -14,25 +20,24 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock
+from loko_lightning.kalman.average import MeanAverage
 from loko_lightning.kalman.exchange import Replicated, Sharded
 from loko_lightning.kalman.filters import Belief, Evidence, Filter, get_filter
 from loko_lightning.kalman.multistream import check_observation, layout_key
 from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
 from loko_lightning.kalman.plan import UpdatePlan
+from loko_lightning.kalman.prior import P0_INITS, P0Init, check_group, group_p0, initial_cov, reference_cov
 from loko_lightning.kalman.sharded import ShardPlan, gather_shards
+from loko_lightning.kalman.state import SHARED_KEYS, FlatState, check_saved_state, shared_state
 from loko_lightning.kalman.time_update import TimeUpdate, real_number
+from loko_lightning.kalman.validation import CHECK_EVERY, ObservationCheck, check_closure_result
 from loko_lightning.observation import Observation, get_observation
 
-P0Init = Literal["uniform", "constant", "fan_in"]
-P0_INITS: tuple[str, ...] = get_args(P0Init)
-Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
+__all__ = ["CHECK_EVERY", "FILTER_SETTINGS", "P0_INITS", "LoKO", "P0Init", "group_p0"]
 
-# Filter state shared by all parameters (the observation noise "R", the counters "step" and "skipped") lives in
-# the state of the first parameter, so that ``state_dict()``/``load_state_dict()`` carry it with no extra machinery.
-# Steps between the host reads of the observation's check after a layout's first step (that one reads at once): the
-# window starts at 1 and doubles after each clean read up to this many, so a prediction that goes wrong right after
-# the first step (probabilities, then logits) is refused on its own step, and a long run reads once in CHECK_EVERY.
-CHECK_EVERY = 100
+Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
+#: The covariance filter's settings LoKO takes as a shorthand (:class:`~loko_lightning.kalman.filters.Covariance`).
+FILTER_SETTINGS = ("beta", "r_estimator", "rcond")
 _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
     "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
@@ -95,7 +100,10 @@ class LoKO(torch.optim.Optimizer):
             the constant ``p0 / fan_in`` of each parameter, ``fan_in`` = the product of its shape after the first
             dimension, 1 for vectors: a prior variance on the scale of a kaiming initialisation, so LoRA ``B``
             (fan-in ``r``) takes larger steps than LoRA ``A`` and the head; ``p0`` is then the factor ``c``).
-        beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95; good range 0.9-0.98).
+        beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95; good range 0.9-0.98). ``beta``,
+            ``r_estimator`` and ``rcond`` are the covariance filter's settings: given here they build it
+            (:class:`~loko_lightning.kalman.filters.Covariance`), which then owns them (``None``: its defaults); with a
+            filter instance, set them on the instance.
         r_estimator: ``"taylor"`` (method 2, the default for ``"softmax"`` and ``"regression"``), ``"residual"``
             (method 1, :math:`\hat R = e e^\top`), or the literature baselines ``"identity"`` (:math:`R = I`),
             ``"decay"`` (:math:`R = I e^{-k/50}`, ``k`` = 1-based index of the update) and ``"softmax"``
@@ -140,7 +148,9 @@ class LoKO(torch.optim.Optimizer):
             LoFi's low-rank plus diagonal precision of rank ``L``. Their rows of ``H`` come
             from the label, so the closure must return what :meth:`loko_lightning.JacobianEngine.observe` gives for
             :attr:`observation`. A :class:`~loko_lightning.kalman.filters.Filter` instance works too. ``beta``,
-            ``r_estimator`` and ``rcond`` are the covariance filter's; the others observe ``"softmax"`` only.
+            ``r_estimator`` and ``rcond`` are the covariance filter's; the others observe ``"softmax"`` only. The
+            filter's settings are saved in the param groups (``"filter"``: :meth:`Filter.config
+            <loko_lightning.kalman.filters.Filter.config>`), which :meth:`rebuild` builds the same optimizer from.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0` (and the labels of a sampled Fisher, from their own
@@ -186,7 +196,7 @@ class LoKO(torch.optim.Optimizer):
         *,
         p0: float | Literal["auto"] = 0.2,
         p0_init: P0Init = "uniform",
-        beta: float = 0.95,
+        beta: float | None = None,
         r_estimator: REstimator | None = None,
         process_noise: float = 0.0,
         p_floor: float = 0.0,
@@ -197,51 +207,28 @@ class LoKO(torch.optim.Optimizer):
         dtype: torch.dtype | None = None,
         seed: int | None = None,
         observation: str | Observation = "softmax",
-        filter: str | Filter = "covariance",  # noqa: A002 (the paper's word)
+        filter: str | Filter | dict[str, Any] = "covariance",  # noqa: A002 (the paper's word)
         shard: bool = False,
         collective_timeout: float | None = None,
         average: float = 0.0,
         **unexpected: Any,
     ) -> None:
+        arguments = locals()
         if "lr" in unexpected:
             raise ConfigError(_NO_LR, field="lr", owner=LoKO)
         if unexpected:
             raise TypeError(f"LoKO got unexpected keyword arguments: {', '.join(sorted(unexpected))}")
-        if not (real_number(beta) and 0.0 < beta < 1.0):
-            raise ConfigError(
-                f"Invalid beta: {beta!r} ({type(beta).__name__}; must be a number in (0, 1); the paper uses 0.95)",
-                field="beta",
-                owner=LoKO,
-            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigError(
                 f"Invalid seed: {seed!r} ({type(seed).__name__}; must be an int or None)", field="seed", owner=LoKO
             )
         observed = get_observation(observation, owner=LoKO)
-        self.filter = get_filter(filter, owner=LoKO)
+        self.filter = _build_filter(filter, observed, {key: arguments[key] for key in FILTER_SETTINGS})
         #: The observation the Jacobian engine computes for this filter (its rows of ``H``).
         self.observation = self.filter.observe(observed)
         drawing = getattr(self.observation, "generator", None)
         if drawing is not None:  # a sampled Fisher: labels from ``seed``, else from the global RNG (seed_everything)
             drawing.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
-        allowed = self.filter.r_estimators(observed)
-        if r_estimator is None:
-            r_estimator = allowed[0]
-        if r_estimator not in R_ESTIMATORS:
-            raise ConfigError(
-                f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
-                field="r_estimator",
-                owner=LoKO,
-            )
-        if r_estimator not in allowed:
-            raise ConfigError(
-                f"Invalid r_estimator: {r_estimator!r} does not apply to observation {observed.spec!r} with filter "
-                f"{self.filter.spec!r} ({R_ESTIMATORS[r_estimator].doc}); choose one of {allowed}",
-                field="r_estimator",
-                owner=LoKO,
-            )
-        if rcond is not None and not 0.0 <= rcond < 1.0:
-            raise ConfigError(f"Invalid rcond: {rcond} (must lie in [0, 1))", field="rcond", owner=LoKO)
         if dtype not in (None, torch.float32, torch.float64):
             raise ConfigError(
                 f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)", field="dtype", owner=LoKO
@@ -262,16 +249,10 @@ class LoKO(torch.optim.Optimizer):
                 field="collective_timeout",
                 owner=LoKO,
             )
-        if not (real_number(average) and 0.0 <= average < 1.0):
-            raise ConfigError(
-                f"Invalid average: {average!r} (the decay of the average of the filter's mean that predicts, in "
-                "[0, 1); 0 predicts with the mean itself, the paper; e.g. 0.999)",
-                field="average",
-                owner=LoKO,
-            )
-        #: The decay ``δ`` of the exponential average ``θ̄ ← δ_k θ̄ + (1 − δ_k) θ`` of the filter's mean after every
-        #: step (``δ_k = min(δ, (1 + k)/(10 + k))``), which predicts (:meth:`averaged`); 0: none (the paper).
-        self.average = float(average)
+        #: The decay ``δ`` of the average of the filter's mean that predicts (:meth:`averaged`,
+        #: :class:`~loko_lightning.kalman.average.MeanAverage`); 0: none (the paper).
+        self.average = MeanAverage.check(average, owner=LoKO)
+        self._average = MeanAverage(self.average) if self.average else None
         self.shard = shard
         self.collective_timeout = collective_timeout
         self._shards: ShardPlan | None = None  # the owners of the parameters once a sharded step has run
@@ -279,48 +260,58 @@ class LoKO(torch.optim.Optimizer):
         self._shard_dtypes: list[torch.dtype] = []  # p̂'s dtype per parameter when the shards were made
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
+        self._dtype = dtype
+        # The update plan for the last Jacobian layout; p̂ and the filter's per-entry states flat in its order.
+        self._plan: UpdatePlan | None = None
+        self._plan_key: tuple | None = None
+        self._flats = {"cov": FlatState("cov")} | {k: FlatState(k, c) for k, c in self.filter.entries().items()}
+        self._check = ObservationCheck(self.observation)
         defaults = dict(
             p0=p0,
             p0_init=p0_init,
-            beta=beta,
-            r_estimator=r_estimator,
-            process_noise=process_noise,
-            p_floor=p_floor,
-            shrinkage=shrinkage,
-            inflation=inflation,
-            forgetting=forgetting,
-            rcond=rcond,
+            **{key: arguments[key] for key in TimeUpdate.group_keys()},
             observation=observed.spec,
-            filter=self.filter.spec,
+            filter=self.filter.config(),
         )
-        if isinstance(filter, str) and self.filter.estimates_noise:  # the covariance filter takes its settings
-            self.filter = get_filter(filter, owner=LoKO, beta=beta, r_estimator=r_estimator, rcond=rcond)
-        self._dtype = dtype
-        # The update plan for the last Jacobian layout and p̂ as one flat vector in its order (the per-parameter
-        # "cov" states are views of it); rebuilt when the layout changes or the states are replaced.
-        self._plan: UpdatePlan | None = None
-        self._plan_key: tuple | None = None
-        self._violations: Tensor | None = None  # steps that failed the observation's check, since the last read
-        self._unchecked = 0
-        self._check_window = 1  # steps before the next read: 1, 2, 4, ... up to CHECK_EVERY
-        self._cov_flat: Tensor | None = None
-        self._cov_views: list[Tensor] = []
-        self._low_rank_flat: Tensor | None = None  # LoFi's W, the same way: one (n, L) tensor, "W" states views of it
-        self._low_rank_views: list[Tensor] = []
         super().__init__(params, defaults)
-        shared = ("beta", "r_estimator", "rcond", "observation", "filter")
         for group in self.param_groups:
-            if any(group[key] != defaults[key] for key in shared):
+            if any(group[key] != defaults[key] for key in ("observation", "filter")):
                 raise ValueError(
-                    "Invalid param group: beta, r_estimator, rcond, observation and filter describe the single shared "
-                    "R, S, observation model and filter and must be set on the optimizer, not per group"
+                    "Invalid param group: observation and filter describe the single shared observation model and "
+                    "filter and must be set on the optimizer, not per group"
                 )
+
+    @classmethod
+    def arguments(cls, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments that build the LoKO which wrote ``state_dict``: what a served or rebuilt one runs.
+
+        Its first param group's prior and time update, its observation and filter with the filter's settings, the
+        average's decay and the arithmetic dtype: ``LoKO(params, **LoKO.arguments(state))`` then loads ``state``.
+        """
+        groups = state_dict.get("param_groups") or [{}]
+        group = groups[0]
+        keys = ("p0", "p0_init", *TimeUpdate.group_keys(), "observation", "filter")
+        kwargs = {key: group[key] for key in keys if key in group}
+        if isinstance(kwargs.get("filter"), str):  # a checkpoint of before the filter owned its settings
+            kwargs.update({key: group[key] for key in FILTER_SETTINGS if group.get(key) is not None})
+        if state_dict.get("average"):
+            kwargs["average"] = state_dict["average"]
+        shared = next((values for values in state_dict.get("state", {}).values() if "R" in values), None)
+        if shared is not None:
+            kwargs["dtype"] = shared["R"].dtype
+        return kwargs
 
     # ------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         r"""Add a param group and draw :math:`\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
         if "lr" in param_group:
             raise ValueError(_NO_LR)
+        stray = [key for key in FILTER_SETTINGS if key in param_group]
+        if stray:
+            raise ValueError(
+                f"Invalid param group: {', '.join(stray)} describe the single filter, not a group: they must be set on "
+                "the optimizer (LoKO(beta=...)) or on the filter instance"
+            )
         if getattr(self, "_shards", None) is not None:
             raise ValueError(
                 "add_param_group after sharded steps: the parameters are split between the processes already; "
@@ -332,19 +323,16 @@ class LoKO(torch.optim.Optimizer):
         self._resolve_statistics()
         self._plan = self._plan_key = None
         group = self.param_groups[-1]
-        _check_group(group)
-        shared_rows = self._check_shared_rows(group)
+        check_group(group, owner=LoKO)
+        self._check_shared_rows(group)
         for param in group["params"]:
             if param.is_complex() or not param.is_floating_point():
                 raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
-            self.state[param]["cov"] = self._initial_cov(param, group)
-            if shared_rows:  # Σ₀ = diag of the rows' mean p̂₀, and p̂₀ = diag(Σ₀) on every row
-                cov = self.state[param]["cov"]
-                mean = cov.reshape(param.shape[0], -1).mean(0)
-                cov.view(param.shape[0], -1).copy_(mean[None].expand(param.shape[0], -1))
-                self.state[param]["row_cov"] = torch.diag(mean)
-            if self.average:
-                self.state[param]["average"] = param.detach().clone()
+            state = self.state[param]
+            state["cov"] = self._initial_cov(param, group)
+            state.update(self.filter.init_param(param, state["cov"], group))
+            if self._average is not None:
+                state[MeanAverage.key] = MeanAverage.start(param)
 
     def _check_shared_rows(self, group: dict[str, Any]) -> bool:
         """The group's ``shared_rows`` (``False`` when absent); refused where it is not built, naming the field."""
@@ -377,51 +365,67 @@ class LoKO(torch.optim.Optimizer):
         super().__setstate__(state)
         self.param_groups = [_ParamGroup(group) for group in self.param_groups]
 
-    def _arith_dtype(self, param: Tensor) -> torch.dtype:
-        if self._dtype is not None:
-            return self._dtype
-        return param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32
-
     def _initial_cov(self, param: Tensor, group: dict[str, Any]) -> Tensor:
         if group["p0_init"] == "uniform" and self._generator is None and self._generator_seed is not None:
             self._generator = torch.Generator().manual_seed(self._generator_seed)
-        return _initial_cov(param, group, self._arith_dtype(param), self._generator)
+        dtype = self._dtype
+        if dtype is None:
+            dtype = param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32
+        return initial_cov(param, group, dtype, self._generator)
 
     def _params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _shared_state(self, m: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-        state = self.state[self._params()[0]]
-        if "R" not in state or state["R"].shape != (m, m):
-            if "R" in state:
-                raise ValueError(f"Invalid prediction: expected {state['R'].shape[0]} outputs, got {m}")
-            state["R"] = torch.zeros(m, m, dtype=dtype, device=device)
-            state["step"] = torch.zeros((), dtype=torch.int64, device=device)
-            state["skipped"] = torch.zeros((), dtype=torch.int64, device=device)
-        return state
+    def config(self) -> dict[str, Any]:
+        """What this optimizer runs, as :meth:`arguments` rebuilds it from a state dict.
+
+        Two equal configs mean one filter (its settings included), observation, prior and time update per group,
+        average and arithmetic dtype.
+        """
+        groups = [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups]
+        return {"groups": groups, "filter": self.filter, "average": self.average, "dtype": self._dtype}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype)."""
+        """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype).
+
+        Refused: another optimizer's state, another model's shapes, another filter (its settings included) or another
+        ``shared_rows`` layout.
+        """
+        params = self._params()
         saved = {index: dict(state) for index, state in state_dict["state"].items()}
-        _check_saved_state(saved, self._params())
+        check_saved_state(saved, params, {"cov", MeanAverage.key, *SHARED_KEYS, *self.filter.state_keys()})
+        for index, state in saved.items():
+            self.filter.check_param(index, params[index], state)
+        saved_groups = state_dict.get("param_groups", [])
         own_rows = [bool(group.get("shared_rows")) for group in self.param_groups]
-        saved_rows = [bool(group.get("shared_rows")) for group in state_dict.get("param_groups", [])]
+        saved_rows = [bool(group.get("shared_rows")) for group in saved_groups]
         if len(saved_rows) == len(own_rows) and saved_rows != own_rows:
             raise ValueError(
                 f"Invalid state dict: its param groups' shared_rows are {saved_rows}, this optimizer's {own_rows}: "
                 "the state comes from a run with the other covariance of the head; configure this run as that one "
                 "(OnlineClassifier's head_covariance)"
             )
+        saved_filter = saved_groups[0].get("filter") if saved_groups else None
+        if isinstance(saved_filter, dict) and saved_filter != self.filter.config():
+            raise ConfigError(
+                f"Invalid state dict: it was written by filter {saved_filter}, this optimizer runs "
+                f"{self.filter.config()}: resume with the checkpoint's filter (LoKO.arguments(state) builds it)",
+                field="filter",
+                owner=LoKO,
+            )
         drawing = getattr(self.observation, "generator", None)
-        if drawing is not None and "observation_rng" in state_dict:  # after the check: a refused state changes nothing
+        if drawing is not None and "observation_rng" in state_dict:  # after the checks: a refused state changes nothing
             drawing.set_state(state_dict["observation_rng"])
-        state_dict = {**state_dict, "state": saved}
-        super().load_state_dict(state_dict)
+        super().load_state_dict({**state_dict, "state": saved})
+        for group in self.param_groups:  # the filter owns its settings: none in a group, the filter's own config
+            for key in FILTER_SETTINGS:
+                group.pop(key, None)
+            group["filter"] = self.filter.config()
         if self._shards is not None:  # every p̂ is back: the next sharded step splits it again (maybe differently)
             self._resolve_statistics()
             self._shards = self._consolidated = None
             self._plan = self._plan_key = None
-        for index, param in enumerate(self._params()):
+        for index, param in enumerate(params):
             for key, value in saved.get(index, {}).items():
                 if isinstance(value, Tensor):
                     self.state[param][key] = value.to(device=param.device, copy=True)
@@ -432,18 +436,12 @@ class LoKO(torch.optim.Optimizer):
 
         The values are swapped in and copied back, so predicting inside never changes the filter's trajectory.
         """
-        params = [p for p in self._params() if "average" in self.state[p]]
-        if not self.average or not params:
+        params = [p for p in self._params() if MeanAverage.key in self.state[p]]
+        if self._average is None or not params:
             yield
             return
-        saved = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            torch._foreach_copy_(params, [self.state[p]["average"] for p in params])
-        try:
+        with MeanAverage.swapped_in(params, [self.state[p][MeanAverage.key] for p in params]):
             yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(params, saved)
 
     def consolidate_state_dict(self) -> None:
         """Gather every process's shard of ``p̂`` so that :meth:`state_dict` holds the whole filter state.
@@ -462,8 +460,9 @@ class LoKO(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state (``p̂``, ``R``, the counters) and param groups, as torch's optimizers give it.
 
-        Beside them: the sampled Fisher's generator state (``observation_rng``) and, with ``average`` > 0, its decay
-        (``average``, which :class:`~loko_lightning.serve.ServingLearner` goes on averaging with).
+        The param groups hold the filter with its settings (``"filter"``) and the time update: :meth:`arguments`
+        builds this optimizer again from them. Beside them: the sampled Fisher's generator state (``observation_rng``)
+        and, with ``average`` > 0, its decay (``average``).
 
         After sharded steps it needs :meth:`consolidate_state_dict` first (on every process), which gathers the
         others' ``p̂``; the result then holds every parameter's, as an unsharded optimizer's does.
@@ -488,39 +487,6 @@ class LoKO(torch.optim.Optimizer):
         self._consolidated = None
         return state
 
-    def _check_on_device(self, prediction: Tensor, target: Tensor, samples: int) -> Tensor:
-        """The observation's check without a host read, on a layout's later steps.
-
-        A failing step is skipped (its prediction made non-finite) and counted on the device; every
-        :data:`CHECK_EVERY` steps the count is read, and a failure raises then; right after a layout's first step the
-        reads come sooner (after 1, 2, 4, ... steps).
-
-        Probabilities on one step and logits on the next have the same layout, so the first-step check alone would
-        miss them; this way the step stays free of host reads and nothing wrong is ever applied.
-        """
-        view = (prediction.detach().view(samples, -1), target.detach().view(samples, -1))
-        bad = self.observation.violation(*view)
-        if bad is None:
-            return prediction
-        self._violations = bad.long() if self._violations is None else self._violations + bad.long()
-        self._unchecked += 1
-        if self._unchecked >= self._check_window:
-            window = self._unchecked
-            count, self._unchecked, self._violations = int(self._violations), 0, None
-            self._check_window = min(2 * window, CHECK_EVERY)
-            if count:
-                try:
-                    self.observation.check(*view)  # the message of the check, if this step fails it too
-                except ValueError as err:
-                    message = f"{err} ({count} of the last {window} steps failed it and were skipped)"
-                    raise ValueError(message) from None
-                raise ValueError(
-                    f"Invalid prediction on {count} of the last {window} steps (skipped): it did not fit the "
-                    f"{self.observation.name!r} observation (for class probabilities: a probability vector where "
-                    "the target is one; were logits passed where probabilities belong?)"
-                )
-        return torch.where(bad, torch.full_like(prediction, math.nan), prediction)
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Closure | None = None) -> tuple[Tensor, Tensor, Sequence[JacobianBlock]]:  # type: ignore[override]
@@ -536,8 +502,8 @@ class LoKO(torch.optim.Optimizer):
                 (:mod:`loko_lightning.kalman.multistream`; ``B = 1`` is the single-sample step bit for bit).
 
         Returns:
-            What the closure returned. If any of it is non-finite the update is skipped (parameters and
-            filter state untouched) and counted in ``state["skipped"]``; see :attr:`diagnostics`.
+            What the closure returned. If any of it is non-finite the update is skipped (parameters, filter state and
+            average untouched) and counted in ``state["skipped"]``; see :attr:`diagnostics`.
         """
         if closure is None:
             raise ValueError(
@@ -548,23 +514,7 @@ class LoKO(torch.optim.Optimizer):
             )
         with torch.enable_grad():
             result = closure()
-        if result is None:
-            raise ValueError(
-                "Invalid closure result: None. LoKO.step needs a closure returning (prediction, target, jacobians) "
-                "(see loko_lightning.jacobian); in a LightningModule, self.optimizers().step() without a closure "
-                "passes an empty one: call self.optimizers().step(closure) in training_step"
-            )
-        if isinstance(result, Tensor):
-            raise ValueError(
-                "Invalid closure result: a tensor (a loss?), but LoKO's closure returns (prediction, target, "
-                "jacobians) (see loko_lightning.jacobian), not a loss. In a LightningModule this is Lightning's "
-                "automatic optimization calling step(): set self.automatic_optimization = False and call "
-                "self.optimizers().step(closure) in training_step"
-            )
-        if not isinstance(result, (tuple, list)) or len(result) != 3:
-            got = f"{len(result)} items" if isinstance(result, (tuple, list)) else type(result)
-            raise ValueError(f"Invalid closure result: expected a tuple (prediction, target, jacobians), got {got}")
-        prediction, target, jacobians = result
+        prediction, target, jacobians = check_closure_result(result)
         params = self._params()
         rows = (
             self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
@@ -582,38 +532,32 @@ class LoKO(torch.optim.Optimizer):
             check_observation(prediction, target, blocks, own, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
-            self._check_window, self._unchecked, self._violations = 1, 0, None
+            self._check.restart()
         else:  # the same layout: the same check on the device, read every CHECK_EVERY steps
-            prediction = self._check_on_device(prediction, target, samples)
+            prediction = self._check(prediction, target, samples)
         m = prediction.shape[0] // samples
         aggregation = None
         seen = self.observation.observed(prediction.detach().view(samples, m), target.detach().view(samples, m))
         if seen is not None:  # an aggregation of the outputs (top-k): the update runs in its coordinates
             aggregation, prediction, target = seen[:2], seen[2].reshape(-1), seen[3].reshape(-1)
-        covs = [self.state[p]["cov"] for p in own]
-        dtype = self._shard_dtypes[0] if self._shards is not None else covs[0].dtype
-        shared = self._shared_state(m, prediction.device, dtype)
+        first = self.state[own[0]]["cov"]
+        dtype = self._shard_dtypes[0] if self._shards is not None else first.dtype
+        shared = shared_state(self.state[params[0]], m, prediction.device, dtype)
         if self._plan is None:
-            self._plan = UpdatePlan(blocks, [p.shape for p in own], dtype, covs[0].device, samples=samples,
+            self._plan = UpdatePlan(blocks, [p.shape for p in own], dtype, first.device, samples=samples,
                                     time_updates=time_updates, shared_rows=shared_rows)  # fmt: skip
-            self._plan_key, self._cov_flat, self._low_rank_flat = key, None, None
-        plan = self._plan
-        if self._cov_flat is None or any(c is not v for c, v in zip(covs, self._cov_views, strict=True)):
-            self._flatten_covs(own, covs)
-            covs = [self.state[p]["cov"] for p in own]
-        flat = self._cov_flat if self._cov_flat is not None else plan.flatten(covs)
-        low_rank = self._low_rank(own, covs) if self.filter.low_rank() else None
-        low_rank_flat = None
-        if low_rank is not None:
-            low_rank_flat = self._low_rank_flat
-            if low_rank_flat is None:
-                low_rank_flat = plan.flatten_rows(low_rank)
-        row_covs = [self._row_cov(own[i], dtype) for i in plan.rows.order]
-        belief = Belief(flat, shared["R"], shared["step"], low_rank_flat, row_covs)
+            self._plan_key = key
+            for flat in self._flats.values():
+                flat.reset()
+        plan, covs = self._plan, self._flats["cov"]
+        cov = covs.read(plan, own, self.state)
+        entries = {key: self._entry(key, own, cov, plan) for key in self.filter.entries()}
+        row_covs = [self.filter.row_cov(own[i], self.state[own[i]], dtype) for i in plan.rows.order]
+        belief = Belief(cov, shared["R"], shared["step"], row_covs, entries)
         with torch.inference_mode():  # cheaper per operation than no_grad; the states written stay ordinary tensors
             evidence = Evidence(prediction.detach(), target.detach(), blocks, aggregation)
             proposal = self.filter.propose(plan, evidence, belief, exchange.reduce)
-            diagnostics = exchange.apply(plan, params, flat, proposal)
+            diagnostics = exchange.apply(plan, params, cov, proposal)
             applied = diagnostics["applied"]
             self.filter.commit(proposal, applied, belief)
             shared["step"].add_(applied.to(shared["step"].dtype))
@@ -623,25 +567,31 @@ class LoKO(torch.optim.Optimizer):
             if proposal.cond is None:  # no system solved (the information forms): no condition number
                 diagnostics["cond"] = torch.full((), math.nan, dtype=plan.dtype, device=plan.device)
             # p̂'s statistics cost three passes over it: with p̂ kept flat they are computed when diagnostics are read.
-            self._statistics_pending = "p_mean" not in diagnostics and self._cov_flat is not None
-            if "p_mean" not in diagnostics and self._cov_flat is None:
-                diagnostics.update(plan.statistics(flat))
-        if self._cov_flat is None:
-            torch._foreach_copy_(covs, plan.views(flat))
-        if low_rank is not None and self._low_rank_flat is None:
-            plan.scatter_rows(low_rank_flat, low_rank)
+            self._statistics_pending = "p_mean" not in diagnostics and covs.kept
+            if "p_mean" not in diagnostics and not covs.kept:
+                diagnostics.update(plan.statistics(cov))
+        covs.write(plan, cov, own, self.state)
+        for key, flat in entries.items():
+            self._flats[key].write(plan, flat, own, self.state)
         diagnostics["skipped"] = shared["skipped"]
         diagnostics["step"] = shared["step"]
-        if self.average:  # θ̄ ← θ̄ + (1 − δ_k)(θ − θ̄), every parameter (a sharded step broadcast them all)
-            with torch.no_grad():
-                # δ_k = min(δ, (1 + k)/(10 + k)) after k applied steps, the warm-up of TensorFlow's
-                # ExponentialMovingAverage: early in the stream θ̄ is not held back by θ₀ (δ = 0.99 from k = 890 on).
-                k = shared["step"].to(torch.float64)
-                weight = 1.0 - torch.clamp((1.0 + k) / (10.0 + k), max=self.average)
-                averages = [self.state[p]["average"] for p in params]
-                torch._foreach_lerp_(averages, list(params), [weight.to(a.dtype) for a in averages])
+        if self._average is not None:  # every parameter (a sharded step broadcast them all); not on a skipped step
+            self._average.update([self.state[p][MeanAverage.key] for p in params], params, shared["step"], applied)
         self._diagnostics = diagnostics
         return result if observed.returned is None else observed.returned
+
+    def _entry(self, key: str, params: Sequence[Tensor], cov: Tensor, plan: UpdatePlan) -> Tensor:
+        """The filter's per-entry state ``key`` of ``params``, flat (zeros in ``p̂``'s dtype where a state has none).
+
+        Kept flat with ``p̂`` (the states its views) when ``p̂`` is.
+        """
+        columns = self.filter.entries()[key]
+        for param in params:
+            state = self.state[param]
+            if key not in state:
+                shape = (param.numel(), columns) if columns else param.shape
+                state[key] = torch.zeros(shape, dtype=state["cov"].dtype, device=state["cov"].device)
+        return self._flats[key].read(plan, params, self.state, keep=self._flats["cov"].kept)
 
     def _exchange(self) -> Replicated | Sharded:
         """The step's exchange: sharded with ``shard`` and several processes, else replicated."""
@@ -670,51 +620,13 @@ class LoKO(torch.optim.Optimizer):
             for param in group["params"]:
                 # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
                 forgets = group["forgetting"]
-                settings.append(replace(update, reference=_reference_cov(param, group)) if forgets else update)
+                settings.append(replace(update, reference=reference_cov(param, group)) if forgets else update)
         return tuple(settings[i] for i in owned)
 
     def _shared_rows(self, owned: Sequence[int]) -> tuple[bool, ...]:
         """Whether each parameter in ``owned`` (indices in parameter order) shares its rows' covariance."""
         flags = [bool(group.get("shared_rows")) for group in self.param_groups for _ in group["params"]]
         return tuple(flags[i] for i in owned)
-
-    def _row_cov(self, param: Tensor, dtype: torch.dtype) -> Tensor:
-        """The ``Σ`` shared by ``param``'s rows; from ``p̂`` (the diagonal of its rows' mean) when a state holds none.
-
-        ``add_param_group`` always makes one and a state with the other ``shared_rows`` is refused on load, so only a
-        state dict written without ``row_cov`` for a shared group gets here; its ``Σ`` starts as a new one does.
-        """
-        state = self.state[param]
-        if "row_cov" not in state:
-            state["row_cov"] = torch.diag(state["cov"].reshape(param.shape[0], -1).mean(0).to(dtype))
-        return state["row_cov"]
-
-    def _low_rank(self, params: Sequence[Tensor], covs: Sequence[Tensor]) -> list[Tensor]:
-        """The low-rank factor ``W`` of the precision, one ``(numel, rank)`` block per parameter (zeros at first).
-
-        Like ``p̂``, kept as one flat ``(n, rank)`` tensor in the plan's order whose views the ``"W"`` states are
-        (when ``p̂`` is: the same dtype and device), so a step gathers and copies nothing.
-        """
-        rank = self.filter.low_rank()
-        blocks = []
-        for param, cov in zip(params, covs, strict=True):
-            state = self.state[param]
-            if "W" not in state or tuple(state["W"].shape) != (param.numel(), rank):
-                state["W"] = torch.zeros(param.numel(), rank, dtype=cov.dtype, device=cov.device)
-            blocks.append(state["W"])
-        plan = self._plan
-        if self._cov_flat is None or any(w.dtype != plan.dtype or w.device != plan.device for w in blocks):
-            self._low_rank_flat, self._low_rank_views = None, []
-            return blocks
-        if self._low_rank_flat is None or any(w is not v for w, v in zip(blocks, self._low_rank_views, strict=True)):
-            self._low_rank_flat = plan.flatten_rows(blocks)
-            self._low_rank_views = [
-                self._low_rank_flat[plan.offsets[i] : plan.offsets[i] + param.numel()] for i, param in enumerate(params)
-            ]
-            for param, view in zip(params, self._low_rank_views, strict=True):
-                self.state[param]["W"] = view
-            blocks = list(self._low_rank_views)
-        return blocks
 
     @property
     def diagnostics(self) -> dict[str, Tensor]:
@@ -731,105 +643,50 @@ class LoKO(torch.optim.Optimizer):
     def _resolve_statistics(self) -> None:
         """Compute the last step's p̂ statistics if they are pending (valid until the next step or a new plan)."""
         if getattr(self, "_statistics_pending", False):
-            self._diagnostics.update(self._plan.statistics(self._cov_flat))
+            self._diagnostics.update(self._plan.statistics(self._flats["cov"].flat))
             self._statistics_pending = False
 
-    def _flatten_covs(self, params: list[Tensor], covs: list[Tensor]) -> None:
-        """Keep ``p̂`` as one flat vector in the plan's order, the per-parameter states being views of it.
 
-        Only when every ``p̂`` has the plan's dtype and device (otherwise :func:`loko_update` gathers and
-        scatters them each step).
-        """
-        plan = self._plan
-        if any(c.dtype != plan.dtype or c.device != plan.device for c in covs):
-            self._cov_flat, self._cov_views = None, []
-            return
-        self._cov_flat = plan.flatten(covs)
-        self._cov_views = plan.views(self._cov_flat)
-        for param, view in zip(params, self._cov_views, strict=True):
-            self.state[param]["cov"] = view
+def _build_filter(spec: str | Filter | dict[str, Any], observed: Observation, given: dict[str, Any]) -> Filter:
+    """The filter LoKO runs: ``spec``, with the covariance filter's settings ``given`` to LoKO where it is a name.
 
-
-def _initial_cov(param: Tensor, group: dict[str, Any], dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
-    """``p̂_0`` of one parameter: the constant ``p0``, ``p0 / fan_in`` or a draw from ``U(0, p0]``."""
-    p0 = group_p0(group)
-    if group["p0_init"] == "constant":
-        return torch.full(param.shape, p0, dtype=dtype, device=param.device)
-    if group["p0_init"] == "fan_in":
-        fan_in = param.shape[1:].numel() if param.dim() > 1 else 1
-        return torch.full(param.shape, p0 / fan_in, dtype=dtype, device=param.device)
-    draw = torch.rand(param.shape, generator=generator, dtype=torch.float64)
-    # U(0, p0) includes 0; a zero entry would freeze its parameter forever, so draw from (0, p0].
-    draw = (1.0 - draw) * p0
-    return draw.to(dtype=dtype, device=param.device)
-
-
-def _reference_cov(param: Tensor, group: dict[str, Any]) -> float:
-    """The reference variance of ``forgetting``: the largest ``p̂₀`` the group's ``p0_init`` draws (``p0``)."""
-    if group["p0_init"] == "fan_in":
-        return group_p0(group) / (param.shape[1:].numel() if param.dim() > 1 else 1)
-    return group_p0(group)
-
-
-def group_p0(group: dict[str, Any]) -> float:
-    """A param group's prior scale: its ``p0`` times its ``p0_scale`` (1 when the group sets none)."""
-    return float(group["p0"]) * float(group.get("p0_scale", 1.0))
-
-
-def _check_saved_state(saved: dict[Any, dict[str, Any]], params: Sequence[Tensor]) -> None:
-    """Refuse a state dict that is not LoKO's for these parameters (another optimizer's, or other shapes)."""
-    if not saved:
-        return
-    known = {"cov", "R", "step", "skipped", "W", "average", "row_cov"}
-    foreign = sorted({key for state in saved.values() for key in state} - known)
-    if foreign or any("cov" not in state for state in saved.values()):
-        raise ValueError(
-            f"Invalid state dict: it is not LoKO's (its per-parameter state holds {foreign or 'no cov'}; LoKO keeps "
-            "cov, R, step, skipped, for lofi W, with average the average of the mean, with shared_rows row_cov): "
-            "it comes from another optimizer, e.g. AdamW. Load it into that optimizer, or start LoKO from its initial "
-            "state"
-        )
-    for index, state in saved.items():
-        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-        cov = state["cov"]
-        if param is None or not isinstance(cov, Tensor) or tuple(cov.shape) != tuple(param.shape):
-            got = tuple(cov.shape) if isinstance(cov, Tensor) else type(cov).__name__
-            want = tuple(param.shape) if param is not None else f"one of {len(params)} parameters"
-            raise ValueError(
-                f"Invalid state dict: parameter {index}'s covariance has shape {got}, this optimizer's parameter is "
-                f"{want}: the state comes from another model (other adapters, rank or head); load it into that "
-                "model's optimizer"
-            )
-        row_cov = state.get("row_cov")
-        cols = param.numel() // param.shape[0] if param.dim() else 1
-        if row_cov is not None and (not isinstance(row_cov, Tensor) or tuple(row_cov.shape) != (cols, cols)):
-            got = tuple(row_cov.shape) if isinstance(row_cov, Tensor) else type(row_cov).__name__
-            raise ValueError(
-                f"Invalid state dict: parameter {index}'s shared row covariance has shape {got}, expected "
-                f"{(cols, cols)}: the state comes from another model; load it into that model's optimizer"
-            )
-
-
-def _check_group(group: dict[str, Any]) -> None:
-    p0 = group["p0"]
-    if not (real_number(p0) and p0 > 0 and p0 < float("inf")):
-        auto = ""
-        if p0 == "auto":
-            auto = "; p0: auto is for OnlineClassifier (loko fit) or loko_lightning.learner.selection"
-        message = (
-            f"Invalid p0: {p0!r} ({type(p0).__name__}; must be a finite number > 0, an int or a float; the paper's "
-            f"default is 0.2{auto})"
-        )
-        raise ConfigError(message, field="p0", owner=LoKO)
-    scale = group.get("p0_scale", 1.0)
-    if not (real_number(scale) and 0 < scale < float("inf")):
+    A filter instance or config owns its settings: a different value given to LoKO as well is refused, naming it.
+    """
+    beta, r_estimator, rcond = (given[key] for key in FILTER_SETTINGS)
+    if beta is not None and not (real_number(beta) and 0.0 < beta < 1.0):
         raise ConfigError(
-            f"Invalid p0_scale: {scale!r} (a group's factor on p0: must be a finite number > 0; 1 is the group's p0)",
-            field="p0_scale",
+            f"Invalid beta: {beta!r} ({type(beta).__name__}; must be a number in (0, 1); the paper uses 0.95)",
+            field="beta",
             owner=LoKO,
         )
-    if group["p0_init"] not in P0_INITS:
+    if rcond is not None and not (real_number(rcond) and 0.0 <= rcond < 1.0):
+        raise ConfigError(f"Invalid rcond: {rcond} (must lie in [0, 1))", field="rcond", owner=LoKO)
+    built = get_filter(spec, owner=LoKO)
+    allowed = built.r_estimators(observed)
+    if r_estimator is not None and r_estimator not in R_ESTIMATORS:
         raise ConfigError(
-            f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=LoKO
+            f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
+            field="r_estimator",
+            owner=LoKO,
         )
-    TimeUpdate.of_group(group).validate(owner=LoKO)
+    if isinstance(spec, str) and built.estimates_noise:  # a name: the settings given here build it
+        settings = {"beta": beta, "r_estimator": r_estimator or allowed[0], "rcond": rcond}
+        built = get_filter(spec, owner=LoKO, **{key: value for key, value in settings.items() if value is not None})
+    elif built.estimates_noise:  # an instance or a config owns its settings
+        for key, value in given.items():
+            if value is not None and getattr(built, key) != value:
+                raise ConfigError(
+                    f"Invalid {key}: {value!r} here, but the filter given ({built.spec}) has {key}="
+                    f"{getattr(built, key)!r}: a setting has one owner; set it on the filter, not on LoKO as well",
+                    field=key,
+                    owner=LoKO,
+                )
+    chosen = getattr(built, "r_estimator", None) or r_estimator or allowed[0]
+    if chosen not in allowed:
+        raise ConfigError(
+            f"Invalid r_estimator: {chosen!r} does not apply to observation {observed.spec!r} with filter "
+            f"{built.spec!r} ({R_ESTIMATORS[chosen].doc}); choose one of {allowed}",
+            field="r_estimator",
+            owner=LoKO,
+        )
+    return built

@@ -48,7 +48,9 @@ def loko_update(
             :class:`FactoredJacobian` (the rows :attr:`LoKO.observation <loko_lightning.LoKO>` asks for).
         state: the filter state, updated in place: ``"cov"``, the per-parameter ``p̂`` (their dtype is the
             arithmetic's); ``"R"``, the ``m x m`` observation noise (the covariance filter); ``"step"``, the 0-d
-            integer count of applied updates; ``"W"``, the per-parameter ``(numel, L)`` low-rank factors (LoFi).
+            integer count of applied updates; and the filter's own per-entry states
+            (:meth:`~loko_lightning.kalman.filters.Filter.entries`, e.g. LoFi's ``"W"``, the per-parameter
+            ``(numel, L)`` low-rank factors).
         prediction: ``ŷ``, shape ``(m,)`` (``B·m`` stacked for a joint step).
         target: ``y``, like ``prediction``.
         filter: a :class:`~loko_lightning.kalman.filters.Filter` or its name (the covariance filter by name has the
@@ -66,21 +68,36 @@ def loko_update(
     updates = [time_update or TimeUpdate()] * len(params)
     plan = UpdatePlan(jacobians, [p.shape for p in params], covs[0].dtype, covs[0].device, samples, updates)
     flat = plan.flatten(covs)
-    low_rank = None
-    if filter.low_rank():
-        if "W" not in state:
-            raise ValueError(f"Invalid state: filter {filter.spec!r} keeps the low-rank factor W: give state['W']")
-        low_rank = plan.flatten_rows(state["W"])
-    belief = Belief(flat, state.get("R"), state["step"], low_rank)
+    missing = [key for key in filter.entries() if key not in state]
+    if missing:
+        raise ValueError(
+            f"Invalid state: filter {filter.spec!r} keeps {', '.join(missing)} per parameter (Filter.entries): give "
+            f"state[{missing[0]!r}], zeros at first"
+        )
+    entries = {key: _flatten(plan, state[key], columns) for key, columns in filter.entries().items()}
+    belief = Belief(flat, state.get("R"), state["step"], entries=entries)
     proposal = filter.propose(plan, Evidence(prediction, target, jacobians), belief)
     applied = plan.apply(params, flat, proposal.posterior, proposal.finite)
     filter.commit(proposal, applied, belief)
     state["step"].add_(applied.to(state["step"].dtype))
     torch._foreach_copy_(covs, plan.views(flat))
-    if low_rank is not None:
-        plan.scatter_rows(low_rank, state["W"])
+    for key, columns in filter.entries().items():
+        _scatter(plan, entries[key], state[key], columns)
     cond = proposal.cond
     if cond is None:  # no system solved (the information forms)
         cond = torch.full((), float("nan"), dtype=plan.dtype, device=plan.device)
     diagnostics = {"applied": applied, "innovation_norm": torch.linalg.vector_norm(proposal.innovation), "cond": cond}
     return {**diagnostics, **plan.statistics(flat)}
+
+
+def _flatten(plan: UpdatePlan, blocks: Sequence[Tensor], columns: int) -> Tensor:
+    """A filter's per-entry state, per parameter, as one flat tensor in the plan's order."""
+    return plan.flatten_rows(blocks) if columns else plan.flatten(blocks)
+
+
+def _scatter(plan: UpdatePlan, flat: Tensor, blocks: Sequence[Tensor], columns: int) -> None:
+    """Copy a flat per-entry state back into its per-parameter tensors."""
+    if columns:
+        plan.scatter_rows(flat, blocks)
+    else:
+        torch._foreach_copy_(list(blocks), plan.views(flat))

@@ -23,6 +23,7 @@ from torchmetrics.classification import (
 )
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.filters import get_filter
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checks import (
     check_schedule_length,
@@ -435,9 +436,9 @@ class OnlineClassifier(pl.LightningModule):
                 parameter = self.get_parameter(names[i])
                 parameter.copy_(saved_state[names[i]].to(parameter.device, parameter.dtype))
         kept = "their weights"
-        saved_filter = (checkpoint.get("optimizer_states") or [{}])[0].get("state") or {}
-        low_rank = any("W" in entry for entry in saved_filter.values())
-        if self.is_kalman and self.select is None and saved_filter and not low_rank:
+        saved_optimizer = (checkpoint.get("optimizer_states") or [{}])[0]
+        saved_filter = saved_optimizer.get("state") or {}
+        if self.is_kalman and self.select is None and saved_filter and _covariance_alone(saved_optimizer):
             optimizer = self.optimizers()
             optimizer = getattr(optimizer, "optimizer", optimizer)
             trainable = self.trainable_parameters
@@ -564,6 +565,18 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
         self._eval_step(batch, "test", self.test_metrics)
+
+
+def _covariance_alone(state: dict[str, Any]) -> bool:
+    """Whether a saved LoKO state's ``p̂`` is its filter's whole belief about each parameter (it carries over alone).
+
+    Not where the filter keeps a per-entry state besides it (LoFi's ``W`` couples every parameter).
+    """
+    spec = ((state.get("param_groups") or [{}])[0]).get("filter", "covariance")
+    try:
+        return not get_filter(spec).entries()
+    except ConfigError:  # a filter this package does not know: its state cannot be read here
+        return False
 
 
 def _check_head_size(checkpoint: dict[str, Any], num_classes: int) -> None:

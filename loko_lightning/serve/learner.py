@@ -40,20 +40,6 @@ from loko_lightning.learner.steps import save_served_weights
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
 
 # The LoKO arguments a checkpoint's param group holds (the others, dtype and seed, are read from the state).
-LOKO_GROUP_KEYS = (
-    "p0",
-    "p0_init",
-    "beta",
-    "r_estimator",
-    "process_noise",
-    "p_floor",
-    "shrinkage",
-    "inflation",
-    "forgetting",
-    "rcond",
-    "observation",
-    "filter",
-)
 # A checkpoint's own keys that describe a training run's loops, not the learner: left out of a serving checkpoint.
 RUN_KEYS = ("loops", "callbacks", "lr_schedulers")
 # The keys a serving checkpoint writes afresh (not kept from the checkpoint it was read from).
@@ -370,13 +356,9 @@ def _saved_loko(
         )
     if state is None or not state.get("param_groups"):
         return functools.partial(LoKO, average=average) if average else LoKO
-    group = state["param_groups"][0]
-    kwargs = {key: group[key] for key in LOKO_GROUP_KEYS if key in group}
+    kwargs = LoKO.arguments(state)  # the filter with its settings, the prior, the time update and the dtype
     if average:
         kwargs["average"] = average
-    shared = next((values for values in state.get("state", {}).values() if "R" in values), None)
-    if shared is not None:
-        kwargs["dtype"] = shared["R"].dtype
     if not isinstance(kwargs.get("p0"), (int, float)):
         raise ConfigError(
             f"the checkpoint's LoKO has p0={kwargs.get('p0')!r}, not a number; pass the optimizer to use",

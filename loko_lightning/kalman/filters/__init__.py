@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import fields, replace
 from functools import partial
+from typing import Any
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
@@ -49,28 +51,47 @@ FILTERS: dict[str, Callable[..., Filter]] = {
 }
 
 
-def get_filter(spec: str | Filter, *, owner: type | None = None, **covariance: object) -> Filter:
-    """A :class:`Filter` from its name in :data:`FILTERS` or ``lofi<L>[_empirical]`` (or the instance itself).
+def get_filter(spec: str | Filter | dict[str, Any], *, owner: type | None = None, **settings: Any) -> Filter:
+    """A :class:`Filter` from its name, from its :meth:`Filter.config`, or the instance itself.
+
+    The names are those of :data:`FILTERS` and ``lofi<L>[_empirical|_sampled]``; a config is
+    ``{"name": ..., **settings}``, what a checkpoint saves.
 
     Args:
-        spec: the name, or a :class:`Filter`.
+        spec: the name, a config, or a :class:`Filter`.
         owner: the class whose ``filter`` argument this is, for the error.
-        covariance: ``beta``, ``r_estimator`` and ``rcond`` for the covariance filter (ignored by the others).
+        settings: the family's settings with a name (e.g. the covariance filter's ``beta``, ``r_estimator``,
+            ``rcond``); a config carries its own.
 
     Raises:
-        ConfigError: an unknown name (``field="filter"``).
+        ConfigError: an unknown name, or a setting the family does not have (``field="filter"``).
     """
     if isinstance(spec, Filter):
         return spec
+    if isinstance(spec, dict):
+        settings = {**{key: value for key, value in spec.items() if key != "name"}, **settings}
+        spec = spec.get("name")
     lofi = re.fullmatch(r"lofi(\d+)(?:_(empirical|sampled))?", spec) if isinstance(spec, str) else None
     if lofi is not None:
-        return LowRankPrecision(rank=int(lofi[1]), fisher=lofi[2] or "exact")
-    build = FILTERS.get(spec) if isinstance(spec, str) else None
-    if build is None:
+        built: Filter = LowRankPrecision(rank=int(lofi[1]), fisher=lofi[2] or "exact")
+    else:
+        build = FILTERS.get(spec) if isinstance(spec, str) else None
+        if build is None:
+            raise ConfigError(
+                f"Invalid filter: {spec!r} (expected one of {tuple(FILTERS)}, lofi<rank> such as lofi10, "
+                "lofi<rank>_empirical, lofi<rank>_sampled, or a Filter)",
+                field="filter",
+                owner=owner,
+            )
+        built = build()
+    if not settings:
+        return built
+    known = {f.name for f in fields(built)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
         raise ConfigError(
-            f"Invalid filter: {spec!r} (expected one of {tuple(FILTERS)}, lofi<rank> such as lofi10, "
-            "lofi<rank>_empirical, lofi<rank>_sampled, or a Filter)",
+            f"Invalid filter: {built.spec!r} has no setting {', '.join(unknown)} (its settings: {sorted(known)})",
             field="filter",
             owner=owner,
         )
-    return build(**covariance) if build is Covariance else build()
+    return replace(built, **settings)

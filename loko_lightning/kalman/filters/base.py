@@ -5,19 +5,28 @@ form, a low-rank plus diagonal precision); the observation (:mod:`loko_lightning
 The optimizer runs one pipeline for every filter: it stacks the step's observations, builds the layout's
 :class:`~loko_lightning.kalman.plan.UpdatePlan`, asks the filter for a :class:`Proposal`, applies the proposed mean
 and ``p̂`` (:meth:`UpdatePlan.apply`, or the sharded exchange's all-gather) and lets the filter :meth:`Filter.commit`
-its own state (``R``, ``W``) under the same decision.
+its own state (``R``, ``W``, ``Σ``) under the same decision.
+
+A filter owns its state besides ``p̂``: it declares the per-entry tensors it keeps (:meth:`Filter.entries`, e.g.
+LoFi's ``W``: the optimizer keeps them flat in the plan's order, zeros at first, and hands them over in
+:attr:`Belief.entries`), creates its per-parameter state when a parameter joins (:meth:`Filter.init_param`, e.g. the
+shared rows' ``Σ``), names every key it keeps (:meth:`Filter.state_keys`) and checks a saved one
+(:meth:`Filter.check_param`). Its settings are its dataclass fields (:meth:`Filter.config`), so a checkpoint rebuilds
+the very filter that was fitted (:func:`~loko_lightning.kalman.filters.get_filter` takes that config back).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.kalman.plan import UpdatePlan
+from loko_lightning.kalman.state import check_block
 from loko_lightning.observation import Observation
 
 __all__ = ["Belief", "Evidence", "Filter", "Proposal", "Reduce"]
@@ -52,16 +61,17 @@ class Belief:
         cov: ``p̂`` (the diagonal of the covariance, or of the inverse of the diagonal precision), ``(n,)``.
         R: the observation noise ``R_{k-1}`` (``m x m``), for filters that estimate it.
         step: the number of updates applied so far (0-d integer tensor).
-        low_rank: the low-rank factor ``W`` of the precision, ``(n, L)``, for the filters that keep one.
         shared_rows: the full covariance ``Σ`` shared by the rows of each parameter of :attr:`UpdatePlan.rows`
             (in its order), for the filters that keep them.
+        entries: the filter's own per-entry state (:meth:`Filter.entries`) by key, flat in the plan's order:
+            ``(n,)`` or ``(n, columns)`` (LoFi's low-rank factor ``W``, ``(n, L)``).
     """
 
     cov: Tensor
     R: Tensor | None
     step: Tensor
-    low_rank: Tensor | None = None
     shared_rows: Sequence[Tensor] = ()
+    entries: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,8 +86,8 @@ class Proposal:
         innovation: ``e = y − ŷ`` (stacked).
         R: the new observation noise ``R_k``, for filters that estimate it.
         cond: the condition number of the solved system's kept spectrum (``None`` where none is solved).
-        low_rank: the new ``W``, for filters that keep one.
         shared_rows: the new ``Σ`` of each parameter of :attr:`UpdatePlan.rows`.
+        entries: the new values of the filter's own per-entry state, by key (written by :meth:`Filter.commit`).
     """
 
     posterior: Tensor
@@ -85,8 +95,8 @@ class Proposal:
     innovation: Tensor
     R: Tensor | None = None
     cond: Tensor | None = None
-    low_rank: Tensor | None = None
     shared_rows: Sequence[Tensor] = ()
+    entries: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 class Filter:
@@ -125,9 +135,41 @@ class Filter:
         """The observation-noise estimators that apply with ``observation``; the first is the default."""
         return observation.r_estimators
 
-    def low_rank(self) -> int:
-        """The columns of the low-rank factor ``W`` the filter keeps per parameter (0: none)."""
-        return 0
+    def config(self) -> dict[str, Any]:
+        """The filter as :func:`~loko_lightning.kalman.filters.get_filter` rebuilds it.
+
+        ``{"name": spec}`` and, for a registered family, its settings (its dataclass fields, e.g. the covariance
+        filter's ``beta``).
+        """
+        settings = {f.name: getattr(self, f.name) for f in fields(self)} if is_dataclass(self) else {}
+        return {"name": self.spec, **settings}
+
+    def entries(self) -> dict[str, int]:
+        """The filter's own per-entry state besides ``p̂``: key → columns.
+
+        0 columns: one value per entry, shaped like the parameter; ``L``: a ``(numel, L)`` block. The optimizer
+        creates them as zeros in ``p̂``'s dtype, keeps them flat in the plan's order (:attr:`Belief.entries`) and
+        saves them; :meth:`commit` writes them.
+        """
+        return {}
+
+    def init_param(self, param: Tensor, cov: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
+        """The filter's own per-parameter state (besides its :meth:`entries`) when ``param`` joins.
+
+        ``cov`` is its ``p̂₀`` (which the filter may adjust in place), ``group`` its param group.
+        """
+        return {}
+
+    def state_keys(self) -> frozenset[str]:
+        """Every per-parameter key of the filter's own state (its :meth:`entries` and what :meth:`init_param` makes)."""
+        return frozenset(self.entries())
+
+    def check_param(self, index: int, param: Tensor, state: Mapping[str, Any]) -> None:
+        """Refuse a saved per-parameter state of the wrong shape (``ValueError`` naming the parameter's index)."""
+        for key, columns in self.entries().items():
+            if key in state:
+                shape = (param.numel(), columns) if columns else tuple(param.shape)
+                check_block(index, f"{key!r} ({self.spec})", state[key], shape)
 
     def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """The change of the belief for the step's stacked observation.
@@ -141,4 +183,10 @@ class Filter:
         raise NotImplementedError
 
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
-        """Write the filter's own state (``R``, ``W``) where the step was applied (the optimizer writes θ̃, p̂)."""
+        """Write the filter's own state where the step was applied (the optimizer writes θ̃, p̂).
+
+        By default: every one of its :meth:`entries` that the proposal holds.
+        """
+        for key, value in proposal.entries.items():
+            old = belief.entries[key]
+            torch.where(applied, value, old, out=old)

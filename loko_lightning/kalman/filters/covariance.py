@@ -17,8 +17,9 @@ float64 specification is :func:`loko_lightning.kalman.reference.loko_step_refere
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -26,6 +27,7 @@ from torch import Tensor
 from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
 from loko_lightning.kalman.noise import REstimator, observation_noise
 from loko_lightning.kalman.plan import UpdatePlan
+from loko_lightning.kalman.state import check_block
 
 __all__ = ["Covariance", "psd_pinv"]
 
@@ -131,6 +133,37 @@ class Covariance(Filter):
         return Proposal(
             posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond, shared_rows=shared_rows
         )
+
+    def init_param(self, param: Tensor, cov: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
+        """With the group's ``shared_rows``: ``Σ₀`` = the diagonal of the rows' mean ``p̂₀``.
+
+        And ``p̂₀ = diag(Σ₀)`` on every row (``cov`` made so in place).
+        """
+        if not group.get("shared_rows"):
+            return {}
+        mean = cov.reshape(param.shape[0], -1).mean(0)
+        cov.view(param.shape[0], -1).copy_(mean[None].expand(param.shape[0], -1))
+        return {"row_cov": torch.diag(mean)}
+
+    def state_keys(self) -> frozenset[str]:
+        """``row_cov``: the ``Σ`` of a shared-rows parameter (``cols x cols``)."""
+        return frozenset({"row_cov"})
+
+    def check_param(self, index: int, param: Tensor, state: Mapping[str, Any]) -> None:
+        """A saved ``Σ`` must be ``cols x cols`` for its parameter."""
+        if "row_cov" in state:
+            cols = param.numel() // param.shape[0] if param.dim() else 1
+            check_block(index, "shared row covariance", state["row_cov"], (cols, cols))
+
+    def row_cov(self, param: Tensor, state: dict[str, Any], dtype: torch.dtype) -> Tensor:
+        """The ``Σ`` shared by ``param``'s rows; from ``p̂`` (the diagonal of its rows' mean) when a state holds none.
+
+        :meth:`init_param` always makes one and a state with the other ``shared_rows`` is refused on load, so only a
+        state dict written without ``row_cov`` for a shared group gets here; its ``Σ`` starts as a new one does.
+        """
+        if "row_cov" not in state:
+            state["row_cov"] = torch.diag(state["cov"].reshape(param.shape[0], -1).mean(0).to(dtype))
+        return state["row_cov"]
 
     def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
         """``R_k`` and the shared rows' ``Σ`` where the step was applied."""

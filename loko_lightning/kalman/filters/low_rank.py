@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
@@ -79,14 +78,14 @@ class LowRankPrecision(Filter):
         """``("softmax",)``: the categorical noise."""
         return FisherRows.r_estimators
 
-    def low_rank(self) -> int:
-        """``rank``."""
-        return self.rank
+    def entries(self) -> dict[str, int]:
+        """``{"W": rank}``: the low-rank factor of the precision, ``(numel, rank)`` per parameter (zeros at first)."""
+        return {"W": self.rank}
 
     def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """The update (into :attr:`UpdatePlan.update`), ``1/υ_k`` and ``W_k`` without writing any state."""
         dtype, n = plan.dtype, plan.n
-        low_rank = belief.low_rank
+        low_rank = belief.entries["W"]
         prior = plan.time.prior(belief.cov)
         innovation = evidence.target.to(dtype) - evidence.prediction.to(dtype)
         rows = plan.rows_matrix(evidence.blocks).view(plan.samples, plan.m // plan.samples, n)
@@ -113,8 +112,4 @@ class LowRankPrecision(Filter):
         kept = rotated[:, rotated.shape[1] - rank :]
         plan.time.covariance(posterior)
         kept = plan.time.low_rank(kept)
-        return Proposal(posterior=posterior, finite=finite, innovation=innovation, low_rank=kept)
-
-    def commit(self, proposal: Proposal, applied: Tensor, belief: Belief) -> None:
-        """``W_k`` where the step was applied."""
-        torch.where(applied, proposal.low_rank, belief.low_rank, out=belief.low_rank)
+        return Proposal(posterior=posterior, finite=finite, innovation=innovation, entries={"W": kept})
