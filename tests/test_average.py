@@ -108,3 +108,71 @@ def test_loko_fit_with_an_average_checkpoints_the_average_and_resumes_exactly(tm
     assert any(not torch.equal(weights[key], theta[key]) for key in theta)
     nll = [key for key in full["state_dict"] if key.startswith("nll.")]
     assert nll and any(not torch.equal(full["state_dict"][key], paper["state_dict"][key]) for key in nll)
+
+
+def test_a_skipped_step_moves_neither_the_mean_nor_its_average():
+    """A non-finite prediction is skipped: θ did not move, so θ̄ must not move towards it either (the average lerps
+    only on applied steps; a lerp on every step pulled θ̄ towards θ on a skipped one)."""
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.5, seed=3, average=0.8)
+    stream = list(teacher_stream(6))
+    _train(model, opt, stream[:5])
+    theta = [p.detach().clone() for p in model.parameters()]
+    averages = [opt.state[p]["average"].clone() for p in model.parameters()]
+    assert any(not torch.equal(a, t) for a, t in zip(averages, theta, strict=True))  # θ̄ ≠ θ: a lerp would move it
+    engine = JacobianEngine(model, observation=opt.observation)
+    x, y = stream[5]
+    prediction, target, jacobians = engine.observe(x, y.argmax()[None])
+    bad = prediction.clone()
+    bad[0] = float("nan")
+    opt.step(lambda: (bad, target, jacobians))
+    assert not bool(opt.diagnostics["applied"]) and int(opt.diagnostics["skipped"]) == 1
+    for param, before, average in zip(model.parameters(), theta, averages, strict=True):
+        assert torch.equal(param.detach(), before) and torch.equal(opt.state[param]["average"], average)
+    # The next applied step continues the average as if the skipped one had not been there.
+    opt.step(lambda: (prediction, target, jacobians))
+    twin = mlp()
+    twin_opt = LoKO(twin.parameters(), p0=0.5, seed=3, average=0.8)
+    _train(twin, twin_opt, stream)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["average"], twin_opt.state[q]["average"])
+
+
+def test_the_learner_scores_each_sample_with_the_average_it_had_before_that_sample(monkeypatch):
+    """The prequential contract at the learner level: the prediction the online metrics score for sample t is made by
+    the averaged parameters θ̄ as they were before sample t's update (the model a user would have been served).
+
+    Recorded independently of the learner's step: just before each LoKO.step, the network's prediction under
+    ``averaged()``. A prediction made after the update (a look-ahead) differs from it, because θ̄ moves every step."""
+    from runs import loader, stream, tiny, trainer
+
+    from loko_lightning.learner.module import OnlineClassifier
+
+    torch.manual_seed(0)
+    module = tiny(average=0.9, seed=0)
+    batches, before, scored = [], [], []
+    original_step, original_log = LoKO.step, OnlineClassifier._log_online
+    original_training_step = OnlineClassifier.training_step
+
+    def training_step(self, batch, batch_idx):
+        batches.append(batch)
+        return original_training_step(self, batch, batch_idx)
+
+    def step(self, closure=None):
+        with torch.no_grad(), self.averaged():
+            logits = module.network(batches[-1]["inputs"])
+            before.append(self.observation.predict(logits.reshape(1, -1)).detach().clone())
+        return original_step(self, closure)
+
+    def log_online(self, prediction, label, applied, elapsed):
+        scored.append(prediction.detach().clone())
+        return original_log(self, prediction, label, applied, elapsed)
+
+    monkeypatch.setattr(OnlineClassifier, "training_step", training_step)
+    monkeypatch.setattr(LoKO, "step", step)
+    monkeypatch.setattr(OnlineClassifier, "_log_online", log_online)
+    trainer().fit(module, loader(stream(6)))
+    assert len(scored) == len(before) == 6
+    for t, (got, want) in enumerate(zip(scored, before, strict=True)):
+        assert torch.equal(got, want.to(got.dtype)), t
+    assert not torch.equal(before[-1], before[-2])  # θ̄ moved between the samples: a look-ahead would show

@@ -373,3 +373,17 @@ def test_reference_pinv_and_fast_pinv_drop_the_same_null_direction():
     with pytest.raises(ValueError, match="Invalid r_estimator"):
         loko_step_reference(torch.zeros(4), torch.ones(4), S, a, torch.zeros(5), torch.zeros(5), 1, beta=0.9,
                             r_estimator="kalman")  # fmt: skip
+
+
+def test_the_posterior_floor_holds_where_one_observation_determines_a_parameter():
+    """One parameter, observed exactly (e = 0, the residual R = e eᵀ = 0): the gain is 1 and (KH)_ii = 1 in exact
+    arithmetic, so p̂ would be 0 (or below it by a rounding) and the parameter frozen for good; the update keeps
+    p̂ = eps · p̂_prior instead (the clamp of the step's posterior, reached here for every Jacobian value)."""
+    eps = torch.finfo(torch.float64).eps
+    for h in (0.7, 1.3, 3.1, 1e3):
+        param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        opt = LoKO([param], p0=0.5, p0_init="constant", observation="regression", r_estimator="residual")
+        prediction = torch.zeros(1, dtype=torch.float64)
+        opt.step(lambda h=h, prediction=prediction: (prediction, prediction.clone(), [torch.full((1, 1), h).double()]))
+        assert bool(opt.diagnostics["applied"])
+        assert torch.equal(opt.state[param]["cov"], torch.full((1,), eps * 0.5, dtype=torch.float64)), h

@@ -6,6 +6,7 @@ test_observation.py, a new backbone family in test_factory.py, a new data source
 
 import copy
 
+import pytest
 import torch
 from loko_helpers import flat, mlp, teacher_stream
 
@@ -90,3 +91,78 @@ def test_the_time_update_is_built_from_each_param_group():
     assert updates[2] == TimeUpdate(process_noise=1e-3, forgetting=0.01, reference=0.5 / 7)  # fan_in of the weight
     assert updates[3].reference == 0.5  # a bias: fan_in 1
     assert set(TimeUpdate.group_keys()) <= set(opt.defaults)
+
+
+class AccumulatedGain(Filter):
+    """A toy *stateful* family: a per-entry buffer ``info`` (the running sum of the squared gradient of the label's
+    log-probability) that the filter declares, and the step ``p̂ ⊙ d / (1 + p̂ ⊙ info)`` (AdaGrad-like). It touches no
+    package file: the optimizer creates, flattens, saves, loads and checks the buffer because the family declares it."""
+
+    name = "accumulated_gain"
+
+    def observe(self, observation):
+        return categorical_rows(observation, "empirical", type(self))
+
+    def r_estimators(self, observation):
+        return ("softmax",)
+
+    def entries(self):
+        return {"info": 0}
+
+    def propose(self, plan, evidence, belief, reduce=None):
+        prior = plan.time.prior(belief.cov)
+        direction = plan.rows_matrix(evidence.blocks).sum(0)
+        info = belief.entries["info"] + direction.square()
+        torch.div(prior * direction, 1 + prior * info, out=plan.update)
+        innovation = evidence.target.to(plan.dtype) - evidence.prediction.to(plan.dtype)
+        finite = torch.isfinite(innovation).all() & torch.isfinite(info).all()
+        return Proposal(plan.work.copy_(prior), finite, innovation, entries={"info": info})
+
+
+def _by_hand(model, stream, p0):
+    """AccumulatedGain written out: autograd's gradient and one buffer per parameter."""
+    info = [torch.zeros_like(p) for p in model.parameters()]
+    for x, y in stream:
+        loss = torch.nn.functional.cross_entropy(model(x), y.argmax()[None])
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        with torch.no_grad():
+            for param, grad, acc in zip(model.parameters(), grads, info, strict=True):
+                acc.add_(grad.square())
+                param.sub_(p0 * grad / (1 + p0 * acc))
+    return info
+
+
+def test_a_new_stateful_filter_family_gets_its_state_kept_saved_and_checked():
+    """Through LoKO: the same run as by hand (float64: the same sums in another order), the buffer in the state dict;
+    a resume from the state dict continues bit for bit; a skipped step leaves the buffer alone; a saved buffer of
+    another shape is refused, naming the parameter."""
+    model, twin, resumed_model = mlp(), mlp(), mlp()
+    stream = list(teacher_stream(10))
+    opt = LoKO(model.parameters(), p0=0.05, p0_init="constant", filter=AccumulatedGain())
+    engine = JacobianEngine(model, observation=opt.observation)
+    for x, y in stream[:5]:
+        opt.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
+    state = copy.deepcopy(opt.state_dict())
+    assert all("info" in entry for entry in state["state"].values())
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = LoKO(resumed_model.parameters(), p0=0.05, p0_init="constant", filter=AccumulatedGain())
+    resumed.load_state_dict(state)
+    resumed_engine = JacobianEngine(resumed_model, observation=resumed.observation)
+    for x, y in stream[5:]:
+        opt.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))
+        resumed.step(lambda x=x, y=y: resumed_engine.observe(x, y.argmax()[None]))
+    info = _by_hand(twin, stream, 0.05)
+    torch.testing.assert_close(flat(model.parameters()), flat(twin.parameters()), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(flat(opt.state[p]["info"] for p in model.parameters()), flat(info), rtol=1e-12, atol=0)
+    for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(p, q) and torch.equal(opt.state[p]["info"], resumed.state[q]["info"])
+    # A skipped step: nothing moves, the buffer included.
+    buffers = [opt.state[p]["info"].clone() for p in model.parameters()]
+    prediction, target, jacobians = engine.observe(*stream[0][:1], stream[0][1].argmax()[None])
+    opt.step(lambda: (prediction * float("nan"), target, jacobians))
+    assert not bool(opt.diagnostics["applied"])
+    assert all(torch.equal(opt.state[p]["info"], b) for p, b in zip(model.parameters(), buffers, strict=True))
+    # Another model's buffer is refused.
+    state["state"][0]["info"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"parameter 0's 'info' \(accumulated_gain\) has shape \(3,\)"):
+        LoKO(mlp().parameters(), filter=AccumulatedGain()).load_state_dict(state)

@@ -21,6 +21,13 @@ analysis with eps = eps(float32) = 2u (a factor 2 for the second-order terms):
 - the head's rows sharing one full Σ (``shared_head``): the covariance form's bounds, and each entry of the new Σ
   within ``10·cond(S)·eps`` of Σ's largest entry (its correction ``Σ R N̄ Rᵀ Σ`` comes from the same solve and is no
   larger than Σ);
+- the regression observation: the covariance form's bounds (raw outputs, the Taylor R);
+- the sampled Fisher (``natural_sampled``, ``lofi3_sampled``): the information form's and LoFi's bounds with their
+  two rows (both sides read the same drawn label's rows);
+- every time update at once (``time_update``: process noise q, shrinkage λ, inflation α, stabilised forgetting γ
+  and a floor): the covariance form's bounds on the prior ``p̂ + q``, scaled by ``1 + α``, plus four roundings of
+  ``p̂`` (``+ q``, ``× (1 + α)``, forgetting's product and quotient, whose derivative is at most ``1/(1 − γ)``) and
+  one more of ``θ`` (``× (1 − λ)``);
 - the final ``θ + Δθ`` rounds once more: ``eps·|θ|`` per entry.
 
 Every step must be applied, every parameter tensor must move and LoFi's W must take each step's information.
@@ -35,7 +42,21 @@ from loko_helpers import SmallConvNet, conv_stream, flat, variant
 from loko_lightning import JacobianEngine, LoKO
 
 EPS = torch.finfo(torch.float32).eps
-VARIANTS = ["covariance", "topk2", "natural", "natural_exact", "lofi3", "lofi3_empirical", "shared_head"]
+VARIANTS = [
+    "covariance",
+    "topk2",
+    "regression",
+    "natural",
+    "natural_exact",
+    "natural_sampled",
+    "lofi3",
+    "lofi3_empirical",
+    "lofi3_sampled",
+    "shared_head",
+    "time_update",
+]
+# The time_update variant's process model (small enough that the prior stays the filter's, large enough to matter).
+TIME_UPDATE = {"process_noise": 1e-3, "shrinkage": 1e-2, "inflation": 1e-2, "forgetting": 1e-2, "p_floor": 1e-6}
 
 
 def _loko(model, name):
@@ -43,6 +64,8 @@ def _loko(model, name):
     if name == "shared_head":
         groups = [{"params": [p], "shared_rows": n == "head.weight"} for n, p in model.named_parameters()]
         return LoKO(groups, p0=0.3, seed=3)
+    if name == "time_update":
+        return LoKO(model.parameters(), p0=0.3, seed=3, **TIME_UPDATE)
     return LoKO(model.parameters(), p0=0.3, seed=3, **variant(name))
 
 
@@ -91,8 +114,9 @@ def test_a_float32_run_stays_within_the_rounding_bound_of_float64(name):
         model32 = copy.deepcopy(model).float()
         opt32 = _loko(model32, name)
         opt32.load_state_dict(_cast(opt64.state_dict(), torch.float32))
+        label = y.float()[None] if name == "regression" else y.argmax()[None]  # a regression's target: the values
         with JacobianEngine(model32, observation=opt32.observation, factorize=True) as engine:
-            prediction, target, blocks = engine.observe(x.float(), y.argmax()[None])
+            prediction, target, blocks = engine.observe(x.float(), label)
         params64 = list(model.parameters())
         theta0 = flat(params64).detach().clone()
         prior = flat(opt64.state[p]["cov"] for p in params64).clone()
@@ -112,7 +136,13 @@ def test_a_float32_run_stays_within_the_rounding_bound_of_float64(name):
         p64 = flat(opt64.state[p]["cov"] for p in params64)
         p32 = flat(opt32.state[p]["cov"] for p in model32.parameters()).double()
         theta_error = (theta32 - theta64).abs() - EPS * theta64.abs()
-        if name in ("covariance", "topk2", "shared_head"):
+        if name == "time_update":
+            cond = float(opt64.diagnostics["cond"])
+            q, alpha, gamma = (TIME_UPDATE[key] for key in ("process_noise", "inflation", "forgetting"))
+            bound = 10 * cond * EPS * (prior + q) * (1 + alpha) / (1 - gamma) + 4 * EPS * p64
+            assert ((p32 - p64).abs() <= bound).all()
+            assert (theta_error <= 10 * cond * EPS * step + EPS * theta64.abs()).all()
+        elif name in ("covariance", "topk2", "regression", "shared_head"):
             cond = float(opt64.diagnostics["cond"])
             assert (theta_error <= 10 * cond * EPS * step).all(), (cond, float(theta_error.max() / step / EPS))
             assert ((p32 - p64).abs() <= 10 * cond * EPS * prior).all()

@@ -318,3 +318,28 @@ def test_a_selection_refuses_what_it_cannot_run_exactly(trainer_state, message):
     check_selection_trainer(
         SimpleNamespace(world_size=1, precision_plugin=SimpleNamespace(), precision="bf16-mixed"), owner=None
     )
+
+
+def test_the_scored_prediction_is_the_leader_s_from_before_the_sample_when_the_lead_changes(monkeypatch):
+    """The leader after scoring sample t may differ from the one before it; the learner's prediction for t must be the
+    one of the leader on the samples before t (a look-ahead would take the new leader's). The stream and candidates are
+    chosen so that the lead does change (checked: on this stream it passes from p0=0.01 to 1e-6 and back twice)."""
+    leaders, candidates = [], []
+    original_record = CandidateStates.record
+
+    def record(self, results):
+        leaders.append(self.leader)
+        candidates.append([result[0].detach().clone() for result in results])
+        original_record(self, results)
+        leaders[-1] = (leaders[-1], self.leader)
+
+    monkeypatch.setattr(CandidateStates, "record", record)
+    torch.manual_seed(0)
+    module = tiny_selecting(Candidates("p0", (0.01, 1e-6), samples=12))
+    scored = predictions_of(module, stream(12), monkeypatch)
+    changes = [t for t, (before, after) in enumerate(leaders) if before != after]
+    assert changes, leaders  # the lead changed at least once: the test can see a look-ahead
+    for t, (before, _) in enumerate(leaders):
+        assert torch.equal(scored[t], candidates[t][before]), t
+    t = changes[0]
+    assert not torch.equal(candidates[t][leaders[t][0]], candidates[t][leaders[t][1]])

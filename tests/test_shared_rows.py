@@ -18,7 +18,7 @@ from runs import loader, outputs, stream, trainer
 from test_multistream import batch_closure, batches
 from torch.func import functional_call, jacrev
 
-from loko_lightning import LoKO
+from loko_lightning import LoKO, jacobian
 from loko_lightning.cli import main
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.reference import shared_rows_step_reference
@@ -264,3 +264,28 @@ def test_loko_fit_checkpoints_and_serves_a_shared_head_covariance(tmp_path):
     served = ServingLearner.from_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     served_sigmas = [s["row_cov"] for s in served.optimizer.state.values() if "row_cov" in s]
     assert len(served_sigmas) == 1 and torch.equal(served_sigmas[0], sigmas[0])
+
+
+def test_a_skipped_step_leaves_the_shared_rows_covariance_alone():
+    """A non-finite prediction is skipped: θ̃, p̂, R and the head's Σ keep their values (the filter commits Σ only where
+    the step is applied; the proposal for a skipped step still holds a changed Σ, so writing it would show)."""
+    model = mlp()
+    opt = mlp_optimizer(model)
+    samples = list(teacher_stream(6))
+    for x, y in samples[:5]:
+        opt.step(loko_closure(model, x, y))
+    before = copy.deepcopy(opt.state_dict()["state"])
+    theta = [p.detach().clone() for p in model.parameters()]
+    x, y = samples[5]
+    prediction, jacobians = jacobian(model, x)
+    bad = prediction.detach().clone()
+    bad[1] = float("nan")
+    opt.step(lambda: (bad, y, jacobians))
+    assert not bool(opt.diagnostics["applied"])
+    after = opt.state_dict()["state"]
+    for index, state in before.items():
+        for key, value in state.items():
+            expected = value + 1 if key == "skipped" else value
+            assert torch.equal(after[index][key], expected), (index, key)
+    assert "row_cov" in after[2]
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), theta, strict=True))
