@@ -383,7 +383,9 @@ class LoKO(torch.optim.Optimizer):
         average and arithmetic dtype.
         """
         groups = [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups]
-        return {"groups": groups, "filter": self.filter, "average": self.average, "dtype": self._dtype}
+        covs = [state["cov"] for state in self.state.values() if "cov" in state]
+        dtype = self._dtype or (covs[0].dtype if covs else None)  # the arithmetic's: that of p̂
+        return {"groups": groups, "filter": self.filter, "average": self.average, "dtype": dtype}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state; ``p̂`` and ``R`` keep their saved dtype (torch would cast them to the parameter dtype).
