@@ -122,7 +122,8 @@ def test_a_mean_pooled_text_learner_fits_predicts_reloads_and_exports(tmp_path, 
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     learner = OnlineClassifier.load_from_checkpoint(ckpt, weights_only=True).eval()
     assert isinstance(learner.network, PooledSequenceClassifier)
-    main(["predict", *args, "--data.predict_inputs", '["a great film"]', "--ckpt_path", str(ckpt)])
+    predict = ["--data.predict_inputs", '["a great film"]', "--predictions", str(tmp_path / "predictions.csv")]
+    main(["predict", *args, *predict, "--ckpt_path", str(ckpt)])
     main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "adapter")])
     info = json.loads((tmp_path / "adapter" / "loko_export.json").read_text())
     assert info["pooling"].startswith("mean")
