@@ -80,6 +80,9 @@ OPTIMIZERS = (
     "schedulefree",
     "ivon",
     "posteriors",
+    "streaming_lda",
+    "ncm",
+    "frozen_linear_head",
 )
 LABELS = {
     "loko": "LoKO",
@@ -92,6 +95,9 @@ LABELS = {
     "schedulefree": "Schedule-free AdamW (lr tuned)",
     "ivon": "IVON (lr tuned)",
     "posteriors": "posteriors EKF (p0 tuned)",
+    "streaming_lda": "Streaming LDA, frozen (OAS)",
+    "ncm": "Nearest class mean, frozen",
+    "frozen_linear_head": "Linear head, frozen, AdamW (lr tuned)",
 }
 COLORS = {
     "loko": "tab:red",
@@ -104,6 +110,9 @@ COLORS = {
     "schedulefree": "tab:cyan",
     "ivon": "tab:brown",
     "posteriors": "tab:olive",
+    "streaming_lda": "black",
+    "ncm": "dimgray",
+    "frozen_linear_head": "tab:blue",
 }
 # The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it.
 LOKO_RUNS = {
@@ -112,7 +121,7 @@ LOKO_RUNS = {
     "loko_avg": ["--model.optimizer.init_args.average=0.99"],
 }
 # The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
-SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors")
+SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors", "frozen_linear_head")
 CSV_FIELDS = (
     "optimizer",
     "seed",

@@ -202,6 +202,8 @@ class DivergenceGuard(pl.Callback):
 
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizer = trainer.optimizers[0]
+        if not isinstance(optimizer, LoKO) and "lr" not in optimizer.param_groups[0]:
+            return  # a head fitted in closed form (streaming LDA): sums of samples, no step size that could diverge
         m = pl_module.num_classes
         ce = float(pl_module.ce_avg.compute())
         limit = self.divergence_ce * math.log(m) if self.divergence_ce else math.inf

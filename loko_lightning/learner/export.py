@@ -92,6 +92,8 @@ def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrit
             "preprocessing": preprocessing,
             "load": loading_code(factory, merge, preprocessing, PLACEHOLDER),
         }
+        if getattr(network, "pooling", "pooler") != "pooler":  # the stock model's forward uses its pooler instead
+            info["pooling"] = f"{network.pooling}: the classifier reads this pooling of the last hidden states"
         (staging / EXPORT_FILE).write_text(json.dumps(info, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()

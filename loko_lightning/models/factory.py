@@ -53,6 +53,8 @@ class NetworkFactory:
     dropout: float = 0.0
     head_init: str = "zeros"
     _init_args: dict[str, Any] | None = None
+    #: Arguments a spec saved before they existed stands for (a default that changed stays the old one there).
+    saved_before: ClassVar[dict[str, Any]] = {}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> NetworkFactory:
         """Record the arguments the factory is configured with (:meth:`spec`), before ``__init__`` checks them."""
@@ -101,7 +103,8 @@ class NetworkFactory:
                 "import the module that defines it before loading",
                 field="network",
             )
-        return known[class_path](**init_args)
+        cls = known[class_path]
+        return cls(**{**cls.saved_before, **init_args})
 
     def __call__(self) -> nn.Module:
         """Build the network (weights are loaded here, not at configuration time)."""

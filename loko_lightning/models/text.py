@@ -23,13 +23,14 @@ import contextlib
 import importlib.util
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from peft import PeftModel
 from torch import Tensor, nn
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.models.factory import LoraClassifier
+from loko_lightning.models.pooling import PooledSequenceClassifier, Pooling, resolve_pooling
 from loko_lightning.models.weights import PYPI, PYPI_TEXT_MODELS, pypi_text_model
 from loko_lightning.preprocessing import TextPreprocessing
 
@@ -116,6 +117,9 @@ class TransformersClassifier(LoraClassifier):
         use_dora: DoRA instead of LoRA.
         head_init: ``"zeros"`` (the head's output layer starts at 0: the first prediction is uniform) or
             ``"transformers"`` (the library's random initialisation).
+        pooling: what the new head reads (:mod:`loko_lightning.models.pooling`): ``"auto"`` (default: the model
+            folder's sentence-transformers pooling, e.g. the token mean for all-MiniLM-L6-v2, else the library's
+            head), ``"mean"``, ``"cls"`` or ``"pooler"`` (the library's head: BERT's pooler output).
 
     Example:
         >>> factory = TransformersClassifier("roberta-base", num_classes=2, pretrained=False)
@@ -126,6 +130,8 @@ class TransformersClassifier(LoraClassifier):
 
     modality = "text"
     head_inits = get_args(HeadInit)
+    # Checkpoints from before pooling existed put the head on the library's pooled output.
+    saved_before: ClassVar[dict[str, Any]] = {"pooling": "pooler"}
 
     def __init__(
         self,
@@ -139,8 +145,15 @@ class TransformersClassifier(LoraClassifier):
         dropout: float = 0.0,
         use_dora: bool = False,
         head_init: HeadInit = "zeros",
+        pooling: Pooling = "auto",
     ) -> None:
         super().__init__(backbone, num_classes, pretrained, weights, target, r, alpha, dropout, use_dora, head_init)
+        try:
+            resolve_pooling(pooling, "")  # the value checked now; "auto" is resolved when the network is built
+        except ConfigError as err:
+            err.owner = type(self)
+            raise
+        self.pooling = pooling
 
     def preprocessing(self) -> TextPreprocessing:
         """The backbone's tokenizer (:func:`tokenizer_source`)."""
@@ -184,6 +197,10 @@ class TransformersClassifier(LoraClassifier):
         config = network.get_base_model().config
         # Token types only where the model has more than one (BERT: sentence pairs); RoBERTa has type_vocab_size 1.
         types = ("token_type_ids",) if getattr(config, "type_vocab_size", 1) > 1 else ()
+        source = model_source(self.backbone, self.weights) if self.pretrained else self.backbone
+        pooling = resolve_pooling(self.pooling, source)
+        if pooling != "pooler":
+            return PooledSequenceClassifier(network, ("input_ids", "attention_mask", *types), pooling)
         return SequenceClassifier(network, ("input_ids", "attention_mask", *types))
 
 

@@ -12,6 +12,12 @@ prequential protocol: the prediction scored for a sample is made before the upda
 - :class:`DiagonalFisherEKF` (``posteriors``): the diagonal empirical-Fisher extended Kalman filter of
   ``posteriors.ekf.diag_fisher``, the same family as LoKO's ``natural`` filter, started from the variance ``p0``.
 
+- :class:`Prodigy`, :class:`DAdaptAdam`, :class:`DoG`, :class:`MechanicAdamW` (``prodigyopt``, ``dadaptation``,
+  ``dog-optimizer``, ``mechanic-pytorch``): learning-rate-free fine-tuners (:mod:`loko_lightning.peers.lr_free`).
+- :class:`StreamingLDA`, :class:`NearestClassMean`, :class:`FrozenLinearHead` (no package; torch only): heads on
+  the backbone's frozen features (streaming LDA of Hayes & Kanan 2020 with OAS shrinkage, nearest class mean, a
+  linear head trained by AdamW), one forward pass a sample (:mod:`loko_lightning.peers.frozen_heads`).
+
 The packages are the extra ``peers`` (``pip install "loko-lightning[peers]"``); without it, naming a peer is one
 error that says so. The classes are imported on first use, so this package imports without them.
 """
@@ -21,12 +27,30 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DiagonalFisherEKF", "IVON", "ScheduleFreeAdamW"]
+__all__ = [
+    "DAdaptAdam",
+    "DiagonalFisherEKF",
+    "DoG",
+    "FrozenLinearHead",
+    "IVON",
+    "MechanicAdamW",
+    "NearestClassMean",
+    "Prodigy",
+    "ScheduleFreeAdamW",
+    "StreamingLDA",
+]
 
 _HOMES = {
     "ScheduleFreeAdamW": "loko_lightning.peers.schedule_free",
     "IVON": "loko_lightning.peers.ivon",
     "DiagonalFisherEKF": "loko_lightning.peers.ekf",
+    "Prodigy": "loko_lightning.peers.lr_free",
+    "DAdaptAdam": "loko_lightning.peers.lr_free",
+    "DoG": "loko_lightning.peers.lr_free",
+    "MechanicAdamW": "loko_lightning.peers.lr_free",
+    "StreamingLDA": "loko_lightning.peers.frozen_heads",
+    "NearestClassMean": "loko_lightning.peers.frozen_heads",
+    "FrozenLinearHead": "loko_lightning.peers.frozen_heads",
 }
 
 

@@ -1,0 +1,284 @@
+r"""Heads on the backbone's frozen features: streaming LDA, nearest class mean, and a linear head trained by AdamW.
+
+The baselines a fine-tuner has to beat: the backbone (its adapters untouched, so its pretrained features) produces
+the features ``z`` that its classification head reads, and only a head on them is learned, one sample at a time. Each
+is a torch optimizer that :class:`~loko_lightning.learner.module.OnlineClassifier` takes like AdamW; its step
+(:class:`~loko_lightning.learner.frozen_heads.FrozenHeadStep`) runs the network once per sample, scores the
+prediction of the head as it stands, and then updates the head on the sample's features (prequential). The head the
+network predicts with is the network's own output layer: :class:`StreamingLDA` and :class:`NearestClassMean` write
+their closed-form head into it after every update, so checkpoints, ``loko predict``, export and serving use it
+unchanged.
+
+Streaming LDA (Hayes & Kanan, "Lifelong machine learning with deep streaming linear discriminant analysis", CVPR-W
+2020) keeps the class means :math:`\mu_k`, the class counts :math:`n_k` and one covariance shared by the classes,
+updated one sample at a time; it predicts with a Gaussian class model of that covariance:
+
+.. math::
+
+    \delta = z - \mu_y, \quad \mu_y \leftarrow \mu_y + \frac{\delta}{n_y + 1}, \quad
+    S \leftarrow S + \frac{n_y}{n_y + 1}\,\delta\delta^\top, \quad n_y \leftarrow n_y + 1, \quad
+    \Sigma = S / N,
+
+    \Lambda = \big[(1-\rho)\,\Sigma + \rho\,\nu I\big]^{-1}, \qquad
+    \text{logit}_k(z) = (\Lambda\mu_k)^\top z - \tfrac12\,\mu_k^\top\Lambda\mu_k.
+
+``S`` is the within-class scatter, updated exactly (Welford's update per class), so after ``N`` samples the means and
+:math:`\Sigma` equal the batch computation; the paper writes the update with the total count in place of the class
+count, which is the same only for one class. The shrinkage :math:`\rho` is OAS's (Chen et al. 2010, the closed form
+scikit-learn's ``oas`` uses, with :math:`\nu = \mathrm{tr}\,\Sigma / d`) by default, no setting; or a fixed value
+with :math:`\nu = 1`, the paper's :math:`(1-\varepsilon)\Sigma + \varepsilon I` (its default :math:`\varepsilon` is
+1e-4). The logits are the log-posterior of the classes under equal priors up to a constant, so their softmax is the
+model's class probabilities. A class not seen yet has the paper's zero mean (logit 0).
+
+Nearest class mean is the same class model with the covariance :math:`\sigma^2 I`, :math:`\sigma^2 = \mathrm{tr}\,
+\Sigma / d` (the pooled within-class variance per feature): its argmax is the nearest mean in Euclidean distance, and
+:math:`\sigma^2` only sets how sure its probabilities are.
+
+Cost per sample besides the forward pass: ``d²`` for the scatter and a ``d³/3`` Cholesky factorisation of the
+shrunk covariance for the head (LDA), ``m d`` (nearest class mean). The statistics are kept in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loko_lightning.errors import ConfigError
+
+#: The dtype of the running statistics: sums over thousands of samples lose digits in float32.
+STATISTICS_DTYPE = torch.float64
+
+
+def oas_shrinkage(covariance: Tensor, samples: float) -> Tensor:
+    """OAS's shrinkage ``ρ`` of an empirical covariance ``(d, d)`` estimated from ``samples`` samples.
+
+    The closed form of Chen et al. (2010) as scikit-learn's ``sklearn.covariance.oas`` computes it:
+    ``ρ = min(1, (a + ν²) / ((n + 1)(a − ν²/d)))`` with ``a`` the mean of the squared entries and ``ν = tr Σ / d``;
+    ``ρ = 1`` where the denominator is 0 (a covariance proportional to the identity, or zero).
+    """
+    d = covariance.shape[-1]
+    alpha = covariance.square().mean()
+    nu = torch.diagonal(covariance).sum() / d
+    numerator = alpha + nu.square()
+    denominator = (samples + 1.0) * (alpha - nu.square() / d)
+    if float(denominator) == 0.0:  # one host read per head
+        return torch.ones((), dtype=covariance.dtype, device=covariance.device)
+    return torch.clamp(numerator / denominator, max=1.0)
+
+
+def shrunk_covariance(covariance: Tensor, samples: float, shrinkage: float | str) -> Tensor:
+    """``(1 − ρ) Σ + ρ ν I``: OAS's ``ρ`` and ``ν = tr Σ / d`` (``"oas"``), or ``ρ = shrinkage`` and ``ν = 1``.
+
+    A zero covariance (no sample yet differs from its class mean) is the identity: the head is then nearest class mean.
+    """
+    d = covariance.shape[-1]
+    eye = torch.eye(d, dtype=covariance.dtype, device=covariance.device)
+    if shrinkage == "oas":
+        nu = torch.diagonal(covariance).sum() / d
+        if float(nu) == 0.0:
+            return eye
+        rho = oas_shrinkage(covariance, samples)
+        return (1.0 - rho) * covariance + rho * nu * eye
+    return (1.0 - shrinkage) * covariance + shrinkage * eye
+
+
+def lda_head(means: Tensor, covariance: Tensor, samples: float, shrinkage: float | str) -> tuple[Tensor, Tensor]:
+    """Streaming LDA's head ``(W, b)`` (``(m, d)``, ``(m,)``): ``W_k = Λ μ_k``, ``b_k = −½ μ_kᵀ Λ μ_k``.
+
+    ``Λ`` is the inverse of :func:`shrunk_covariance`, applied by a Cholesky solve.
+    """
+    factor = torch.linalg.cholesky(shrunk_covariance(covariance, samples, shrinkage))
+    weight = torch.cholesky_solve(means.T, factor).T
+    return weight, -0.5 * (weight * means).sum(-1)
+
+
+def ncm_head(means: Tensor, variance: Tensor) -> tuple[Tensor, Tensor]:
+    """Nearest class mean's head: ``W_k = μ_k / σ²``, ``b_k = −½ ‖μ_k‖² / σ²`` (σ² = 1 where it is 0)."""
+    scale = torch.where(variance > 0, variance, torch.ones_like(variance))
+    return means / scale, -0.5 * means.square().sum(-1) / scale
+
+
+class FrozenHead(torch.optim.Optimizer):
+    """The base of the closed-form heads: the class statistics of the features, the head written after each update.
+
+    The optimizer takes the learner's trainable parameters; its step
+    (:class:`~loko_lightning.learner.frozen_heads.FrozenHeadStep`) :meth:`bind` s the network's output layer to it
+    and changes nothing else (the adapters keep their initial, identity, value). Its state, in ``state[weight]`` of
+    the output layer's weight: ``count`` ``(m,)``, ``mean`` ``(m, d)``, ``samples`` (0-d), and the head's own
+    (float64). :meth:`step` takes a closure returning ``(features, labels)``, ``(B, d)`` and ``(B,)``, updates the
+    statistics one sample after the other, writes the head into the output layer and returns whether it did (a 0-d
+    bool tensor: non-finite features change nothing).
+    """
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self._head: tuple[Tensor, Tensor] | None = None
+
+    def bind(self, weight: Tensor, bias: Tensor | None) -> None:
+        """Make ``weight`` ``(m, d)`` and ``bias`` ``(m,)`` (the network's output layer) the head this optimizer fits.
+
+        Raises:
+            ConfigError: no bias, or a tensor this optimizer was not given.
+        """
+        owned = {id(p) for group in self.param_groups for p in group["params"]}
+        if bias is None or weight.dim() != 2 or bias.shape != weight.shape[:1]:
+            raise ConfigError(
+                f"{type(self).__name__} writes a linear head with a bias into the network's output layer; this "
+                f"network's has weight {tuple(weight.shape)} and {'no bias' if bias is None else 'a bias'}. To fix it: "
+                "use a network factory whose head is an nn.Linear with a bias (TimmClassifier, TransformersClassifier)",
+                field="network",
+                owner=type(self),
+            )
+        if id(weight) not in owned or id(bias) not in owned:
+            raise ConfigError(
+                f"{type(self).__name__} was not given the network's output layer among its parameters. To fix it: "
+                "build it over the learner's trainable parameters (the head trainable), as OnlineClassifier does",
+                field="optimizer",
+                owner=type(self),
+            )
+        self._head = (weight, bias)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does, but keep the statistics in their own dtype (torch casts state to the parameter's)."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for saved_id, param in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(saved_id)
+            if saved:
+                self.state[param] = {key: value.to(param.device, copy=True) for key, value in saved.items()}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], tuple[Tensor, Tensor]]) -> Tensor:  # type: ignore[override]
+        """Update the statistics on the closure's ``(features, labels)`` and write the head (see the class)."""
+        if closure is None or self._head is None:
+            raise ConfigError(
+                f"{type(self).__name__}.step needs bind(weight, bias) first and a closure returning (features, "
+                "labels); OnlineClassifier's step does both",
+                field="optimizer",
+                owner=type(self),
+            )
+        features, labels = closure()
+        weight, bias = self._head
+        features = features.detach().reshape(labels.shape[0], -1)
+        if features.shape[1] != weight.shape[1]:
+            raise ValueError(f"Invalid features: {features.shape[1]} per sample, the head reads {weight.shape[1]}")
+        finite = torch.isfinite(features).all()
+        if not finite:  # one host read per step: nothing non-finite reaches the statistics
+            return finite
+        state = self.state[weight]
+        if not state:
+            state.update(self.initial_state(*weight.shape, device=weight.device))
+        for z, label in zip(features.to(STATISTICS_DTYPE), labels.tolist(), strict=True):
+            count = state["count"][label]
+            delta = z - state["mean"][label]
+            state["mean"][label] += delta / (count + 1)
+            self.accumulate(state, delta, count / (count + 1))
+            state["count"][label] += 1
+            state["samples"] += 1
+        head_weight, head_bias = self.head(state)
+        weight.copy_(head_weight.to(weight.dtype))
+        bias.copy_(head_bias.to(bias.dtype))
+        return finite
+
+    def initial_state(self, classes: int, dim: int, device: torch.device) -> dict[str, Tensor]:
+        """The statistics before any sample: no count, the paper's zero means."""
+        zeros = {"dtype": STATISTICS_DTYPE, "device": device}
+        return {"count": torch.zeros(classes, **zeros), "mean": torch.zeros(classes, dim, **zeros),
+                "samples": torch.zeros((), **zeros)}  # fmt: skip
+
+    def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
+        """Add one sample's ``weight · δδᵀ`` (``δ`` from its class's mean before the update) to the spread."""
+        raise NotImplementedError
+
+    def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The head ``(W, b)`` of the statistics, float64."""
+        raise NotImplementedError
+
+
+class StreamingLDA(FrozenHead):
+    """Streaming linear discriminant analysis (Hayes & Kanan 2020) on the frozen features (see the module).
+
+    Args:
+        params: the learner's trainable parameters (the output layer among them; the others are left alone).
+        shrinkage: ``"oas"`` (default: OAS's closed form, no setting) or a fixed ``ε`` in ``(0, 1]``: the covariance
+            ``(1 − ε) Σ + ε I`` (the paper's default is 1e-4).
+
+    Example:
+        >>> layer = torch.nn.Linear(3, 2)
+        >>> lda = StreamingLDA(layer.parameters())
+        >>> lda.bind(layer.weight, layer.bias)
+        >>> applied = lda.step(lambda: (torch.randn(4, 3), torch.tensor([0, 1, 0, 1])))
+        >>> lda.state[layer.weight]["count"].tolist()
+        [2.0, 2.0]
+    """
+
+    def __init__(self, params: Any, shrinkage: float | str = "oas") -> None:
+        number = isinstance(shrinkage, (int, float)) and not isinstance(shrinkage, bool)
+        if not (shrinkage == "oas" or (number and math.isfinite(shrinkage) and 0 < shrinkage <= 1)):
+            raise ConfigError(
+                f"Invalid shrinkage: {shrinkage!r}. To fix it: 'oas' (OAS's closed form, no setting) or a number in "
+                "(0, 1] (the paper's 1e-4; 1e-2 shrinks more)",
+                field="shrinkage",
+                owner=StreamingLDA,
+            )
+        super().__init__(params, {"shrinkage": shrinkage if shrinkage == "oas" else float(shrinkage)})
+
+    def initial_state(self, classes: int, dim: int, device: torch.device) -> dict[str, Tensor]:
+        """The common statistics and the within-class scatter ``S`` ``(d, d)``."""
+        state = super().initial_state(classes, dim, device)
+        state["scatter"] = torch.zeros(dim, dim, dtype=STATISTICS_DTYPE, device=device)
+        return state
+
+    def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
+        """``S += w δδᵀ``."""
+        state["scatter"].addr_(delta, delta, alpha=float(weight))
+
+    def covariance(self, state: dict[str, Tensor]) -> Tensor:
+        """The shared covariance ``Σ = S / N`` (float64)."""
+        return state["scatter"] / state["samples"].clamp_min(1)
+
+    def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """:func:`lda_head` of the statistics."""
+        shrinkage = self.param_groups[0]["shrinkage"]
+        return lda_head(state["mean"], self.covariance(state), float(state["samples"]), shrinkage)
+
+
+class NearestClassMean(FrozenHead):
+    """Nearest class mean on the frozen features: the class means, one pooled variance ``σ²`` (see the module).
+
+    Args:
+        params: the learner's trainable parameters (the output layer among them; the others are left alone).
+    """
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {})
+
+    def initial_state(self, classes: int, dim: int, device: torch.device) -> dict[str, Tensor]:
+        """The common statistics and the trace of the within-class scatter."""
+        state = super().initial_state(classes, dim, device)
+        state["scatter_trace"] = torch.zeros((), dtype=STATISTICS_DTYPE, device=device)
+        return state
+
+    def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
+        """``tr S += w ‖δ‖²``."""
+        state["scatter_trace"] += weight * delta.square().sum()
+
+    def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """:func:`ncm_head` with ``σ² = tr S / (N d)``."""
+        dim = state["mean"].shape[1]
+        return ncm_head(state["mean"], state["scatter_trace"] / (state["samples"].clamp_min(1) * dim))
+
+
+class FrozenLinearHead(torch.optim.AdamW):
+    """A linear head on the frozen features, trained by AdamW (torch's, with its arguments: ``lr``, ...).
+
+    Its step (:class:`~loko_lightning.learner.frozen_heads.FrozenHeadStep`) takes the gradient of the cross-entropy
+    with respect to the output layer alone, from the features of the same forward pass that made the prediction (no
+    backward pass through the backbone); the adapters get no gradient, so AdamW leaves them alone. Choose ``lr``
+    online with ``select`` as for AdamW (``configs/baselines/frozen_linear_head.yaml``).
+    """

@@ -1,0 +1,283 @@
+"""The heads on frozen features (streaming LDA, nearest class mean, the frozen linear head): float64 references, the
+prequential contract at the learner level, checkpoints, and their configuration errors."""
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from runs import assert_same_tensors, loader, outputs, stream, trainable, trainer
+from sklearn.covariance import oas
+
+from loko_lightning.cli import main
+from loko_lightning.errors import ConfigError
+from loko_lightning.learner.frozen_heads import output_layer
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models import TimmClassifier
+from loko_lightning.peers import FrozenLinearHead, NearestClassMean, StreamingLDA
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = str(ROOT / "configs" / "debug.yaml")
+BASELINES = ROOT / "configs" / "baselines"
+HEADS = ("streaming_lda", "ncm", "frozen_linear_head")
+
+
+def labelled(n=120, d=6, m=3, seed=0):
+    """``n`` float64 features in ``m`` Gaussian classes (the last class never drawn: an unseen class) and labels."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = 2 * torch.randn(m, d, generator=gen, dtype=torch.float64)
+    labels = torch.randint(m - 1, (n,), generator=gen)
+    mixing = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    return centres[labels] + torch.randn(n, d, generator=gen, dtype=torch.float64) @ mixing, labels
+
+
+def reference_lda(x, y, m, shrinkage):
+    """The batch float64 LDA of the samples ``x`` ``(N, d)``: class means (zero for an unseen class), the pooled
+    within-class covariance, shrunk by scikit-learn's OAS or ``(1 − ε)Σ + εI``, and the closed-form head."""
+    d = x.shape[1]
+    means = torch.zeros(m, d, dtype=torch.float64)
+    for k in range(m):
+        if (y == k).any():
+            means[k] = x[y == k].mean(0)
+    residuals = (x - means[y]).numpy()
+    covariance = torch.from_numpy(residuals.T @ residuals / len(x))
+    if shrinkage == "oas" and not covariance.trace():  # no spread yet: the identity
+        shrunk = torch.eye(d, dtype=torch.float64)
+    elif shrinkage == "oas":
+        shrunk = torch.from_numpy(oas(residuals, assume_centered=True)[0])
+    else:
+        shrunk = (1 - shrinkage) * covariance + shrinkage * torch.eye(d, dtype=torch.float64)
+    precision = torch.linalg.inv(shrunk)
+    weight = means @ precision
+    return means, covariance, weight, -0.5 * (weight * means).sum(-1)
+
+
+def fit(optimizer_class, x, y, m, batch=1, **kwargs):
+    layer = torch.nn.Linear(x.shape[1], m).to(x.dtype)
+    head = optimizer_class(layer.parameters(), **kwargs)
+    head.bind(layer.weight, layer.bias)
+    for start in range(0, len(x), batch):
+        assert bool(head.step(lambda s=start: (x[s : s + batch], y[s : s + batch])))
+    return layer, head
+
+
+# ------------------------------------------------------------------ float64 references
+@pytest.mark.parametrize("shrinkage", ["oas", 1e-2])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_streaming_lda_equals_the_batch_computation_in_float64(shrinkage, batch):
+    """After 120 samples (one at a time, or 7 a step) the running class means, the pooled covariance and the head
+    written into a float64 layer equal the batch float64 computation with scikit-learn's OAS. Both are float64 sums of
+    120 terms computed in other orders: a few ulps (2^-52) each, relative 1e-10 leaves a margin of ~10^4."""
+    x, y = labelled()
+    layer, lda = fit(StreamingLDA, x, y, 3, batch=batch, shrinkage=shrinkage)
+    means, covariance, weight, bias = reference_lda(x, y, 3, shrinkage)
+    state = lda.state[layer.weight]
+    torch.testing.assert_close(state["mean"], means, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lda.covariance(state), covariance, rtol=1e-10, atol=1e-12)
+    assert state["count"].tolist() == [float((y == k).sum()) for k in range(3)]
+    torch.testing.assert_close(layer.weight.detach(), weight, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(layer.bias.detach(), bias, rtol=1e-9, atol=1e-12)
+    assert not layer.weight[2].any() and layer.bias[2] == 0  # the unseen class: the paper's zero mean, logit 0
+
+
+def test_streaming_lda_predicts_the_gaussian_posterior():
+    """Its softmax is the posterior of a Gaussian class model with the shrunk covariance and equal priors:
+    log N(z; μ_k, Σ_s) up to a constant in k (float64; the same float64 rounding argument as above)."""
+    x, y = labelled(n=60)
+    layer, lda = fit(StreamingLDA, x[:50], y[:50], 2, shrinkage=0.1)
+    state = lda.state[layer.weight]
+    covariance = 0.9 * lda.covariance(state) + 0.1 * torch.eye(6, dtype=torch.float64)
+    gaussians = [torch.distributions.MultivariateNormal(state["mean"][k], covariance) for k in range(2)]
+    log_density = torch.stack([g.log_prob(x[50:]) for g in gaussians], -1)
+    torch.testing.assert_close(layer(x[50:]).softmax(-1), log_density.softmax(-1), rtol=1e-9, atol=1e-12)
+
+
+def test_nearest_class_mean_predicts_the_nearest_mean():
+    """Its means are the batch means (float64, as above) and its argmax is the nearest mean in Euclidean distance."""
+    x, y = labelled(n=80)
+    layer, ncm = fit(NearestClassMean, x[:60], y[:60], 3)
+    means = reference_lda(x[:60], y[:60], 3, "oas")[0]
+    torch.testing.assert_close(ncm.state[layer.weight]["mean"], means, rtol=1e-10, atol=1e-12)
+    seen = means[:2]  # the unseen class's zero mean has logit 0: compare among the seen classes
+    nearest = torch.cdist(x[60:], seen).argmin(-1)
+    assert torch.equal(layer(x[60:])[:, :2].argmax(-1), nearest)
+
+
+def test_the_statistics_resume_in_float64():
+    """torch casts an optimizer's state to its parameter's dtype on loading; the statistics stay float64, exactly."""
+    x, y = labelled(n=20)
+    layer, lda = fit(StreamingLDA, x.float(), y, 3)
+    fresh = StreamingLDA(layer.parameters())
+    fresh.load_state_dict(lda.state_dict())
+    assert_same_tensors(dict(lda.state[layer.weight]), dict(fresh.state[layer.weight]), "state")
+
+
+def test_non_finite_features_change_nothing():
+    x, y = labelled(n=10)
+    layer, lda = fit(StreamingLDA, x, y, 3)
+    before = {k: v.clone() for k, v in lda.state[layer.weight].items()}
+    weight = layer.weight.detach().clone()
+    bad = x[:1].clone()
+    bad[0, 2] = float("nan")
+    assert not bool(lda.step(lambda: (bad, y[:1])))
+    assert_same_tensors(before, dict(lda.state[layer.weight]), "state")
+    assert torch.equal(layer.weight, weight)
+
+
+# ------------------------------------------------------------------ the learner
+def learner(optimizer, num_classes=3):
+    factory = TimmClassifier("test_resnet", num_classes=num_classes, pretrained=False, r=2)
+    return OnlineClassifier(factory, optimizer)
+
+
+def scored(module, monkeypatch):
+    """The predictions the learner scores, in order, and the trained learner."""
+    predictions = []
+    log_online = module._log_online
+    monkeypatch.setattr(
+        module, "_log_online", lambda p, *args: (predictions.append(p.detach().double()), log_online(p, *args))
+    )
+    return predictions
+
+
+def frozen_features(module, items):
+    """The features the network's output layer reads, for every sample, in float64 (network in eval mode)."""
+    captured = []
+    layer = output_layer(module.network, module.num_classes)
+    hook = layer.register_forward_hook(lambda _, args, __: captured.append(args[0].detach().double()))
+    module.network.eval()
+    with torch.no_grad():
+        for item in items:
+            module.network(item["inputs"][None])
+    hook.remove()
+    module.network.train()
+    return torch.cat(captured)
+
+
+def test_the_learner_scores_streaming_lda_before_its_update(monkeypatch, one_thread):
+    """Through trainer.fit: the prediction scored for sample i is the float64 LDA of samples 0..i-1 (never i itself),
+    and the adapters never move. The learner's logits are float32 (features, head weights cast from float64, a
+    d = 64 sum): relative rounding about d 2^-24 = 4e-6 of the largest term; probabilities within 1e-4 hold that with
+    a margin, while predicting with sample i included differs by far more (asserted: the test can fail)."""
+    items = stream(16, num_classes=3, seed=1)
+    module = learner(partial(StreamingLDA, shrinkage=0.1))
+    adapters = {n: p.detach().clone() for n, p in module.network.named_parameters() if "lora_" in n}
+    features = frozen_features(module, items)
+    labels = torch.stack([item["label"] for item in items])
+    predictions = scored(module, monkeypatch)
+    trainer().fit(module, loader(items))
+    assert len(predictions) == 16
+    lookahead_gap = 0.0
+    torch.testing.assert_close(predictions[0][0], torch.full((3,), 1 / 3, dtype=torch.float64))  # zero head
+    for i, prediction in enumerate(predictions[1:], start=1):
+        _, _, weight, bias = reference_lda(features[:i], labels[:i], 3, 0.1)
+        expected = (features[i] @ weight.T + bias).softmax(-1)
+        torch.testing.assert_close(prediction[0], expected, rtol=0, atol=1e-4)
+        _, _, weight, bias = reference_lda(features[: i + 1], labels[: i + 1], 3, 0.1)
+        lookahead_gap = max(
+            lookahead_gap, float((prediction[0] - (features[i] @ weight.T + bias).softmax(-1)).abs().max())
+        )
+    assert lookahead_gap > 1e-2
+    for name, param in module.network.named_parameters():
+        if name in adapters:
+            assert torch.equal(param, adapters[name]), name
+
+
+def test_the_frozen_linear_head_trains_the_output_layer_alone(monkeypatch, one_thread):
+    """AdamW on the output layer's gradient: the head moves, the adapters do not; the prediction scored for each sample
+    is the network's output before that sample's step."""
+    items = stream(6, num_classes=3, seed=2)
+    module = learner(partial(FrozenLinearHead, lr=0.05))
+    layer = output_layer(module.network, 3)
+    adapters = {n: p.detach().clone() for n, p in module.network.named_parameters() if "lora_" in n}
+    features = frozen_features(module, items)
+    heads = []
+
+    def forward(self, x):  # the head each prediction is made with
+        heads.append((self.weight.detach().clone(), self.bias.detach().clone()))
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    monkeypatch.setattr(type(layer), "forward", forward)
+    predictions = scored(module, monkeypatch)
+    trainer().fit(module, loader(items))
+    assert len(predictions) == 6
+    for i, prediction in enumerate(predictions):
+        weight, bias = (t.double() for t in heads[i])
+        torch.testing.assert_close(prediction[0], (features[i] @ weight.T + bias).softmax(-1), rtol=0, atol=1e-5)
+    assert layer.weight.abs().sum() > 0
+    for name, param in module.network.named_parameters():
+        if name in adapters:
+            assert torch.equal(param, adapters[name]), name
+
+
+# ------------------------------------------------------------------ through loko fit
+@pytest.mark.slow
+@pytest.mark.parametrize("head", HEADS)
+def test_each_frozen_head_fits_the_debug_config_and_resumes_exactly(head, tmp_path, one_thread):
+    """24 real MNIST digits through EfficientNet-Lite0; stopped after 12 with a checkpoint at 6 and resumed: the same
+    head, statistics and online metrics as one uninterrupted run, bit for bit on the CPU."""
+    common = ["--config", DEBUG, "--config", str(BASELINES / f"{head}.yaml")]
+    common += ["--data.max_samples", "24", "--data.eval_max_samples", "8"]
+    if head == "frozen_linear_head":
+        common += ["--model.select.samples", "8"]
+    main(["fit", *common, *outputs(tmp_path, "full", every=24)])
+    main(["fit", *common, "--trainer.max_steps", "12", *outputs(tmp_path, "part", every=6, keep_all=True)])
+    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=6.ckpt"
+    main(["fit", *common, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=24)])
+    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert full["global_step"] == resumed["global_step"] == 24
+    weights = trainable(full["state_dict"])
+    head_weights = [key for key in weights if "modules_to_save" in key]
+    assert head_weights and all(full["state_dict"][key].abs().sum() > 0 for key in head_weights)
+    for key in full["state_dict"]:
+        if key in weights or key.startswith(("online_acc", "nll", "ece")):
+            assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key
+    assert_same_tensors(full["optimizer_states"], resumed["optimizer_states"], "optimizer_states")
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("shrinkage", [0.0, 1.5, "ledoit", float("nan"), True])
+def test_a_bad_shrinkage_names_the_field_and_the_fix(shrinkage):
+    with pytest.raises(ConfigError) as info:
+        StreamingLDA([torch.nn.Parameter(torch.zeros(2))], shrinkage=shrinkage)
+    assert info.value.field == "shrinkage" and "'oas'" in str(info.value)
+
+
+def test_a_schedule_for_a_closed_form_head_is_one_line(capsys):
+    args = ["fit", "--config", DEBUG, "--config", str(BASELINES / "streaming_lda.yaml"), "--data.max_samples", "4"]
+    args += ["--model.lr_scheduler", "torch.optim.lr_scheduler.ConstantLR"]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "lr_scheduler" in error[0] and "no learning rate" in error[0]
+
+
+def test_the_output_layer_must_be_among_the_optimizers_parameters():
+    layer = torch.nn.Linear(3, 2)
+    lda = StreamingLDA([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ConfigError) as info:
+        lda.bind(layer.weight, layer.bias)
+    assert info.value.field == "optimizer"
+
+
+# ------------------------------------------------------------------ benchmarks/compare.py
+def test_compare_runs_the_frozen_heads_beside_adamw(tmp_path, monkeypatch, one_thread):
+    """The three heads and AdamW on the same 12 samples (a random-weight timm test network): every step recorded, the
+    closed-form heads' step time in the table, the linear head's rate chosen on the first 4."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import compare
+
+    heads = ["adamw", *HEADS]
+    network = ["--model.network.backbone", "test_resnet", "--model.network.pretrained", "false"]
+    network += ["--model.network.weights", "null", "--model.window", "4"]
+    args = ["--config", DEBUG, "--samples", "12", "--threads", "1", "--seeds", "0", "--warmup", "2"]
+    args += ["--select-samples", "4", "--optimizers", *heads, "--out", str(tmp_path), "--", *network]
+    summary = compare.main(args)
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    for head in heads:
+        assert sum(row.startswith(f"{head},") for row in rows) == 12, head
+        assert compare.LABELS[head] in (tmp_path / "results.md").read_text()
+    assert summary["frozen_linear_head"]["selection"][0].startswith("chose")
