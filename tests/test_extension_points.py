@@ -13,6 +13,7 @@ from loko_helpers import flat, mlp, teacher_stream
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.kalman.filters import Filter, Proposal
 from loko_lightning.kalman.filters.information import categorical_rows
+from loko_lightning.kalman.groups import group_time_updates
 from loko_lightning.kalman.time_update import TimeUpdate
 
 
@@ -86,7 +87,7 @@ def test_the_time_update_is_built_from_each_param_group():
     head = list(model[2].parameters())
     groups = [{"params": list(model[0].parameters())}, {"params": head, "forgetting": 0.01, "p0": 0.5}]
     opt = LoKO(groups, p0=0.2, p0_init="fan_in", process_noise=1e-3)
-    updates = opt._time_updates(range(4))
+    updates = group_time_updates(opt.param_groups, range(4))
     assert updates[0] == TimeUpdate(process_noise=1e-3) and updates[1] == updates[0]
     assert updates[2] == TimeUpdate(process_noise=1e-3, forgetting=0.01, reference=0.5 / 7)  # fan_in of the weight
     assert updates[3].reference == 0.5  # a bias: fan_in 1

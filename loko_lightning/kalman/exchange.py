@@ -12,7 +12,7 @@ exchange is the part that depends on how the processes share the work:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,21 @@ class Sharded:
         self.shards, self.timeout = shards, timeout
         self.rank = dist.get_rank()
 
+    @staticmethod
+    def adopt(state: MutableMapping[Tensor, dict], params: Sequence[Tensor], shards: ShardPlan) -> list[Any]:
+        """The first sharded step: drop ``p̂`` of the others' parameters from ``state``; the dtypes of every ``p̂``.
+
+        One arithmetic dtype on every process, the replicated update's (that of the first parameter's ``p̂``).
+        """
+        rank = dist.get_rank()
+        dtypes = [state[p]["cov"].dtype for p in params]
+        for index, param in enumerate(params):
+            if shards.owners[index] != rank:
+                state[param].pop("cov", None)
+                if not state[param]:
+                    del state[param]
+        return dtypes
+
     def reduce(self, hpht: Tensor) -> Tensor:
         """The sum of every shard's ``H_r P_r H_rᵀ`` (one all-reduce of the lower triangle)."""
         return sum_symmetric(hpht, None, self.timeout)
@@ -128,4 +143,3 @@ class Sharded:
         """:func:`~loko_lightning.kalman.sharded.agree_and_apply`: applied everywhere or nowhere, with statistics."""
         return agree_and_apply(plan, params, self.shards, cov, proposal.posterior, proposal.finite,
                                timeout=self.timeout)  # fmt: skip
-

@@ -1,8 +1,8 @@
 """``LoKO``: the Low-Rank Kalman Optimizer as a :class:`torch.optim.Optimizer`.
 
 The optimizer keeps θ̃, the counters and the step pipeline (stack, check, plan, the filter's proposal, apply, commit)
-and asks the others: the filter for its state and update (:mod:`~loko_lightning.kalman.filters`), the prior for
-``p̂₀`` (:mod:`~loko_lightning.kalman.prior`), the exchange for where the observations come from and the update goes
+and asks the others: the filter for its state, settings and update (:mod:`~loko_lightning.kalman.filters`), the
+param groups for the prior ``p̂₀`` and the time update (:mod:`~loko_lightning.kalman.groups`), the exchange for where the observations come from and the update goes
 (:mod:`~loko_lightning.kalman.exchange`), the average for ``θ̄`` (:mod:`~loko_lightning.kalman.average`).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -22,22 +21,35 @@ from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.kalman.average import MeanAverage
 from loko_lightning.kalman.exchange import Replicated, Sharded
-from loko_lightning.kalman.filters import Belief, Evidence, Filter, get_filter
+from loko_lightning.kalman.filters import FILTER_SETTINGS, Belief, Evidence, Filter, filter_for
+from loko_lightning.kalman.groups import (
+    P0_INITS,
+    P0Init,
+    check_group,
+    check_shared_rows,
+    group_p0,
+    group_shared_rows,
+    group_time_updates,
+    initial_cov,
+)
 from loko_lightning.kalman.multistream import check_observation, layout_key
-from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator
+from loko_lightning.kalman.noise import REstimator
 from loko_lightning.kalman.plan import UpdatePlan
-from loko_lightning.kalman.prior import P0_INITS, P0Init, check_group, group_p0, initial_cov, reference_cov
 from loko_lightning.kalman.sharded import ShardPlan, gather_shards
-from loko_lightning.kalman.state import SHARED_KEYS, FlatState, check_saved_state, shared_state
-from loko_lightning.kalman.time_update import TimeUpdate, real_number
-from loko_lightning.kalman.validation import CHECK_EVERY, ObservationCheck, check_closure_result
+from loko_lightning.kalman.state import FlatState, check_loadable, shared_state
+from loko_lightning.kalman.time_update import TimeUpdate
+from loko_lightning.kalman.validation import (
+    CHECK_EVERY,
+    ObservationCheck,
+    check_closure,
+    check_closure_result,
+    check_options,
+)
 from loko_lightning.observation import Observation, get_observation
 
 __all__ = ["CHECK_EVERY", "FILTER_SETTINGS", "P0_INITS", "LoKO", "P0Init", "group_p0"]
 
 Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
-#: The covariance filter's settings LoKO takes as a shorthand (:class:`~loko_lightning.kalman.filters.Covariance`).
-FILTER_SETTINGS = ("beta", "r_estimator", "rcond")
 _NO_LR = (
     "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
     "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
@@ -86,92 +98,57 @@ class LoKO(torch.optim.Optimizer):
     :func:`~loko_lightning.kalman.reference.loko_step_reference` a slow dense float64 version of it.
 
     Args:
-        params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, ``process_noise``,
-            ``p_floor``, ``shrinkage``, ``inflation`` and ``forgetting``, and ``p0_scale`` (a factor > 0 on the
-            group's ``p0``, 1 when absent: its prior is ``p0 × p0_scale``, so a ``p0`` chosen online keeps the
-            ratio between groups; :class:`~loko_lightning.learner.OnlineClassifier`'s ``step_scales`` sets it), and
-            ``shared_rows`` (not the paper; ``filter="covariance"`` only, no time update in the group, every parameter
-            a matrix, not sharded): the rows of each parameter of the group share one full covariance ``Σ``
-            (``state[param]["row_cov"]``, ``cols x cols``) instead of a diagonal one
-            (:class:`~loko_lightning.kalman.algebra.SharedRowBlocks`; the learner's ``head_covariance="shared"``).
-        p0: scale of the initial covariance :math:`\hat p_0`: the upper bound of ``U(0, p0)`` or the
-            constant (paper: ``0.2``; too large diverges, too small does not learn; ``"auto"``: OnlineClassifier's).
+        params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, time update
+            (``process_noise`` ... ``forgetting``), ``p0_scale`` (a factor > 0 on the group's ``p0``: a ``p0`` chosen
+            online keeps the ratio between groups; the learner's ``step_scales``) and ``shared_rows`` (not the paper;
+            the covariance filter: the rows of each matrix of the group share one full covariance ``Σ``,
+            ``state[param]["row_cov"]``; the learner's ``head_covariance="shared"``).
+        p0: scale of the initial covariance :math:`\hat p_0` (:mod:`~loko_lightning.kalman.groups`): the upper bound
+            of ``U(0, p0)`` or the constant (paper: ``0.2``; too large diverges, too small does not learn).
         p0_init: ``"uniform"`` (paper method 2, default), ``"constant"`` (method 1), or ``"fan_in"`` (not the paper:
-            the constant ``p0 / fan_in`` of each parameter, ``fan_in`` = the product of its shape after the first
-            dimension, 1 for vectors: a prior variance on the scale of a kaiming initialisation, so LoRA ``B``
-            (fan-in ``r``) takes larger steps than LoRA ``A`` and the head; ``p0`` is then the factor ``c``).
-        beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95; good range 0.9-0.98). ``beta``,
-            ``r_estimator`` and ``rcond`` are the covariance filter's settings: given here they build it
+            ``p0 / fan_in`` per parameter, so LoRA ``B`` takes larger steps than LoRA ``A`` and the head).
+        beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95). ``beta``, ``r_estimator`` and
+            ``rcond`` are the covariance filter's settings: given here they build it
             (:class:`~loko_lightning.kalman.filters.Covariance`), which then owns them (``None``: its defaults); with a
-            filter instance, set them on the instance.
-        r_estimator: ``"taylor"`` (method 2, the default for ``"softmax"`` and ``"regression"``), ``"residual"``
-            (method 1, :math:`\hat R = e e^\top`), or the literature baselines ``"identity"`` (:math:`R = I`),
-            ``"decay"`` (:math:`R = I e^{-k/50}`, ``k`` = 1-based index of the update) and ``"softmax"``
-            (:math:`R = \mathrm{diag}(\hat y) - \hat y \hat y^\top`, the only one ``"natural"`` admits).
-            Default: the observation's first (:attr:`~loko_lightning.observation.Observation.r_estimators`).
-        process_noise: ``q`` added to every :math:`\hat p` in the predict step; 0 is the paper, a small
-            positive value keeps learning alive on non-stationary streams.
-        p_floor: a floor on :math:`\hat p` (not the paper; 0, the default, is none): after every update
-            :math:`\hat p_k \leftarrow \max(\hat p_k, \text{p\_floor})`, so the steps never shrink below a
-            minimum however long the stream. Unlike ``process_noise`` it leaves :math:`\hat p` alone while it is
-            above the floor.
-        shrinkage: ``λ`` in ``[0, 1)`` of a shrinkage process model :math:`\tilde\theta_{k+1|k} = (1 - \lambda)
-            \tilde\theta_k` (not the paper; 0, the default, is the paper's identity model): after every applied
-            update the parameters are scaled by :math:`1 - \lambda` and :math:`\hat p` is kept, the Kalman form of
-            decoupled weight decay (towards 0: LoRA ``B`` and the head start there).
-        inflation: ``α >= 0`` of a multiplicative covariance inflation :math:`P \leftarrow (1 + \alpha) P` after
-            every applied update (not the paper; 0, the default, is none): old information loses weight
-            geometrically, so :math:`\hat p` does not settle (forgetting, as in rebayes' LoFi).
-        forgetting: ``γ`` in ``[0, 1)`` of stabilised forgetting after every applied update (not the paper; 0, the
-            default, is none): the precision is mixed with that of the prior's scale,
-            :math:`1/\hat p \leftarrow (1 - \gamma)/\hat p + \gamma/p_{\mathrm{ref}}` (``W W^T`` scaled by
-            :math:`1 - \gamma` too for ``lofi``), with :math:`p_{\mathrm{ref}}` = ``p0`` (``p0 / fan_in`` for
-            ``p0_init="fan_in"``), the mean kept. Information older than about :math:`1/\gamma` steps fades, so the
-            steps stop shrinking like :math:`1/k`, and :math:`\hat p` never exceeds :math:`p_{\mathrm{ref}}` (where
-            ``inflation`` grows it without bound on parameters the data do not inform).
+            filter instance or config, set them there (a different value here is refused).
+        r_estimator: ``"taylor"`` (method 2, the default), ``"residual"`` (method 1, :math:`\hat R = e e^\top`),
+            or the literature's ``"identity"``, ``"decay"`` and ``"softmax"`` (the categorical
+            :math:`\mathrm{diag}(\hat y) - \hat y \hat y^\top`, the only one the information forms admit); see
+            :mod:`~loko_lightning.kalman.noise`.
+        process_noise: ``q >= 0`` added to :math:`\hat p` before each observation (0, the paper's, by default).
+            This and the four below are the time update (:mod:`~loko_lightning.kalman.time_update`: the equations).
+        p_floor: a floor on :math:`\hat p` after every update (not the paper; 0: none).
+        shrinkage: ``λ`` in ``[0, 1)``: the parameters scaled by ``1 − λ`` after every applied update (not the
+            paper; the Kalman form of decoupled weight decay).
+        inflation: ``α >= 0``: :math:`\hat p` scaled by ``1 + α`` after every applied update (not the paper).
+        forgetting: ``γ`` in ``[0, 1)``: stabilised forgetting, the precision mixed with the prior's after every
+            applied update (not the paper).
         rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
-        observation: what the prediction is (:mod:`loko_lightning.observation`). ``"softmax"`` (default): class
-            probabilities, the paper's classification setting; when the target is a probability vector (e.g. one-hot)
-            and the prediction is not (a negative entry, or a sum off 1 by more than rounding: logits passed where
-            probabilities belong), :meth:`step` raises a ``ValueError``: at once on the first step of a layout, and
-            otherwise within :data:`CHECK_EVERY` steps, the failing steps skipped (the check runs on the device; its
-            count is read after 1, 2, 4, ... steps, then every ``CHECK_EVERY`` steps). ``"regression"``: any real
-            outputs, no check (see the p0 advice in the docs' "Regression" section). ``"topk<k>"``: the label, the
-            ``k`` most probable other classes and the rest. An :class:`~loko_lightning.observation.Observation`
-            instance works too. Give the Jacobian engine
+        observation: what the prediction is (:mod:`loko_lightning.observation`): ``"softmax"`` (default, class
+            probabilities; logits passed where probabilities belong raise a ``ValueError`` at once on a layout's
+            first step, otherwise within :data:`CHECK_EVERY` steps, the failing steps skipped), ``"regression"``
+            (any real outputs) or ``"topk<k>"`` (the label, the ``k`` most probable other classes and the rest); an
+            :class:`~loko_lightning.observation.Observation` instance works too. Give the Jacobian engine
             :attr:`observation` (the rows this filter needs of it).
-        filter: how the belief is updated (:mod:`loko_lightning.kalman.filters`). ``"covariance"`` (default): the
-            paper's Algorithm 1. Not the paper: ``"natural"`` / ``"natural_exact"``, the diagonal natural-gradient
-            filter in information form (the categorical ``R``, the empirical or the exact Fisher diagonal as the
-            information, one or ``m + 1`` reverse rows and no ``m x m`` solve; ``"natural_sampled"``: a label drawn
-            from the prediction, two rows), and ``"lofi<L>"`` / ``"lofi<L>_empirical"`` / ``"lofi<L>_sampled"``,
-            LoFi's low-rank plus diagonal precision of rank ``L``. Their rows of ``H`` come
-            from the label, so the closure must return what :meth:`loko_lightning.JacobianEngine.observe` gives for
-            :attr:`observation`. A :class:`~loko_lightning.kalman.filters.Filter` instance works too. ``beta``,
-            ``r_estimator`` and ``rcond`` are the covariance filter's; the others observe ``"softmax"`` only. The
-            filter's settings are saved in the param groups (``"filter"``: :meth:`Filter.config
-            <loko_lightning.kalman.filters.Filter.config>`), which :meth:`rebuild` builds the same optimizer from.
+        filter: how the belief is updated (:mod:`loko_lightning.kalman.filters`): ``"covariance"`` (default, the
+            paper's Algorithm 1); not the paper: ``"natural"``, ``"natural_exact"``, ``"natural_sampled"`` (the
+            diagonal natural-gradient filter in information form) and ``"lofi<L>"`` (``_empirical``, ``_sampled``:
+            LoFi's low-rank plus diagonal precision of rank ``L``). A :class:`~loko_lightning.kalman.filters.Filter`
+            instance, or its :meth:`~loko_lightning.kalman.filters.Filter.config`, works too. The param groups save
+            the filter's config: :meth:`arguments` builds the same optimizer from a state dict.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0` (and the labels of a sampled Fisher, from their own
             generator, saved in :meth:`state_dict`); ``None`` uses the global RNG.
         shard: under ``torch.distributed`` with several processes, split the update between them
-            (:mod:`loko_lightning.kalman.sharded`): each process owns a shard of the parameters (whole tensors),
-            receives only its shard's Jacobian blocks for every process's samples (an all-to-all instead of an
-            all-gather), sums its part of :math:`H P H^\top` with the others' (one all-reduce) and updates its
-            shard; the new parameter values are then all-gathered. The closure returns this process's own
-            observations (not gathered), and :meth:`step` returns every process's predictions and targets with this
-            process's blocks. Equal to the replicated update up to the order of one sum (bit for bit for
-            ``filter="natural"``); not for ``"lofi<L>"``. In one process it does nothing. ``p̂`` of the others'
-            parameters is dropped at the first sharded step: :meth:`consolidate_state_dict` (a collective) gathers
-            it back before :meth:`state_dict`.
+            (:mod:`loko_lightning.kalman.sharded`): each process updates its shard of the parameters from every
+            process's samples (an all-to-all of the blocks, one all-reduce of :math:`H P H^\top`, an all-gather of
+            the new values); equal to the replicated update up to the order of one sum; not for ``"lofi<L>"``.
+            :meth:`consolidate_state_dict` (a collective) gathers :math:`\hat p` back before :meth:`state_dict`.
         collective_timeout: seconds each collective of a sharded step may wait for the other processes before it
-            raises (a process killed or hung); ``None``: the process group's own timeout (30 minutes by default;
-            :class:`~loko_lightning.OnlineClassifier` sets its own ``collective_timeout`` here).
-        average: not the paper's: the decay ``δ`` in ``[0, 1)`` of an exponential average of the filter's mean,
-            updated after every step (with a warm-up, ``min(δ, (1 + k)/(10 + k))``); the learner predicts with it
-            (:meth:`averaged`) and checkpoints it as the weights. The filter's own recursion is unchanged. 0 (the
-            default): none, the paper. See ``docs/filters.md``.
+            raises (a process killed or hung); ``None``: the process group's own timeout.
+        average: not the paper's: the decay ``δ`` in ``[0, 1)`` of an exponential average of the filter's mean
+            that predicts (:meth:`averaged`, :mod:`~loko_lightning.kalman.average`); 0 (the default): none.
 
     LoKO has no learning rate: ``lr``, as an argument or in a param group, raises a ``ValueError``; ``p0`` plays
     that role.
@@ -223,32 +200,13 @@ class LoKO(torch.optim.Optimizer):
                 f"Invalid seed: {seed!r} ({type(seed).__name__}; must be an int or None)", field="seed", owner=LoKO
             )
         observed = get_observation(observation, owner=LoKO)
-        self.filter = _build_filter(filter, observed, {key: arguments[key] for key in FILTER_SETTINGS})
+        self.filter = filter_for(filter, observed, {key: arguments[key] for key in FILTER_SETTINGS}, owner=LoKO)
         #: The observation the Jacobian engine computes for this filter (its rows of ``H``).
         self.observation = self.filter.observe(observed)
         drawing = getattr(self.observation, "generator", None)
         if drawing is not None:  # a sampled Fisher: labels from ``seed``, else from the global RNG (seed_everything)
             drawing.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
-        if dtype not in (None, torch.float32, torch.float64):
-            raise ConfigError(
-                f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)", field="dtype", owner=LoKO
-            )
-        if not isinstance(shard, bool):
-            raise ConfigError(f"Invalid shard: {shard!r} (must be true or false)", field="shard", owner=LoKO)
-        if shard and not self.filter.shardable:
-            raise ConfigError(
-                f"Invalid shard: filter {self.filter.spec!r} (a low-rank precision) couples every parameter "
-                "through its factor W, which the sharded update does not split: use shard=False",
-                field="shard",
-                owner=LoKO,
-            )
-        timeout_ok = real_number(collective_timeout) and 0 < collective_timeout < math.inf
-        if collective_timeout is not None and not timeout_ok:
-            raise ConfigError(
-                f"Invalid collective_timeout: {collective_timeout!r} (a finite number of seconds > 0, or None)",
-                field="collective_timeout",
-                owner=LoKO,
-            )
+        check_options(dtype, shard, self.filter, collective_timeout, owner=LoKO)
         #: The decay ``δ`` of the average of the filter's mean that predicts (:meth:`averaged`,
         #: :class:`~loko_lightning.kalman.average.MeanAverage`); 0: none (the paper).
         self.average = MeanAverage.check(average, owner=LoKO)
@@ -324,7 +282,7 @@ class LoKO(torch.optim.Optimizer):
         self._plan = self._plan_key = None
         group = self.param_groups[-1]
         check_group(group, owner=LoKO)
-        self._check_shared_rows(group)
+        check_shared_rows(self.filter, group, self.shard, owner=LoKO)
         for param in group["params"]:
             if param.is_complex() or not param.is_floating_point():
                 raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
@@ -333,32 +291,6 @@ class LoKO(torch.optim.Optimizer):
             state.update(self.filter.init_param(param, state["cov"], group))
             if self._average is not None:
                 state[MeanAverage.key] = MeanAverage.start(param)
-
-    def _check_shared_rows(self, group: dict[str, Any]) -> bool:
-        """The group's ``shared_rows`` (``False`` when absent); refused where it is not built, naming the field."""
-        shared = group.get("shared_rows", False)
-        if not isinstance(shared, bool):
-            problem = f"{shared!r} (must be true or false)"
-        elif not shared:
-            return False
-        elif not self.filter.shares_rows:
-            problem = f"filter {self.filter.spec!r} keeps no full covariance; only filter 'covariance' does"
-        elif self.shard:
-            problem = "the sharded update does not split a shared covariance; use shard=False"
-        elif TimeUpdate.of_group(group) != TimeUpdate():
-            problem = (
-                "the time updates (process_noise, p_floor, shrinkage, inflation, forgetting) are not built for a "
-                "shared covariance; set them to 0 in this group"
-            )
-        elif any(param.dim() < 2 for param in group["params"]):
-            problem = "every parameter of the group must be a matrix (rows share Σ); put biases in another group"
-        else:
-            return True
-        raise ConfigError(
-            f"Invalid shared_rows: {problem}. shared_rows gives a weight's rows one full covariance (not the paper)",
-            field="shared_rows",
-            owner=LoKO,
-        )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore (``load_state_dict``, unpickling), keeping the param groups' explanation of the missing ``lr``."""
@@ -394,27 +326,7 @@ class LoKO(torch.optim.Optimizer):
         ``shared_rows`` layout.
         """
         params = self._params()
-        saved = {index: dict(state) for index, state in state_dict["state"].items()}
-        check_saved_state(saved, params, {"cov", MeanAverage.key, *SHARED_KEYS, *self.filter.state_keys()})
-        for index, state in saved.items():
-            self.filter.check_param(index, params[index], state)
-        saved_groups = state_dict.get("param_groups", [])
-        own_rows = [bool(group.get("shared_rows")) for group in self.param_groups]
-        saved_rows = [bool(group.get("shared_rows")) for group in saved_groups]
-        if len(saved_rows) == len(own_rows) and saved_rows != own_rows:
-            raise ValueError(
-                f"Invalid state dict: its param groups' shared_rows are {saved_rows}, this optimizer's {own_rows}: "
-                "the state comes from a run with the other covariance of the head; configure this run as that one "
-                "(OnlineClassifier's head_covariance)"
-            )
-        saved_filter = saved_groups[0].get("filter") if saved_groups else None
-        if isinstance(saved_filter, dict) and saved_filter != self.filter.config():
-            raise ConfigError(
-                f"Invalid state dict: it was written by filter {saved_filter}, this optimizer runs "
-                f"{self.filter.config()}: resume with the checkpoint's filter (LoKO.arguments(state) builds it)",
-                field="filter",
-                owner=LoKO,
-            )
+        saved = check_loadable(state_dict, params, self.filter, self.param_groups, owner=LoKO)
         drawing = getattr(self.observation, "generator", None)
         if drawing is not None and "observation_rng" in state_dict:  # after the checks: a refused state changes nothing
             drawing.set_state(state_dict["observation_rng"])
@@ -507,13 +419,7 @@ class LoKO(torch.optim.Optimizer):
             What the closure returned. If any of it is non-finite the update is skipped (parameters, filter state and
             average untouched) and counted in ``state["skipped"]``; see :attr:`diagnostics`.
         """
-        if closure is None:
-            raise ValueError(
-                "LoKO.step needs a closure returning (prediction, target, jacobians), e.g. def closure(): prediction, "
-                "jacobians = loko_lightning.jacobian(model, x); return prediction, target, jacobians. In a "
-                "LightningModule: set self.automatic_optimization = False and call self.optimizers().step(closure) in "
-                "training_step"
-            )
+        check_closure(closure)
         with torch.enable_grad():
             result = closure()
         prediction, target, jacobians = check_closure_result(result)
@@ -526,8 +432,8 @@ class LoKO(torch.optim.Optimizer):
         if observed.shards is not None and self._shards is None:
             self._adopt_shards(observed.shards)
         own = [params[i] for i in observed.owned]
-        time_updates = self._time_updates(observed.owned)
-        shared_rows = self._shared_rows(observed.owned)
+        time_updates = group_time_updates(self.param_groups, observed.owned)
+        shared_rows = group_shared_rows(self.param_groups, observed.owned)
         prediction, target, blocks, samples = observed.prediction, observed.target, observed.blocks, observed.samples
         key = layout_key(prediction, target, blocks, (time_updates, shared_rows, samples, observed.layout))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
@@ -604,31 +510,8 @@ class LoKO(torch.optim.Optimizer):
 
     def _adopt_shards(self, shards: ShardPlan) -> None:
         """The first sharded step: keep ``p̂`` of this process's parameters only, in one arithmetic dtype everywhere."""
-        params, rank = self._params(), dist.get_rank()
-        # One arithmetic dtype on every process, the replicated update's (that of the first parameter's p̂).
-        self._shard_dtypes = [self.state[p]["cov"].dtype for p in params]
-        for index, param in enumerate(params):
-            if shards.owners[index] != rank:
-                self.state[param].pop("cov", None)
-                if not self.state[param]:
-                    del self.state[param]
+        self._shard_dtypes = Sharded.adopt(self.state, self._params(), shards)
         self._shards, self._plan, self._plan_key = shards, None, None
-
-    def _time_updates(self, owned: Sequence[int]) -> tuple[TimeUpdate, ...]:
-        """The time update of each parameter in ``owned`` (indices in parameter order), from its param group."""
-        settings = []
-        for group in self.param_groups:
-            update = TimeUpdate.of_group(group)
-            for param in group["params"]:
-                # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
-                forgets = group["forgetting"]
-                settings.append(replace(update, reference=reference_cov(param, group)) if forgets else update)
-        return tuple(settings[i] for i in owned)
-
-    def _shared_rows(self, owned: Sequence[int]) -> tuple[bool, ...]:
-        """Whether each parameter in ``owned`` (indices in parameter order) shares its rows' covariance."""
-        flags = [bool(group.get("shared_rows")) for group in self.param_groups for _ in group["params"]]
-        return tuple(flags[i] for i in owned)
 
     @property
     def diagnostics(self) -> dict[str, Tensor]:
@@ -647,48 +530,3 @@ class LoKO(torch.optim.Optimizer):
         if getattr(self, "_statistics_pending", False):
             self._diagnostics.update(self._plan.statistics(self._flats["cov"].flat))
             self._statistics_pending = False
-
-
-def _build_filter(spec: str | Filter | dict[str, Any], observed: Observation, given: dict[str, Any]) -> Filter:
-    """The filter LoKO runs: ``spec``, with the covariance filter's settings ``given`` to LoKO where it is a name.
-
-    A filter instance or config owns its settings: a different value given to LoKO as well is refused, naming it.
-    """
-    beta, r_estimator, rcond = (given[key] for key in FILTER_SETTINGS)
-    if beta is not None and not (real_number(beta) and 0.0 < beta < 1.0):
-        raise ConfigError(
-            f"Invalid beta: {beta!r} ({type(beta).__name__}; must be a number in (0, 1); the paper uses 0.95)",
-            field="beta",
-            owner=LoKO,
-        )
-    if rcond is not None and not (real_number(rcond) and 0.0 <= rcond < 1.0):
-        raise ConfigError(f"Invalid rcond: {rcond} (must lie in [0, 1))", field="rcond", owner=LoKO)
-    built = get_filter(spec, owner=LoKO)
-    allowed = built.r_estimators(observed)
-    if r_estimator is not None and r_estimator not in R_ESTIMATORS:
-        raise ConfigError(
-            f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
-            field="r_estimator",
-            owner=LoKO,
-        )
-    if isinstance(spec, str) and built.estimates_noise:  # a name: the settings given here build it
-        settings = {"beta": beta, "r_estimator": r_estimator or allowed[0], "rcond": rcond}
-        built = get_filter(spec, owner=LoKO, **{key: value for key, value in settings.items() if value is not None})
-    elif built.estimates_noise:  # an instance or a config owns its settings
-        for key, value in given.items():
-            if value is not None and getattr(built, key) != value:
-                raise ConfigError(
-                    f"Invalid {key}: {value!r} here, but the filter given ({built.spec}) has {key}="
-                    f"{getattr(built, key)!r}: a setting has one owner; set it on the filter, not on LoKO as well",
-                    field=key,
-                    owner=LoKO,
-                )
-    chosen = getattr(built, "r_estimator", None) or r_estimator or allowed[0]
-    if chosen not in allowed:
-        raise ConfigError(
-            f"Invalid r_estimator: {chosen!r} does not apply to observation {observed.spec!r} with filter "
-            f"{built.spec!r} ({R_ESTIMATORS[chosen].doc}); choose one of {allowed}",
-            field="r_estimator",
-            owner=LoKO,
-        )
-    return built

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.plan import UpdatePlan
 
-__all__ = ["SHARED_KEYS", "FlatState", "check_saved_state", "shared_state"]
+__all__ = ["SHARED_KEYS", "FlatState", "check_block", "check_loadable", "check_saved_state", "shared_state"]
 
 #: The states held once for the whole optimizer, on its first parameter: the observation noise and the counters.
 SHARED_KEYS = ("R", "step", "skipped")
@@ -132,3 +133,39 @@ def check_block(index: Any, what: str, value: Any, shape: tuple[int, ...]) -> No
             f"Invalid state dict: parameter {index}'s {what} has shape {got}, expected {shape}: the state comes from "
             "another model; load it into that model's optimizer"
         )
+
+
+def check_loadable(
+    state_dict: dict[str, Any],
+    params: Sequence[Tensor],
+    filter: Any,  # noqa: A002
+    groups: Sequence[dict[str, Any]],
+    owner: type | None = None,
+) -> dict[Any, dict[str, Any]]:
+    """The per-parameter states of ``state_dict`` (copied dicts), refused if they cannot load into this optimizer.
+
+    Refused: another optimizer's state, another model's shapes (the filter's own states included), another filter (its
+    settings included) or another ``shared_rows`` layout of the param ``groups``.
+    """
+    saved = {index: dict(state) for index, state in state_dict["state"].items()}
+    check_saved_state(saved, params, {"cov", "average", *SHARED_KEYS, *filter.state_keys()})
+    for index, state in saved.items():
+        filter.check_param(index, params[index], state)
+    saved_groups = state_dict.get("param_groups", [])
+    own_rows = [bool(group.get("shared_rows")) for group in groups]
+    saved_rows = [bool(group.get("shared_rows")) for group in saved_groups]
+    if len(saved_rows) == len(own_rows) and saved_rows != own_rows:
+        raise ValueError(
+            f"Invalid state dict: its param groups' shared_rows are {saved_rows}, this optimizer's {own_rows}: "
+            "the state comes from a run with the other covariance of the head; configure this run as that one "
+            "(OnlineClassifier's head_covariance)"
+        )
+    saved_filter = saved_groups[0].get("filter") if saved_groups else None
+    if isinstance(saved_filter, dict) and saved_filter != filter.config():
+        raise ConfigError(
+            f"Invalid state dict: it was written by filter {saved_filter}, this optimizer runs "
+            f"{filter.config()}: resume with the checkpoint's filter (LoKO.arguments(state) builds it)",
+            field="filter",
+            owner=owner,
+        )
+    return saved

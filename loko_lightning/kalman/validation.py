@@ -12,14 +12,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.time_update import real_number
 from loko_lightning.observation import Observation
 
-__all__ = ["CHECK_EVERY", "ObservationCheck", "check_closure_result"]
+__all__ = ["CHECK_EVERY", "ObservationCheck", "check_closure", "check_closure_result", "check_options"]
 
 # Steps between the host reads of the observation's check after a layout's first step (that one reads at once): the
 # window starts at 1 and doubles after each clean read up to this many, so a prediction that goes wrong right after
 # the first step (probabilities, then logits) is refused on its own step, and a long run reads once in CHECK_EVERY.
 CHECK_EVERY = 100
+
+
+def check_closure(closure: Any) -> None:
+    """Refuse a step without a closure, saying what it must return (and how a LightningModule passes one)."""
+    if closure is None:
+        raise ValueError(
+            "LoKO.step needs a closure returning (prediction, target, jacobians), e.g. def closure(): prediction, "
+            "jacobians = loko_lightning.jacobian(model, x); return prediction, target, jacobians. In a "
+            "LightningModule: set self.automatic_optimization = False and call self.optimizers().step(closure) in "
+            "training_step"
+        )
 
 
 def check_closure_result(result: Any) -> tuple[Any, Any, Any]:
@@ -85,3 +98,36 @@ class ObservationCheck:
                     "the target is one; were logits passed where probabilities belong?)"
                 )
         return torch.where(bad, torch.full_like(prediction, math.nan), prediction)
+
+
+def check_options(
+    dtype: Any,
+    shard: Any,
+    filter: Any,
+    collective_timeout: Any,
+    owner: type | None = None,  # noqa: A002
+) -> None:
+    """Refuse LoKO's options outside their range, naming the field.
+
+    The arithmetic ``dtype``, ``shard`` (and a filter it cannot split) and ``collective_timeout``.
+    """
+    if dtype not in (None, torch.float32, torch.float64):
+        raise ConfigError(
+            f"Invalid dtype: {dtype} (expected torch.float32, torch.float64 or None)", field="dtype", owner=owner
+        )
+    if not isinstance(shard, bool):
+        raise ConfigError(f"Invalid shard: {shard!r} (must be true or false)", field="shard", owner=owner)
+    if shard and not filter.shardable:
+        raise ConfigError(
+            f"Invalid shard: filter {filter.spec!r} (a low-rank precision) couples every parameter "
+            "through its factor W, which the sharded update does not split: use shard=False",
+            field="shard",
+            owner=owner,
+        )
+    timeout_ok = real_number(collective_timeout) and 0 < collective_timeout < math.inf
+    if collective_timeout is not None and not timeout_ok:
+        raise ConfigError(
+            f"Invalid collective_timeout: {collective_timeout!r} (a finite number of seconds > 0, or None)",
+            field="collective_timeout",
+            owner=owner,
+        )

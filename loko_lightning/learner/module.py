@@ -24,6 +24,7 @@ from torchmetrics.classification import (
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters import get_filter
+from loko_lightning.kalman.groups import check_shared_rows
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checks import (
     check_schedule_length,
@@ -680,7 +681,7 @@ def _check_head_covariance(value: Any, probed: torch.optim.Optimizer, owner: Any
     if value == "shared":  # the filter, shard and time updates the optimizer would refuse the shared group for
         group = {**probed.defaults, "params": [nn.Parameter(torch.zeros(2, 2))], "shared_rows": True}
         try:
-            probed._check_shared_rows(group)
+            check_shared_rows(probed.filter, group, probed.shard)
         except ConfigError as err:
             raise ConfigError(
                 f"head_covariance: shared is refused by the optimizer: {err.args[0]}",

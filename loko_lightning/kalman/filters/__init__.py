@@ -24,9 +24,13 @@ from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposa
 from loko_lightning.kalman.filters.covariance import Covariance, psd_pinv
 from loko_lightning.kalman.filters.information import FISHERS, DiagonalInformation, FisherRows
 from loko_lightning.kalman.filters.low_rank import LowRankPrecision
+from loko_lightning.kalman.noise import R_ESTIMATORS
+from loko_lightning.kalman.time_update import real_number
+from loko_lightning.observation import Observation
 
 __all__ = [
     "FILTERS",
+    "FILTER_SETTINGS",
     "FISHERS",
     "Belief",
     "Covariance",
@@ -37,6 +41,7 @@ __all__ = [
     "LowRankPrecision",
     "Proposal",
     "Reduce",
+    "filter_for",
     "get_filter",
     "psd_pinv",
 ]
@@ -49,6 +54,10 @@ FILTERS: dict[str, Callable[..., Filter]] = {
     "natural_exact": partial(DiagonalInformation, fisher="exact"),
     "natural_sampled": partial(DiagonalInformation, fisher="sampled"),
 }
+
+
+#: The covariance filter's settings an optimizer takes beside its ``filter`` as a shorthand (:func:`filter_for`).
+FILTER_SETTINGS = ("beta", "r_estimator", "rcond")
 
 
 def get_filter(spec: str | Filter | dict[str, Any], *, owner: type | None = None, **settings: Any) -> Filter:
@@ -95,3 +104,52 @@ def get_filter(spec: str | Filter | dict[str, Any], *, owner: type | None = None
             owner=owner,
         )
     return replace(built, **settings)
+
+
+def filter_for(
+    spec: str | Filter | dict[str, Any], observation: Observation, given: dict[str, Any], owner: type | None = None
+) -> Filter:
+    """The filter an optimizer runs: ``spec``, built with the covariance filter's settings ``given`` where a name.
+
+    ``given`` holds ``beta``, ``r_estimator`` and ``rcond`` (``None``: not given). A filter instance or config owns
+    its settings: a different value given as well is refused, naming it; an ``r_estimator`` that does not apply to
+    ``observation`` with the filter is refused too.
+    """
+    beta, r_estimator, rcond = (given.get(key) for key in FILTER_SETTINGS)
+    if beta is not None and not (real_number(beta) and 0.0 < beta < 1.0):
+        raise ConfigError(
+            f"Invalid beta: {beta!r} ({type(beta).__name__}; must be a number in (0, 1); the paper uses 0.95)",
+            field="beta",
+            owner=owner,
+        )
+    if rcond is not None and not (real_number(rcond) and 0.0 <= rcond < 1.0):
+        raise ConfigError(f"Invalid rcond: {rcond} (must lie in [0, 1))", field="rcond", owner=owner)
+    built = get_filter(spec, owner=owner)
+    allowed = built.r_estimators(observation)
+    if r_estimator is not None and r_estimator not in R_ESTIMATORS:
+        raise ConfigError(
+            f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
+            field="r_estimator",
+            owner=owner,
+        )
+    if isinstance(spec, str) and built.estimates_noise:  # a name: the settings given here build it
+        settings = {"beta": beta, "r_estimator": r_estimator or allowed[0], "rcond": rcond}
+        built = get_filter(spec, owner=owner, **{key: value for key, value in settings.items() if value is not None})
+    elif built.estimates_noise:  # an instance or a config owns its settings
+        for key, value in given.items():
+            if value is not None and getattr(built, key) != value:
+                raise ConfigError(
+                    f"Invalid {key}: {value!r} here, but the filter given ({built.spec}) has {key}="
+                    f"{getattr(built, key)!r}: a setting has one owner; set it on the filter, not on LoKO as well",
+                    field=key,
+                    owner=owner,
+                )
+    chosen = getattr(built, "r_estimator", None) or r_estimator or allowed[0]
+    if chosen not in allowed:
+        raise ConfigError(
+            f"Invalid r_estimator: {chosen!r} does not apply to observation {observation.spec!r} with filter "
+            f"{built.spec!r} ({R_ESTIMATORS[chosen].doc}); choose one of {allowed}",
+            field="r_estimator",
+            owner=owner,
+        )
+    return built

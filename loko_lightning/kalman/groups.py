@@ -1,4 +1,6 @@
-r"""The prior: :math:`\hat p_0` of every parameter from its param group's ``p0``, ``p0_scale`` and ``p0_init``.
+r"""What a param group of :class:`~loko_lightning.LoKO` says: its prior, its time update, whether its rows share Σ.
+
+The prior: :math:`\hat p_0` of every parameter from its group's ``p0``, ``p0_scale`` and ``p0_init``:
 
 - ``"uniform"`` (the paper's method 2, the default): a draw from :math:`U(0, p_0]` per entry;
 - ``"constant"`` (method 1): :math:`p_0` everywhere;
@@ -7,11 +9,15 @@ r"""The prior: :math:`\hat p_0` of every parameter from its param group's ``p0``
 
 A group's ``p0_scale`` multiplies its ``p0`` (:func:`group_p0`), so a ``p0`` chosen online keeps the ratio between
 groups. The reference variance of stabilised forgetting is the largest :math:`\hat p_0` the group draws
-(:func:`reference_cov`).
+(:func:`reference_cov`). The time update of each parameter is its group's (:func:`group_time_updates`), and a group
+may let the rows of its matrices share one full covariance (``shared_rows``, the covariance filter's; where it is not
+built it is refused, :func:`check_shared_rows`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal, get_args
 
 import torch
@@ -20,7 +26,17 @@ from torch import Tensor
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.time_update import TimeUpdate, real_number
 
-__all__ = ["P0_INITS", "P0Init", "check_group", "group_p0", "initial_cov", "reference_cov"]
+__all__ = [
+    "P0_INITS",
+    "P0Init",
+    "check_group",
+    "check_shared_rows",
+    "group_p0",
+    "group_shared_rows",
+    "group_time_updates",
+    "initial_cov",
+    "reference_cov",
+]
 
 P0Init = Literal["uniform", "constant", "fan_in"]
 P0_INITS: tuple[str, ...] = get_args(P0Init)
@@ -79,3 +95,48 @@ def check_group(group: dict[str, Any], owner: type | None = None) -> None:
             f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=owner
         )
     TimeUpdate.of_group(group).validate(owner=owner)
+
+
+def group_time_updates(groups: Sequence[dict[str, Any]], owned: Sequence[int]) -> tuple[TimeUpdate, ...]:
+    """The time update of each parameter in ``owned`` (indices in parameter order), from its param group."""
+    settings = []
+    for group in groups:
+        update = TimeUpdate.of_group(group)
+        for param in group["params"]:
+            # The reference variance matters only where forgetting is on: nothing to derive per step otherwise.
+            forgets = group["forgetting"]
+            settings.append(replace(update, reference=reference_cov(param, group)) if forgets else update)
+    return tuple(settings[i] for i in owned)
+
+
+def group_shared_rows(groups: Sequence[dict[str, Any]], owned: Sequence[int]) -> tuple[bool, ...]:
+    """Whether each parameter in ``owned`` (indices in parameter order) shares its rows' covariance."""
+    flags = [bool(group.get("shared_rows")) for group in groups for _ in group["params"]]
+    return tuple(flags[i] for i in owned)
+
+
+def check_shared_rows(filter: Any, group: dict[str, Any], shard: bool, owner: type | None = None) -> bool:  # noqa: A002
+    """The group's ``shared_rows`` (``False`` when absent); refused where it is not built, naming the field."""
+    shared = group.get("shared_rows", False)
+    if not isinstance(shared, bool):
+        problem = f"{shared!r} (must be true or false)"
+    elif not shared:
+        return False
+    elif not filter.shares_rows:
+        problem = f"filter {filter.spec!r} keeps no full covariance; only filter 'covariance' does"
+    elif shard:
+        problem = "the sharded update does not split a shared covariance; use shard=False"
+    elif TimeUpdate.of_group(group) != TimeUpdate():
+        problem = (
+            "the time updates (process_noise, p_floor, shrinkage, inflation, forgetting) are not built for a "
+            "shared covariance; set them to 0 in this group"
+        )
+    elif any(param.dim() < 2 for param in group["params"]):
+        problem = "every parameter of the group must be a matrix (rows share Σ); put biases in another group"
+    else:
+        return True
+    raise ConfigError(
+        f"Invalid shared_rows: {problem}. shared_rows gives a weight's rows one full covariance (not the paper)",
+        field="shared_rows",
+        owner=owner,
+    )
