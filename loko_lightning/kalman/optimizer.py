@@ -2,8 +2,9 @@
 
 The optimizer keeps θ̃, the counters and the step pipeline (stack, check, plan, the filter's proposal, apply, commit)
 and asks the others: the filter for its state, settings and update (:mod:`~loko_lightning.kalman.filters`), the
-param groups for the prior ``p̂₀`` and the time update (:mod:`~loko_lightning.kalman.groups`), the exchange for where the observations come from and the update goes
-(:mod:`~loko_lightning.kalman.exchange`), the average for ``θ̄`` (:mod:`~loko_lightning.kalman.average`).
+param groups for the prior ``p̂₀`` and the time update (:mod:`~loko_lightning.kalman.groups`), the exchange for where
+the observations come from and the update goes (:mod:`~loko_lightning.kalman.exchange`), the average for ``θ̄``
+(:mod:`~loko_lightning.kalman.average`).
 """
 
 from __future__ import annotations

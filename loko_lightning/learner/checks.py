@@ -163,3 +163,42 @@ def _plain(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_plain(item) for item in value)
     return value is None or isinstance(value, (bool, int, float, str))
+
+
+def check_head_size(checkpoint: dict[str, Any], num_classes: int, owner: Any = None) -> None:
+    """A resumed run keeps the checkpoint's head: another class count is refused, with the way to a new head."""
+    spec = (checkpoint.get("hyper_parameters") or {}).get("network") or {}
+    saved = (spec.get("init_args") or {}).get("num_classes")
+    if saved is None or saved == num_classes:
+        return
+    raise ConfigError(
+        f"resuming a checkpoint with a {saved}-class head into a {num_classes}-class one: a resumed run (ckpt_path) "
+        f"continues the same head and classes. To fix it: resume with num_classes {saved}, or train a new "
+        f"{num_classes}-class head on the checkpoint's adapters with model.adapters_from=CKPT and no ckpt_path",
+        field="network.num_classes",
+        owner=owner,
+    )
+
+
+def check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool, owner: Any = None) -> None:
+    """A checkpoint's optimizer state must be the kind this learner resumes with (LoKO's ``cov`` or not)."""
+    states = checkpoint.get("optimizer_states") or []
+    # Per-parameter states are dicts (IVON also keeps a few counters beside them).
+    per_parameter = [
+        state for saved in states for state in (saved.get("state") or {}).values() if isinstance(state, dict)
+    ]
+    if not per_parameter:
+        return  # nothing saved (weights only), or not training yet: any optimizer starts fresh
+    saved_kalman = any("cov" in state for state in per_parameter)
+    if saved_kalman == kalman:
+        return
+    saved, current = ("LoKO", "a gradient optimizer") if saved_kalman else ("a gradient optimizer", "LoKO")
+    keys = sorted({key for state in per_parameter for key in state})
+    raise ConfigError(
+        f"the checkpoint's optimizer state is {saved}'s ({', '.join(keys)}), but this run resumes with {current}: "
+        "the state cannot carry over. To fix it: resume with the checkpoint's optimizer, or start from its weights "
+        "without its optimizer state (OnlineClassifier.load_from_checkpoint(path, optimizer=...), then fit without "
+        "ckpt_path)",
+        field="optimizer",
+        owner=owner,
+    )

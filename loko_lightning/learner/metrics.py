@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import (
+    BinaryF1Score,
+    MulticlassAccuracy,
+    MulticlassF1Score,
+    MulticlassMatthewsCorrCoef,
+)
+
+from loko_lightning.errors import ConfigError
 
 
 class ExactStates(Metric):
@@ -238,3 +247,29 @@ class CalibrationError(ExactStates):
         """The expected calibration error (NaN before the first prediction), float32."""
         count, confidence, correct = self.bins()
         return ((correct - confidence).abs().sum() / count.sum()).to(torch.float32)
+
+
+#: The held-out metrics besides top-1 accuracy: Matthews correlation (CoLA's) and F1 (MRPC's).
+HeldOutMetric = Literal["mcc", "f1"]
+
+
+def make_held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[nn.ModuleDict, nn.ModuleDict]:
+    """Validation and test metrics, logged as ``val/<name>``, ``test/<name>``: top-1 accuracy (``acc``) and GLUE's.
+
+    ``"mcc"``: Matthews correlation (CoLA's metric); ``"f1"``: F1 of class 1 for two classes (MRPC's), macro F1
+    otherwise.
+    """
+    pair = []
+    for _ in range(2):
+        metrics = nn.ModuleDict({"acc": MulticlassAccuracy(num_classes, average="micro")})
+        for name in names:
+            if name == "mcc":
+                metrics[name] = MulticlassMatthewsCorrCoef(num_classes)
+            elif name == "f1":
+                metrics[name] = BinaryF1Score() if num_classes == 2 else MulticlassF1Score(num_classes, average="macro")
+            else:
+                known = ", ".join(get_args(HeldOutMetric))
+                message = f"unknown held-out metric {name!r}; known: {known}"
+                raise ConfigError(message, field="held_out_metrics", owner=owner)
+        pair.append(metrics)
+    return pair[0], pair[1]

@@ -7,7 +7,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -15,18 +15,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torchmetrics.classification import (
-    BinaryF1Score,
-    MulticlassAccuracy,
-    MulticlassF1Score,
-    MulticlassMatthewsCorrCoef,
-)
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.kalman.filters import get_filter
-from loko_lightning.kalman.groups import check_shared_rows
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checks import (
+    check_head_size,
+    check_optimizer_kind,
     check_schedule_length,
     optimizer_class,
     optimizer_config,
@@ -34,13 +28,20 @@ from loko_lightning.learner.checks import (
     probe,
     resolve_selection,
 )
-from loko_lightning.learner.metrics import CalibrationError, MovingAverage, OnlineAccuracy, OnlineMean
+from loko_lightning.learner.groups import build_optimizer, check_head_covariance, check_step_scales, parameter_groups
+from loko_lightning.learner.metrics import (
+    CalibrationError,
+    HeldOutMetric,
+    MovingAverage,
+    OnlineAccuracy,
+    OnlineMean,
+    make_held_out_metrics,
+)
 from loko_lightning.learner.selection import Candidates
 from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
-from loko_lightning.models.adapters import PARAMETER_KINDS, count_parameters, freeze_normalization, parameter_kind
+from loko_lightning.learner.transfer import load_adapters
+from loko_lightning.models.adapters import count_parameters, freeze_normalization
 from loko_lightning.models.factory import NetworkFactory
-
-HeldOutMetric = Literal["mcc", "f1"]
 
 
 @contextlib.contextmanager
@@ -178,14 +179,14 @@ class OnlineClassifier(pl.LightningModule):
             )
         self.collective_timeout = float(collective_timeout)
         self.adapters_from = adapters_from
-        self.step_scales = _check_step_scales(step_scales, owner=OnlineClassifier)
+        self.step_scales = check_step_scales(step_scales, owner=OnlineClassifier)
         optimizer, self.select = resolve_selection(optimizer, select, owner=OnlineClassifier)
         # The optimizer's hyperparameters are checked (on a stand-in parameter) before any backbone is built.
         probed = probe(optimizer)
         step = step_for(probed)
         step.check(network, lr_scheduler, owner=OnlineClassifier)
         self.online_step: OnlineStep = step() if self.select is None else SelectionStep(step(), self.select)
-        self.head_covariance = _check_head_covariance(head_covariance, probed, owner=OnlineClassifier)
+        self.head_covariance = check_head_covariance(head_covariance, probed, owner=OnlineClassifier)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
@@ -209,7 +210,8 @@ class OnlineClassifier(pl.LightningModule):
         self.preprocessing: dict[str, Any] | None = None
         # predict/validate/test preprocess the data as the checkpoint's data was (False: as the data module says).
         self.use_checkpoint_preprocessing = True
-        self.val_metrics, self.test_metrics = _held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
+        metrics = make_held_out_metrics(held_out_metrics or [], self.num_classes, owner=self)
+        self.val_metrics, self.test_metrics = metrics
 
     # ------------------------------------------------------------------ setup
     @property
@@ -227,20 +229,9 @@ class OnlineClassifier(pl.LightningModule):
         """The trainable parameters in their fixed order, in runs of one factor and one covariance.
 
         A run's ``"scale"`` is its ``step_scales`` factor, its ``"shared_rows"`` whether it holds the head's matrices
-        with ``head_covariance="shared"``.
+        with ``head_covariance="shared"`` (:func:`~loko_lightning.learner.groups.parameter_groups`).
         """
-        groups: list[dict[str, Any]] = []
-        for name, param in self.network.named_parameters():
-            if not param.requires_grad:
-                continue
-            kind = parameter_kind(name)
-            scale = float((self.step_scales or {}).get(kind, 1.0))
-            shared = self.head_covariance == "shared" and kind == "head" and param.dim() >= 2
-            if groups and groups[-1]["scale"] == scale and groups[-1]["shared_rows"] == shared:
-                groups[-1]["params"].append(param)
-            else:
-                groups.append({"params": [param], "scale": scale, "shared_rows": shared})
-        return groups
+        return parameter_groups(self.network, self.step_scales, self.head_covariance)
 
     def build_optimizer(self, optimizer: OptimizerCallable | None = None, **overrides: Any) -> torch.optim.Optimizer:
         """``optimizer`` (default: the learner's) over the trainable parameters, scaled by ``step_scales``.
@@ -253,23 +244,7 @@ class OnlineClassifier(pl.LightningModule):
         factory = self.optimizer_factory if optimizer is None else optimizer
         if self.step_scales is None and self.head_covariance == "diagonal":
             return factory(self.trainable_parameters, **overrides)
-        groups = self.parameter_groups()
-        if self.is_kalman:
-            return factory(
-                [{"params": g["params"], "p0_scale": g["scale"], "shared_rows": g["shared_rows"]} for g in groups],
-                **overrides,
-            )
-        built = factory([{"params": g["params"]} for g in groups], **overrides)
-        for group, scaled in zip(built.param_groups, groups, strict=True):
-            if "lr" not in group:
-                raise ConfigError(
-                    f"step_scales scales LoKO's p0 or a gradient optimizer's lr; {type(built).__name__} has neither: "
-                    "remove step_scales",
-                    field="step_scales",
-                    owner=OnlineClassifier,
-                )
-            group["lr"] = group["lr"] * scaled["scale"]
-        return built
+        return build_optimizer(factory, self.parameter_groups(), self.is_kalman, OnlineClassifier, **overrides)
 
     def label_names(self) -> list[str]:
         """A name for each of the network's ``m`` outputs: the training data's class names, the ids beyond them."""
@@ -412,47 +387,7 @@ class OnlineClassifier(pl.LightningModule):
             ConfigError: no such file, or a checkpoint of a network configured otherwise (another backbone, target,
                 rank, ...: only ``num_classes`` may differ), naming ``adapters_from``.
         """
-        field = "adapters_from"
-        if not Path(path).expanduser().is_file():
-            raise ConfigError(f"no checkpoint file at {path!r}", field=field, owner=OnlineClassifier)
-        checkpoint = torch.load(Path(path).expanduser(), map_location="cpu", weights_only=True)
-        saved_spec = (checkpoint.get("hyper_parameters") or {}).get("network") or {}
-        spec = self.network_factory.spec()
-        saved_args, own_args = dict(saved_spec.get("init_args") or {}), dict(spec["init_args"])
-        saved_args.pop("num_classes", None), own_args.pop("num_classes", None)
-        differ = sorted(k for k in set(saved_args) | set(own_args) if saved_args.get(k) != own_args.get(k))
-        if saved_spec.get("class_path") != spec["class_path"] or differ:
-            said = ", ".join(f"{k}: {saved_args.get(k)!r} there, {own_args.get(k)!r} here" for k in differ)
-            raise ConfigError(
-                f"{path} holds adapters of a network configured otherwise ({said or saved_spec.get('class_path')}); "
-                "only num_classes may differ. To fix it: configure model.network as that run did",
-                field=field,
-                owner=OnlineClassifier,
-            )
-        names = [name for name, p in self.named_parameters() if p.requires_grad]
-        adapters = [i for i, name in enumerate(names) if parameter_kind(name) != "head"]
-        saved_state = checkpoint["state_dict"]
-        with torch.no_grad():
-            for i in adapters:
-                parameter = self.get_parameter(names[i])
-                parameter.copy_(saved_state[names[i]].to(parameter.device, parameter.dtype))
-        kept = "their weights"
-        saved_optimizer = (checkpoint.get("optimizer_states") or [{}])[0]
-        saved_filter = saved_optimizer.get("state") or {}
-        if self.is_kalman and self.select is None and saved_filter and _covariance_alone(saved_optimizer):
-            optimizer = self.optimizers()
-            optimizer = getattr(optimizer, "optimizer", optimizer)
-            trainable = self.trainable_parameters
-            for i in adapters:
-                cov = (saved_filter.get(i) or {}).get("cov")
-                own = optimizer.state[trainable[i]]
-                if cov is not None and "cov" in own and own["cov"].shape == cov.shape:
-                    own["cov"].copy_(cov.to(own["cov"].device, own["cov"].dtype))
-            kept = "their weights and covariance"
-        rank_zero_info(
-            f"Starting from the adapters of {path} ({len(adapters)} tensors, {kept}) with a new "
-            f"{self.num_classes}-class head"
-        )
+        load_adapters(self, path)
 
     def on_train_start(self) -> None:
         """Let the step prepare (the candidates of ``select``, from the checkpoint when resuming)."""
@@ -496,8 +431,8 @@ class OnlineClassifier(pl.LightningModule):
                 AdamW, or the reverse).
         """
         if self._trainer is not None and self.trainer.state.fn == "fit":
-            _check_head_size(checkpoint, self.num_classes)
-            _check_optimizer_kind(checkpoint, self.is_kalman)
+            check_head_size(checkpoint, self.num_classes, OnlineClassifier)
+            check_optimizer_kind(checkpoint, self.is_kalman, OnlineClassifier)
         # Trained weights are loaded: a later fit continues from them, not from adapters_from's again.
         self.adapters_from = None
         if checkpoint.get("class_names") is not None:
@@ -568,57 +503,6 @@ class OnlineClassifier(pl.LightningModule):
         self._eval_step(batch, "test", self.test_metrics)
 
 
-def _covariance_alone(state: dict[str, Any]) -> bool:
-    """Whether a saved LoKO state's ``p̂`` is its filter's whole belief about each parameter (it carries over alone).
-
-    Not where the filter keeps a per-entry state besides it (LoFi's ``W`` couples every parameter).
-    """
-    spec = ((state.get("param_groups") or [{}])[0]).get("filter", "covariance")
-    try:
-        return not get_filter(spec).entries()
-    except ConfigError:  # a filter this package does not know: its state cannot be read here
-        return False
-
-
-def _check_head_size(checkpoint: dict[str, Any], num_classes: int) -> None:
-    """A resumed run keeps the checkpoint's head: another class count is refused, with the way to a new head."""
-    spec = (checkpoint.get("hyper_parameters") or {}).get("network") or {}
-    saved = (spec.get("init_args") or {}).get("num_classes")
-    if saved is None or saved == num_classes:
-        return
-    raise ConfigError(
-        f"resuming a checkpoint with a {saved}-class head into a {num_classes}-class one: a resumed run (ckpt_path) "
-        f"continues the same head and classes. To fix it: resume with num_classes {saved}, or train a new "
-        f"{num_classes}-class head on the checkpoint's adapters with model.adapters_from=CKPT and no ckpt_path",
-        field="network.num_classes",
-        owner=OnlineClassifier,
-    )
-
-
-def _check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool) -> None:
-    """A checkpoint's optimizer state must be the kind this learner resumes with (LoKO's ``cov`` or not)."""
-    states = checkpoint.get("optimizer_states") or []
-    # Per-parameter states are dicts (IVON also keeps a few counters beside them).
-    per_parameter = [
-        state for saved in states for state in (saved.get("state") or {}).values() if isinstance(state, dict)
-    ]
-    if not per_parameter:
-        return  # nothing saved (weights only), or not training yet: any optimizer starts fresh
-    saved_kalman = any("cov" in state for state in per_parameter)
-    if saved_kalman == kalman:
-        return
-    saved, current = ("LoKO", "a gradient optimizer") if saved_kalman else ("a gradient optimizer", "LoKO")
-    keys = sorted({key for state in per_parameter for key in state})
-    raise ConfigError(
-        f"the checkpoint's optimizer state is {saved}'s ({', '.join(keys)}), but this run resumes with {current}: "
-        "the state cannot carry over. To fix it: resume with the checkpoint's optimizer, or start from its weights "
-        "without its optimizer state (OnlineClassifier.load_from_checkpoint(path, optimizer=...), then fit without "
-        "ckpt_path)",
-        field="optimizer",
-        owner=OnlineClassifier,
-    )
-
-
 def _data_preprocessing(datamodule: Any) -> dict[str, Any] | None:
     """What the data module does to a sample, as plain values; ``None`` when it does not say.
 
@@ -632,90 +516,6 @@ def _data_preprocessing(datamodule: Any) -> dict[str, Any] | None:
     if isinstance(tokenizer, str) and isinstance(max_length, int):
         return {"tokenizer": tokenizer, "max_length": max_length}
     return None
-
-
-def _held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tuple[nn.ModuleDict, nn.ModuleDict]:
-    """Validation and test metrics, logged as ``val/<name>``, ``test/<name>``: top-1 accuracy (``acc``) and GLUE's.
-
-    ``"mcc"``: Matthews correlation (CoLA's metric); ``"f1"``: F1 of class 1 for two classes (MRPC's), macro F1
-    otherwise.
-    """
-    pair = []
-    for _ in range(2):
-        metrics = nn.ModuleDict({"acc": MulticlassAccuracy(num_classes, average="micro")})
-        for name in names:
-            if name == "mcc":
-                metrics[name] = MulticlassMatthewsCorrCoef(num_classes)
-            elif name == "f1":
-                metrics[name] = BinaryF1Score() if num_classes == 2 else MulticlassF1Score(num_classes, average="macro")
-            else:
-                known = ", ".join(get_args(HeldOutMetric))
-                message = f"unknown held-out metric {name!r}; known: {known}"
-                raise ConfigError(message, field="held_out_metrics", owner=owner)
-        pair.append(metrics)
-    return pair[0], pair[1]
-
-
-#: ``OnlineClassifier``'s ``head_covariance``: the paper's diagonal, or one full covariance shared by the head's rows.
-HEAD_COVARIANCES = ("diagonal", "shared")
-
-
-def _check_head_covariance(value: Any, probed: torch.optim.Optimizer, owner: Any) -> str:
-    """``head_covariance`` checked: a known value, and ``"shared"`` only where LoKO builds it.
-
-    ``probed`` is the optimizer built on a stand-in parameter.
-    """
-    if value not in HEAD_COVARIANCES:
-        raise ConfigError(
-            f"head_covariance must be one of {', '.join(HEAD_COVARIANCES)}, got {value!r}",
-            field="head_covariance",
-            owner=owner,
-        )
-    if value == "shared" and not isinstance(probed, LoKO):
-        raise ConfigError(
-            "head_covariance: shared is a covariance of LoKO's filter; a gradient optimizer keeps none. Remove it, "
-            "or use LoKO",
-            field="head_covariance",
-            owner=owner,
-        )
-    if value == "shared":  # the filter, shard and time updates the optimizer would refuse the shared group for
-        group = {**probed.defaults, "params": [nn.Parameter(torch.zeros(2, 2))], "shared_rows": True}
-        try:
-            check_shared_rows(probed.filter, group, probed.shard)
-        except ConfigError as err:
-            raise ConfigError(
-                f"head_covariance: shared is refused by the optimizer: {err.args[0]}",
-                field="head_covariance",
-                owner=owner,
-            ) from None
-    return value
-
-
-def _check_step_scales(scales: Any, owner: Any) -> dict[str, float] | None:
-    """``step_scales`` as ``{kind: factor}``; an unknown kind or a factor that is not finite and > 0 is refused."""
-    if scales is None:
-        return None
-    if not isinstance(scales, Mapping):
-        raise ConfigError(
-            f"step_scales must map kinds of parameter to factors, e.g. {{'head': 0.1}}, got {scales!r}",
-            field="step_scales",
-            owner=owner,
-        )
-    for kind, factor in scales.items():
-        if kind not in PARAMETER_KINDS:
-            raise ConfigError(
-                f"step_scales: unknown kind of parameter {kind!r}; known: {', '.join(PARAMETER_KINDS)}",
-                field="step_scales",
-                owner=owner,
-            )
-        number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
-        if not (number and 0 < factor < float("inf")):
-            raise ConfigError(
-                f"step_scales: the factor of {kind} must be a finite number > 0, got {factor!r}",
-                field="step_scales",
-                owner=owner,
-            )
-    return {kind: float(factor) for kind, factor in scales.items()}
 
 
 def _describe(factory: NetworkFactory, network: nn.Module, optimizer: OptimizerCallable) -> str:
