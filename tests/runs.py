@@ -9,6 +9,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from loko_lightning import LoKO
+from loko_lightning.cli import main
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier
 
@@ -118,3 +119,18 @@ def assert_same_tensors(a, b, what):
             assert_same_tensors(x, y, f"{what}[{i}]")
     else:
         assert a == b, what
+
+
+def fit_full_and_resumed(tmp_path, common, check_part=None):
+    """``loko fit`` on 24 samples three ways: whole; stopped after 12 with checkpoints every 6; resumed from the step-6
+    checkpoint. ``check_part`` looks at that checkpoint first. Returns the whole and the resumed run's last checkpoints.
+    """
+    main(["fit", *common, *outputs(tmp_path, "full", every=24)])
+    main(["fit", *common, "--trainer.max_steps", "12", *outputs(tmp_path, "part", every=6, keep_all=True)])
+    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=6.ckpt"
+    if check_part is not None:
+        check_part(torch.load(part, weights_only=False))
+    main(["fit", *common, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=24)])
+    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    return full, resumed

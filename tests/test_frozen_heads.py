@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import assert_same_tensors, loader, outputs, stream, trainable, trainer
+from runs import assert_same_tensors, fit_full_and_resumed, loader, stream, trainable, trainer
 from sklearn.covariance import oas
 
 from loko_lightning.cli import main
@@ -220,12 +220,7 @@ def test_each_frozen_head_fits_the_debug_config_and_resumes_exactly(head, tmp_pa
     common += ["--data.max_samples", "24", "--data.eval_max_samples", "8"]
     if head == "frozen_linear_head":
         common += ["--model.select.samples", "8"]
-    main(["fit", *common, *outputs(tmp_path, "full", every=24)])
-    main(["fit", *common, "--trainer.max_steps", "12", *outputs(tmp_path, "part", every=6, keep_all=True)])
-    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=6.ckpt"
-    main(["fit", *common, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=24)])
-    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
-    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    full, resumed = fit_full_and_resumed(tmp_path, common)
     assert full["global_step"] == resumed["global_step"] == 24
     weights = trainable(full["state_dict"])
     head_weights = [key for key in weights if "modules_to_save" in key]

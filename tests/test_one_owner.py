@@ -13,16 +13,10 @@ from loko_lightning.kalman.filters import Covariance
 from loko_lightning.kalman.time_update import TimeUpdate
 from loko_lightning.serve.learner import _saved_loko
 
-FILTERS = [
-    Covariance(beta=0.9, r_estimator="residual", rcond=1e-6),
-    "covariance",
-    "natural",
-    "natural_exact",
-    "natural_sampled",
-    "lofi3",
-    "lofi3_empirical",
-    "lofi3_sampled",
-]
+# Every family, by name and as an instance with settings that are not its defaults.
+FILTERS = [Covariance(beta=0.9, r_estimator="residual", rcond=1e-6), "covariance"]
+FILTERS += [f"natural{fisher}" for fisher in ("", "_exact", "_sampled")]
+FILTERS += [f"lofi3{fisher}" for fisher in ("", "_empirical", "_sampled")]
 # Each time update alone, at a value that is not its default (TimeUpdate's fields, so a new one is covered).
 TIME_UPDATES = [{}] + [{key: 0.01} for key in TimeUpdate.group_keys()]
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runs import assert_same_tensors, outputs, trainable
+from runs import assert_same_tensors, fit_full_and_resumed, trainable
 from torch.nn import functional as F
 
 from loko_lightning import JacobianEngine, LoKO
@@ -177,13 +177,7 @@ def test_each_peer_fits_the_debug_config_and_resumes_exactly(peer, tmp_path):
     run, bit for bit on the CPU."""
     common = ["--config", DEBUG, "--config", str(BASELINES / f"{peer}.yaml")]
     common += ["--data.max_samples", "24", "--data.eval_max_samples", "8", "--model.select.samples", "8"]
-    main(["fit", *common, *outputs(tmp_path, "full", every=24)])
-    main(["fit", *common, "--trainer.max_steps", "12", *outputs(tmp_path, "part", every=6, keep_all=True)])
-    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=6.ckpt"
-    main(["fit", *common, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=24)])
-
-    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
-    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    full, resumed = fit_full_and_resumed(tmp_path, common)
     assert full["global_step"] == resumed["global_step"] == 24
     assert full["loko_selection"]["chosen"] == resumed["loko_selection"]["chosen"] is not None
     assert full["loko_selection"]["scores"] == resumed["loko_selection"]["scores"]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from runs import loader, outputs, stream, trainable, trainer
+from runs import fit_full_and_resumed, loader, outputs, stream, trainable, trainer
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, jacobian
@@ -227,15 +227,11 @@ def test_a_run_stopped_mid_selection_resumes_exactly(tmp_path):
     filter state, scores, choice and online metrics as one uninterrupted run, bit for bit on the CPU."""
     common = ["--config", DEBUG, "--data.max_samples", "24", "--data.eval_max_samples", "8"]
     common += ["--model.select.values", "[0.01, 0.1]", "--model.select.samples", "16"]
-    main(["fit", *common, *outputs(tmp_path, "full", every=24)])
-    main(["fit", *common, "--trainer.max_steps", "12", *outputs(tmp_path, "part", every=6, keep_all=True)])
-    part = tmp_path / "part" / "checkpoints" / "epoch=0-step=6.ckpt"
-    saved = torch.load(part, weights_only=False)
-    assert saved["loko_selection"]["seen"] == 6 and saved["loko_selection"]["chosen"] is None
-    main(["fit", *common, "--ckpt_path", str(part), *outputs(tmp_path, "resumed", every=24)])
 
-    full = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
-    resumed = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)
+    def check_part(saved):
+        assert saved["loko_selection"]["seen"] == 6 and saved["loko_selection"]["chosen"] is None
+
+    full, resumed = fit_full_and_resumed(tmp_path, common, check_part)
     assert full["global_step"] == resumed["global_step"] == 24
     assert full["loko_selection"]["chosen"] == resumed["loko_selection"]["chosen"] is not None
     assert full["loko_selection"]["scores"] == resumed["loko_selection"]["scores"]

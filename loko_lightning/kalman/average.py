@@ -37,14 +37,13 @@ class MeanAverage:
     @staticmethod
     def check(decay: object, owner: type | None = None) -> float:
         """``decay`` as a float, or a :class:`~loko_lightning.errors.ConfigError` naming ``average``."""
-        if not (real_number(decay) and 0.0 <= decay < 1.0):
-            raise ConfigError(
-                f"Invalid average: {decay!r} (the decay of the average of the filter's mean that predicts, in "
-                "[0, 1); 0 predicts with the mean itself, the paper; e.g. 0.999)",
-                field="average",
-                owner=owner,
-            )
-        return float(decay)
+        if real_number(decay) and 0.0 <= decay < 1.0:
+            return float(decay)
+        message = (
+            f"Invalid average: {decay!r} (the decay of the average of the filter's mean that predicts, in [0, 1); 0 "
+            "predicts with the mean itself, the paper; e.g. 0.999)"
+        )
+        raise ConfigError(message, field="average", owner=owner)
 
     @staticmethod
     def start(param: Tensor) -> Tensor:
