@@ -101,7 +101,7 @@ class Observation:
         """How many rows of ``H`` the optimizer receives per sample for ``m`` outputs (``m``: all of ``∂ŷ/∂θ̃``)."""
         return m
 
-    def observed(self, prediction: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    def aggregate(self, prediction: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
         """The coordinates the filter observes, when they are not all ``m`` outputs; ``None``: all of them.
 
         Args:
@@ -293,7 +293,7 @@ class TopK(Softmax):
         spread = torch.where(total > 0, rest / total.clamp_min(torch.finfo(prediction.dtype).tiny), uniform)
         return torch.cat([A[..., :-1, :], spread[..., None, :]], -2)
 
-    def observed(self, prediction: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def aggregate(self, prediction: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``A``, ``G`` and ``(A ŷ, A y)`` of each sample (see the class docstring)."""
         A = self.aggregation(self.index(prediction, target), prediction.shape[-1], prediction.dtype)
         G = self.lift(A, prediction)

@@ -23,7 +23,7 @@ class FixedGain(Filter):
 
     name = "fixed_gain"
 
-    def observe(self, observation):
+    def observation_for(self, observation):
         return categorical_rows(observation, "empirical", type(self))  # one row: the gradient of the label
 
     def r_estimators(self, observation):
@@ -101,7 +101,7 @@ class AccumulatedGain(Filter):
 
     name = "accumulated_gain"
 
-    def observe(self, observation):
+    def observation_for(self, observation):
         return categorical_rows(observation, "empirical", type(self))
 
     def r_estimators(self, observation):

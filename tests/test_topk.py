@@ -87,7 +87,7 @@ def test_topk_rows_are_the_aggregated_jacobian():
     A[3] = 1.0 - A[:3].sum(0)
     rows = torch.cat([j.reshape(4, -1) for j in jacobians], 1)
     torch.testing.assert_close(rows, A @ H, rtol=1e-12, atol=1e-15)  # two float64 reverse passes
-    aggregation, lift, observed, observed_target = TopK(2).observed(prediction[None], target[None])
+    aggregation, lift, observed, observed_target = TopK(2).aggregate(prediction[None], target[None])
     torch.testing.assert_close(aggregation[0], A, rtol=0, atol=0)
     torch.testing.assert_close(aggregation[0] @ lift[0].T, torch.eye(4, dtype=torch.float64), rtol=0, atol=1e-15)
     torch.testing.assert_close(observed[0], A @ prediction, rtol=0, atol=1e-15)

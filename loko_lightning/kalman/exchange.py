@@ -13,44 +13,18 @@ exchange is the part that depends on how the processes share the work:
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
 from loko_lightning.jacobians.blocks import kind
-from loko_lightning.kalman.filters.base import Proposal
+from loko_lightning.kalman.filters.base import Evidence, Proposal
 from loko_lightning.kalman.multistream import check_observation, stack_observations
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.kalman.sharded import InvalidElsewhere, ShardPlan, agree_and_apply, exchange_shards, sum_symmetric
 
-__all__ = ["Observed", "Replicated", "Sharded"]
-
-
-@dataclass
-class Observed:
-    """A step's observations as the update reads them.
-
-    Attributes:
-        prediction: ``ŷ`` stacked over the step's samples (one sample: its own ``(m,)``).
-        target: ``y``, like ``prediction``.
-        blocks: one block of the stacked ``H`` per parameter this process updates.
-        samples: ``B``, the samples stacked.
-        owned: the indices of the parameters this process updates, in parameter order.
-        layout: what else the update plan depends on (the processes' counts for a sharded step).
-        shards: the owners of the parameters (sharded steps only).
-        returned: what :meth:`~loko_lightning.LoKO.step` returns (``None``: what the closure returned).
-    """
-
-    prediction: Any
-    target: Any
-    blocks: Any
-    samples: int
-    owned: list[int]
-    layout: tuple = ()
-    shards: ShardPlan | None = None
-    returned: Any = None
+__all__ = ["Replicated", "Sharded"]
 
 
 class Replicated:
@@ -59,16 +33,16 @@ class Replicated:
     #: Sums over the parameters need no reduction.
     reduce: Callable[[Tensor], Tensor] | None = None
 
-    def observe(
+    def gather(
         self, prediction: Any, target: Any, jacobians: Any, params: Sequence[Tensor], rows: int | None
-    ) -> Observed:
+    ) -> Evidence:
         """The closure's result, a batch stacked into one observation (:mod:`~loko_lightning.kalman.multistream`)."""
         samples = 1
         if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
             check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians, rows)
-        return Observed(prediction, target, jacobians, samples, list(range(len(params))))
+        return Evidence(prediction, target, jacobians, samples=samples, owned=list(range(len(params))))
 
     def apply(self, plan: UpdatePlan, params: Sequence[Tensor], cov: Tensor, proposal: Proposal) -> dict[str, Tensor]:
         """:meth:`UpdatePlan.apply`: ``applied`` (the statistics of ``p̂`` are read later, from the plan)."""
@@ -106,9 +80,9 @@ class Sharded:
         """The sum of every shard's ``H_r P_r H_rᵀ`` (one all-reduce of the lower triangle)."""
         return sum_symmetric(hpht, None, self.timeout)
 
-    def observe(
+    def gather(
         self, prediction: Any, target: Any, jacobians: Any, params: Sequence[Tensor], rows: int | None
-    ) -> Observed:
+    ) -> Evidence:
         """Every process's predictions and targets, and this process's shard of the blocks for all of them.
 
         This process's own observation is checked first; every process learns at the first exchange whether all
@@ -136,8 +110,8 @@ class Sharded:
         full = (prediction, target)
         stacked, goal, blocks = stack_observations(prediction, target, blocks, rows)
         layout = (tuple(counts.sizes), counts.positions)  # what every process learnt: all take the same branch
-        return Observed(stacked, goal, blocks, prediction.shape[0], shards.mine(self.rank), layout, shards,
-                        returned=(*full, blocks))  # fmt: skip
+        return Evidence(stacked, goal, blocks, samples=prediction.shape[0], owned=shards.mine(self.rank),
+                        layout=layout, shards=shards, returned=(*full, blocks))  # fmt: skip
 
     def apply(self, plan: UpdatePlan, params: Sequence[Tensor], cov: Tensor, proposal: Proposal) -> dict[str, Tensor]:
         """:func:`~loko_lightning.kalman.sharded.agree_and_apply`: applied everywhere or nowhere, with statistics."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -22,7 +23,7 @@ from loko_lightning.errors import ConfigError, NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.kalman.average import MeanAverage
 from loko_lightning.kalman.exchange import Replicated, Sharded
-from loko_lightning.kalman.filters import FILTER_SETTINGS, Belief, Evidence, Filter, filter_for
+from loko_lightning.kalman.filters import FILTER_SETTINGS, Belief, Filter, filter_for
 from loko_lightning.kalman.groups import (
     P0_INITS,
     P0Init,
@@ -203,7 +204,7 @@ class LoKO(torch.optim.Optimizer):
         observed = get_observation(observation, owner=LoKO)
         self.filter = filter_for(filter, observed, {key: arguments[key] for key in FILTER_SETTINGS}, owner=LoKO)
         #: The observation the Jacobian engine computes for this filter (its rows of ``H``).
-        self.observation = self.filter.observe(observed)
+        self.observation = self.filter.observation_for(observed)
         drawing = getattr(self.observation, "generator", None)
         if drawing is not None:  # a sampled Fisher: labels from ``seed``, else from the global RNG (seed_everything)
             drawing.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
@@ -429,14 +430,14 @@ class LoKO(torch.optim.Optimizer):
             self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
         )
         exchange = self._exchange()
-        observed = exchange.observe(prediction, target, jacobians, params, rows)
-        if observed.shards is not None and self._shards is None:
-            self._adopt_shards(observed.shards)
-        own = [params[i] for i in observed.owned]
-        time_updates = group_time_updates(self.param_groups, observed.owned)
-        shared_rows = group_shared_rows(self.param_groups, observed.owned)
-        prediction, target, blocks, samples = observed.prediction, observed.target, observed.blocks, observed.samples
-        key = layout_key(prediction, target, blocks, (time_updates, shared_rows, samples, observed.layout))
+        seen = exchange.gather(prediction, target, jacobians, params, rows)
+        if seen.shards is not None and self._shards is None:
+            self._adopt_shards(seen.shards)
+        own = [params[i] for i in seen.owned]
+        time_updates = group_time_updates(self.param_groups, seen.owned)
+        shared_rows = group_shared_rows(self.param_groups, seen.owned)
+        prediction, target, blocks, samples = seen.prediction, seen.target, seen.blocks, seen.samples
+        key = layout_key(prediction, target, blocks, (time_updates, shared_rows, samples, seen.layout))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
             check_observation(prediction, target, blocks, own, batched=False, rows=rows and rows * samples)
             self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
@@ -446,9 +447,9 @@ class LoKO(torch.optim.Optimizer):
             prediction = self._check(prediction, target, samples)
         m = prediction.shape[0] // samples
         aggregation = None
-        seen = self.observation.observed(prediction.detach().view(samples, m), target.detach().view(samples, m))
-        if seen is not None:  # an aggregation of the outputs (top-k): the update runs in its coordinates
-            aggregation, prediction, target = seen[:2], seen[2].reshape(-1), seen[3].reshape(-1)
+        aggregated = self.observation.aggregate(prediction.detach().view(samples, m), target.detach().view(samples, m))
+        if aggregated is not None:  # an aggregation of the outputs (top-k): the update runs in its coordinates
+            aggregation, prediction, target = aggregated[:2], aggregated[2].reshape(-1), aggregated[3].reshape(-1)
         first = self.state[own[0]]["cov"]
         dtype = self._shard_dtypes[0] if self._shards is not None else first.dtype
         shared = shared_state(self.state[params[0]], m, prediction.device, dtype)
@@ -464,7 +465,7 @@ class LoKO(torch.optim.Optimizer):
         row_covs = [self.filter.row_cov(own[i], self.state[own[i]], dtype) for i in plan.rows.order]
         belief = Belief(cov, shared["R"], shared["step"], row_covs, entries)
         with torch.inference_mode():  # cheaper per operation than no_grad; the states written stay ordinary tensors
-            evidence = Evidence(prediction.detach(), target.detach(), blocks, aggregation)
+            evidence = replace(seen, prediction=prediction.detach(), target=target.detach(), aggregation=aggregation)
             proposal = self.filter.propose(plan, evidence, belief, exchange.reduce)
             diagnostics = exchange.apply(plan, params, cov, proposal)
             applied = diagnostics["applied"]
@@ -487,7 +488,7 @@ class LoKO(torch.optim.Optimizer):
         if self._average is not None:  # every parameter (a sharded step broadcast them all); not on a skipped step
             self._average.update([self.state[p][MeanAverage.key] for p in params], params, shared["step"], applied)
         self._diagnostics = diagnostics
-        return result if observed.returned is None else observed.returned
+        return result if seen.returned is None else seen.returned
 
     def _entry(self, key: str, params: Sequence[Tensor], cov: Tensor, plan: UpdatePlan) -> Tensor:
         """The filter's per-entry state ``key`` of ``params``, flat (zeros in ``p̂``'s dtype where a state has none).

@@ -38,19 +38,30 @@ Reduce = Callable[[Tensor], Tensor]
 
 @dataclass
 class Evidence:
-    """A step's observation as a filter reads it, stacked over the step's ``B`` samples.
+    """What a step saw, stacked over its ``B`` samples: what the exchange gathers and the filter reads.
 
     Attributes:
-        prediction: ``ŷ``, ``(B·m,)`` (``B`` times the observed coordinates).
+        prediction: ``ŷ``, ``(B·m,)`` (``B`` times the observed coordinates; one sample: its own ``(m,)``).
         target: ``y``, like ``prediction``.
-        blocks: one Jacobian block per parameter of the plan, with the stacked rows of ``H``.
+        blocks: one Jacobian block per parameter this process updates, with the stacked rows of ``H``.
         aggregation: ``(A, G)`` when the observation is an aggregation of the outputs (top-k).
+        samples: ``B``, the samples stacked.
+        owned: the indices of the parameters this process updates, in parameter order.
+        layout: what else the update plan depends on (the processes' counts for a sharded step).
+        shards: the owners of the parameters (sharded steps only: a
+            :class:`~loko_lightning.kalman.sharded.ShardPlan`).
+        returned: what :meth:`~loko_lightning.LoKO.step` returns (``None``: what the closure returned).
     """
 
     prediction: Tensor
     target: Tensor
     blocks: Sequence[JacobianBlock]
     aggregation: tuple[Tensor, Tensor] | None = None
+    samples: int = 1
+    owned: Sequence[int] = ()
+    layout: tuple = ()
+    shards: Any = None
+    returned: Any = None
 
 
 @dataclass
@@ -123,7 +134,7 @@ class Filter:
         """The name :func:`~loko_lightning.kalman.filters.get_filter` turns back into this filter."""
         return self.name
 
-    def observe(self, observation: Observation) -> Observation:
+    def observation_for(self, observation: Observation) -> Observation:
         """The observation whose rows of ``H`` the Jacobian engine computes for this filter (default: as given).
 
         Raises:

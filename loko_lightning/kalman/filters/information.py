@@ -182,7 +182,7 @@ class DiagonalInformation(Filter):
         """``"natural"``, ``"natural_exact"`` or ``"natural_sampled"``."""
         return "natural" if self.fisher == "empirical" else f"natural_{self.fisher}"
 
-    def observe(self, observation: Observation) -> Observation:
+    def observation_for(self, observation: Observation) -> Observation:
         """:class:`FisherRows` of this filter's ``fisher`` (the observation must be ``softmax``)."""
         return categorical_rows(observation, self.fisher, type(self))
 

@@ -70,7 +70,7 @@ class LowRankPrecision(Filter):
         """``"lofi<rank>"`` (exact Fisher), ``"lofi<rank>_empirical"`` or ``"lofi<rank>_sampled"``."""
         return f"lofi{self.rank}" + ("" if self.fisher == "exact" else f"_{self.fisher}")
 
-    def observe(self, observation: Observation) -> Observation:
+    def observation_for(self, observation: Observation) -> Observation:
         """:class:`FisherRows` of this filter's ``fisher`` (the observation must be ``softmax``)."""
         return categorical_rows(observation, self.fisher, type(self))
 
