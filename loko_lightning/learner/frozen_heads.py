@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.learner.steps import PEER_STEPS, GradientStep, PeerStep, StepResult
+from loko_lightning.learner.steps import PEER_STEPS, OnlineStep, StepResult, descend, learning_rate
 
 
 def output_layer(network: nn.Module, num_classes: int) -> nn.Linear:
@@ -57,11 +57,13 @@ def evaluating(network: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-class FrozenHeadStep(PeerStep):
+class FrozenHeadStep(OnlineStep):
     """Predict with the network, then fit its output layer on the features of that same forward pass (see the module).
 
     The subclasses say how the head learns (:meth:`update`).
     """
+
+    single_process = True
 
     def __init__(self) -> None:
         self._layer: nn.Linear | None = None
@@ -124,7 +126,7 @@ class ClosedFormHeadStep(FrozenHeadStep):
         return optimizer.step(closure=lambda: (features, label))
 
 
-class LinearHeadStep(FrozenHeadStep, GradientStep):
+class LinearHeadStep(FrozenHeadStep):
     """The step of :class:`~loko_lightning.peers.frozen_heads.FrozenLinearHead`: AdamW on the output layer alone.
 
     The cross-entropy is recomputed from the captured features through the output layer, so the backward pass never
@@ -141,7 +143,11 @@ class LinearHeadStep(FrozenHeadStep, GradientStep):
     ) -> Tensor:  # fmt: skip
         """One AdamW step on the output layer's cross-entropy."""
         loss = F.cross_entropy(F.linear(features, layer.weight, layer.bias), label)
-        return GradientStep.descend(module, optimizer, loss, finite=finite)
+        return descend(module, optimizer, loss, finite=finite)
+
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The learning rate of the last step."""
+        return learning_rate(optimizer)
 
 
 PEER_STEPS.update(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -36,6 +36,13 @@ class OnlineStep:
     The hooks besides :meth:`step` do nothing unless a strategy needs them.
     """
 
+    #: The strategy runs in one process only (the peers: their packages' updates are not wired to Lightning's DDP).
+    single_process: ClassVar[bool] = False
+
+    @staticmethod
+    def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
+        """Refuse a network or scheduler this strategy cannot run with (when the learner is built); any by default."""
+
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """Predict on ``inputs`` and update on them with ``optimizer`` (Lightning's wrapper or the torch optimizer)."""
         raise NotImplementedError
@@ -45,7 +52,17 @@ class OnlineStep:
         return {}
 
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
-        """Refuse a trainer this strategy cannot run with (called when fitting starts)."""
+        """Refuse a trainer this strategy cannot run with (called when fitting starts).
+
+        By default: several processes where the strategy runs in one (:attr:`single_process`).
+        """
+        if self.single_process and trainer.world_size > 1:
+            raise ConfigError(
+                f"the peer optimizers (loko_lightning.peers) run in one process; this trainer has "
+                f"{trainer.world_size}: set --trainer.devices 1 (or use LoKO or AdamW for DDP)",
+                field="optimizer",
+                owner=owner,
+            )
 
     def start(self, module: pl.LightningModule) -> None:
         """Prepare for training, once the optimizer is in place (from a checkpoint's state when resuming)."""
@@ -219,66 +236,53 @@ class KalmanStep(ServesAnAverage):
 class GradientStep(OnlineStep):
     """A torch optimizer's step (the baselines AdamW, AdaGrad) on the cross-entropy of the step's samples.
 
-    A batch, and under DDP the samples of all processes (gradients all-reduced), make one step on their mean loss; the
-    scheduler is stepped every step. Logged: ``train/lr``.
+    A batch, and under DDP the samples of all processes (gradients all-reduced), make one step on their mean loss
+    (:func:`descend`); the scheduler is stepped every step. Logged: ``train/lr``.
     """
-
-    @staticmethod
-    def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
-        """Any network and scheduler will do."""
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """One gradient step on the mean cross-entropy of the step's samples."""
         logits = module.network(inputs)
         loss = F.cross_entropy(logits, label)
-        applied = self.descend(module, optimizer, loss)
+        applied = descend(module, optimizer, loss)
         prediction = logits.detach().softmax(-1)
-        return (*self.gather(module, prediction, label), applied)
-
-    @staticmethod
-    def descend(module: pl.LightningModule, optimizer: Any, loss: Tensor, finite: Tensor | None = None) -> Tensor:
-        """Backward through ``loss`` and step (and the scheduler), unless it (or ``finite``) is not finite."""
-        optimizer.zero_grad(set_to_none=True)
-        # One host sync per step, for gradient optimizers only: a NaN loss must not reach AdamW's moments. Under DDP
-        # the processes agree first (a process skipping backward alone would leave the others waiting in all-reduce).
-        applied = torch.isfinite(loss) if finite is None else torch.isfinite(loss) & finite
-        if world_size(module) > 1:
-            applied = module.all_gather(applied).all()
-        if applied:
-            module.manual_backward(loss)
-        # With no gradients the torch optimizers leave every parameter alone; the step still counts a sample.
-        optimizer.step()
-        scheduler = module.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        return applied
-
-    @staticmethod
-    def gather(module: pl.LightningModule, prediction: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
-        """Under DDP every process's predictions and labels (the metrics score them all); else as they are."""
-        if world_size(module) > 1:
-            target = F.one_hot(label, module.num_classes).to(prediction.dtype)
-            prediction, target, _ = all_gather_observations(prediction, target, [], timeout=collective_timeout(module))
-            label = target.argmax(-1)
-        return prediction, label
+        return (*gather_scored(module, prediction, label), applied)
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The learning rate of the last step (the scheduler's ``get_last_lr()`` after its step)."""
-        return {"train/lr": optimizer.param_groups[0]["lr"]}
+        """The learning rate of the last step."""
+        return learning_rate(optimizer)
 
 
-class PeerStep(OnlineStep):
-    """What the peers' steps (:mod:`loko_lightning.peers`) share: one process, and where they predict from."""
+def descend(module: pl.LightningModule, optimizer: Any, loss: Tensor, finite: Tensor | None = None) -> Tensor:
+    """Backward through ``loss`` and step (and the scheduler), unless it (or ``finite``) is not finite."""
+    optimizer.zero_grad(set_to_none=True)
+    # One host sync per step, for gradient optimizers only: a NaN loss must not reach AdamW's moments. Under DDP
+    # the processes agree first (a process skipping backward alone would leave the others waiting in all-reduce).
+    applied = torch.isfinite(loss) if finite is None else torch.isfinite(loss) & finite
+    if world_size(module) > 1:
+        applied = module.all_gather(applied).all()
+    if applied:
+        module.manual_backward(loss)
+    # With no gradients the torch optimizers leave every parameter alone; the step still counts a sample.
+    optimizer.step()
+    scheduler = module.lr_schedulers()
+    if scheduler is not None:
+        scheduler.step()
+    return applied
 
-    def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
-        """The peers run in one process (their packages' updates are not wired to Lightning's DDP here)."""
-        if trainer.world_size > 1:
-            raise ConfigError(
-                f"the peer optimizers (loko_lightning.peers) run in one process; this trainer has "
-                f"{trainer.world_size}: set --trainer.devices 1 (or use LoKO or AdamW for DDP)",
-                field="optimizer",
-                owner=owner,
-            )
+
+def gather_scored(module: pl.LightningModule, prediction: Tensor, label: Tensor) -> tuple[Tensor, Tensor]:
+    """Under DDP every process's predictions and labels (the metrics score them all); else as they are."""
+    if world_size(module) > 1:
+        target = F.one_hot(label, module.num_classes).to(prediction.dtype)
+        prediction, target, _ = all_gather_observations(prediction, target, [], timeout=collective_timeout(module))
+        label = target.argmax(-1)
+    return prediction, label
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``train/lr``: the learning rate of the last step (the scheduler's ``get_last_lr()`` after its step)."""
+    return {"train/lr": optimizer.param_groups[0]["lr"]}
 
 
 @contextlib.contextmanager
@@ -318,14 +322,17 @@ def save_served_weights(
         checkpoint["state_dict"].update({name: p.detach().clone() for name, p in named})
 
 
-class ScheduleFreeStep(ServesAnAverage, PeerStep, GradientStep):
+class ScheduleFreeStep(ServesAnAverage):
     """Schedule-free AdamW's step (:class:`~loko_lightning.peers.ScheduleFreeAdamW`): predict with ``x``, step at ``y``.
 
     Each sample is predicted with the average ``x`` (the point whose guarantees schedule-free AdamW gives, and the one a
     deployed model would serve), then the gradient of its cross-entropy is taken at ``y``. Evaluation, testing and
     prediction during or after training use ``x`` too, and a checkpoint's weights are ``x`` (with ``y`` beside them
     as ``"loko_train_point"``, from which a resumed run continues exactly). Costs one forward pass more than AdamW.
+    Logged: ``train/lr``.
     """
+
+    single_process = True
 
     def serving(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
         """:func:`averaged_point`: the average ``x``."""
@@ -339,19 +346,25 @@ class ScheduleFreeStep(ServesAnAverage, PeerStep, GradientStep):
         with torch.no_grad(), averaged_point(free):
             averaged = module.network(inputs)
         loss = F.cross_entropy(module.network(inputs), label)
-        applied = self.descend(module, optimizer, loss, finite=torch.isfinite(averaged).all())
-        return (*self.gather(module, averaged.softmax(-1), label), applied)
+        applied = descend(module, optimizer, loss, finite=torch.isfinite(averaged).all())
+        return (*gather_scored(module, averaged.softmax(-1), label), applied)
+
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The learning rate of the last step."""
+        return learning_rate(optimizer)
 
 
-class IVONStep(PeerStep, GradientStep):
+class IVONStep(OnlineStep):
     """IVON's step (:class:`~loko_lightning.peers.IVON`): predict with the posterior mean, learn from draws.
 
     Each sample is predicted with the mean (the parameters, as evaluation and ``loko predict`` use them); then for
     each of IVON's ``mc_samples`` draws the parameters are sampled (``sampled_params(train=True)``), the cross-entropy's
     gradient taken there, and IVON's step applies them. A draw whose loss is not finite contributes a zero gradient; a
     sample whose prediction is not finite draws nothing and changes nothing. Costs one forward pass more than AdamW
-    (with ``mc_samples: 1``).
+    (with ``mc_samples: 1``). Logged: ``train/lr``.
     """
+
+    single_process = True
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """Predict with the mean, draw and differentiate, then IVON's step."""
@@ -377,14 +390,20 @@ class IVONStep(PeerStep, GradientStep):
             scheduler.step()
         return logits.softmax(-1), label, applied
 
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The learning rate of the last step."""
+        return learning_rate(optimizer)
 
-class FunctionalStep(PeerStep):
+
+class FunctionalStep(OnlineStep):
     """The ``posteriors`` EKF's step (:class:`~loko_lightning.peers.DiagonalFisherEKF`): one update of its state.
 
     The step hands the optimizer the per-sample log-likelihood of its samples as a function of the trainable
     parameters (``torch.func.functional_call`` of the network); ``posteriors`` differentiates it and updates the mean
-    and variances; the prediction is the one it computed at the mean before the update. Logged: ``train/lr``.
+    and variances; the prediction is the one it computed at the mean before the update.
     """
+
+    single_process = True
 
     def __init__(self) -> None:
         self._names: list[str] | None = None
