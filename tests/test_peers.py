@@ -15,7 +15,8 @@ from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.cli import main
 from loko_lightning.learner.metrics import CalibrationError
 from loko_lightning.learner.module import OnlineClassifier
-from loko_lightning.learner.steps import GradientStep, averaged_point
+from loko_lightning.learner.peer_steps import averaged_point
+from loko_lightning.learner.steps import GradientStep
 from loko_lightning.models import TimmClassifier
 
 pytest.importorskip("schedulefree")

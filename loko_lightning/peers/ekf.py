@@ -4,7 +4,7 @@ r"""The diagonal empirical-Fisher EKF of ``posteriors`` (``posteriors.ekf.diag_f
 that reads a log-likelihood function of the parameters. :class:`DiagonalFisherEKF` keeps that state as a torch
 optimizer's (the parameters are the mean, ``state[p]["sd"]`` the deviations), so checkpoints, resuming and the
 online selection work as for any optimizer, and each step hands the state to ``posteriors.ekf.diag_fisher.update``
-unchanged. The learner (:class:`~loko_lightning.learner.steps.FunctionalStep`) supplies the per-sample
+unchanged. The learner (:class:`~loko_lightning.learner.peer_steps.FunctionalStep`) supplies the per-sample
 log-likelihood of the step's samples; the prediction scored is the one ``posteriors`` computes at the mean before
 its update.
 

@@ -3,7 +3,7 @@
 IVON keeps a diagonal Gaussian posterior over the parameters: the mean (the parameters themselves), a Hessian
 estimate ``h`` and a momentum. Each step draws the parameters from the posterior (``optimizer.sampled_params``),
 takes the gradient there and updates the mean and ``h``. The learner
-(:class:`~loko_lightning.learner.steps.IVONStep`) predicts each sample with the mean before drawing, which is also
+(:class:`~loko_lightning.learner.peer_steps.IVONStep`) predicts each sample with the mean before drawing, which is also
 what evaluation, ``loko predict`` and the checkpoint's weights use.
 
 Its arguments, as ``ivon.IVON`` takes them: ``lr`` (tuned like AdamW's), ``ess`` (the effective sample size: the

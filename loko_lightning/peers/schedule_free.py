@@ -2,7 +2,7 @@
 
 The optimizer keeps two points: ``y``, where the gradient is taken (the parameters while it is in train mode), and
 the average ``x`` (the parameters after ``optimizer.eval()``), which its guarantees, and a linear-decay schedule's
-match without a horizon, are about. The learner (:class:`~loko_lightning.learner.steps.ScheduleFreeStep`) predicts
+match without a horizon, are about. The learner (:class:`~loko_lightning.learner.peer_steps.ScheduleFreeStep`) predicts
 each sample with ``x`` before the step at ``y``, evaluates and predicts with ``x``, and keeps ``x`` in the
 checkpoint's weights (``y`` beside it, for an exact resume).
 """
