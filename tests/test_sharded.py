@@ -127,6 +127,12 @@ def worker(rank, world, port, out):
                 "bytes": (bytes_replicated, bytes_sharded),
                 "owners": sharded._shards.owners,
             }
+            # The whole state once more (consolidate_state_dict is a collective), to resume in one process.
+            sharded.consolidate_state_dict()
+            results[name]["resume"] = {
+                "sharded": (sharded.state_dict(), copy.deepcopy(sharded_model.state_dict())),
+                "replicated": (replicated.state_dict(), copy.deepcopy(model.state_dict())),
+            }
         # Text padded to different lengths on different processes: the shard's blocks are those of the gather.
         prediction, target, jacobians = ragged_blocks(rank % 2)
         shards = ShardPlan.balance([1, 1, 1], world)
@@ -286,3 +292,39 @@ def test_shard_is_refused_for_a_low_rank_precision_and_does_nothing_in_one_proce
         for _ in range(3):
             opt.step(closure)
     assert all(torch.equal(a, b) for a, b in zip(single.parameters(), sharded.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", ["natural", "natural_exact", "paper"])
+def test_a_sharded_state_resumes_in_one_process_exactly(sharded_run, name):
+    """The consolidated state of a sharded run (2 or 3 processes) loads into one unsharded LoKO with every parameter's
+    p̂ where it belongs. For the natural-gradient filter the sharded run equals the replicated one bit for bit, so the
+    resumed state equals the replicated run's, and 4 more single-process steps from each stay equal bit for bit; for
+    the paper's filter the loaded state is the consolidated one bit for bit and goes on learning."""
+    world, results = sharded_run
+    arguments = dict(next(args for case, args, _ in CASES if case == name))
+    stream = list(conv_stream(world * 2 * STEPS + 8))[world * 2 * STEPS :]
+    runs = {}
+    for kind in ("sharded", "replicated"):
+        state, weights = results[name]["resume"][kind]
+        model, groups = build(name)
+        model.load_state_dict(weights)
+        opt = LoKO(groups, seed=1, **{"p0": 0.2, **arguments})
+        opt.load_state_dict(copy.deepcopy(state))
+        loaded = opt.state_dict()["state"]
+        for index, saved in state["state"].items():
+            for key, value in saved.items():
+                assert torch.equal(loaded[index][key], value), (kind, index, key)
+        runs[kind] = (model, opt)
+    if name.startswith("natural"):
+        (a, opt_a), (b, opt_b) = runs["sharded"], runs["replicated"]
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    for model, opt in runs.values():
+        with JacobianEngine(model, observation=opt.observation, factorize=True) as engine:
+            for x, y in stream[:4]:
+                opt.step(lambda x=x, y=y: engine.observe(x, y.argmax()[None]))  # noqa: B023 (called at once)
+                assert bool(opt.diagnostics["applied"])
+    if name.startswith("natural"):
+        (a, opt_a), (b, opt_b) = runs["sharded"], runs["replicated"]
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(opt_a.state[p]["cov"], opt_b.state[q]["cov"])
