@@ -27,6 +27,7 @@ from typing import Any
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.learner import ServingLearner
+from loko_lightning.serve.lock import StateLock
 from loko_lightning.serve.log import FeedbackLog
 
 CHECKPOINT_NAME = "learner.ckpt"
@@ -54,6 +55,8 @@ class FeedbackService:
         max_batch: inputs per prediction request, at most.
         pending_size: predictions kept for a later label, at most (the oldest is forgotten first).
         pending_seconds: how long a prediction is kept for its label.
+        lock: the state folder's lock, already taken (:meth:`open` takes it before it reads the checkpoint); ``None``:
+            taken here. Another owner of the folder is refused (one server per state folder).
     """
 
     def __init__(
@@ -66,6 +69,24 @@ class FeedbackService:
         max_batch: int = 32,
         pending_size: int = 10000,
         pending_seconds: float = 3600.0,
+        lock: StateLock | None = None,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.lock = lock if lock is not None else StateLock(self.state_dir)
+        try:
+            self._open(learner, queue_size, checkpoint_every, max_batch, pending_size, pending_seconds)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(
+        self,
+        learner: ServingLearner,
+        queue_size: int,
+        checkpoint_every: int,
+        max_batch: int,
+        pending_size: int,
+        pending_seconds: float,
     ) -> None:
         for name, value in {
             "queue_size": queue_size,
@@ -80,7 +101,6 @@ class FeedbackService:
                 f"pending_seconds must be positive and finite, got {pending_seconds!r}", field="pending_seconds"
             )
         self.learner = learner
-        self.state_dir = Path(state_dir)
         self.queue_size, self.checkpoint_every, self.max_batch = queue_size, checkpoint_every, max_batch
         self.pending_size, self.pending_seconds = pending_size, pending_seconds
         self.log = FeedbackLog(self.state_dir / LOG_NAME)
@@ -121,9 +141,14 @@ class FeedbackService:
     @classmethod
     def open(cls, ckpt_path: str | Path, state_dir: str | Path, **options: Any) -> FeedbackService:
         """The service of a state folder: its newest checkpoint (else ``ckpt_path``) and the log learned after it."""
-        saved = Path(state_dir) / CHECKPOINT_NAME
-        learner = ServingLearner.from_checkpoint(saved if saved.is_file() else ckpt_path)
-        return cls(learner, state_dir, **options)
+        lock = StateLock(state_dir)  # before anything is read: a second server is refused at once
+        try:
+            saved = Path(state_dir) / CHECKPOINT_NAME
+            learner = ServingLearner.from_checkpoint(saved if saved.is_file() else ckpt_path)
+            return cls(learner, state_dir, lock=lock, **options)
+        except BaseException:
+            lock.release()
+            raise
 
     # ------------------------------------------------------------------ the learner thread
     def start(self) -> None:
@@ -143,6 +168,7 @@ class FeedbackService:
         if self.position != self._saved_position:
             self.save()
         self.log.close()
+        self.lock.release()
 
     def _run(self) -> None:
         while True:
