@@ -49,6 +49,11 @@ def serve_main(args: list[str]) -> None:
     parser.add_argument("--max_body_bytes", type=int, default=MAX_BODY_BYTES, help="request size, at most (413)")
     parser.add_argument("--pending_size", type=int, default=10000, help="predictions kept for a later label")
     parser.add_argument("--pending_seconds", type=float, default=3600.0, help="how long a prediction is kept")
+    parser.add_argument(
+        "--public_probes",
+        action="store_true",
+        help="GET /livez and /readyz answer without the token (for a load balancer's or orchestrator's probes)",
+    )
     try:
         options = parser.parse_args(args)
     except ArgumentError as err:
@@ -79,7 +84,13 @@ def serve_main(args: list[str]) -> None:
             flush=True,
         )
 
-    app = create_app(service, token=token, max_body_bytes=options.max_body_bytes, on_ready=ready)
+    app = create_app(
+        service,
+        token=token,
+        max_body_bytes=options.max_body_bytes,
+        on_ready=ready,
+        public_probes=options.public_probes,
+    )
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
 

@@ -18,6 +18,8 @@ from loko_lightning.serve.service import FeedbackService, Rejected
 INSTALL = 'pip install "loko-lightning[serve]"'
 # A request body larger than this is refused (413) before it is read whole.
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# The probes: what ``public_probes`` exempts from the token.
+PROBES = ("/livez", "/readyz")
 
 
 def require_server() -> None:
@@ -41,8 +43,9 @@ def create_app(
     token: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     on_ready: Callable[[], None] | None = None,
+    public_probes: bool = False,
 ) -> Any:
-    """The FastAPI application: ``POST /predict``, ``POST /feedback``, ``GET /health``, ``GET /metrics``.
+    """The FastAPI app: ``POST /predict``, ``/feedback``; ``GET /health``, ``/metrics``, ``/livez``, ``/readyz``.
 
     Its lifespan starts the service's learner thread (then calls ``on_ready``) and, at shutdown, lets it learn what
     is queued and save a checkpoint.
@@ -52,6 +55,7 @@ def create_app(
         token: the bearer token every request must carry; ``None``: no authentication (loopback binds only).
         max_body_bytes: a larger request body is refused with 413.
         on_ready: called once the learner thread runs.
+        public_probes: ``/livez`` and ``/readyz`` answer without the token (they say nothing but a status).
     """
     require_server()
     from fastapi import FastAPI, Request
@@ -76,7 +80,7 @@ def create_app(
 
     @app.exception_handler(Rejected)
     async def rejected(request: Request, err: Rejected) -> Any:
-        return refusal(err.status, err.field, err.message, {"Retry-After": "1"} if err.status == 429 else None)
+        return refusal(err.status, err.field, err.message, {"Retry-After": "1"} if err.status in (429, 503) else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> Any:
@@ -84,10 +88,15 @@ def create_app(
 
     @app.middleware("http")
     async def authorize(request: Request, call_next: Any) -> Any:
-        if token is not None:
+        if token is not None and not (public_probes and request.url.path in PROBES):
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-                return refusal(401, "authorization", "this server needs the header Authorization: Bearer <token>")
+                return refusal(
+                    401,
+                    "authorization",
+                    "this server needs the header Authorization: Bearer <token>",
+                    {"WWW-Authenticate": 'Bearer realm="loko serve"'},
+                )
         return await call_next(request)
 
     async def read_json(request: Request) -> dict[str, Any]:
@@ -121,7 +130,21 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Any:
-        return JSONResponse(service.health())
+        answer = service.health()
+        return JSONResponse(answer, status_code=503 if answer["status"] == "failed" else 200)
+
+    @app.get("/livez")
+    async def livez() -> Any:
+        if service.alive:
+            return JSONResponse({"status": "alive"})
+        return JSONResponse({"status": "failed", "reason": service.status[1]}, status_code=503)
+
+    @app.get("/readyz")
+    async def readyz() -> Any:
+        ready, reason = service.ready
+        if ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Any:

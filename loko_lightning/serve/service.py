@@ -21,6 +21,7 @@ import math
 import sys
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ CHECKPOINT_NAME = "learner.ckpt"
 LOG_NAME = "feedback.log"
 # How many of the last step times and feedback lags the quantiles in /metrics are computed over.
 WINDOW = 1000
+# A checkpoint that could not be written (disk full, ...) is tried again after this many seconds.
+SAVE_RETRY_SECONDS = 5.0
 
 
 class Rejected(Exception):
@@ -123,6 +126,13 @@ class FeedbackService:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # What keeps the service from its work, for /health: None while all is well.
+        self._failure: str | None = None  # the learner thread ended: nothing is learned until a restart
+        self._save_error: str | None = None  # the last checkpoint write failed (retried)
+        self._save_failed_at = -math.inf
+        self._log_error: str | None = None  # the last feedback could not be written to the log
+        self._step_error: str | None = None  # the last step raised (its sample was skipped)
+        self.save_retry_seconds = SAVE_RETRY_SECONDS
         self.accepted = self.log.count
         self.predictions = 0
         self.refused_busy = 0
@@ -158,26 +168,51 @@ class FeedbackService:
             self._thread.start()
 
     def stop(self) -> None:
-        """Learn what is queued (it is in the log already), stop the learner thread and save a checkpoint."""
+        """Learn what is queued (it is in the log already), stop the learner thread and save a checkpoint.
+
+        A checkpoint that cannot be written is reported, not raised: the log holds every record after the last one,
+        and the next start learns them again (exactly).
+        """
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self.position != self._saved_position:
-            self.save()
-        self.log.close()
-        self.lock.release()
+        try:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            if self.position != self._saved_position and self._failure is None:
+                self._try_save()
+        finally:
+            self.log.close()
+            self.lock.release()
 
     def _run(self) -> None:
+        """The learner thread: the queue in order; an error that ends it is kept for /health, never silent."""
+        try:
+            self._learn_queue()
+        except BaseException as err:
+            self._failure = f"the learner thread stopped ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+            print(f"loko serve: {self._failure}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            with self._wake:
+                self._wake.notify_all()
+
+    def _learn_queue(self) -> None:
         while True:
             with self._wake:
                 while not self._queue and not self._stopping:
-                    self._wake.wait()
+                    if self._save_error is not None and self._save_due():
+                        break
+                    # With a checkpoint to write again, wake up for it even when no feedback comes.
+                    self._wake.wait(self.save_retry_seconds if self._save_error is not None else None)
                 if not self._queue:
-                    return
-                record, acknowledged = self._queue[0]
+                    if self._stopping:
+                        return
+                    record = None
+                else:
+                    record, acknowledged = self._queue[0]
+            if record is None:  # idle, and a failed checkpoint is due again
+                self._try_save()
+                continue
             self._learn(record)
             done = time.monotonic()
             with self._wake:
@@ -186,8 +221,28 @@ class FeedbackService:
             self.lags.append(done - acknowledged)
             self.lag_sum += done - acknowledged
             self.lag_count += 1
-            if self.position - self._saved_position >= self.checkpoint_every:
-                self.save()
+            if self.position - self._saved_position >= self.checkpoint_every and self._save_due():
+                self._try_save()
+
+    def _save_due(self) -> bool:
+        return time.monotonic() - self._save_failed_at >= self.save_retry_seconds
+
+    def _try_save(self) -> None:
+        """:meth:`save`; a failure (disk full, ...) is reported (stderr, /health) and tried again later."""
+        try:
+            self.save()
+        except Exception as err:
+            self._save_failed_at = time.monotonic()
+            self._save_error = (
+                f"the checkpoint {self.state_dir / CHECKPOINT_NAME} could not be written ({type(err).__name__}: "
+                f"{' '.join(str(err).split())[:200]}); tried again every {self.save_retry_seconds:g} s; the feedback "
+                f"log holds every record after position {self._saved_position}, which a restart learns again"
+            )
+            print(f"loko serve: {self._save_error}", file=sys.stderr, flush=True)
+        else:
+            if self._save_error is not None:
+                print("loko serve: the checkpoint is written again", file=sys.stderr, flush=True)
+            self._save_error = None
 
     def _learn(self, record: dict[str, Any]) -> None:
         """One record of the log: one LoKO step (or one skipped sample), the log position moved past it."""
@@ -201,9 +256,12 @@ class FeedbackService:
             try:
                 (result,) = learner.learn([sample], [record["label"]])
             except Exception as err:  # the learner thread goes on with the next record whatever one step raises
-                print(f"loko serve: feedback {record['seq']} skipped: {type(err).__name__}: {err}", file=sys.stderr)
+                reason = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+                print(f"loko serve: feedback {record['seq']} skipped: {reason}", file=sys.stderr)
+                self._step_error = f"the step of feedback {record['seq']} raised ({reason}); it was skipped"
                 learner.skip()
             else:
+                self._step_error = None
                 self.step_seconds.append(result.seconds)
                 self.step_seconds_sum += result.seconds
                 self.step_count += 1
@@ -217,9 +275,10 @@ class FeedbackService:
         self._saved_position = self.position
 
     def wait_learned(self, timeout: float | None = None) -> bool:
-        """Wait until every accepted feedback is learned; whether it was within ``timeout`` seconds."""
+        """Wait until every accepted feedback is learned; whether it was (``False`` too if the learner stopped)."""
         with self._wake:
-            return self._wake.wait_for(lambda: not self._queue, timeout)
+            self._wake.wait_for(lambda: not self._queue or self._failure is not None, timeout)
+            return not self._queue
 
     @property
     def queue_length(self) -> int:
@@ -305,10 +364,27 @@ class FeedbackService:
         with self._accept:
             if key is not None and key in self._keys:
                 return {"seq": self._keys[key], "duplicate": True}
+            if self._failure is not None:
+                raise Rejected(
+                    503,
+                    "feedback",
+                    f"{self._failure}: nothing is learned until the server is restarted; restart it "
+                    "(the log is kept, nothing acknowledged is lost)",
+                )
             if len(self._queue) >= self.queue_size:
                 self.refused_busy += 1
                 raise Rejected(429, "feedback", f"the learner's queue is full ({self.queue_size}): retry later")
-            seq = self.log.append(record)
+            try:
+                seq = self.log.append(record)
+            except OSError as err:  # disk full, ...: nothing was accepted
+                self._log_error = f"the feedback log {self.log.path} cannot be written ({err.strerror or err})"
+                raise Rejected(
+                    503,
+                    "feedback",
+                    f"{self._log_error}: nothing was accepted; free space for --state_dir "
+                    f"{str(self.state_dir)!r} (or fix its permissions) and send it again",
+                ) from None
+            self._log_error = None
             acknowledged = time.monotonic()
             if key is not None:
                 self._keys[key] = seq
@@ -337,10 +413,40 @@ class FeedbackService:
             del self._pending[ident]
 
     # ------------------------------------------------------------------ health and metrics
+    @property
+    def status(self) -> tuple[str, str | None]:
+        """The service's status and why: ``ok``, ``degraded`` or ``failed``.
+
+        ``("degraded", reason)``: it learns, but something failed (a checkpoint write, the last step, the last log
+        write); ``("failed", reason)``: the learner thread ended, nothing is learned until a restart.
+        """
+        if self._failure is not None:
+            return "failed", self._failure
+        reasons = [r for r in (self._log_error, self._save_error, self._step_error) if r is not None]
+        return ("degraded", "; ".join(reasons)) if reasons else ("ok", None)
+
+    @property
+    def alive(self) -> bool:
+        """Liveness: the learner thread has not ended by an error (``False``: restart the process)."""
+        return self._failure is None
+
+    @property
+    def ready(self) -> tuple[bool, str | None]:
+        """Readiness: feedback would be accepted now (the learner runs, the log takes writes, not stopping)."""
+        if self._failure is not None:
+            return False, self._failure
+        if self._thread is None or self._stopping:
+            return False, "the learner thread is not running (starting or stopping)"
+        if self._log_error is not None:
+            return False, self._log_error
+        return True, None
+
     def health(self) -> dict[str, Any]:
-        """Status, samples accepted and learned, queue length, the parameter version predictions read."""
+        """Status (with its ``reason`` unless ok), samples accepted and learned, queue length, parameter version."""
+        status, reason = self.status
         return {
-            "status": "ok",
+            "status": status,
+            **({"reason": reason} if reason is not None else {}),
             "accepted": self.accepted,
             "learned": self.position,
             "queue": self.queue_length,
