@@ -9,6 +9,8 @@ request needs ``Authorization: Bearer <token>``. FastAPI and uvicorn come with t
 import contextlib
 import hmac
 import json
+import sys
+import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +22,8 @@ INSTALL = 'pip install "loko-lightning[serve]"'
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # The probes: what ``public_probes`` exempts from the token.
 PROBES = ("/livez", "/readyz")
+# A request nested deeper than this (lists and objects) is refused: no route reads more than 3 levels.
+MAX_DEPTH = 32
 
 
 def require_server() -> None:
@@ -82,6 +86,13 @@ def create_app(
     async def rejected(request: Request, err: Rejected) -> Any:
         return refusal(err.status, err.field, err.message, {"Retry-After": "1"} if err.status in (429, 503) else None)
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> Any:
+        # A bug, not the client's doing: one JSON line that names nothing internal; the traceback goes to the log.
+        print(f"loko serve: {request.method} {request.url.path} failed:", file=sys.stderr)
+        traceback.print_exception(err, file=sys.stderr)
+        return refusal(500, "server", "the server failed on this request (its log has the details): retry, or report")
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> Any:
         return refusal(err.status_code, "path", f"{request.method} {request.url.path}: {err.detail}")
@@ -116,8 +127,11 @@ def create_app(
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as err:
             raise Rejected(400, "body", f"malformed JSON ({err})") from None
+        except RecursionError:
+            raise Rejected(400, "body", f"the JSON is nested too deeply: at most {MAX_DEPTH} levels") from None
         if not isinstance(body, dict):
             raise Rejected(400, "body", f"the payload must be a JSON object, got a {type(body).__name__}")
+        check_values(body)
         return body
 
     @app.post("/predict")
@@ -151,3 +165,44 @@ def create_app(
         return PlainTextResponse(service.metrics(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def check_values(body: dict[str, Any]) -> None:
+    r"""Refuse JSON that parses but cannot be a request.
+
+    That is, nested deeper than :data:`MAX_DEPTH`, or a string (a name or a value) with a lone surrogate (``"\ud800"``:
+    not Unicode, it can be neither logged nor tokenized).
+
+    Raises:
+        Rejected: (400) the field it is in (``body`` for a name).
+    """
+    stack: list[tuple[str, Any, int]] = []
+    for name, value in body.items():
+        if not _is_unicode(name):
+            raise Rejected(400, "body", "a field name holds a lone surrogate (like \\ud800): send valid Unicode")
+        stack.append((name, value, 1))
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                raise Rejected(400, path, f"{path} holds a lone surrogate (like \\ud800): send valid Unicode text")
+            continue
+        if depth > MAX_DEPTH and isinstance(value, (list, dict)):
+            raise Rejected(400, "body", f"the JSON is nested too deeply: at most {MAX_DEPTH} levels")
+        if isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                if not _is_unicode(name):
+                    raise Rejected(400, path, f"{path} has a name with a lone surrogate: send valid Unicode")
+                stack.append((f"{path}.{name}", item, depth + 1))
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
