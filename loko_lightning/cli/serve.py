@@ -14,7 +14,8 @@ from pathlib import Path
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.app import MAX_BODY_BYTES, create_app, require_server
-from loko_lightning.serve.service import FeedbackService
+from loko_lightning.serve.images import MAX_PIXELS
+from loko_lightning.serve.service import PENDING_BYTES, QUEUE_BYTES, FeedbackService
 
 
 def serve_main(args: list[str]) -> None:
@@ -50,6 +51,24 @@ def serve_main(args: list[str]) -> None:
     parser.add_argument("--pending_size", type=int, default=10000, help="predictions kept for a later label")
     parser.add_argument("--pending_seconds", type=float, default=3600.0, help="how long a prediction is kept")
     parser.add_argument(
+        "--pending_bytes",
+        type=int,
+        default=PENDING_BYTES,
+        help="bytes of kept predictions' inputs, at most (the oldest forgotten first; default 256 MiB)",
+    )
+    parser.add_argument(
+        "--queue_bytes",
+        type=int,
+        default=QUEUE_BYTES,
+        help="bytes of queued feedback's inputs, at most (429 beyond; default 256 MiB)",
+    )
+    parser.add_argument(
+        "--max_pixels",
+        type=int,
+        default=MAX_PIXELS,
+        help=f"an input image's width x height, at most, checked before decoding (413 beyond; default {MAX_PIXELS})",
+    )
+    parser.add_argument(
         "--public_probes",
         action="store_true",
         help="GET /livez and /readyz answer without the token (for a load balancer's or orchestrator's probes)",
@@ -72,6 +91,9 @@ def serve_main(args: list[str]) -> None:
         max_batch=options.max_batch,
         pending_size=options.pending_size,
         pending_seconds=options.pending_seconds,
+        pending_bytes=options.pending_bytes,
+        queue_bytes=options.queue_bytes,
+        max_pixels=options.max_pixels,
     )
     sock = bound_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]

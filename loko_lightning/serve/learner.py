@@ -30,7 +30,6 @@ import lightning
 import torch
 from torch import Tensor
 
-from loko_lightning.data.predict import decode_image
 from loko_lightning.data.transforms import build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
@@ -38,6 +37,7 @@ from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, load_learne
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.learner.steps import save_served_weights
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
+from loko_lightning.serve.images import MAX_PIXELS, decode_image
 
 # The LoKO arguments a checkpoint's param group holds (the others, dtype and seed, are read from the state).
 LOKO_GROUP_KEYS = (
@@ -162,11 +162,17 @@ class ServingLearner:
         return cls(module, built, checkpoint)
 
     # ------------------------------------------------------------------ inputs
-    def decode(self, value: Any, field: str = "input") -> Any:
+    def decode(self, value: Any, field: str = "input", max_pixels: int | None = MAX_PIXELS) -> Any:
         """The raw sample a JSON value holds: an image as base64 PNG/JPEG (a ``data:`` URL too), a text, a text pair.
 
+        Args:
+            value: the JSON value.
+            field: the request field it came in, for the messages.
+            max_pixels: an image's width x height, at most, checked before it is decoded (``None``: PIL's limit).
+
         Raises:
-            ConfigError: (field ``field``) not a sample of this model's kind, or an image that does not decode.
+            ConfigError: (field ``field``) not a sample of this model's kind, or an image that does not decode;
+                :class:`~loko_lightning.serve.images.ImageTooLarge` an image over ``max_pixels``.
         """
         if self.modality == "image":
             if not isinstance(value, str) or not value.strip():
@@ -178,7 +184,7 @@ class ServingLearner:
                 raise ConfigError(
                     f"{field} is not base64 (an image as a base64 PNG or JPEG string)", field=field
                 ) from None
-            return decode_image(data, field=field)
+            return decode_image(data, field=field, max_pixels=max_pixels)
         if isinstance(value, str) and value.strip():
             return value
         if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) and v.strip() for v in value):

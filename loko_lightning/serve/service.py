@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.serve.images import MAX_PIXELS, ImageTooLarge
 from loko_lightning.serve.learner import ServingLearner
 from loko_lightning.serve.lock import StateLock
 from loko_lightning.serve.log import FeedbackLog
@@ -35,6 +36,9 @@ CHECKPOINT_NAME = "learner.ckpt"
 LOG_NAME = "feedback.log"
 # How many of the last step times and feedback lags the quantiles in /metrics are computed over.
 WINDOW = 1000
+# The inputs of kept predictions, and of queued feedback, at most (bytes of their JSON strings).
+PENDING_BYTES = 256 * 1024 * 1024
+QUEUE_BYTES = 256 * 1024 * 1024
 # A checkpoint that could not be written (disk full, ...) is tried again after this many seconds.
 SAVE_RETRY_SECONDS = 5.0
 
@@ -58,6 +62,10 @@ class FeedbackService:
         max_batch: inputs per prediction request, at most.
         pending_size: predictions kept for a later label, at most (the oldest is forgotten first).
         pending_seconds: how long a prediction is kept for its label.
+        pending_bytes: the kept predictions' inputs, at most, in bytes (the oldest is forgotten first).
+        queue_bytes: the queued feedback's inputs, at most, in bytes; beyond it feedback is refused (429) unless the
+            queue is empty (one input is always taken, whatever its size).
+        max_pixels: an image input's width x height, at most (413), checked before it is decoded.
         lock: the state folder's lock, already taken (:meth:`open` takes it before it reads the checkpoint); ``None``:
             taken here. Another owner of the folder is refused (one server per state folder).
     """
@@ -72,31 +80,30 @@ class FeedbackService:
         max_batch: int = 32,
         pending_size: int = 10000,
         pending_seconds: float = 3600.0,
+        pending_bytes: int = PENDING_BYTES,
+        queue_bytes: int = QUEUE_BYTES,
+        max_pixels: int = MAX_PIXELS,
         lock: StateLock | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.lock = lock if lock is not None else StateLock(self.state_dir)
         try:
-            self._open(learner, queue_size, checkpoint_every, max_batch, pending_size, pending_seconds)
+            limits = {
+                "queue_size": queue_size,
+                "checkpoint_every": checkpoint_every,
+                "max_batch": max_batch,
+                "pending_size": pending_size,
+                "pending_bytes": pending_bytes,
+                "queue_bytes": queue_bytes,
+                "max_pixels": max_pixels,
+            }
+            self._open(learner, limits, pending_seconds)
         except BaseException:
             self.lock.release()
             raise
 
-    def _open(
-        self,
-        learner: ServingLearner,
-        queue_size: int,
-        checkpoint_every: int,
-        max_batch: int,
-        pending_size: int,
-        pending_seconds: float,
-    ) -> None:
-        for name, value in {
-            "queue_size": queue_size,
-            "checkpoint_every": checkpoint_every,
-            "max_batch": max_batch,
-            "pending_size": pending_size,
-        }.items():
+    def _open(self, learner: ServingLearner, limits: dict[str, int], pending_seconds: float) -> None:
+        for name, value in limits.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
         if not 0 < pending_seconds < math.inf:
@@ -104,8 +111,11 @@ class FeedbackService:
                 f"pending_seconds must be positive and finite, got {pending_seconds!r}", field="pending_seconds"
             )
         self.learner = learner
-        self.queue_size, self.checkpoint_every, self.max_batch = queue_size, checkpoint_every, max_batch
-        self.pending_size, self.pending_seconds = pending_size, pending_seconds
+        self.queue_size, self.checkpoint_every = limits["queue_size"], limits["checkpoint_every"]
+        self.max_batch, self.max_pixels = limits["max_batch"], limits["max_pixels"]
+        self.pending_size, self.pending_seconds = limits["pending_size"], pending_seconds
+        self.pending_bytes, self.queue_bytes = limits["pending_bytes"], limits["queue_bytes"]
+        self.pending_bytes_used = self.queue_bytes_used = 0
         self.log = FeedbackLog(self.state_dir / LOG_NAME)
         self.position = int(learner.extra.get("log_position", 0))
         if self.position > self.log.count:
@@ -119,9 +129,10 @@ class FeedbackService:
         for record in self.log.records():
             if record.get("key") is not None:
                 self._keys[record["key"]] = record["seq"]
-        self._pending: collections.OrderedDict[str, tuple[Any, int, float]] = collections.OrderedDict()
+        # id -> (input, predicted class, expiry time, input bytes)
+        self._pending: collections.OrderedDict[str, tuple[Any, int, float, int]] = collections.OrderedDict()
         self._pending_lock = threading.Lock()
-        self._queue: collections.deque[tuple[dict[str, Any], float]] = collections.deque()
+        self._queue: collections.deque[tuple[dict[str, Any], float, int]] = collections.deque()
         self._accept = threading.Lock()  # one appender: log order is queue order
         self._wake = threading.Condition()
         self._stopping = False
@@ -209,7 +220,7 @@ class FeedbackService:
                         return
                     record = None
                 else:
-                    record, acknowledged = self._queue[0]
+                    record, acknowledged, size = self._queue[0]
             if record is None:  # idle, and a failed checkpoint is due again
                 self._try_save()
                 continue
@@ -217,6 +228,7 @@ class FeedbackService:
             done = time.monotonic()
             with self._wake:
                 self._queue.popleft()
+                self.queue_bytes_used -= size
                 self._wake.notify_all()
             self.lags.append(done - acknowledged)
             self.lag_sum += done - acknowledged
@@ -248,7 +260,7 @@ class FeedbackService:
         """One record of the log: one LoKO step (or one skipped sample), the log position moved past it."""
         learner = self.learner
         try:
-            sample = learner.decode(record["input"])
+            sample = learner.decode(record["input"], max_pixels=None)  # accepted: learned whatever today's limit
         except ConfigError as err:  # accepted inputs are checked; a log edited by hand may still hold one
             print(f"loko serve: feedback {record['seq']} skipped: {err}", file=sys.stderr)
             learner.skip()
@@ -300,7 +312,9 @@ class FeedbackService:
         samples = []
         for i, value in enumerate(inputs):
             try:
-                samples.append(self.learner.decode(value, field=f"inputs[{i}]"))
+                samples.append(self.learner.decode(value, field=f"inputs[{i}]", max_pixels=self.max_pixels))
+            except ImageTooLarge as err:
+                raise Rejected(413, err.field or f"inputs[{i}]", str(err)) from None
             except ConfigError as err:
                 raise Rejected(422, err.field or f"inputs[{i}]", str(err)) from None
         probabilities, version = self.learner.predict_with_version(samples)
@@ -349,18 +363,21 @@ class FeedbackService:
                 if key in self._keys:
                     return {"seq": self._keys[key], "duplicate": True}
                 raise Rejected(404, "id", f"id {key[:64]!r} is unknown or expired: send the input with its label")
-            value, predicted, _ = kept
+            value, predicted, _, _ = kept
         elif "input" in body:
             value, key = body["input"], body.get("key")
             if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 200):
                 raise Rejected(400, "key", "key must be a string of 1 to 200 characters")
             try:
-                self.learner.decode(value, field="input")
+                self.learner.decode(value, field="input", max_pixels=self.max_pixels)
+            except ImageTooLarge as err:
+                raise Rejected(413, "input", str(err)) from None
             except ConfigError as err:
                 raise Rejected(422, "input", str(err)) from None
         else:
             raise Rejected(400, "id", "give the id of a prediction, or the input, with its label")
         record = {"input": value, "label": label, "predicted": predicted, "key": key}
+        size = _input_bytes(value)
         with self._accept:
             if key is not None and key in self._keys:
                 return {"seq": self._keys[key], "duplicate": True}
@@ -374,6 +391,14 @@ class FeedbackService:
             if len(self._queue) >= self.queue_size:
                 self.refused_busy += 1
                 raise Rejected(429, "feedback", f"the learner's queue is full ({self.queue_size}): retry later")
+            if self._queue and self.queue_bytes_used + size > self.queue_bytes:
+                self.refused_busy += 1
+                raise Rejected(
+                    429,
+                    "feedback",
+                    f"the learner's queue holds {self.queue_bytes_used:,} bytes of inputs and this one is {size:,}; "
+                    f"at most {self.queue_bytes:,} (--queue_bytes): retry later",
+                )
             try:
                 seq = self.log.append(record)
             except OSError as err:  # disk full, ...: nothing was accepted
@@ -389,28 +414,36 @@ class FeedbackService:
             if key is not None:
                 self._keys[key] = seq
             with self._wake:
-                self._queue.append(({"seq": seq, **record}, acknowledged))
+                self._queue.append(({"seq": seq, **record}, acknowledged, size))
+                self.queue_bytes_used += size
                 self._wake.notify_all()
             self.accepted = seq
         if "id" in body:
             with self._pending_lock:
-                self._pending.pop(key, None)
+                self._forget(key)
         return {"seq": seq, "duplicate": False}
 
     def _remember(self, ident: str, value: Any, predicted: int) -> None:
+        size = _input_bytes(value)
         with self._pending_lock:
             self._forget_expired()
-            self._pending[ident] = (value, predicted, time.monotonic() + self.pending_seconds)
-            while len(self._pending) > self.pending_size:
-                self._pending.popitem(last=False)
+            self._pending[ident] = (value, predicted, time.monotonic() + self.pending_seconds, size)
+            self.pending_bytes_used += size
+            while len(self._pending) > self.pending_size or self.pending_bytes_used > self.pending_bytes:
+                self._forget(next(iter(self._pending)))
+
+    def _forget(self, ident: str) -> None:
+        kept = self._pending.pop(ident, None)
+        if kept is not None:
+            self.pending_bytes_used -= kept[3]
 
     def _forget_expired(self) -> None:
         now = time.monotonic()
         while self._pending:
-            ident, (_, _, expires) = next(iter(self._pending.items()))
+            ident, (_, _, expires, _) = next(iter(self._pending.items()))
             if expires > now:
                 return
-            del self._pending[ident]
+            self._forget(ident)
 
     # ------------------------------------------------------------------ health and metrics
     @property
@@ -492,6 +525,8 @@ class FeedbackService:
             ),
             ("loko_queue_length", "gauge", "accepted feedback waiting for the learner", [("", self.queue_length)]),
             ("loko_queue_capacity", "gauge", "queue length beyond which feedback is refused", [("", self.queue_size)]),
+            ("loko_queue_bytes", "gauge", "bytes of the queued feedback's inputs", [("", self.queue_bytes_used)]),
+            ("loko_pending_bytes", "gauge", "bytes of the kept predictions' inputs", [("", self.pending_bytes_used)]),
             (
                 "loko_parameter_version",
                 "gauge",
@@ -522,6 +557,15 @@ class FeedbackService:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines += [f"{name}{suffix} {_number(value)}" for suffix, value in samples]
         return "\n".join(lines) + "\n"
+
+
+def _input_bytes(value: Any) -> int:
+    """The bytes an input holds in memory, about: its strings' lengths (base64 images and texts)."""
+    if isinstance(value, str):
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, (list, tuple)):
+        return sum(_input_bytes(item) for item in value)
+    return 0
 
 
 def _summary(name: str, help_text: str, window: Any, total: float, count: int) -> tuple[str, str, str, list]:
