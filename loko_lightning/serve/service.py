@@ -17,7 +17,10 @@ writes answers):
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import math
+import os
 import sys
 import threading
 import time
@@ -34,6 +37,8 @@ from loko_lightning.serve.log import FeedbackLog
 
 CHECKPOINT_NAME = "learner.ckpt"
 LOG_NAME = "feedback.log"
+# The base checkpoint a state folder was started from, by hash: another one is refused.
+BASE_NAME = "base.json"
 # How many of the last step times and feedback lags the quantiles in /metrics are computed over.
 WINDOW = 1000
 # The inputs of kept predictions, and of queued feedback, at most (bytes of their JSON strings).
@@ -164,8 +169,20 @@ class FeedbackService:
         """The service of a state folder: its newest checkpoint (else ``ckpt_path``) and the log learned after it."""
         lock = StateLock(state_dir)  # before anything is read: a second server is refused at once
         try:
+            check_base(ckpt_path, state_dir)
             saved = Path(state_dir) / CHECKPOINT_NAME
-            learner = ServingLearner.from_checkpoint(saved if saved.is_file() else ckpt_path)
+            if not saved.is_file():
+                learner = ServingLearner.from_checkpoint(ckpt_path)
+            else:
+                try:
+                    learner = ServingLearner.from_checkpoint(saved)
+                except Exception as err:
+                    raise ConfigError(
+                        f"the serving checkpoint {saved} is damaged ({' '.join(str(err).split())[:300]}): remove it; "
+                        f"the next start learns the whole feedback log again from --ckpt_path, which gives the same "
+                        "state exactly",
+                        field="state_dir",
+                    ) from None
             return cls(learner, state_dir, lock=lock, **options)
         except BaseException:
             lock.release()
@@ -557,6 +574,35 @@ class FeedbackService:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines += [f"{name}{suffix} {_number(value)}" for suffix, value in samples]
         return "\n".join(lines) + "\n"
+
+
+def check_base(ckpt_path: str | Path, state_dir: str | Path) -> None:
+    """Record the base checkpoint's SHA-256 in a new state folder; refuse another base for an existing one.
+
+    Raises:
+        ConfigError: (field ``ckpt_path``) the folder was started from a checkpoint with another hash.
+    """
+    digest = hashlib.sha256()
+    with open(ckpt_path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    sha256 = digest.hexdigest()
+    path = Path(state_dir) / BASE_NAME
+    if path.is_file():
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        if recorded.get("ckpt_sha256") != sha256:
+            raise ConfigError(
+                f"the state folder {str(state_dir)!r} was started from another checkpoint ({recorded.get('ckpt_path')}"
+                f", sha256 {str(recorded.get('ckpt_sha256'))[:12]}...), not {str(ckpt_path)!r} (sha256 "
+                f"{sha256[:12]}...): serve that checkpoint, or give another --state_dir for this one",
+                field="ckpt_path",
+            )
+        return
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"ckpt_sha256": sha256, "ckpt_path": str(ckpt_path)}) + "\n", encoding="utf-8")
+    with open(temporary, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
 
 
 def _input_bytes(value: Any) -> int:
