@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
+import signal
 import socket
+import stat
+import sys
 from argparse import ArgumentError
 from pathlib import Path
 
@@ -77,6 +81,7 @@ def serve_main(args: list[str]) -> None:
         options = parser.parse_args(args)
     except ArgumentError as err:
         raise ValueError(f"{err.message}. See `loko serve --help`.") from None
+    check_options(options)
     token = read_token(options.token_file)
     check_bind(options.host, token)
     require_server()
@@ -114,7 +119,48 @@ def serve_main(args: list[str]) -> None:
         public_probes=options.public_probes,
     )
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            if sig == signal.SIGTERM:  # the drain is the answer to it: exit 0, not the signal raised again (143)
+                self._captured_signals.remove(sig)
+
+    Server(config).run(sockets=[sock])
+    status, reason = service.status
+    if status == "failed":
+        print(f"loko serve: stopped with the learner failed: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+POSITIVE = (
+    "queue_size",
+    "checkpoint_every",
+    "max_batch",
+    "max_body_bytes",
+    "pending_size",
+    "pending_bytes",
+    "queue_bytes",
+    "max_pixels",
+)
+
+
+def check_options(options: argparse.Namespace) -> None:
+    """Refuse a port outside 0-65535 and a limit that is not positive, before anything is loaded.
+
+    Raises:
+        ConfigError: (the option's field) the value and what to give instead.
+    """
+    if not 0 <= options.port <= 65535:
+        raise ConfigError(f"port {options.port} is not a TCP port: give 0 to 65535 (0: any free port)", field="port")
+    for name in POSITIVE:
+        value = getattr(options, name)
+        if value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value}", field=name)
+    if not 0 < options.pending_seconds < math.inf:
+        raise ConfigError(
+            f"pending_seconds must be positive and finite, got {options.pending_seconds}", field="pending_seconds"
+        )
 
 
 def read_token(path: str | None) -> str | None:
@@ -133,6 +179,14 @@ def read_token(path: str | None) -> str | None:
         ) from None
     if not token:
         raise ConfigError(f"the token file {path!r} is empty", field="token-file")
+    mode = Path(path).expanduser().stat().st_mode
+    if mode & stat.S_IROTH:
+        print(
+            f"loko serve: warning: the token file {path!r} is readable by every user (mode {stat.filemode(mode)}): "
+            f"chmod 600 {path}",
+            file=sys.stderr,
+            flush=True,
+        )
     return token
 
 

@@ -61,6 +61,8 @@ def create_app(
         on_ready: called once the learner thread runs.
         public_probes: ``/livez`` and ``/readyz`` answer without the token (they say nothing but a status).
     """
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}", field="max_body_bytes")
     require_server()
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse
