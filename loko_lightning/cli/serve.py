@@ -73,6 +73,12 @@ def serve_main(args: list[str]) -> None:
         help=f"an input image's width x height, at most, checked before decoding (413 beyond; default {MAX_PIXELS})",
     )
     parser.add_argument(
+        "--predict_batch",
+        type=int,
+        default=64,
+        help="inputs in one forward pass, at most: concurrent /predict requests are predicted together (default 64)",
+    )
+    parser.add_argument(
         "--public_probes",
         action="store_true",
         help="GET /livez and /readyz answer without the token (for a load balancer's or orchestrator's probes)",
@@ -99,6 +105,7 @@ def serve_main(args: list[str]) -> None:
         pending_bytes=options.pending_bytes,
         queue_bytes=options.queue_bytes,
         max_pixels=options.max_pixels,
+        predict_batch=options.predict_batch,
     )
     sock = bound_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]
@@ -142,6 +149,7 @@ POSITIVE = (
     "pending_bytes",
     "queue_bytes",
     "max_pixels",
+    "predict_batch",
 )
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.serve.batcher import PredictionBatcher
 from loko_lightning.serve.images import MAX_PIXELS, ImageTooLarge
 from loko_lightning.serve.learner import ServingLearner
 from loko_lightning.serve.lock import StateLock
@@ -44,6 +45,8 @@ WINDOW = 1000
 # The inputs of kept predictions, and of queued feedback, at most (bytes of their JSON strings).
 PENDING_BYTES = 256 * 1024 * 1024
 QUEUE_BYTES = 256 * 1024 * 1024
+# A prediction pass waits for the learner's next step at most this long (see FeedbackService._yield_to_learner).
+PASS_WAIT_SECONDS = 1.0
 # A checkpoint that could not be written (disk full, ...) is tried again after this many seconds.
 SAVE_RETRY_SECONDS = 5.0
 
@@ -71,6 +74,8 @@ class FeedbackService:
         queue_bytes: the queued feedback's inputs, at most, in bytes; beyond it feedback is refused (429) unless the
             queue is empty (one input is always taken, whatever its size).
         max_pixels: an image input's width x height, at most (413), checked before it is decoded.
+        predict_batch: inputs in one forward pass, at most: concurrent requests are predicted together
+            (:class:`~loko_lightning.serve.batcher.PredictionBatcher`).
         lock: the state folder's lock, already taken (:meth:`open` takes it before it reads the checkpoint); ``None``:
             taken here. Another owner of the folder is refused (one server per state folder).
     """
@@ -88,6 +93,7 @@ class FeedbackService:
         pending_bytes: int = PENDING_BYTES,
         queue_bytes: int = QUEUE_BYTES,
         max_pixels: int = MAX_PIXELS,
+        predict_batch: int = 64,
         lock: StateLock | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
@@ -101,6 +107,7 @@ class FeedbackService:
                 "pending_bytes": pending_bytes,
                 "queue_bytes": queue_bytes,
                 "max_pixels": max_pixels,
+                "predict_batch": predict_batch,
             }
             self._open(learner, limits, pending_seconds)
         except BaseException:
@@ -121,6 +128,13 @@ class FeedbackService:
         self.pending_size, self.pending_seconds = limits["pending_size"], pending_seconds
         self.pending_bytes, self.queue_bytes = limits["pending_bytes"], limits["queue_bytes"]
         self.pending_bytes_used = self.queue_bytes_used = 0
+        # One forward pass at a time, over the requests that waited for it: the learner keeps a core.
+        self._steps_done = self._steps_at_pass = 0
+        self._batcher = PredictionBatcher(
+            lambda inputs: self.learner.predict_with_version(inputs),
+            max_inputs=limits["predict_batch"],
+            before_pass=self._yield_to_learner,
+        )
         self.log = FeedbackLog(self.state_dir / LOG_NAME)
         self.position = int(learner.extra.get("log_position", 0))
         if self.position > self.log.count:
@@ -211,6 +225,7 @@ class FeedbackService:
             if self.position != self._saved_position and self._failure is None:
                 self._try_save()
         finally:
+            self._batcher.close()
             self.log.close()
             self.lock.release()
 
@@ -246,12 +261,32 @@ class FeedbackService:
             with self._wake:
                 self._queue.popleft()
                 self.queue_bytes_used -= size
+                self._steps_done += 1
                 self._wake.notify_all()
             self.lags.append(done - acknowledged)
             self.lag_sum += done - acknowledged
             self.lag_count += 1
             if self.position - self._saved_position >= self.checkpoint_every and self._save_due():
                 self._try_save()
+
+    def _yield_to_learner(self) -> None:
+        """Before a prediction pass: while feedback waits to be learned, one pass per learned sample at most.
+
+        Passes and steps then alternate on the CPU instead of passes crowding out the learner, whose lag stays
+        bounded; the requests that wait meanwhile are predicted together in the next pass. Never more than
+        ``PASS_WAIT_SECONDS``: predictions go on if the learner is stuck.
+        """
+        with self._wake:
+            self._wake.wait_for(
+                lambda: (
+                    not self._queue
+                    or self._stopping
+                    or self._failure is not None
+                    or self._steps_done != self._steps_at_pass
+                ),
+                PASS_WAIT_SECONDS,
+            )
+            self._steps_at_pass = self._steps_done
 
     def _save_due(self) -> bool:
         return time.monotonic() - self._save_failed_at >= self.save_retry_seconds
@@ -334,7 +369,7 @@ class FeedbackService:
                 raise Rejected(413, err.field or f"inputs[{i}]", str(err)) from None
             except ConfigError as err:
                 raise Rejected(422, err.field or f"inputs[{i}]", str(err)) from None
-        probabilities, version = self.learner.predict_with_version(samples)
+        probabilities, version = self._batcher(samples)
         classes = self.learner.classes
         answers = []
         for value, scores in zip(inputs, probabilities.tolist(), strict=True):
