@@ -15,9 +15,11 @@ import stat
 import sys
 from argparse import ArgumentError
 from pathlib import Path
+from typing import Any
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.app import MAX_BODY_BYTES, create_app, require_server
+from loko_lightning.serve.follower import FollowerService
 from loko_lightning.serve.images import MAX_PIXELS
 from loko_lightning.serve.service import PENDING_BYTES, QUEUE_BYTES, FeedbackService
 
@@ -30,11 +32,21 @@ def serve_main(args: list[str]) -> None:
             "Serve a loko fit checkpoint: POST /predict answers class probabilities and an id per input; "
             "POST /feedback takes a label for an id (or an input with its label), writes it to the feedback log on "
             "disk before answering, and one learner thread learns it (one LoKO step per sample, in order). "
-            "GET /health, GET /metrics (Prometheus). A restart continues from the state folder's checkpoint and log."
+            "GET /health, GET /metrics (Prometheus). A restart continues from the state folder's checkpoint and log. "
+            "--follow STATE_DIR serves a read-only replica that predicts with that learner's newest checkpoint."
         ),
         exit_on_error=False,
     )
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by loko fit (a LoKO run)")
+    parser.add_argument("--ckpt_path", help="a checkpoint written by loko fit (a LoKO run); required unless --follow")
+    parser.add_argument(
+        "--follow",
+        metavar="STATE_DIR",
+        help="predict only, with the newest checkpoint of the learner serving STATE_DIR, reloaded when it changes "
+        "(read-only: no feedback, no lock, nothing written)",
+    )
+    parser.add_argument(
+        "--follow_seconds", type=float, default=1.0, help="with --follow: how often to look for a new checkpoint"
+    )
     parser.add_argument(
         "--state_dir",
         help="folder of the feedback log and the serving checkpoint (default: serve/ beside the checkpoint); "
@@ -91,8 +103,17 @@ def serve_main(args: list[str]) -> None:
     token = read_token(options.token_file)
     check_bind(options.host, token)
     require_server()
-    import uvicorn
 
+    if options.follow is not None:
+        service: Any = FollowerService(
+            options.follow,
+            max_batch=options.max_batch,
+            max_pixels=options.max_pixels,
+            predict_batch=options.predict_batch,
+            follow_seconds=options.follow_seconds,
+        )
+        run(service, options, token, f"following {options.follow}, version {service.learner.version}")
+        return
     state_dir = options.state_dir or str(Path(options.ckpt_path).expanduser().parent / "serve")
     service = FeedbackService.open(
         options.ckpt_path,
@@ -107,16 +128,20 @@ def serve_main(args: list[str]) -> None:
         max_pixels=options.max_pixels,
         predict_batch=options.predict_batch,
     )
+    replayed = f", {service.replayed} replayed from the log" if service.replayed else ""
+    run(service, options, token, f"{service.position} feedback learned{replayed}; state in {state_dir}")
+
+
+def run(service: Any, options: argparse.Namespace, token: str | None, what: str) -> None:
+    """Serve ``service`` over HTTP until SIGTERM or Ctrl-C; exit status 1 if its learner failed."""
+    import uvicorn
+
     sock = bound_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     def ready() -> None:
-        replayed = f", {service.replayed} replayed from the log" if service.replayed else ""
-        print(
-            f"loko serve: listening on {url} ({service.position} feedback learned{replayed}; state in {state_dir})",
-            flush=True,
-        )
+        print(f"loko serve: listening on {url} ({what})", flush=True)
 
     app = create_app(
         service,
@@ -159,6 +184,11 @@ def check_options(options: argparse.Namespace) -> None:
     Raises:
         ConfigError: (the option's field) the value and what to give instead.
     """
+    if (options.ckpt_path is None) == (options.follow is None):
+        raise ConfigError(
+            "give --ckpt_path CKPT (a learner) or --follow STATE_DIR (a read-only replica of one), not both",
+            field="ckpt_path" if options.ckpt_path is None else "follow",
+        )
     if not 0 <= options.port <= 65535:
         raise ConfigError(f"port {options.port} is not a TCP port: give 0 to 65535 (0: any free port)", field="port")
     for name in POSITIVE:

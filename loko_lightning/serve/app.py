@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.serve.follower import FollowerService
 from loko_lightning.serve.service import FeedbackService, Rejected
 
 INSTALL = 'pip install "loko-lightning[serve]"'
@@ -43,7 +44,7 @@ def require_server() -> None:
 
 
 def create_app(
-    service: FeedbackService,
+    service: FeedbackService | FollowerService,
     token: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     on_ready: Callable[[], None] | None = None,
@@ -55,7 +56,7 @@ def create_app(
     is queued and save a checkpoint.
 
     Args:
-        service: what answers the requests.
+        service: what answers the requests (a learner, or a read-only follower of one).
         token: the bearer token every request must carry; ``None``: no authentication (loopback binds only).
         max_body_bytes: a larger request body is refused with 413.
         on_ready: called once the learner thread runs.
