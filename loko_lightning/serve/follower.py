@@ -26,7 +26,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.serve.batcher import PredictionBatcher
 from loko_lightning.serve.images import MAX_PIXELS, ImageTooLarge
 from loko_lightning.serve.learner import ServingLearner
-from loko_lightning.serve.service import BASE_NAME, CHECKPOINT_NAME, Rejected, _number
+from loko_lightning.serve.service import BASE_NAME, CHECKPOINT_NAME, Rejected, prometheus_value
 
 # How often a follower looks for a new checkpoint, by default (seconds).
 FOLLOW_SECONDS = 1.0
@@ -236,5 +236,5 @@ class FollowerService:
         ]
         lines = []
         for name, kind, help_text, value in rows:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {prometheus_value(value)}"]
         return "\n".join(lines) + "\n"

@@ -607,7 +607,7 @@ class FeedbackService:
         lines = []
         for name, kind, help_text, samples in rows:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines += [f"{name}{suffix} {_number(value)}" for suffix, value in samples]
+            lines += [f"{name}{suffix} {prometheus_value(value)}" for suffix, value in samples]
         return "\n".join(lines) + "\n"
 
 
@@ -660,7 +660,8 @@ def _summary(name: str, help_text: str, window: Any, total: float, count: int) -
     return name, "summary", help_text, samples
 
 
-def _number(value: float) -> str:
+def prometheus_value(value: float) -> str:
+    """A sample's value as the Prometheus text format writes it (``NaN``, an integer, or a float's repr)."""
     if isinstance(value, float) and math.isnan(value):
         return "NaN"
     return repr(float(value)) if isinstance(value, float) else str(int(value))
