@@ -3,13 +3,15 @@
 The checkpoint is the tiny one of ``test_serve`` (timm's ``test_resnet``, rank-2 LoRA, 4 classes, 32 px)."""
 
 import errno
+import os
 import threading
 import time
 
 import pytest
 from test_serve import call, fitted_checkpoint, label, png, running
 
-from loko_lightning.serve import FeedbackService
+from loko_lightning.serve import FeedbackService, Rejected
+from loko_lightning.serve import log as log_module
 from loko_lightning.serve.service import CHECKPOINT_NAME
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,3 +116,34 @@ def test_probes_answer_and_may_be_exempted_from_the_token(ckpt, tmp_path):
     with running(service, token="s3cret", public_probes=True) as url:
         assert call(url, "/livez") == (200, {"status": "alive"}) and call(url, "/readyz")[0] == 200
         assert call(url, "/health")[0] == 401  # the counters still need the token
+
+
+def test_a_log_write_cut_by_a_full_disk_leaves_the_log_whole(ckpt, tmp_path, monkeypatch):
+    """The disk fills in the middle of an append (half the line written, then ENOSPC): the answer is a 503, the
+    half line is cut off, and once there is space the next feedback is record 2, the log readable to its end."""
+    service = FeedbackService.open(ckpt, tmp_path)
+    assert service.feedback({"input": png(0), "label": "cat"})["seq"] == 1
+    size = (tmp_path / "feedback.log").stat().st_size
+    full = threading.Event()
+
+    class FullDisk:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def write(self, fd, data):
+            if not full.is_set():
+                return os.write(fd, data)
+            if len(data) > 10:
+                return os.write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(log_module, "os", FullDisk())
+    full.set()
+    with pytest.raises(Rejected) as info:
+        service.feedback({"input": png(1), "label": "dog"})
+    assert (info.value.status, info.value.field) == (503, "feedback") and "No space left" in info.value.message
+    assert (tmp_path / "feedback.log").stat().st_size == size and service.status[0] == "degraded"
+    full.clear()
+    assert service.feedback({"input": png(1), "label": "dog"})["seq"] == 2
+    assert [r["seq"] for r in service.log.records()] == [1, 2] and service.status[0] == "ok"
+    service.stop()
