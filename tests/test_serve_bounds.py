@@ -7,10 +7,11 @@ import io
 import time
 
 import pytest
+import torch
 from PIL import Image
 from test_serve import fitted_checkpoint, png
 
-from loko_lightning.serve import FeedbackService, Rejected
+from loko_lightning.serve import FeedbackLog, FeedbackService, Rejected
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,3 +84,39 @@ def test_a_16_bit_png_is_scaled_to_8_bits_not_clipped(ckpt, tmp_path):
     (a,), (b,) = (service.predict({"inputs": [encoded(x)]}) for x in (wide, narrow))
     assert max(abs(a["probabilities"][c] - b["probabilities"][c]) for c in a["probabilities"]) < 0.02
     service.stop()
+
+
+def test_a_large_image_is_kept_as_its_preprocessed_tensor_and_learned_exactly(ckpt, tmp_path):
+    """A 256x256 noisy PNG (hundreds of KB in base64) for a 32 px model is kept as its 12 KB tensor; labelled by id,
+    it is logged as that tensor and learned bit for bit as the image itself would be, also when the log is replayed."""
+    from test_serve import assert_same_state
+
+    from loko_lightning.serve import ServingLearner
+
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (256, 256, 3), generator=generator, dtype=torch.uint8)
+    big = Image.fromarray(pixels.numpy())
+    sent = encoded(big)
+    service = FeedbackService.open(ckpt, tmp_path / "state")
+    (answer,) = service.predict({"inputs": [sent]})
+    assert len(sent) > 100_000 and service.pending_bytes_used == 3 * 32 * 32 * 4
+    small = png(1)  # a 32x32 PNG is smaller than its tensor: kept as sent
+    (other,) = service.predict({"inputs": [small]})
+    assert service.pending_bytes_used == 3 * 32 * 32 * 4 + len(small)
+    service.start()
+    service.feedback({"id": answer["id"], "label": "owl"})
+    service.feedback({"id": other["id"], "label": "dog"})
+    assert service.wait_learned(60)
+    state = service.learner.state()
+    service.stop()
+    records = list(FeedbackLog(tmp_path / "state" / "feedback.log").records())
+    assert set(records[0]["input"]) == {"tensor", "shape", "dtype"} and records[1]["input"] == small
+
+    reference = ServingLearner.from_checkpoint(ckpt)
+    reference.learn([big, reference.decode(small)], ["owl", "dog"])
+    assert_same_state(state, reference.state())
+    (tmp_path / "state" / "learner.ckpt").unlink()  # the whole log learned again, the tensor from the log
+    replayed = FeedbackService.open(ckpt, tmp_path / "state")
+    assert replayed.replayed == 2
+    assert_same_state(state, replayed.learner.state())
+    replayed.stop()

@@ -4,7 +4,9 @@ What ``loko serve`` does, without HTTP (the web layer, :mod:`loko_lightning.serv
 writes answers):
 
 - :meth:`FeedbackService.predict` answers class probabilities and keeps each input under a new ``id`` (at most
-  ``pending_size`` of them, each for ``pending_seconds``) so that its label can come later;
+  ``pending_size`` of them and ``pending_bytes`` of inputs, each for ``pending_seconds``) so that its label can come
+  later. An image is kept as it was sent (base64), or as its preprocessed tensor when that is smaller (a large image
+  for a small model); the log then holds the tensor, which is learned exactly as the image would be;
 - :meth:`FeedbackService.feedback` takes a label for a kept ``id``, or an input with its label; once accepted, the
   sample is in the feedback log on disk (:class:`~loko_lightning.serve.log.FeedbackLog`) before the call returns,
   then learned by the learner thread, one LoKO step per sample, in the order of the log. A full queue refuses it
@@ -16,6 +18,7 @@ writes answers):
 
 from __future__ import annotations
 
+import base64
 import collections
 import hashlib
 import json
@@ -28,6 +31,9 @@ import traceback
 import uuid
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.batcher import PredictionBatcher
@@ -312,7 +318,9 @@ class FeedbackService:
         """One record of the log: one LoKO step (or one skipped sample), the log position moved past it."""
         learner = self.learner
         try:
-            sample = learner.decode(record["input"], max_pixels=None)  # accepted: learned whatever today's limit
+            sample = _tensor(record["input"])
+            if sample is None:  # accepted, so learned whatever today's --max_pixels
+                sample = learner.decode(record["input"], max_pixels=None)
         except ConfigError as err:  # accepted inputs are checked; a log edited by hand may still hold one
             print(f"loko serve: feedback {record['seq']} skipped: {err}", file=sys.stderr)
             learner.skip()
@@ -369,12 +377,16 @@ class FeedbackService:
                 raise Rejected(413, err.field or f"inputs[{i}]", str(err)) from None
             except ConfigError as err:
                 raise Rejected(422, err.field or f"inputs[{i}]", str(err)) from None
+        if self.learner.modality == "image":  # preprocessed here, in the request's thread: kept if smaller
+            samples = [self.learner.transform(sample) for sample in samples]
         probabilities, version = self._batcher(samples)
         classes = self.learner.classes
         answers = []
-        for value, scores in zip(inputs, probabilities.tolist(), strict=True):
+        for value, sample, scores in zip(inputs, samples, probabilities.tolist(), strict=True):
             best = max(range(len(scores)), key=scores.__getitem__)
             ident = uuid.uuid4().hex
+            if isinstance(sample, Tensor) and _input_bytes(sample) < _input_bytes(value):
+                value = sample
             self._remember(ident, value, best)
             answers.append(
                 {
@@ -416,6 +428,8 @@ class FeedbackService:
                     return {"seq": self._keys[key], "duplicate": True}
                 raise Rejected(404, "id", f"id {key[:64]!r} is unknown or expired: send the input with its label")
             value, predicted, _, _ = kept
+            if isinstance(value, Tensor):
+                value = _loggable(value)
         elif "input" in body:
             value, key = body["input"], body.get("key")
             if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 200):
@@ -640,8 +654,24 @@ def check_base(ckpt_path: str | Path, state_dir: str | Path) -> None:
     os.replace(temporary, path)
 
 
+def _loggable(tensor: Tensor) -> dict[str, Any]:
+    """A preprocessed input as a JSON value: its bytes in base64, its shape and dtype."""
+    data = tensor.detach().contiguous().cpu().numpy().tobytes()
+    return {"tensor": base64.b64encode(data).decode(), "shape": list(tensor.shape), "dtype": str(tensor.dtype)[6:]}
+
+
+def _tensor(value: Any) -> Tensor | None:
+    """The preprocessed input a log record holds (:func:`_loggable`), or ``None`` for a raw one (an image, a text)."""
+    if not isinstance(value, dict) or "tensor" not in value:
+        return None
+    data = bytearray(base64.b64decode(value["tensor"]))
+    return torch.frombuffer(data, dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
+
+
 def _input_bytes(value: Any) -> int:
-    """The bytes an input holds in memory, about: its strings' lengths (base64 images and texts)."""
+    """The bytes an input holds in memory, about: its strings' lengths (base64 images and texts), a tensor's data."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
     if isinstance(value, str):
         return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
     if isinstance(value, (list, tuple)):
