@@ -56,6 +56,7 @@ def test_a_failing_save_is_reported_retried_and_learning_goes_on(ckpt, tmp_path,
         status, health = poll(lambda: call(url, "/health"), lambda got: got[1]["status"] != "ok")
         assert status == 200 and health["status"] == "degraded", health
         assert "No space left on device" in health["reason"] and "checkpoint" in health["reason"]
+        assert 'loko_status{status="degraded"} 1' in call(url, "/metrics")[1]
         for i in range(2, 4):  # learning goes on
             assert call(url, "/feedback", {"input": png(i), "label": label(i)})[0] == 200
         assert poll(lambda: call(url, "/health")[1], lambda h: h["learned"] == 4)["learned"] == 4
@@ -80,6 +81,7 @@ def test_a_dead_learner_thread_is_failed_with_503_and_feedback_is_refused_in_jso
         status, health = poll(lambda: call(url, "/health"), lambda got: got[0] != 200)
         assert status == 503 and health["status"] == "failed" and "RuntimeError" in health["reason"], health
         assert call(url, "/livez")[0] == 503 and call(url, "/readyz")[0] == 503
+        assert 'loko_status{status="failed"} 1' in call(url, "/metrics")[1]
         status, answer = call(url, "/feedback", {"input": png(1), "label": "dog"})
         assert status == 503 and answer["field"] == "feedback" and "restart" in answer["error"], answer
         assert service.log.count == 1  # nothing written that cannot be learned

@@ -589,6 +589,12 @@ class FeedbackService:
                 "accuracy of each learned sample's prediction just before its step",
                 [("", learner.online_accuracy)],
             ),
+            (
+                "loko_status",
+                "gauge",
+                "1 for the status /health says: ok, degraded (it learns; something failed), failed (it does not)",
+                [(f'{{status="{name}"}}', int(name == self.status[0])) for name in ("ok", "degraded", "failed")],
+            ),
             ("loko_queue_length", "gauge", "accepted feedback waiting for the learner", [("", self.queue_length)]),
             ("loko_queue_capacity", "gauge", "queue length beyond which feedback is refused", [("", self.queue_size)]),
             ("loko_queue_bytes", "gauge", "bytes of the queued feedback's inputs", [("", self.queue_bytes_used)]),
