@@ -116,7 +116,11 @@ class FeedbackService:
                 "predict_batch": predict_batch,
             }
             self._open(learner, limits, pending_seconds)
-        except BaseException:
+        except BaseException:  # refused (a damaged log, ...): nothing of it stays open
+            if hasattr(self, "_batcher"):
+                self._batcher.close()
+            if hasattr(self, "log"):
+                self.log.close()
             self.lock.release()
             raise
 
