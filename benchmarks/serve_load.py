@@ -5,11 +5,12 @@
 
 The checkpoint is a short ``loko fit`` of the config (``--fit_samples`` samples; ``--ckpt_path`` serves an existing
 one instead). The server runs in a subprocess with ``--threads`` intra-op threads and a fresh state folder. Each
-client sends its share of ``--requests``, alternating ``POST /predict`` (one real MNIST digit, a PNG) and
-``POST /feedback`` (the true label of its previous prediction, by id); a 429 is counted and retried after 50 ms.
-Reported: requests per second over the clients' wall time, p50/p99 latency per route, the lag between a feedback's
-acknowledgement and its update (the server's ``loko_feedback_lag_seconds``), the learner's step time, and how long
-the learner took to catch up after the last request. Written to ``OUT/summary.json`` and ``OUT/results.md``.
+client sends its share of ``--requests``: ``--label_every`` predictions (``POST /predict``, one real MNIST digit, a
+PNG), then the true label of the last one (``POST /feedback``, by id), and again; a 429 is counted and retried after
+50 ms. Reported: requests per second over the clients' wall time, p50/p95/p99 latency per route, the lag between a
+feedback's acknowledgement and its update (p50/p99 of the server's ``loko_feedback_lag_seconds``), the learner's step
+time, and how long the learner took to catch up after the last request. Written to ``OUT/summary.json`` and
+``OUT/results.md``.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def load(url: str, samples: list[tuple[str, int]], classes: list[str], clients: int, requests: int) -> dict:
+def load(
+    url: str, samples: list[tuple[str, int]], classes: list[str], clients: int, requests: int, label_every: int = 1
+) -> dict:
     """Run the clients; their latencies per route, 429s, and the wall time."""
     latencies: dict[str, list[float]] = {"predict": [], "feedback": []}
     busy = [0]
@@ -122,7 +125,7 @@ def load(url: str, samples: list[tuple[str, int]], classes: list[str], clients: 
     def client(index: int, count: int) -> None:
         last_id = None
         for i in range(count):
-            if i % 2 == 0 or last_id is None:
+            if i % (label_every + 1) < label_every or last_id is None:
                 route, body = "predict", {"inputs": [samples[(index * requests + i) % len(samples)][0]]}
             else:
                 label = classes[samples[(index * requests + i - 1) % len(samples)][1]]
@@ -161,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients")
     parser.add_argument("--requests", type=int, default=200, help="requests in all (half predictions, half feedback)")
+    parser.add_argument(
+        "--label_every", type=int, default=1, help="predictions a client makes before it sends a label (default 1)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="the server's intra-op threads (OMP_NUM_THREADS)")
     parser.add_argument("--out", type=Path, help="folder for summary.json and results.md")
     args = parser.parse_args(argv)
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             classes = call(url, "/health")[1]["classes"]
             samples = digits(args.requests, offset=1000)
             call(url, "/predict", {"inputs": [samples[0][0]]})  # warm-up, not counted
-            run = load(url, samples, classes, args.clients, args.requests)
+            run = load(url, samples, classes, args.clients, args.requests, args.label_every)
             drain_start = time.perf_counter()
             while (health := call(url, "/health")[1])["learned"] < health["accepted"]:
                 time.sleep(0.02)
@@ -192,13 +198,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = {
         "config": args.config if not args.ckpt_path else str(args.ckpt_path),
         "clients": args.clients,
+        "label_every": args.label_every,
         "requests": len(everything),
         "server_threads": args.threads,
         "requests_per_second": len(everything) / run["seconds"],
         "wall_seconds": run["seconds"],
         "refused_busy_429": run["busy"],
         "latency_ms": {
-            route: {"p50": 1000 * quantile(values, 0.5), "p99": 1000 * quantile(values, 0.99), "count": len(values)}
+            route: {
+                "p50": 1000 * quantile(values, 0.5),
+                "p95": 1000 * quantile(values, 0.95),
+                "p99": 1000 * quantile(values, 0.99),
+                "count": len(values),
+            }
             for route, values in {**run["latencies"], "all": everything}.items()
         },
         "feedback_lag_ms": {
@@ -239,14 +251,16 @@ def table(summary: dict[str, Any]) -> str:
     rows = [
         f"# loko serve under load: {summary['config']}",
         "",
-        f"{summary['clients']} concurrent clients, {summary['requests']} requests (half predictions, half feedback), "
+        f"{summary['clients']} concurrent clients, {summary['requests']} requests (a label after every "
+        f"{summary['label_every']} prediction(s)), "
         f"server with {summary['server_threads']} intra-op thread(s), on {summary['machine']} (clients and server "
         "share them).",
         "",
-        "| requests/s | predict p50 / p99 (ms) | feedback p50 / p99 (ms) | ack → update lag p50 / p99 (ms) | "
+        "| requests/s | predict p50 / p95 / p99 (ms) | feedback p50 / p99 (ms) | ack → update lag p50 / p99 (ms) | "
         "step p50 (ms) | catch-up after the last request (s) | 429s |",
         "|---|---|---|---|---|---|---|",
-        f"| {summary['requests_per_second']:.1f} | {latency['predict']['p50']:.0f} / {latency['predict']['p99']:.0f} | "
+        f"| {summary['requests_per_second']:.1f} | {latency['predict']['p50']:.0f} / {latency['predict']['p95']:.0f} / "
+        f"{latency['predict']['p99']:.0f} | "
         f"{latency['feedback']['p50']:.0f} / {latency['feedback']['p99']:.0f} | "
         f"{summary['feedback_lag_ms']['p50']:.0f} / {summary['feedback_lag_ms']['p99']:.0f} | "
         f"{summary['step_ms_p50']:.0f} | {summary['catch_up_seconds']:.1f} | {summary['refused_busy_429']} |",

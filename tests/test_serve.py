@@ -372,6 +372,7 @@ def test_service_replays_the_log_after_its_checkpoint(base_ckpt, tmp_path):
         service._wake.notify_all()
     service._thread.join()
     service.log.close()
+    service.lock.release()  # as the kernel does for a killed process
     assert torch.load(tmp_path / CHECKPOINT_NAME, weights_only=True)["serve"]["log_position"] == 4
 
     reopened = FeedbackService.open(base_ckpt, tmp_path, checkpoint_every=4)

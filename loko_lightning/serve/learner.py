@@ -3,9 +3,10 @@
 It wraps a ``loko fit`` checkpoint's :class:`~loko_lightning.learner.module.OnlineClassifier` and its
 :class:`~loko_lightning.LoKO` filter state. :meth:`ServingLearner.learn` makes the learner's own Kalman step
 (:class:`~loko_lightning.learner.steps.KalmanStep`, the one ``loko fit`` makes) on each sample; predictions are made
-by a second copy of the adapters and head, which receives every new parameter version whole, under a lock, after
-the step that made it: a prediction never sees a half-applied update, and the update never waits for a prediction
-longer than one forward pass. The frozen backbone's weights are shared by both copies.
+by two more copies of the adapters and head, used in turn: after each step the new parameters are written whole into
+the copy no prediction reads, which then becomes the one new predictions read. A prediction never sees a half-applied
+update, and a step does not wait for a prediction in progress (only, rarely, for one that started two versions ago).
+The frozen backbone's weights are shared by all copies.
 
 With ``LoKO(average=δ)`` (the averaging presets) the filter learns on from its own mean ``θ`` (a fit checkpoint's
 ``"loko_train_point"``) and the predictions are the average ``θ̄``'s, as in ``loko fit``: the serving copy receives
@@ -30,7 +31,6 @@ import lightning
 import torch
 from torch import Tensor
 
-from loko_lightning.data.predict import decode_image
 from loko_lightning.data.transforms import build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
@@ -38,6 +38,7 @@ from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, load_learne
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.learner.steps import save_served_weights
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
+from loko_lightning.serve.images import MAX_PIXELS, decode_image
 
 # The LoKO arguments a checkpoint's param group holds (the others, dtype and seed, are read from the state).
 # A checkpoint's own keys that describe a training run's loops, not the learner: left out of a serving checkpoint.
@@ -106,8 +107,12 @@ class ServingLearner:
         self.served_correct = int(saved.get("served_correct", 0))
         counters = ("learned", "served_total", "served_correct")
         self.extra: dict[str, Any] = {k: v for k, v in saved.items() if k not in counters}
-        self._lock = threading.Lock()
-        self._serving = _serving_copy(module)
+        # Two serving copies: predictions read the current one, the next version is written into the other.
+        self._lock = threading.Condition()
+        self._copies = [_serving_copy(module), _serving_copy(module)]
+        self._readers = [0, 0]
+        self._current = 0
+        self._version = self.learned
         self._publish()  # with an average the serving copy predicts with θ̄, not the filter's mean
 
     # ------------------------------------------------------------------ building
@@ -148,11 +153,17 @@ class ServingLearner:
         return cls(module, built, checkpoint)
 
     # ------------------------------------------------------------------ inputs
-    def decode(self, value: Any, field: str = "input") -> Any:
+    def decode(self, value: Any, field: str = "input", max_pixels: int | None = MAX_PIXELS) -> Any:
         """The raw sample a JSON value holds: an image as base64 PNG/JPEG (a ``data:`` URL too), a text, a text pair.
 
+        Args:
+            value: the JSON value.
+            field: the request field it came in, for the messages.
+            max_pixels: an image's width x height, at most, checked before it is decoded (``None``: PIL's limit).
+
         Raises:
-            ConfigError: (field ``field``) not a sample of this model's kind, or an image that does not decode.
+            ConfigError: (field ``field``) not a sample of this model's kind, or an image that does not decode;
+                :class:`~loko_lightning.serve.images.ImageTooLarge` an image over ``max_pixels``.
         """
         if self.modality == "image":
             if not isinstance(value, str) or not value.strip():
@@ -164,7 +175,7 @@ class ServingLearner:
                 raise ConfigError(
                     f"{field} is not base64 (an image as a base64 PNG or JPEG string)", field=field
                 ) from None
-            return decode_image(data, field=field)
+            return decode_image(data, field=field, max_pixels=max_pixels)
         if isinstance(value, str) and value.strip():
             return value
         if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) and v.strip() for v in value):
@@ -207,8 +218,15 @@ class ServingLearner:
         """Class probabilities ``(B, m)`` and the :attr:`version` of the parameters that made them."""
         batch = self.batch(inputs)
         with self._lock:
-            probabilities = self._serving.predict_step({"inputs": batch}, 0)["probabilities"]
-            return probabilities, self._version
+            index, version = self._current, self._version
+            self._readers[index] += 1
+        try:
+            probabilities = self._copies[index].predict_step({"inputs": batch}, 0)["probabilities"]
+        finally:
+            with self._lock:
+                self._readers[index] -= 1
+                self._lock.notify_all()
+        return probabilities, version
 
     def learn(self, inputs: Sequence[Any], labels: Sequence[Any], joint: bool = False) -> list[LearnResult]:
         """Learn labelled samples: one LoKO step per sample, in order, or one joint step over all (``joint``).
@@ -267,14 +285,25 @@ class ServingLearner:
         """
         state = self.optimizer.state
         average = bool(self.optimizer.average)
-        with torch.no_grad(), self._lock:
-            for served, learned in zip(self._serving_params, self.module.trainable_parameters, strict=True):
+        with self._lock:
+            spare = 1 - self._current
+            # Only a prediction that started before the last swap can still read the spare copy: wait for it.
+            self._lock.wait_for(lambda: self._readers[spare] == 0)
+        # No prediction takes the spare copy until it is swapped in below: it is written without the lock.
+        with torch.no_grad():
+            for served, learned in zip(_trainable(self._copies[spare]), self.module.trainable_parameters, strict=True):
                 served.copy_(state[learned]["average"] if average and "average" in state[learned] else learned)
-            self._version = self.learned
+        with self._lock:
+            self._current, self._version = spare, self.learned
+
+    @property
+    def _serving(self) -> OnlineClassifier:
+        """The copy new predictions read."""
+        return self._copies[self._current]
 
     @property
     def _serving_params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self._serving.network.parameters() if p.requires_grad]
+        return _trainable(self._serving)
 
     # ------------------------------------------------------------------ metrics and checkpoints
     @property
@@ -398,6 +427,10 @@ def _transform(module: OnlineClassifier) -> Callable[[Any], Any]:
         return build_transform("image", factory.preprocessing())
     tokenizer = saved.get("tokenizer") or factory.preprocessing().tokenizer
     return build_transform("text", TextPreprocessing(tokenizer), max_length=int(saved.get("max_length", 128)))
+
+
+def _trainable(module: OnlineClassifier) -> list[torch.nn.Parameter]:
+    return [p for p in module.network.parameters() if p.requires_grad]
 
 
 def _serving_copy(module: OnlineClassifier) -> OnlineClassifier:
