@@ -24,7 +24,22 @@ writes the flag.
 - :mod:`~loko_lightning.cli.export`: ``loko export``.
 """
 
-from loko_lightning.cli.command import LoKOCLI
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from loko_lightning.cli.entry import main
 
+if TYPE_CHECKING:  # imported on first use: `loko serve --help` needs no LightningCLI
+    from loko_lightning.cli.command import LoKOCLI
+
 __all__ = ["LoKOCLI", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`LoKOCLI`, imported when first used."""
+    if name == "LoKOCLI":
+        from loko_lightning.cli.command import LoKOCLI
+
+        return LoKOCLI
+    raise AttributeError(f"module 'loko_lightning.cli' has no attribute {name!r}")

@@ -9,13 +9,7 @@ from argparse import ArgumentError
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from loko_lightning.cli.command import HelpFormatter, LoKOCLI
-from loko_lightning.cli.configs import resolve_config_names
-from loko_lightning.cli.export import export_main
-from loko_lightning.cli.serve import serve_main
-from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import DivergenceError, LostProcessError
-from loko_lightning.learner.module import OnlineClassifier
 
 # Errors whose message says what to change; anything else (a RuntimeError from torch, ...) is a bug and keeps its
 # traceback.
@@ -61,12 +55,22 @@ def main(args: list[str] | None = None) -> None:
     from_command_line = args is None
     args = sys.argv[1:] if args is None else list(args)
     try:
+        # Each command imports what it needs: `loko serve --help` and its refusals answer before torch is imported.
         if args[:1] == ["export"]:
+            from loko_lightning.cli.export import export_main
+
             export_main(args[1:])
             return
         if args[:1] == ["serve"]:
+            from loko_lightning.cli.serve import serve_main
+
             serve_main(args[1:])
             return
+        from loko_lightning.cli.command import HelpFormatter, LoKOCLI
+        from loko_lightning.cli.configs import resolve_config_names
+        from loko_lightning.data import StreamDataModule
+        from loko_lightning.learner.module import OnlineClassifier
+
         args = resolve_config_names(args)
         if from_command_line:  # LightningCLI reads sys.argv itself (given both, it warns)
             sys.argv[1:] = args

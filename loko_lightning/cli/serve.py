@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loko_lightning.errors import ConfigError
-from loko_lightning.serve.app import MAX_BODY_BYTES, create_app, require_server
-from loko_lightning.serve.follower import FollowerService
-from loko_lightning.serve.images import MAX_PIXELS
-from loko_lightning.serve.service import PENDING_BYTES, QUEUE_BYTES, FeedbackService
+from loko_lightning.serve.limits import MAX_BODY_BYTES, MAX_PIXELS, PENDING_BYTES, QUEUE_BYTES
 
 
 def serve_main(args: list[str]) -> None:
@@ -102,6 +99,11 @@ def serve_main(args: list[str]) -> None:
     check_options(options)
     token = read_token(options.token_file)
     check_bind(options.host, token)
+    # The server's modules import torch (seconds): only once the options are known to be good.
+    from loko_lightning.serve.app import require_server
+    from loko_lightning.serve.follower import FollowerService
+    from loko_lightning.serve.service import FeedbackService
+
     require_server()
 
     if options.follow is not None:
@@ -135,6 +137,8 @@ def serve_main(args: list[str]) -> None:
 def run(service: Any, options: argparse.Namespace, token: str | None, what: str) -> None:
     """Serve ``service`` over HTTP until SIGTERM or Ctrl-C; exit status 1 if its learner failed."""
     import uvicorn
+
+    from loko_lightning.serve.app import create_app
 
     sock = bound_socket(options.host, options.port)
     host, port = sock.getsockname()[:2]

@@ -16,11 +16,11 @@ from typing import Any
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.follower import FollowerService
+from loko_lightning.serve.limits import MAX_BODY_BYTES
 from loko_lightning.serve.service import FeedbackService, Rejected
 
 INSTALL = 'pip install "loko-lightning[serve]"'
 # A request body larger than this is refused (413) before it is read whole.
-MAX_BODY_BYTES = 8 * 1024 * 1024
 # The probes: what ``public_probes`` exempts from the token.
 PROBES = ("/livez", "/readyz")
 # A request nested deeper than this (lists and objects) is refused: no route reads more than 3 levels.

@@ -24,8 +24,9 @@ from typing import Any
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.batcher import PredictionBatcher
-from loko_lightning.serve.images import MAX_PIXELS, ImageTooLarge
+from loko_lightning.serve.images import ImageTooLarge
 from loko_lightning.serve.learner import ServingLearner
+from loko_lightning.serve.limits import MAX_PIXELS
 from loko_lightning.serve.service import BASE_NAME, CHECKPOINT_NAME, Rejected, prometheus_value
 
 # How often a follower looks for a new checkpoint, by default (seconds).

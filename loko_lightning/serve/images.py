@@ -14,9 +14,9 @@ from PIL import Image
 
 from loko_lightning.data.predict import decode_image as decode_checked
 from loko_lightning.errors import ConfigError
+from loko_lightning.serve.limits import MAX_PIXELS
 
 # 4096 x 4096: 48 MB as 8-bit RGB, decoded in well under a second; PIL's own limit is 11 times larger.
-MAX_PIXELS = 4096 * 4096
 # PIL's 16-bit and 32-bit integer greyscale modes, and the bits their values use.
 WIDE_MODES = {"I;16": 16, "I;16L": 16, "I;16B": 16, "I;16N": 16, "I": 16}
 

@@ -38,7 +38,8 @@ from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, load_learne
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.learner.steps import save_served_weights
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
-from loko_lightning.serve.images import MAX_PIXELS, decode_image
+from loko_lightning.serve.images import decode_image
+from loko_lightning.serve.limits import MAX_PIXELS
 
 # The LoKO arguments a checkpoint's param group holds (the others, dtype and seed, are read from the state).
 # A checkpoint's own keys that describe a training run's loops, not the learner: left out of a serving checkpoint.

@@ -37,8 +37,9 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.batcher import PredictionBatcher
-from loko_lightning.serve.images import MAX_PIXELS, ImageTooLarge
+from loko_lightning.serve.images import ImageTooLarge
 from loko_lightning.serve.learner import ServingLearner
+from loko_lightning.serve.limits import MAX_PIXELS, PENDING_BYTES, QUEUE_BYTES
 from loko_lightning.serve.lock import StateLock
 from loko_lightning.serve.log import FeedbackLog
 
@@ -49,8 +50,6 @@ BASE_NAME = "base.json"
 # How many of the last step times and feedback lags the quantiles in /metrics are computed over.
 WINDOW = 1000
 # The inputs of kept predictions, and of queued feedback, at most (bytes of their JSON strings).
-PENDING_BYTES = 256 * 1024 * 1024
-QUEUE_BYTES = 256 * 1024 * 1024
 # A prediction pass waits for the learner's next step at most this long (see FeedbackService._yield_to_learner).
 PASS_WAIT_SECONDS = 1.0
 # A checkpoint that could not be written (disk full, ...) is tried again after this many seconds.
