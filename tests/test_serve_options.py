@@ -72,3 +72,19 @@ def test_sigterm_drains_saves_and_exits_0(ckpt, tmp_path):
     assert server.process.wait(120) == 0, server.log.read_text()[-2000:]
     saved = torch.load(tmp_path / "state" / CHECKPOINT_NAME, weights_only=True)
     assert saved["serve"]["log_position"] == 3  # everything acknowledged was learned before the exit
+
+
+@pytest.mark.parametrize("args", [["serve", "--help"], ["serve", "--ckpt_path", "x.ckpt", "--port", "70000"]])
+def test_serve_help_and_refusals_import_no_torch(args):
+    """`loko serve --help` and a refused option answer before torch is imported (it cost 8 s of every answer)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from loko_lightning.cli import main\n"
+        f"try:\n    main({args!r})\nexcept SystemExit as stop:\n    code = stop.code\n"
+        "print('torch' in sys.modules, 'lightning' in sys.modules, code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split()[-3:] == ["False", "False", "0" if "--help" in args else "2"], done.stdout + done.stderr
