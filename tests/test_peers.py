@@ -172,6 +172,7 @@ def test_ivon_without_a_draw_changes_nothing_and_resumes_its_step_counter():
 # ------------------------------------------------------------------ through loko fit
 @pytest.mark.slow
 @pytest.mark.parametrize("peer", PEERS)
+@pytest.mark.usefixtures("one_thread")  # bit for bit: the bits depend on the intra-op threads
 def test_each_peer_fits_the_debug_config_and_resumes_exactly(peer, tmp_path):
     """24 samples, the learning rate (p0) chosen on the first 8; stopped after 12 with a checkpoint at 6 (mid-
     selection) and resumed: the same weights, optimizer state, selection and online metrics as one uninterrupted

@@ -240,7 +240,7 @@ CATALOGUE = {
     ),
     "ill-typed option (float)": (
         ["--model.optimizer.beta", "big"],
-        ["--model.optimizer.beta: expected a float, got 'big'"],
+        ["--model.optimizer.beta: expected a float or null, got 'big'"],
     ),
     "unknown adapter target": (
         ["--model.network.target", "[blocks.0.0.conv_dww]"],

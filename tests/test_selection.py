@@ -222,6 +222,7 @@ def test_loko_itself_refuses_p0_auto_and_says_where_it_works():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")  # bit for bit: the bits depend on the intra-op threads
 def test_a_run_stopped_mid_selection_resumes_exactly(tmp_path):
     """Stop after sample 12 of 24 (checkpoint at 6, mid-selection of 16 samples) and resume: same parameters,
     filter state, scores, choice and online metrics as one uninterrupted run, bit for bit on the CPU."""
