@@ -27,7 +27,7 @@ from loko_lightning.serve.batcher import PredictionBatcher
 from loko_lightning.serve.images import ImageTooLarge
 from loko_lightning.serve.learner import ServingLearner
 from loko_lightning.serve.limits import MAX_PIXELS
-from loko_lightning.serve.service import BASE_NAME, CHECKPOINT_NAME, Rejected, prometheus_value
+from loko_lightning.serve.service import BASE_NAME, CHECKPOINT_NAME, Rejected, prediction_answer, prometheus_value
 
 # How often a follower looks for a new checkpoint, by default (seconds).
 FOLLOW_SECONDS = 1.0
@@ -168,14 +168,7 @@ class FollowerService:
         answers = []
         for scores in probabilities.tolist():
             best = max(range(len(scores)), key=scores.__getitem__)
-            answers.append(
-                {
-                    "id": None,
-                    "label": classes[best],
-                    "probabilities": dict(zip(classes, scores, strict=True)),
-                    "version": version,
-                }
-            )
+            answers.append(prediction_answer(None, classes, scores, best, version))
         self.predictions += len(answers)
         return answers
 

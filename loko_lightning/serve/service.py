@@ -391,14 +391,7 @@ class FeedbackService:
             if isinstance(sample, Tensor) and _input_bytes(sample) < _input_bytes(value):
                 value = sample
             self._remember(ident, value, best)
-            answers.append(
-                {
-                    "id": ident,
-                    "label": classes[best],
-                    "probabilities": dict(zip(classes, scores, strict=True)),
-                    "version": version,
-                }
-            )
+            answers.append(prediction_answer(ident, classes, scores, best, version))
         self.predictions += len(answers)
         return answers
 
@@ -704,3 +697,13 @@ def prometheus_value(value: float) -> str:
     if isinstance(value, float) and math.isnan(value):
         return "NaN"
     return repr(float(value)) if isinstance(value, float) else str(int(value))
+
+
+def prediction_answer(ident: str | None, classes: list[str], scores: list[float], best: int, version: int) -> dict:
+    """One input's answer to ``/predict``: its id (``None``: no label can follow), label, probabilities, version."""
+    return {
+        "id": ident,
+        "label": classes[best],
+        "probabilities": dict(zip(classes, scores, strict=True)),
+        "version": version,
+    }
