@@ -54,7 +54,7 @@ from loko_lightning.learner.module import OnlineClassifier
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ROOT / "configs" / "baselines"
 # Shown in the results' setting line even at their default values (the rest only where they differ from it).
-MAIN_HYPERPARAMETERS = ("p0", "p0_init", "beta", "r_estimator", "lr", "weight_decay", "betas", "total_iters")
+MAIN_HYPERPARAMETERS = ("p0", "p0_init", "filter", "time_update", "lr", "weight_decay", "betas", "total_iters")
 # What a benchmark run changes in the trainer: nothing written, nothing shown, no evaluation, one pass, one device.
 TRAINER_OVERRIDES = (
     "--trainer.logger=false",

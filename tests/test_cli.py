@@ -36,7 +36,12 @@ def test_debug_config_end_to_end(tmp_path, caplog):
     assert "test/acc" in (tmp_path / "eval" / "version_0" / "metrics.csv").read_text()
 
 
-CHEAP_LOFI = ["--model.optimizer.init_args.filter", "lofi10_empirical", "--model.optimizer.forgetting", "0.001"]
+CHEAP_LOFI = [
+    "--model.optimizer.init_args.filter",
+    "lofi10_empirical",
+    "--model.optimizer.time_update",
+    "{forgetting: 0.001}",
+]
 
 
 @pytest.mark.parametrize(

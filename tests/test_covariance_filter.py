@@ -41,7 +41,12 @@ def test_matches_float64_reference(r_estimator, p0_init):
     """Fast path (float64) and the dense reference agree to float64 rounding over 120 steps."""
     model = mlp()
     opt = LoKO(
-        model.parameters(), p0=0.3, p0_init=p0_init, beta=0.9, r_estimator=r_estimator, process_noise=1e-4, seed=3
+        model.parameters(),
+        p0=0.3,
+        p0_init=p0_init,
+        seed=3,
+        filter={"name": "covariance", "beta": 0.9, "r_estimator": r_estimator},
+        time_update={"process_noise": 1e-4},
     )
     p0 = flat_cov(opt, model.parameters())
     reference = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, process_noise=1e-4)
@@ -72,7 +77,7 @@ def test_p_floor_matches_float64_reference(per_group):
     floor = torch.cat(
         [torch.full((n_first,), high, dtype=torch.float64), torch.full((n_second,), 0.02, dtype=torch.float64)]
     )
-    opt = LoKO(groups, p0=0.3, beta=0.9, p_floor=0.02, seed=3)
+    opt = LoKO(groups, p0=0.3, seed=3, filter={"name": "covariance", "beta": 0.9}, time_update={"p_floor": 0.02})
     p0 = flat_cov(opt, model.parameters())
     reference = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor", p_floor=floor)
     unfloored = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor")
@@ -166,7 +171,7 @@ def test_linear_gaussian_matches_recursive_least_squares():
     true_w = torch.randn(m, d, generator=gen, dtype=torch.float64)
     model = nn.Linear(d, m, bias=False).double()
     w0 = model.weight.detach().clone()
-    opt = LoKO(model.parameters(), p0=p0, p0_init="constant", r_estimator="identity")
+    opt = LoKO(model.parameters(), p0=p0, p0_init="constant", filter={"name": "covariance", "r_estimator": "identity"})
     info = torch.full((d,), 1 / p0, dtype=torch.float64)
     moment = w0 / p0
     for _ in range(n):
@@ -206,7 +211,13 @@ def test_factored_blocks_match_float64_reference(r_estimator, monkeypatch):
         {"params": [*model.conv1.parameters(), *model.conv2.parameters()], "process_noise": 1e-4},
         {"params": [*model.conv3.parameters(), *model.tokens.parameters(), *model.head.parameters()]},
     ]
-    opt = LoKO(groups, p0=0.3, beta=0.9, r_estimator=r_estimator, process_noise=1e-4, seed=3)
+    opt = LoKO(
+        groups,
+        p0=0.3,
+        seed=3,
+        filter={"name": "covariance", "beta": 0.9, "r_estimator": r_estimator},
+        time_update={"process_noise": 1e-4},
+    )
     p0 = flat_cov(opt, model.parameters())
     reference = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, process_noise=1e-4)
     kinds = set()
@@ -382,7 +393,13 @@ def test_the_posterior_floor_holds_where_one_observation_determines_a_parameter(
     eps = torch.finfo(torch.float64).eps
     for h in (0.7, 1.3, 3.1, 1e3):
         param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
-        opt = LoKO([param], p0=0.5, p0_init="constant", observation="regression", r_estimator="residual")
+        opt = LoKO(
+            [param],
+            p0=0.5,
+            p0_init="constant",
+            observation="regression",
+            filter={"name": "covariance", "r_estimator": "residual"},
+        )
         prediction = torch.zeros(1, dtype=torch.float64)
         opt.step(lambda h=h, prediction=prediction: (prediction, prediction.clone(), [torch.full((1, 1), h).double()]))
         assert bool(opt.diagnostics["applied"])

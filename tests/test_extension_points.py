@@ -63,7 +63,13 @@ def test_a_new_filter_family_gets_the_time_update_and_the_skip_for_free():
     """The optimizer's pipeline, not the filter, applies the process noise (through plan.time), shrinkage and the
     skip of a non-finite step."""
     model = mlp()
-    opt = LoKO(model.parameters(), p0=0.05, p0_init="constant", filter=FixedGain(), process_noise=0.01, shrinkage=0.1)
+    opt = LoKO(
+        model.parameters(),
+        p0=0.05,
+        p0_init="constant",
+        filter=FixedGain(),
+        time_update={"process_noise": 0.01, "shrinkage": 0.1},
+    )
     engine = JacobianEngine(model, observation=opt.observation)
     x, y = next(teacher_stream(1))
     before = [p.detach().clone() for p in model.parameters()]
@@ -86,7 +92,7 @@ def test_the_time_update_is_built_from_each_param_group():
     model = mlp()
     head = list(model[2].parameters())
     groups = [{"params": list(model[0].parameters())}, {"params": head, "forgetting": 0.01, "p0": 0.5}]
-    opt = LoKO(groups, p0=0.2, p0_init="fan_in", process_noise=1e-3)
+    opt = LoKO(groups, p0=0.2, p0_init="fan_in", time_update={"process_noise": 1e-3})
     updates = group_time_updates(opt.param_groups, range(4))
     assert updates[0] == TimeUpdate(process_noise=1e-3) and updates[1] == updates[0]
     assert updates[2] == TimeUpdate(process_noise=1e-3, forgetting=0.01, reference=0.5 / 7)  # fan_in of the weight

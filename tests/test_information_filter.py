@@ -19,9 +19,10 @@ def _run(
 ):  # fmt: skip
     """Train ``model`` with the fast path and a copy with the reference, step by step; compare after every step."""
     reference_model = copy.deepcopy(model)
-    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, process_noise=process_noise, p_floor=p_floor,
-               shrinkage=shrinkage, inflation=inflation, forgetting=forgetting,
-               filter=DiagonalInformation(fisher))  # fmt: skip
+    time_update = dict(process_noise=process_noise, p_floor=p_floor, shrinkage=shrinkage, inflation=inflation,
+                       forgetting=forgetting)  # fmt: skip
+    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, filter=DiagonalInformation(fisher),
+               time_update=time_update)  # fmt: skip
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     engine = JacobianEngine(model, observation=opt.observation, factorize=factorize)
     twin = FisherRows(fisher, seed=4)  # the sampled Fisher's labels: the optimizer's generator, drawn alike
@@ -97,8 +98,8 @@ def test_exact_fisher_rows_factor_the_softmax_covariance():
 
 def test_natural_gradient_is_refused_where_it_cannot_work():
     model = mlp()
-    with pytest.raises(ConfigError, match="'taylor' does not apply to observation 'softmax' with filter 'natural'"):
-        LoKO(model.parameters(), filter="natural", r_estimator="taylor")
+    with pytest.raises(ConfigError, match="'natural' has no setting r_estimator"):  # its noise: the categorical one
+        LoKO(model.parameters(), filter={"name": "natural", "r_estimator": "taylor"})
     with pytest.raises(ConfigError, match="Invalid fisher: 'mc'"):
         DiagonalInformation("mc")
     with pytest.raises(ConfigError, match="the observation must be 'softmax'"):

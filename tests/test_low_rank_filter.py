@@ -17,7 +17,9 @@ from loko_lightning.kalman.update import loko_update
 def _run(model, stream, rank, factorize, batch=1, p0_init="uniform", fisher="exact", **options):
     """The fast path and a copy of the model with the reference, step by step; compared after every step."""
     reference_model = copy.deepcopy(model)
-    opt = LoKO(model.parameters(), p0=0.5, p0_init=p0_init, seed=4, filter=LowRankPrecision(rank, fisher), **options)
+    opt = LoKO(
+        model.parameters(), p0=0.5, p0_init=p0_init, seed=4, filter=LowRankPrecision(rank, fisher), time_update=options
+    )
     time_update = TimeUpdate(**options, reference=0.5)
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     W = torch.zeros(theta.numel(), rank, dtype=torch.float64)
@@ -196,8 +198,8 @@ def test_lofi_skips_a_non_finite_step_and_keeps_w(where):
     """A NaN in a Jacobian row (W̃ then holds it) or in the prediction: θ̃, p̂ and W keep their values, the step is
     counted as skipped, and the next finite step is applied as if the bad one had not come."""
     model, twin = mlp(), mlp()
-    opt = LoKO(model.parameters(), p0=0.5, seed=1, filter="lofi2", inflation=0.01)
-    other = LoKO(twin.parameters(), p0=0.5, seed=1, filter="lofi2", inflation=0.01)
+    opt = LoKO(model.parameters(), p0=0.5, seed=1, filter="lofi2", time_update={"inflation": 0.01})
+    other = LoKO(twin.parameters(), p0=0.5, seed=1, filter="lofi2", time_update={"inflation": 0.01})
     engine, twin_engine = (
         JacobianEngine(model, observation=opt.observation),
         JacobianEngine(twin, observation=other.observation),

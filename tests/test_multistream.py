@@ -100,7 +100,13 @@ def batches(stream, size):
 def test_joint_update_matches_float64_stacked_reference(r_estimator):
     """B = 3, float64: the fast joint update equals the dense stacked reference over 40 joint steps (120 samples)."""
     model = mlp()
-    opt = LoKO(model.parameters(), p0=0.3, beta=0.9, r_estimator=r_estimator, process_noise=1e-4, seed=3)
+    opt = LoKO(
+        model.parameters(),
+        p0=0.3,
+        seed=3,
+        filter={"name": "covariance", "beta": 0.9, "r_estimator": r_estimator},
+        time_update={"process_noise": 1e-4},
+    )
     reference = StackedDenseFilter(
         copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator=r_estimator, process_noise=1e-4
     )
@@ -124,7 +130,9 @@ def test_factored_batches_match_float64_stacked_reference(r_estimator, monkeypat
     monkeypatch.setattr(sys.modules["loko_lightning.jacobians.blocks"], "factored_is_cheaper", lambda *args: True)
     torch.manual_seed(3)
     model = SmallConvNet().double()
-    opt = LoKO(model.parameters(), p0=0.3, beta=0.9, r_estimator=r_estimator, seed=3)
+    opt = LoKO(
+        model.parameters(), p0=0.3, seed=3, filter={"name": "covariance", "beta": 0.9, "r_estimator": r_estimator}
+    )
     reference = StackedDenseFilter(
         copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator=r_estimator
     )
@@ -217,8 +225,8 @@ def test_samples_on_disjoint_parameters_equal_sequential_updates(r_estimator):
     (h_a, y_hat_a, y_a), (h_b, y_hat_b, y_b) = observation(n_a), observation(n_b)
     zeros_a, zeros_b = torch.zeros(m, n_a, dtype=torch.float64), torch.zeros(m, n_b, dtype=torch.float64)
     params = [nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in (n_a, n_b, n_a, n_b)]
-    joint = LoKO(params[:2], p0=0.5, r_estimator=r_estimator, seed=2)
-    sequential = LoKO(params[2:], p0=0.5, r_estimator=r_estimator, seed=2)
+    joint = LoKO(params[:2], p0=0.5, seed=2, filter={"name": "covariance", "r_estimator": r_estimator})
+    sequential = LoKO(params[2:], p0=0.5, seed=2, filter={"name": "covariance", "r_estimator": r_estimator})
     joint.step(lambda: (
         torch.stack([y_hat_a, y_hat_b]), torch.stack([y_a, y_b]),
         [torch.stack([h_a, zeros_a]), torch.stack([zeros_b, h_b])],

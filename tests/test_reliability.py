@@ -218,10 +218,11 @@ def _empty_imagefolder(tmp_path):
 
 
 def _bad_key_file(tmp_path):
-    (tmp_path / "bad.yaml").write_text("model:\n  optimizer:\n    init_args:\n      bet: 0.9\n")
+    (tmp_path / "bad.yaml").write_text("model:\n  optimizer:\n    init_args:\n      seeed: 3\n")
     return ["--config", str(tmp_path / "bad.yaml")]
 
 
+_FILTER, _TIME_UPDATE = ["--model.optimizer.filter"], ["--model.optimizer.time_update"]
 CATALOGUE = {
     "unknown backbone": (
         ["--model.network.backbone", "resnet181"],
@@ -233,14 +234,25 @@ CATALOGUE = {
         ["--model.optimizer.p00", "0.1"],
         ["--model.optimizer.p00 is not an option of loko_lightning.LoKO; did you mean 'p0'?"],
     ),
-    "unknown key in a config file": (_bad_key_file, ["--model.optimizer.bet is not an option", "did you mean 'beta'"]),
+    "unknown key in a config file": (
+        _bad_key_file,
+        ["--model.optimizer.seeed is not an option", "did you mean 'seed'"],
+    ),
     "ill-typed option": (
         ["--model.optimizer.p0", "big"],
         ["--model.optimizer.p0: expected a float or 'auto', got 'big'"],
     ),
     "ill-typed option (float)": (
-        ["--model.optimizer.beta", "big"],
-        ["--model.optimizer.beta: expected a float or null, got 'big'"],
+        ["--model.optimizer.average", "big"],
+        ["--model.optimizer.average: expected a float, got 'big'"],
+    ),
+    "a filter setting given to LoKO": (
+        ["--model.optimizer.beta", "0.9"],
+        ["--model.optimizer.beta is a setting of the filter", "--model.optimizer.filter '{name: covariance, beta"],
+    ),
+    "a time-update field given to LoKO": (
+        ["--model.optimizer.process_noise", "1e-6"],
+        ["--model.optimizer.process_noise is a setting of the time update", "--model.optimizer.time_update"],
     ),
     "unknown adapter target": (
         ["--model.network.target", "[blocks.0.0.conv_dww]"],
@@ -257,14 +269,14 @@ CATALOGUE = {
     "p0 zero": (["--model.optimizer.p0", "0"], ["--model.optimizer.p0: Invalid p0: 0.0", "> 0"]),
     "p0 negative": (["--model.optimizer.p0", "-0.1"], ["--model.optimizer.p0: Invalid p0: -0.1"]),
     "p0 infinite": (["--model.optimizer.p0", ".inf"], ["--model.optimizer.p0: Invalid p0: inf"]),
-    "beta 0": (["--model.optimizer.beta", "0"], ["--model.optimizer.beta: Invalid beta: 0.0", "(0, 1)"]),
-    "beta 1": (["--model.optimizer.beta", "1"], ["--model.optimizer.beta: Invalid beta: 1.0"]),
-    "beta above 1": (["--model.optimizer.beta", "1.5"], ["--model.optimizer.beta: Invalid beta: 1.5"]),
+    "beta 0": (_FILTER + ["{name: covariance, beta: 0.0}"], ["--model.optimizer.filter: Invalid beta: 0.0", "(0, 1)"]),
+    "beta 1": (_FILTER + ["{name: covariance, beta: 1.0}"], ["--model.optimizer.filter: Invalid beta: 1.0"]),
+    "beta above 1": (_FILTER + ["{name: covariance, beta: 1.5}"], ["--model.optimizer.filter: Invalid beta: 1.5"]),
     "negative process noise": (
-        ["--model.optimizer.process_noise=-1e-4"],
-        ["--model.optimizer.process_noise: Invalid process_noise"],
+        _TIME_UPDATE + ["{process_noise: -1e-4}"],
+        ["--model.optimizer.time_update: Invalid process_noise"],
     ),
-    "negative p floor": (["--model.optimizer.p_floor=-0.01"], ["--model.optimizer.p_floor: Invalid p_floor"]),
+    "negative p floor": (_TIME_UPDATE + ["{p_floor: -0.01}"], ["--model.optimizer.time_update: Invalid p_floor"]),
     "dropout with LoKO": (
         ["--model.network.dropout", "0.1"],
         ["--model.network.dropout: dropout=0.1 with LoKO", "set it to 0"],
@@ -457,13 +469,13 @@ def test_divergence_guard_stops_a_growing_p_hat_and_names_the_process_noise(tmp_
     (below 8 p0: the check passes) and 1.1e-5 after 10 (the guard trips). The state of sample 5 is restored and
     saved, and the error names process_noise (a smaller p0 would lower the limit and trip sooner)."""
     torch.manual_seed(0)
-    model = tiny(p0=1e-6, p0_init="constant", process_noise=1e-6)
+    model = tiny(p0=1e-6, p0_init="constant", time_update={"process_noise": 1e-6})
     guard = DivergenceGuard(check_every=5, divergence_ce=None, p_limit=8)
     fit = trainer(callbacks=[guard], default_root_dir=tmp_path)
     with pytest.raises(
         DivergenceError,
         match=r"^LoKO diverged by sample 10: the largest covariance entry p̂ is 1\.1e-05, above 8 x p0 = 8e-06\. "
-        r"p̂ grows by the process noise q each sample: restart with process_noise = 1e-07\. "
+        r"p̂ grows by the process noise q each sample: restart with time_update: \{process_noise: 1e-07\}\. "
         r"The parameters and filter state after sample 5 are saved in .*good-before-divergence\.ckpt\.$",
     ) as info:
         fit.fit(model, DataLoader(stream(20), batch_size=1))

@@ -58,8 +58,9 @@ def test_an_empty_text_file_is_named_not_parsed(tmp_path):
 
 
 def test_a_scripts_partial_loko_checkpoint_reloads_with_its_optimizer(tmp_path):
-    """Trained in a script with partial(LoKO, p0=0.05, beta=0.9): load_from_checkpoint rebuilds that, not LoKO()."""
-    learner = tiny(p0=0.05, beta=0.9)
+    """Trained in a script with partial(LoKO, p0=0.05, filter={"name": "covariance", "beta": 0.9}) and a time update:
+    load_from_checkpoint rebuilds that, not LoKO()."""
+    learner = tiny(p0=0.05, filter={"name": "covariance", "beta": 0.9}, time_update={"p_floor": 1e-6})
     run = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False)  # fmt: skip
     run.fit(learner, loader(stream(3)))
@@ -67,6 +68,7 @@ def test_a_scripts_partial_loko_checkpoint_reloads_with_its_optimizer(tmp_path):
     loaded = OnlineClassifier.load_from_checkpoint(tmp_path / "script.ckpt", weights_only=True)
     optimizer = loaded.configure_optimizers()
     assert type(optimizer) is LoKO and optimizer.defaults["p0"] == 0.05 and optimizer.filter.beta == 0.9
+    assert optimizer.defaults["p_floor"] == 1e-6
     # An optimizer passed explicitly wins.
     chosen = OnlineClassifier.load_from_checkpoint(tmp_path / "script.ckpt", weights_only=True,
                                                    optimizer=partial(LoKO, p0=0.3))  # fmt: skip

@@ -70,7 +70,7 @@ class SharedRowsReference:
 def mlp_optimizer(model, **kwargs):
     w1, b1, w2, b2 = model.parameters()
     groups = [{"params": [w1, b1]}, {"params": [w2], "shared_rows": True}, {"params": [b2]}]
-    return LoKO(groups, **{"p0": 0.3, "beta": 0.9, "seed": 3, **kwargs})
+    return LoKO(groups, **{"p0": 0.3, "filter": {"name": "covariance", "beta": 0.9}, "seed": 3, **kwargs})
 
 
 def assert_matches(model, opt, reference, shared):
@@ -121,7 +121,7 @@ def test_a_conv_weight_seen_at_several_positions_matches_the_reference(monkeypat
     conv2 = [n for n, _ in model.named_parameters()].index("conv2.weight")
     head = [n for n, _ in model.named_parameters()].index("head.weight")
     groups = [{"params": [p], "shared_rows": i in (conv2, head)} for i, p in enumerate(params)]
-    opt = LoKO(groups, p0=0.3, beta=0.9, seed=3)
+    opt = LoKO(groups, p0=0.3, seed=3, filter={"name": "covariance", "beta": 0.9})
     reference = SharedRowsReference(model, opt, shared=[conv2, head])
     kinds = set()
     for x, y in conv_stream(20):
@@ -242,7 +242,7 @@ def test_every_p0_auto_candidate_shares_the_heads_rows():
         (partial(LoKO, p0=0.1), "full", "head_covariance must be one of diagonal, shared, got 'full'"),
         (partial(torch.optim.AdamW, lr=1e-3), "shared", "a gradient optimizer keeps none"),
         (partial(LoKO, p0=0.1, filter="natural"), "shared", "filter 'natural' keeps no full covariance"),
-        (partial(LoKO, p0=0.1, process_noise=1e-4), "shared", "time updates"),
+        (partial(LoKO, p0=0.1, time_update={"process_noise": 1e-4}), "shared", "time updates"),
     ],
 )
 def test_a_bad_head_covariance_is_refused_before_the_network_is_built(optimizer, value, message):

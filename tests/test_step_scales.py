@@ -49,14 +49,14 @@ def test_a_groups_p0_scale_is_its_p0_times_the_factor(p0_init):
         [{"params": scaled_model[0].parameters(), "p0_scale": 0.25}, {"params": scaled_model[2].parameters()}],
         p0=0.2,
         p0_init=p0_init,
-        forgetting=0.01,  # its reference variance is the group's prior too
+        time_update={"forgetting": 0.01},  # its reference variance is the group's prior too
         seed=3,
     )
     explicit = LoKO(
         [{"params": explicit_model[0].parameters(), "p0": 0.05}, {"params": explicit_model[2].parameters()}],
         p0=0.2,
         p0_init=p0_init,
-        forgetting=0.01,
+        time_update={"forgetting": 0.01},
         seed=3,
     )
     for a, b in zip(scaled_model.parameters(), explicit_model.parameters(), strict=True):

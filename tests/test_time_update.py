@@ -25,7 +25,11 @@ from loko_lightning.kalman.time_update import CompiledTimeUpdate, TimeUpdate
 def test_time_update_matches_the_float64_reference(shrinkage, inflation, forgetting):
     model = mlp()
     opt = LoKO(
-        model.parameters(), p0=0.3, beta=0.9, seed=3, shrinkage=shrinkage, inflation=inflation, forgetting=forgetting
+        model.parameters(),
+        p0=0.3,
+        seed=3,
+        filter={"name": "covariance", "beta": 0.9},
+        time_update={"shrinkage": shrinkage, "inflation": inflation, "forgetting": forgetting},
     )
     reference = DenseModelFilter(
         copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9, r_estimator="taylor", shrinkage=shrinkage,
@@ -47,7 +51,7 @@ def test_a_shrinkage_per_group_shrinks_only_that_group():
     model = mlp()
     head = list(model[2].parameters())
     groups = [{"params": list(model[0].parameters())}, {"params": head, "shrinkage": 0.05}]
-    opt = LoKO(groups, p0=0.3, beta=0.9, seed=3)
+    opt = LoKO(groups, p0=0.3, seed=3, filter={"name": "covariance", "beta": 0.9})
     sizes = [sum(p.numel() for p in model[0].parameters()), sum(p.numel() for p in head)]
     lam = torch.cat([torch.zeros(sizes[0], dtype=torch.float64), torch.full((sizes[1],), 0.05, dtype=torch.float64)])
     _matches_the_reference_per_entry(model, opt, shrinkage=lam)
@@ -78,7 +82,7 @@ def test_forgetting_per_group_uses_each_parameters_reference_variance():
     model = mlp()
     first, head = list(model[0].parameters()), list(model[2].parameters())
     groups = [{"params": first}, {"params": head, "forgetting": 0.1}]
-    opt = LoKO(groups, p0=0.3, p0_init="fan_in", beta=0.9)
+    opt = LoKO(groups, p0=0.3, p0_init="fan_in", filter={"name": "covariance", "beta": 0.9})
     fan_in = [p.shape[1:].numel() if p.dim() > 1 else 1 for p in model.parameters()]
     gamma = torch.cat([torch.full((p.numel(),), 0.1 if i >= len(first) else 0.0, dtype=torch.float64)
                        for i, p in enumerate(model.parameters())])  # fmt: skip
@@ -94,7 +98,7 @@ def test_forgetting_keeps_p_below_its_reference_where_inflation_does_not():
     stream = [(x, torch.nn.functional.one_hot(torch.tensor(0), 4).double()) for x, _ in teacher_stream(300)]
     for option, bounded in (("forgetting", True), ("inflation", False)):
         model = mlp()
-        opt = LoKO(model.parameters(), p0=0.3, seed=1, filter="natural", **{option: 0.02})
+        opt = LoKO(model.parameters(), p0=0.3, seed=1, filter="natural", time_update={option: 0.02})
         engine = JacobianEngine(model, observation=opt.observation)
         for x, y in stream:
             opt.step(lambda x=x, y=y, engine=engine: engine.observe(x, y.argmax()[None]))
@@ -112,7 +116,7 @@ def test_the_reference_forgetting_mixes_the_precisions():
 def test_zero_shrinkage_inflation_and_forgetting_are_the_papers_update_bit_for_bit():
     model, twin = mlp(), mlp()
     plain = LoKO(model.parameters(), p0=0.3, seed=1)
-    zero = LoKO(twin.parameters(), p0=0.3, seed=1, shrinkage=0.0, inflation=0.0, forgetting=0.0)
+    zero = LoKO(twin.parameters(), p0=0.3, seed=1, time_update={"shrinkage": 0.0, "inflation": 0.0, "forgetting": 0.0})
     for x, y in teacher_stream(20):
         plain.step(loko_closure(model, x, y, factorize=True))
         zero.step(loko_closure(twin, x, y, factorize=True))
@@ -126,7 +130,7 @@ def test_zero_shrinkage_inflation_and_forgetting_are_the_papers_update_bit_for_b
 
 def test_a_skipped_step_applies_no_time_update():
     model = mlp()
-    opt = LoKO(model.parameters(), p0=0.3, seed=1, shrinkage=0.1, inflation=0.1, forgetting=0.1)
+    opt = LoKO(model.parameters(), p0=0.3, seed=1, time_update={"shrinkage": 0.1, "inflation": 0.1, "forgetting": 0.1})
     x, y = next(teacher_stream(1))
     opt.step(loko_closure(model, x, y))
     before = [p.clone() for p in model.parameters()], flat_cov(opt, model.parameters())
@@ -164,7 +168,7 @@ def test_the_reference_time_update_is_the_process_model():
 )
 def test_bad_time_update_values_are_refused_naming_the_field(arguments, field):
     with pytest.raises(ConfigError, match=f"Invalid {field}") as err:
-        LoKO(mlp().parameters(), p0=0.1, **arguments)
+        LoKO(mlp().parameters(), p0=0.1, time_update=arguments)
     assert err.value.field == field
 
 
@@ -195,7 +199,7 @@ def test_the_floor_with_each_time_update_in_each_form_matches_the_reference(form
     options = {"p_floor": 0.12, **TIME_UPDATES[option]}
     if form == "covariance":
         model = mlp()
-        opt = LoKO(model.parameters(), p0=0.5, beta=0.9, seed=3, **options)
+        opt = LoKO(model.parameters(), p0=0.5, seed=3, time_update=options, filter={"name": "covariance", "beta": 0.9})
         reference = DenseModelFilter(copy.deepcopy(model), flat_cov(opt, model.parameters()), beta=0.9,
                                      r_estimator="taylor", reference=0.5, **options)  # fmt: skip
         for x, y in teacher_stream(40):

@@ -14,7 +14,13 @@ from loko_lightning.observation import TopK, get_observation
 
 def _run(model, stream, k, factorize, batch=1, r_estimator="taylor"):
     reference_model = copy.deepcopy(model)
-    opt = LoKO(model.parameters(), p0=0.3, seed=4, beta=0.9, r_estimator=r_estimator, observation=TopK(k))
+    opt = LoKO(
+        model.parameters(),
+        p0=0.3,
+        seed=4,
+        observation=TopK(k),
+        filter={"name": "covariance", "beta": 0.9, "r_estimator": r_estimator},
+    )
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     R = None
     engine = JacobianEngine(model, observation=opt.observation, factorize=bool(factorize))
@@ -102,7 +108,7 @@ def test_topk_bad_input_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="Invalid k: True"):
         TopK(True)
     with pytest.raises(ConfigError, match=r"r_estimator: 'identity' does not apply to observation 'topk5'"):
-        LoKO(model.parameters(), observation="topk", r_estimator="identity")
+        LoKO(model.parameters(), observation="topk", filter={"name": "covariance", "r_estimator": "identity"})
     opt = LoKO(model.parameters(), observation=TopK(4))
     x, y = next(teacher_stream(1))
     with pytest.raises(ConfigError, match=r"Invalid k: 4 for 4 classes \(must be at most m - 1 = 3") as err:

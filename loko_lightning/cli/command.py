@@ -304,7 +304,9 @@ class LoKOCLI(LightningCLI):
                 # Raised while the stream is read (a label, the data ending before max_samples): the data module's.
                 err.owner = StreamDataModule
             owner_key = getattr(self, "_owner_keys", {}).get(err.owner) if err.owner is not None else None
-            key = ".".join(part for part in (owner_key, err.field) if part) or None
+            # A setting inside an argument (the time update's p_floor): the argument's flag.
+            field = getattr(err.owner, "moved_arguments", {}).get(err.field, err.field)
+            key = ".".join(part for part in (owner_key, field) if part) or None
             err.key = next((s.replace(".init_args", "") for s, t in LINKS if t == key), key)
             if err is not caught:
                 raise err from None

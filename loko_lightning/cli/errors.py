@@ -151,10 +151,11 @@ def class_at(class_path: str) -> Any:
 def _parameters(owner: Any) -> list[str]:
     """The arguments a configured class or function takes (without the ones the learner passes itself)."""
     try:
-        names = list(inspect.signature(owner).parameters)
+        parameters = inspect.signature(owner).parameters.values()
     except (ValueError, TypeError):
         return []
-    return [n for n in names if n not in ("self", "params", "optimizer", "args", "kwargs")]
+    named = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [n for n in named if n not in ("self", "params", "optimizer")]
 
 
 # How an expected type reads in an error; a type outside these (a class, a callable) keeps jsonargparse's words.
@@ -211,7 +212,16 @@ def _unknown_class_message(key: str, given: str, owner: Any, name: str) -> str |
 
 def _unknown_argument_message(key: str, name: str, class_path: str) -> str:
     """``--model.optimizer.p00 is not an option of loko_lightning.LoKO; did you mean 'p0'?``."""
-    options = _parameters(class_at(class_path))
+    owner = class_at(class_path)
+    moved = getattr(owner, "moved_arguments", {})
+    if name in moved:  # a keyword of before each setting had one owner: where it is now
+        where = moved[name]
+        example = "{name: covariance, " + name + ": ...}" if where == "filter" else "{" + name + ": ...}"
+        return (
+            f"--{key}.{name} is a setting of the {where.replace('_', ' ')}, not an option of {class_path}: give it "
+            f"there, --{key}.{where} '{example}' (a config file: {where}: {example}). See `loko fit --help`."
+        )
+    options = _parameters(owner)
     close = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}?" if close else f"its options: {', '.join(options)}."
     return f"--{key}.{name} is not an option of {class_path}; {hint} See `loko fit --help`."

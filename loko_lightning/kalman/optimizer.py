@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loko_lightning.errors import ConfigError, NoLearningRateError
+from loko_lightning.errors import NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock
+from loko_lightning.kalman.arguments import MOVED, NO_LR, check_arguments, saved_arguments
 from loko_lightning.kalman.average import MeanAverage
 from loko_lightning.kalman.exchange import Replicated, Sharded
 from loko_lightning.kalman.filters import FILTER_SETTINGS, Belief, Filter, filter_for
@@ -35,7 +36,6 @@ from loko_lightning.kalman.groups import (
     initial_cov,
 )
 from loko_lightning.kalman.multistream import check_observation, layout_key
-from loko_lightning.kalman.noise import REstimator
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.kalman.sharded import ShardPlan, gather_shards
 from loko_lightning.kalman.state import FlatState, check_loadable, shared_state
@@ -52,10 +52,6 @@ from loko_lightning.observation import Observation, get_observation
 __all__ = ["CHECK_EVERY", "FILTER_SETTINGS", "P0_INITS", "LoKO", "P0Init", "group_p0"]
 
 Closure = Callable[[], tuple[Tensor, Tensor, Sequence[JacobianBlock]]]
-_NO_LR = (
-    "Invalid lr: LoKO has no learning rate; the initial covariance p0 plays that role (the step size of each "
-    "parameter is its p-hat, which shrinks as the filter learns). Set p0 instead (the paper's default is 0.2)"
-)
 
 
 class _ParamGroup(dict):
@@ -100,7 +96,7 @@ class LoKO(torch.optim.Optimizer):
     :func:`~loko_lightning.kalman.reference.loko_step_reference` a slow dense float64 version of it.
 
     Args:
-        params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, time update
+        params: parameters or param groups; groups may set their own ``p0``, ``p0_init``, time-update fields
             (``process_noise`` ... ``forgetting``), ``p0_scale`` (a factor > 0 on the group's ``p0``: a ``p0`` chosen
             online keeps the ratio between groups; the learner's ``step_scales``) and ``shared_rows`` (not the paper;
             the covariance filter: the rows of each matrix of the group share one full covariance ``Σ``,
@@ -109,23 +105,6 @@ class LoKO(torch.optim.Optimizer):
             of ``U(0, p0)`` or the constant (paper: ``0.2``; too large diverges, too small does not learn).
         p0_init: ``"uniform"`` (paper method 2, default), ``"constant"`` (method 1), or ``"fan_in"`` (not the paper:
             ``p0 / fan_in`` per parameter, so LoRA ``B`` takes larger steps than LoRA ``A`` and the head).
-        beta: forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95). ``beta``, ``r_estimator`` and
-            ``rcond`` are the covariance filter's settings: given here they build it
-            (:class:`~loko_lightning.kalman.filters.Covariance`), which then owns them (``None``: its defaults); with a
-            filter instance or config, set them there (a different value here is refused).
-        r_estimator: ``"taylor"`` (method 2, the default), ``"residual"`` (method 1, :math:`\hat R = e e^\top`),
-            or the literature's ``"identity"``, ``"decay"`` and ``"softmax"`` (the categorical
-            :math:`\mathrm{diag}(\hat y) - \hat y \hat y^\top`, the only one the information forms admit); see
-            :mod:`~loko_lightning.kalman.noise`.
-        process_noise: ``q >= 0`` added to :math:`\hat p` before each observation (0, the paper's, by default).
-            This and the four below are the time update (:mod:`~loko_lightning.kalman.time_update`: the equations).
-        p_floor: a floor on :math:`\hat p` after every update (not the paper; 0: none).
-        shrinkage: ``λ`` in ``[0, 1)``: the parameters scaled by ``1 − λ`` after every applied update (not the
-            paper; the Kalman form of decoupled weight decay).
-        inflation: ``α >= 0``: :math:`\hat p` scaled by ``1 + α`` after every applied update (not the paper).
-        forgetting: ``γ`` in ``[0, 1)``: stabilised forgetting, the precision mixed with the prior's after every
-            applied update (not the paper).
-        rcond: relative eigenvalue cut-off of the :math:`S` pseudo-inverse (default ``10 · m · eps``).
         observation: what the prediction is (:mod:`loko_lightning.observation`): ``"softmax"`` (default, class
             probabilities; logits passed where probabilities belong raise a ``ValueError`` at once on a layout's
             first step, otherwise within :data:`CHECK_EVERY` steps, the failing steps skipped), ``"regression"``
@@ -135,9 +114,17 @@ class LoKO(torch.optim.Optimizer):
         filter: how the belief is updated (:mod:`loko_lightning.kalman.filters`): ``"covariance"`` (default, the
             paper's Algorithm 1); not the paper: ``"natural"``, ``"natural_exact"``, ``"natural_sampled"`` (the
             diagonal natural-gradient filter in information form) and ``"lofi<L>"`` (``_empirical``, ``_sampled``:
-            LoFi's low-rank plus diagonal precision of rank ``L``). A :class:`~loko_lightning.kalman.filters.Filter`
-            instance, or its :meth:`~loko_lightning.kalman.filters.Filter.config`, works too. The param groups save
-            the filter's config: :meth:`arguments` builds the same optimizer from a state dict.
+            LoFi's low-rank plus diagonal precision of rank ``L``). With its settings: a config
+            ``{"name": "covariance", "beta": 0.9, "r_estimator": "residual"}`` (the covariance filter's ``beta``,
+            the ``R`` EMA's forgetting factor, paper 0.95; ``r_estimator``, paper ``"taylor"``,
+            :mod:`~loko_lightning.kalman.noise`; ``rcond``, the cut-off of the :math:`S` pseudo-inverse) or a
+            :class:`~loko_lightning.kalman.filters.Filter` instance. The param groups save the filter's config:
+            :meth:`arguments` builds the same optimizer from a state dict.
+        time_update: the process model (:mod:`~loko_lightning.kalman.time_update`), a mapping of its fields, each 0
+            (the paper's identity) when not given: ``process_noise`` ``q >= 0`` added to :math:`\hat p` before each
+            observation; after each applied update ``p_floor`` (a floor on :math:`\hat p`), ``shrinkage`` ``λ`` in
+            ``[0, 1)`` (the parameters scaled by ``1 − λ``), ``inflation`` ``α >= 0`` (:math:`\hat p` by ``1 + α``),
+            ``forgetting`` ``γ`` in ``[0, 1)`` (the precision mixed with the prior's). A group may set its own.
         dtype: dtype of the Kalman arithmetic and of :math:`\hat p` and ``R``: ``torch.float32`` or
             ``torch.float64``. Default: the parameters' dtype, promoted to float32 for half precision.
         seed: seed of the generator drawing :math:`\hat p_0` (and the labels of a sampled Fisher, from their own
@@ -169,40 +156,28 @@ class LoKO(torch.optim.Optimizer):
         torch.Size([3])
     """
 
+    #: The keywords LoKO took before each setting had one owner, and the argument that takes each now.
+    moved_arguments = MOVED
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         *,
         p0: float | Literal["auto"] = 0.2,
         p0_init: P0Init = "uniform",
-        beta: float | None = None,
-        r_estimator: REstimator | None = None,
-        process_noise: float = 0.0,
-        p_floor: float = 0.0,
-        shrinkage: float = 0.0,
-        inflation: float = 0.0,
-        forgetting: float = 0.0,
-        rcond: float | None = None,
+        filter: str | Filter | dict[str, Any] = "covariance",  # noqa: A002 (the paper's word)
+        observation: str | Observation = "softmax",
+        time_update: dict[str, float] | None = None,
+        average: float = 0.0,
         dtype: torch.dtype | None = None,
         seed: int | None = None,
-        observation: str | Observation = "softmax",
-        filter: str | Filter | dict[str, Any] = "covariance",  # noqa: A002 (the paper's word)
         shard: bool = False,
         collective_timeout: float | None = None,
-        average: float = 0.0,
         **unexpected: Any,
     ) -> None:
-        arguments = locals()
-        if "lr" in unexpected:
-            raise ConfigError(_NO_LR, field="lr", owner=LoKO)
-        if unexpected:
-            raise TypeError(f"LoKO got unexpected keyword arguments: {', '.join(sorted(unexpected))}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ConfigError(
-                f"Invalid seed: {seed!r} ({type(seed).__name__}; must be an int or None)", field="seed", owner=LoKO
-            )
+        check_arguments(unexpected, seed, owner=LoKO)
         observed = get_observation(observation, owner=LoKO)
-        self.filter = filter_for(filter, observed, {key: arguments[key] for key in FILTER_SETTINGS}, owner=LoKO)
+        self.filter = filter_for(filter, observed, owner=LoKO)
         #: The observation the Jacobian engine computes for this filter (its rows of ``H``).
         self.observation = self.filter.observation_for(observed)
         drawing = getattr(self.observation, "generator", None)
@@ -229,7 +204,7 @@ class LoKO(torch.optim.Optimizer):
         defaults = dict(
             p0=p0,
             p0_init=p0_init,
-            **{key: arguments[key] for key in TimeUpdate.group_keys()},
+            **TimeUpdate.group_defaults(time_update, owner=LoKO),
             observation=observed.spec,
             filter=self.filter.config(),
         )
@@ -243,34 +218,22 @@ class LoKO(torch.optim.Optimizer):
 
     @classmethod
     def arguments(cls, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The keyword arguments that build the LoKO which wrote ``state_dict``: what a served or rebuilt one runs.
+        """The keyword arguments that build the LoKO which wrote ``state_dict`` (:func:`~.arguments.saved_arguments`).
 
-        Its first param group's prior and time update, its observation and filter with the filter's settings, the
-        average's decay and the arithmetic dtype: ``LoKO(params, **LoKO.arguments(state))`` then loads ``state``.
+        ``LoKO(params, **LoKO.arguments(state))`` then loads ``state``: what a served or rebuilt optimizer runs.
         """
-        groups = state_dict.get("param_groups") or [{}]
-        group = groups[0]
-        keys = ("p0", "p0_init", *TimeUpdate.group_keys(), "observation", "filter")
-        kwargs = {key: group[key] for key in keys if key in group}
-        if isinstance(kwargs.get("filter"), str):  # a checkpoint of before the filter owned its settings
-            kwargs.update({key: group[key] for key in FILTER_SETTINGS if group.get(key) is not None})
-        if state_dict.get("average"):
-            kwargs["average"] = state_dict["average"]
-        shared = next((values for values in state_dict.get("state", {}).values() if "R" in values), None)
-        if shared is not None:
-            kwargs["dtype"] = shared["R"].dtype
-        return kwargs
+        return saved_arguments(state_dict)
 
     # ------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         r"""Add a param group and draw :math:`\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
         if "lr" in param_group:
-            raise ValueError(_NO_LR)
+            raise ValueError(NO_LR)
         stray = [key for key in FILTER_SETTINGS if key in param_group]
         if stray:
             raise ValueError(
-                f"Invalid param group: {', '.join(stray)} describe the single filter, not a group: they must be set on "
-                "the optimizer (LoKO(beta=...)) or on the filter instance"
+                f"Invalid param group: {', '.join(stray)} describe the single filter, not a group: set them on the "
+                "filter (LoKO(filter={'name': 'covariance', 'beta': ...}))"
             )
         if getattr(self, "_shards", None) is not None:
             raise ValueError(

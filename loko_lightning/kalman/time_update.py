@@ -64,6 +64,34 @@ class TimeUpdate:
         return tuple(f.name for f in fields(cls) if f.name != "reference")
 
     @classmethod
+    def group_defaults(cls, given: TimeUpdate | dict[str, Any] | None, owner: type | None = None) -> dict[str, Any]:
+        """Every group setting (:meth:`group_keys`): those ``given`` (a mapping or a :class:`TimeUpdate`), 0 else.
+
+        Raises:
+            ConfigError: ``given`` names a field the time update does not have, or is neither (``field="time_update"``).
+        """
+        if isinstance(given, TimeUpdate):
+            given = {key: getattr(given, key) for key in cls.group_keys()}
+        if given is None:
+            given = {}
+        if not isinstance(given, dict):
+            raise ConfigError(
+                f"Invalid time_update: {given!r} (a mapping of {', '.join(cls.group_keys())} to numbers, e.g. "
+                "{'process_noise': 1e-6}, or None: the paper's identity process model)",
+                field="time_update",
+                owner=owner,
+            )
+        unknown = sorted(set(given) - set(cls.group_keys()))
+        if unknown:
+            raise ConfigError(
+                f"Invalid time_update: no field {', '.join(map(repr, unknown))} (its fields: "
+                f"{', '.join(cls.group_keys())})",
+                field="time_update",
+                owner=owner,
+            )
+        return {key: given.get(key, 0.0) for key in cls.group_keys()}
+
+    @classmethod
     def of_group(cls, group: dict[str, Any], reference: float = 1.0) -> TimeUpdate:
         """The time update of a param group's parameter; ``reference`` its forgetting's reference variance."""
         return cls(*(group[key] for key in cls.group_keys()), reference)

@@ -16,7 +16,13 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.time_update import real_number
 from loko_lightning.observation import Observation
 
-__all__ = ["CHECK_EVERY", "ObservationCheck", "check_closure", "check_closure_result", "check_options"]
+__all__ = [
+    "CHECK_EVERY",
+    "ObservationCheck",
+    "check_closure",
+    "check_closure_result",
+    "check_options",
+]
 
 # Steps between the host reads of the observation's check after a layout's first step (that one reads at once): the
 # window starts at 1 and doubles after each clean read up to this many, so a prediction that goes wrong right after

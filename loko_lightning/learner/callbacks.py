@@ -238,7 +238,9 @@ class DivergenceGuard(pl.Callback):
         if p_grew and len(reasons) == 1 and q > 0:
             # p̂ grows only by the process noise (p̂ ≤ p0 + k q): a smaller p0 would lower the limit and trip sooner.
             field, value = "process_noise", q
-            hint = f"p̂ grows by the process noise q each sample: restart with process_noise = {q / 10:g}"
+            hint = (
+                f"p̂ grows by the process noise q each sample: restart with time_update: {{process_noise: {q / 10:g}}}"
+            )
         elif kalman:
             field, value = "p0", p0
             hint = f"Too large a p0 diverges (the paper's p0 bounds table): restart with p0 = {p0 / 10:g}"

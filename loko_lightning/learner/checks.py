@@ -14,6 +14,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.arguments import upgrade_arguments
+from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.selection import Candidates
 
 
@@ -127,8 +129,8 @@ def optimizer_config(optimizer: OptimizerCallable) -> dict[str, Any] | None:
     """An optimizer callable as plain values, ``{"class_path", "init_args"}``; ``None`` when it is not that simple.
 
     A class, or ``functools.partial`` of one (nested partials merged, the outer keywords last) with keyword
-    arguments that are numbers, strings, booleans, ``None`` or lists of them: what a checkpoint can keep and
-    :func:`optimizer_from_config` rebuild.
+    arguments that are numbers, strings, booleans, ``None``, lists of them or mappings of names to them (a filter's
+    config): what a checkpoint can keep and :func:`optimizer_from_config` rebuild.
     """
     keywords: dict[str, Any] = {}
     target = optimizer
@@ -156,12 +158,17 @@ def optimizer_from_config(config: Any) -> OptimizerCallable | None:
     cls = getattr(sys.modules.get(module_name), name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         return None
-    return functools.partial(cls, **dict(config.get("init_args") or {}))
+    init_args = dict(config.get("init_args") or {})
+    if issubclass(cls, LoKO):  # a checkpoint of before each setting had one owner: today's arguments
+        init_args = upgrade_arguments(init_args)
+    return functools.partial(cls, **init_args)
 
 
 def _plain(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return all(_plain(item) for item in value)
+    if isinstance(value, dict):  # a filter's config, a time update
+        return all(isinstance(key, str) and _plain(item) for key, item in value.items())
     return value is None or isinstance(value, (bool, int, float, str))
 
 

@@ -25,7 +25,6 @@ from loko_lightning.kalman.filters.covariance import Covariance, psd_pinv
 from loko_lightning.kalman.filters.information import FISHERS, DiagonalInformation, FisherRows
 from loko_lightning.kalman.filters.low_rank import LowRankPrecision
 from loko_lightning.kalman.noise import R_ESTIMATORS
-from loko_lightning.kalman.time_update import real_number
 from loko_lightning.observation import Observation
 
 __all__ = [
@@ -56,7 +55,8 @@ FILTERS: dict[str, Callable[..., Filter]] = {
 }
 
 
-#: The covariance filter's settings an optimizer takes beside its ``filter`` as a shorthand (:func:`filter_for`).
+#: The covariance filter's settings, which LoKO and its param groups took before the filter owned them: refused there
+#: (saying where they go), read from the checkpoints of then.
 FILTER_SETTINGS = ("beta", "r_estimator", "rcond")
 
 
@@ -103,48 +103,23 @@ def get_filter(spec: str | Filter | dict[str, Any], *, owner: type | None = None
             field="filter",
             owner=owner,
         )
-    return replace(built, **settings)
+    try:
+        return replace(built, **settings)
+    except ConfigError as err:  # a setting out of range, given in a config: the filter argument is where to fix it
+        if owner is None:
+            raise
+        raise ConfigError(str(err), field="filter", owner=owner) from None
 
 
-def filter_for(
-    spec: str | Filter | dict[str, Any], observation: Observation, given: dict[str, Any], owner: type | None = None
-) -> Filter:
-    """The filter an optimizer runs: ``spec``, built with the covariance filter's settings ``given`` where a name.
+def filter_for(spec: str | Filter | dict[str, Any], observation: Observation, owner: type | None = None) -> Filter:
+    """The filter an optimizer runs on ``observation``: ``spec`` (:func:`get_filter`), its noise estimator checked.
 
-    ``given`` holds ``beta``, ``r_estimator`` and ``rcond`` (``None``: not given). A filter instance or config owns
-    its settings: a different value given as well is refused, naming it; an ``r_estimator`` that does not apply to
-    ``observation`` with the filter is refused too.
+    A noise estimator that does not apply to ``observation`` with the filter (:meth:`Filter.r_estimators`) is
+    refused, naming ``r_estimator``.
     """
-    beta, r_estimator, rcond = (given.get(key) for key in FILTER_SETTINGS)
-    if beta is not None and not (real_number(beta) and 0.0 < beta < 1.0):
-        raise ConfigError(
-            f"Invalid beta: {beta!r} ({type(beta).__name__}; must be a number in (0, 1); the paper uses 0.95)",
-            field="beta",
-            owner=owner,
-        )
-    if rcond is not None and not (real_number(rcond) and 0.0 <= rcond < 1.0):
-        raise ConfigError(f"Invalid rcond: {rcond} (must lie in [0, 1))", field="rcond", owner=owner)
     built = get_filter(spec, owner=owner)
     allowed = built.r_estimators(observation)
-    if r_estimator is not None and r_estimator not in R_ESTIMATORS:
-        raise ConfigError(
-            f"Invalid r_estimator: {r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
-            field="r_estimator",
-            owner=owner,
-        )
-    if isinstance(spec, str) and built.estimates_noise:  # a name: the settings given here build it
-        settings = {"beta": beta, "r_estimator": r_estimator or allowed[0], "rcond": rcond}
-        built = get_filter(spec, owner=owner, **{key: value for key, value in settings.items() if value is not None})
-    elif built.estimates_noise:  # an instance or a config owns its settings
-        for key, value in given.items():
-            if value is not None and getattr(built, key) != value:
-                raise ConfigError(
-                    f"Invalid {key}: {value!r} here, but the filter given ({built.spec}) has {key}="
-                    f"{getattr(built, key)!r}: a setting has one owner; set it on the filter, not on LoKO as well",
-                    field=key,
-                    owner=owner,
-                )
-    chosen = getattr(built, "r_estimator", None) or r_estimator or allowed[0]
+    chosen = getattr(built, "r_estimator", None) or allowed[0]
     if chosen not in allowed:
         raise ConfigError(
             f"Invalid r_estimator: {chosen!r} does not apply to observation {observation.spec!r} with filter "

@@ -24,10 +24,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
-from loko_lightning.kalman.noise import REstimator, observation_noise
+from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator, observation_noise
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.kalman.state import check_block
+from loko_lightning.kalman.time_update import real_number
 
 __all__ = ["Covariance", "psd_pinv"]
 
@@ -95,6 +97,24 @@ class Covariance(Filter):
     beta: float = 0.95
     r_estimator: REstimator = "taylor"
     rcond: float | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a setting outside its range, naming it."""
+        if not (real_number(self.beta) and 0.0 < self.beta < 1.0):
+            raise ConfigError(
+                f"Invalid beta: {self.beta!r} ({type(self.beta).__name__}; must be a number in (0, 1); the paper "
+                "uses 0.95)",
+                field="beta",
+                owner=Covariance,
+            )
+        if self.r_estimator not in R_ESTIMATORS:
+            raise ConfigError(
+                f"Invalid r_estimator: {self.r_estimator!r} (expected one of {tuple(R_ESTIMATORS)})",
+                field="r_estimator",
+                owner=Covariance,
+            )
+        if self.rcond is not None and not (real_number(self.rcond) and 0.0 <= self.rcond < 1.0):
+            raise ConfigError(f"Invalid rcond: {self.rcond} (must lie in [0, 1))", field="rcond", owner=Covariance)
 
     def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """Steps 1-6 of Algorithm 1 without writing any state; ``reduce`` sums ``H P Hᵀ`` over the shards."""
