@@ -24,7 +24,7 @@ def test_average_off_is_the_paper_and_on_leaves_the_filter_s_trajectory_alone(fi
     """The average is read, never fed back: the filter's means with average=0.99 are those without, bit for bit,
     and without it the optimizer keeps no average."""
     plain, averaged = mlp(), mlp()
-    options = dict(p0=0.5, seed=3, filter=filter_) | ({"r_estimator": "softmax"} if filter_ != "covariance" else {})
+    options = dict(p0=0.5, seed=3, filter=filter_)
     first = LoKO(plain.parameters(), **options)
     second = LoKO(averaged.parameters(), average=0.99, **options)
     stream = list(teacher_stream(15))

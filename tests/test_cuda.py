@@ -19,12 +19,12 @@ ACCELERATOR = "gpu"
 
 VARIANTS = [
     ("softmax", {}),
-    ("softmax", {"r_estimator": "residual", "process_noise": 1e-3}),
+    ("softmax", {"filter": {"name": "covariance", "r_estimator": "residual"}, "time_update": {"process_noise": 1e-3}}),
     ("natural", {}),
-    ("natural_exact", {"shrinkage": 0.01}),
+    ("natural_exact", {"time_update": {"shrinkage": 0.01}}),
     ("topk1", {}),
-    ("lofi3", {"inflation": 0.02}),
-    ("lofi3_empirical", {"forgetting": 0.05}),
+    ("lofi3", {"time_update": {"inflation": 0.02}}),
+    ("lofi3_empirical", {"time_update": {"forgetting": 0.05}}),
     ("natural_sampled", {}),  # the drawn labels come from a CPU generator seeded by `seed`, alike on both devices
     ("lofi3_sampled", {}),
     ("softmax", {"average": 0.9}),

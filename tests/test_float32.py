@@ -65,7 +65,7 @@ def _loko(model, name):
         groups = [{"params": [p], "shared_rows": n == "head.weight"} for n, p in model.named_parameters()]
         return LoKO(groups, p0=0.3, seed=3)
     if name == "time_update":
-        return LoKO(model.parameters(), p0=0.3, seed=3, **TIME_UPDATE)
+        return LoKO(model.parameters(), p0=0.3, seed=3, time_update=TIME_UPDATE)
     return LoKO(model.parameters(), p0=0.3, seed=3, **variant(name))
 
 

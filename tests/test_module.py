@@ -155,8 +155,8 @@ def test_label_dependent_updates_in_the_learner_match_the_plain_optimizer(observ
     [
         ({"dropout": 0.1}, "dropout", TimmClassifier, r"^dropout=0.1 with LoKO"),
         ({"p0": -1.0}, "p0", LoKO, r"^Invalid p0"),
-        ({"beta": 1.5}, "beta", LoKO, r"^Invalid beta"),
-        ({"process_noise": -1.0}, "process_noise", LoKO, r"^Invalid process_noise"),
+        ({"filter": {"name": "covariance", "beta": 1.5}}, "filter", LoKO, r"^Invalid beta"),
+        ({"time_update": {"process_noise": -1.0}}, "process_noise", LoKO, r"^Invalid process_noise"),
         ({"dtype": torch.float16}, "dtype", LoKO, r"^Invalid dtype"),
         ({"optimizer": "adamw", "lr": -1.0}, None, torch.optim.AdamW, r"^Invalid learning rate"),
         ({"window": 0}, "window", OnlineClassifier, r"^window must be a positive integer"),

@@ -112,7 +112,7 @@ def worker(rank, world, port, out):
             reference = flat(model, [replicated.state[p]["cov"] for p in params], replicated.state[params[0]]["R"])
             start = torch.cat([p.detach().reshape(-1) for p in build(name)[0].parameters()])
             # The optimizer's own state is untouched by state_dict(): p̂ of its own parameters only, still views.
-            owned = {i for i, owner in enumerate(sharded._shards.owners) if owner == rank}
+            owned = {i for i, owner in enumerate(sharded.exchange.shards.owners) if owner == rank}
             live = [i for i, p in enumerate(sharded_model.parameters()) if "cov" in sharded.state[p]]
             assert set(live) == owned, (live, owned)
             results[name] = {
@@ -125,7 +125,7 @@ def worker(rank, world, port, out):
                 "replicated_steps": (int(replicated.diagnostics["step"]), int(replicated.diagnostics["skipped"])),
                 "p_mean": (sharded.diagnostics["p_mean"].item(), replicated.diagnostics["p_mean"].item()),
                 "bytes": (bytes_replicated, bytes_sharded),
-                "owners": sharded._shards.owners,
+                "owners": sharded.exchange.shards.owners,
             }
             # The whole state once more (consolidate_state_dict is a collective), to resume in one process.
             sharded.consolidate_state_dict()

@@ -16,7 +16,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters import FILTER_SETTINGS, get_filter
 from loko_lightning.kalman.time_update import TimeUpdate
 
-__all__ = ["MOVED", "NO_LR", "check_arguments", "saved_arguments", "upgrade_arguments"]
+__all__ = ["MOVED", "NO_LR", "check_arguments", "check_new_group", "saved_arguments", "upgrade_arguments"]
 
 #: LoKO's keywords of before each setting had one owner: where each now goes (the covariance filter's three, the
 #: time update's fields).
@@ -56,6 +56,24 @@ def check_arguments(unexpected: dict[str, Any], seed: Any, owner: type | None = 
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(
             f"Invalid seed: {seed!r} ({type(seed).__name__}; must be an int or None)", field="seed", owner=owner
+        )
+
+
+def check_new_group(group: dict[str, Any], sharded: bool) -> None:
+    """Refuse a group with a learning rate or a filter setting, or any new group once the update is ``sharded``."""
+    if "lr" in group:
+        raise ValueError(NO_LR)
+    stray = [key for key in FILTER_SETTINGS if key in group]
+    if stray:
+        raise ValueError(
+            f"Invalid param group: {', '.join(stray)} describe the single filter, not a group: set them on the "
+            "filter (LoKO(filter={'name': 'covariance', 'beta': ...}))"
+        )
+    if sharded:
+        raise ValueError(
+            "add_param_group after sharded steps: the parameters are split between the processes already; "
+            "consolidate_state_dict() and state_dict() on every process, then build a LoKO with every group and "
+            "load that state"
         )
 
 

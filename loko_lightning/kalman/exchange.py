@@ -22,9 +22,16 @@ from loko_lightning.jacobians.blocks import kind
 from loko_lightning.kalman.filters.base import Evidence, Proposal
 from loko_lightning.kalman.multistream import check_observation, stack_observations
 from loko_lightning.kalman.plan import UpdatePlan
-from loko_lightning.kalman.sharded import InvalidElsewhere, ShardPlan, agree_and_apply, exchange_shards, sum_symmetric
+from loko_lightning.kalman.sharded import (
+    InvalidElsewhere,
+    ShardPlan,
+    agree_and_apply,
+    exchange_shards,
+    gather_shards,
+    sum_symmetric,
+)
 
-__all__ = ["Replicated", "Sharded"]
+__all__ = ["Exchange", "Replicated", "Sharded"]
 
 
 class Replicated:
@@ -117,3 +124,64 @@ class Sharded:
         """:func:`~loko_lightning.kalman.sharded.agree_and_apply`: applied everywhere or nowhere, with statistics."""
         return agree_and_apply(plan, params, self.shards, cov, proposal.posterior, proposal.finite,
                                timeout=self.timeout)  # fmt: skip
+
+
+class Exchange:
+    """A LoKO's exchange: which one each step uses, and what sharded steps leave behind.
+
+    Sharded (:class:`Sharded`) with ``shard`` and several processes, else replicated (:class:`Replicated`). After the
+    first sharded step each process keeps ``p̂`` of its own parameters only (:attr:`shards`); :meth:`consolidate`
+    gathers every ``p̂`` back for a state dict (:meth:`saved`).
+
+    Args:
+        shard: split the update between the processes when there are several.
+        timeout: seconds each collective may wait for the other processes (``None``: the group's own).
+    """
+
+    def __init__(self, shard: bool, timeout: float | None) -> None:
+        self.shard, self.timeout = shard, timeout
+        self.shards: ShardPlan | None = None  # the owners of the parameters once a sharded step has run
+        self.dtypes: list[Any] = []  # p̂'s dtype per parameter when the shards were made
+        self._consolidated: dict[int, Tensor] | None = None  # every p̂, gathered by consolidate
+
+    def current(self) -> Replicated | Sharded:
+        """The step's exchange (a sharded step makes an earlier :meth:`consolidate` stale)."""
+        if self.shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._consolidated = None
+            return Sharded(self.shards, self.timeout)
+        return Replicated()
+
+    def adopt(self, state: MutableMapping[Tensor, dict], params: Sequence[Tensor], shards: ShardPlan) -> None:
+        """The first sharded step (:meth:`Sharded.adopt`): keep ``p̂`` of this process's parameters only."""
+        self.dtypes = Sharded.adopt(state, params, shards)
+        self.shards = shards
+
+    def consolidate(self, state: MutableMapping[Tensor, dict], params: Sequence[Tensor]) -> None:
+        """Gather every process's shard of ``p̂`` (a collective; nothing to do before a sharded step)."""
+        if self.shards is None:
+            return
+        covs = [state[p].get("cov") for p in params]
+        shapes = [p.shape for p in params]
+        gathered = gather_shards(covs, shapes, self.dtypes, self.shards, timeout=self.timeout)
+        self._consolidated = dict(enumerate(gathered))
+
+    def saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (torch's state dict) with every parameter's ``p̂``: the consolidated ones after sharded steps."""
+        if self.shards is None:
+            return state
+        if self._consolidated is None:
+            raise RuntimeError(
+                "LoKO(shard=True) keeps p-hat of its own shard of the parameters only: call consolidate_state_dict() "
+                "on every process first (Lightning's checkpointing does), then state_dict()"
+            )
+        # Torch's state dict holds the live per-parameter dicts: new ones, so that the optimizer's own are untouched.
+        state["state"] = {index: dict(values) for index, values in state["state"].items()}
+        for index, cov in self._consolidated.items():
+            state["state"].setdefault(index, {})["cov"] = cov
+        self._consolidated = None
+        return state
+
+    def reset(self) -> bool:
+        """A whole state was loaded (every ``p̂`` is back): the next sharded step splits it again; was it split?"""
+        split, self.shards, self._consolidated = self.shards is not None, None, None
+        return split

@@ -72,7 +72,7 @@ def reference_cov(param: Tensor, group: dict[str, Any]) -> float:
 
 
 def check_group(group: dict[str, Any], owner: type | None = None) -> None:
-    """Refuse a param group's prior or time update outside its range, naming the field."""
+    """Refuse a param group's prior or time update outside its range, naming the field, or a parameter not real."""
     p0 = group["p0"]
     if not (real_number(p0) and p0 > 0 and p0 < float("inf")):
         auto = ""
@@ -95,6 +95,9 @@ def check_group(group: dict[str, Any], owner: type | None = None) -> None:
             f"Invalid p0_init: {group['p0_init']!r} (expected one of {P0_INITS})", field="p0_init", owner=owner
         )
     TimeUpdate.of_group(group).validate(owner=owner)
+    for param in group["params"]:
+        if param.is_complex() or not param.is_floating_point():
+            raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
 
 
 def group_time_updates(groups: Sequence[dict[str, Any]], owned: Sequence[int]) -> tuple[TimeUpdate, ...]:

@@ -16,14 +16,13 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from loko_lightning.errors import NoLearningRateError
 from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.arguments import MOVED, NO_LR, check_arguments, saved_arguments
+from loko_lightning.kalman.arguments import MOVED, check_arguments, check_new_group, saved_arguments
 from loko_lightning.kalman.average import MeanAverage
-from loko_lightning.kalman.exchange import Replicated, Sharded
+from loko_lightning.kalman.exchange import Exchange
 from loko_lightning.kalman.filters import FILTER_SETTINGS, Belief, Filter, filter_for
 from loko_lightning.kalman.groups import (
     P0_INITS,
@@ -35,9 +34,8 @@ from loko_lightning.kalman.groups import (
     group_time_updates,
     initial_cov,
 )
-from loko_lightning.kalman.multistream import check_observation, layout_key
+from loko_lightning.kalman.multistream import layout_key
 from loko_lightning.kalman.plan import UpdatePlan
-from loko_lightning.kalman.sharded import ShardPlan, gather_shards
 from loko_lightning.kalman.state import FlatState, check_loadable, shared_state
 from loko_lightning.kalman.time_update import TimeUpdate
 from loko_lightning.kalman.validation import (
@@ -190,9 +188,7 @@ class LoKO(torch.optim.Optimizer):
         self._average = MeanAverage(self.average) if self.average else None
         self.shard = shard
         self.collective_timeout = collective_timeout
-        self._shards: ShardPlan | None = None  # the owners of the parameters once a sharded step has run
-        self._consolidated: dict[int, Tensor] | None = None  # every p̂, gathered by consolidate_state_dict
-        self._shard_dtypes: list[torch.dtype] = []  # p̂'s dtype per parameter when the shards were made
+        self.exchange = Exchange(shard, collective_timeout)  # replicated, or sharded with its shards' bookkeeping
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
         self._dtype = dtype
@@ -227,20 +223,7 @@ class LoKO(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         r"""Add a param group and draw :math:`\hat p_0` for its parameters (see ``p0``, ``p0_init``)."""
-        if "lr" in param_group:
-            raise ValueError(NO_LR)
-        stray = [key for key in FILTER_SETTINGS if key in param_group]
-        if stray:
-            raise ValueError(
-                f"Invalid param group: {', '.join(stray)} describe the single filter, not a group: set them on the "
-                "filter (LoKO(filter={'name': 'covariance', 'beta': ...}))"
-            )
-        if getattr(self, "_shards", None) is not None:
-            raise ValueError(
-                "add_param_group after sharded steps: the parameters are split between the processes already; "
-                "consolidate_state_dict() and state_dict() on every process, then build a LoKO with every group and "
-                "load that state"
-            )
+        check_new_group(param_group, sharded=getattr(self, "exchange", None) and self.exchange.shards is not None)
         super().add_param_group(param_group)
         self.param_groups[-1] = _ParamGroup(self.param_groups[-1])
         self._resolve_statistics()
@@ -249,8 +232,6 @@ class LoKO(torch.optim.Optimizer):
         check_group(group, owner=LoKO)
         check_shared_rows(self.filter, group, self.shard, owner=LoKO)
         for param in group["params"]:
-            if param.is_complex() or not param.is_floating_point():
-                raise ValueError(f"Invalid parameter: LoKO needs real floating-point parameters, got {param.dtype}")
             state = self.state[param]
             state["cov"] = self._initial_cov(param, group)
             state.update(self.filter.init_param(param, state["cov"], group))
@@ -300,9 +281,8 @@ class LoKO(torch.optim.Optimizer):
             for key in FILTER_SETTINGS:
                 group.pop(key, None)
             group["filter"] = self.filter.config()
-        if self._shards is not None:  # every p̂ is back: the next sharded step splits it again (maybe differently)
-            self._resolve_statistics()
-            self._shards = self._consolidated = None
+        self._resolve_statistics()
+        if self.exchange.reset():  # every p̂ is back: the next sharded step splits it again (maybe differently)
             self._plan = self._plan_key = None
         for index, param in enumerate(params):
             for key, value in saved.get(index, {}).items():
@@ -328,13 +308,7 @@ class LoKO(torch.optim.Optimizer):
         A collective: every process must call it (Lightning's checkpointing does, through its strategy's
         ``optimizer_state``, as for torch's ``ZeroRedundancyOptimizer``). Nothing to do unless a sharded step has run.
         """
-        if self._shards is None:
-            return
-        params = self._params()
-        covs = [self.state[p].get("cov") for p in params]
-        shapes = [p.shape for p in params]
-        gathered = gather_shards(covs, shapes, self._shard_dtypes, self._shards, timeout=self.collective_timeout)
-        self._consolidated = dict(enumerate(gathered))
+        self.exchange.consolidate(self.state, self._params())
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state (``p̂``, ``R``, the counters) and param groups, as torch's optimizers give it.
@@ -352,19 +326,7 @@ class LoKO(torch.optim.Optimizer):
             state["observation_rng"] = drawing.get_state()
         if self.average:  # the decay of the averages saved beside p̂: what a served checkpoint goes on averaging with
             state["average"] = self.average
-        if self._shards is None:
-            return state
-        if self._consolidated is None:
-            raise RuntimeError(
-                "LoKO(shard=True) keeps p-hat of its own shard of the parameters only: call consolidate_state_dict() "
-                "on every process first (Lightning's checkpointing does), then state_dict()"
-            )
-        # Torch's state dict holds the live per-parameter dicts: new ones, so that the optimizer's own are untouched.
-        state["state"] = {index: dict(values) for index, values in state["state"].items()}
-        for index, cov in self._consolidated.items():
-            state["state"].setdefault(index, {})["cov"] = cov
-        self._consolidated = None
-        return state
+        return self.exchange.saved(state)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -392,29 +354,26 @@ class LoKO(torch.optim.Optimizer):
         rows = (
             self.observation.rows(prediction.shape[-1]) if isinstance(prediction, Tensor) and prediction.dim() else None
         )
-        exchange = self._exchange()
+        exchange = self.exchange.current()
         seen = exchange.gather(prediction, target, jacobians, params, rows)
-        if seen.shards is not None and self._shards is None:
-            self._adopt_shards(seen.shards)
+        if seen.shards is not None and self.exchange.shards is None:  # the first sharded step: p̂ of this shard kept
+            self.exchange.adopt(self.state, params, seen.shards)
+            self._plan = self._plan_key = None
         own = [params[i] for i in seen.owned]
         time_updates = group_time_updates(self.param_groups, seen.owned)
         shared_rows = group_shared_rows(self.param_groups, seen.owned)
         prediction, target, blocks, samples = seen.prediction, seen.target, seen.blocks, seen.samples
         key = layout_key(prediction, target, blocks, (time_updates, shared_rows, samples, seen.layout))
         if key is None or key != self._plan_key:  # a new layout (or bad input, which the checks report)
-            check_observation(prediction, target, blocks, own, batched=False, rows=rows and rows * samples)
-            self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
             self._plan = None
-            self._check.restart()
-        else:  # the same layout: the same check on the device, read every CHECK_EVERY steps
-            prediction = self._check(prediction, target, samples)
+        prediction = self._check(prediction, target, blocks, own, samples, rows, first=self._plan is None)
         m = prediction.shape[0] // samples
         aggregation = None
         aggregated = self.observation.aggregate(prediction.detach().view(samples, m), target.detach().view(samples, m))
         if aggregated is not None:  # an aggregation of the outputs (top-k): the update runs in its coordinates
             aggregation, prediction, target = aggregated[:2], aggregated[2].reshape(-1), aggregated[3].reshape(-1)
         first = self.state[own[0]]["cov"]
-        dtype = self._shard_dtypes[0] if self._shards is not None else first.dtype
+        dtype = self.exchange.dtypes[0] if self.exchange.shards is not None else first.dtype
         shared = shared_state(self.state[params[0]], m, prediction.device, dtype)
         if self._plan is None:
             self._plan = UpdatePlan(blocks, [p.shape for p in own], dtype, first.device, samples=samples,
@@ -424,7 +383,9 @@ class LoKO(torch.optim.Optimizer):
                 flat.reset()
         plan, covs = self._plan, self._flats["cov"]
         cov = covs.read(plan, own, self.state)
-        entries = {key: self._entry(key, own, cov, plan) for key in self.filter.entries()}
+        entries = {
+            key: self._flats[key].read_entries(plan, own, self.state, covs.kept) for key in self.filter.entries()
+        }
         row_covs = [self.filter.row_cov(own[i], self.state[own[i]], dtype) for i in plan.rows.order]
         belief = Belief(cov, shared["R"], shared["step"], row_covs, entries)
         with torch.inference_mode():  # cheaper per operation than no_grad; the states written stay ordinary tensors
@@ -452,31 +413,6 @@ class LoKO(torch.optim.Optimizer):
             self._average.update([self.state[p][MeanAverage.key] for p in params], params, shared["step"], applied)
         self._diagnostics = diagnostics
         return result if seen.returned is None else seen.returned
-
-    def _entry(self, key: str, params: Sequence[Tensor], cov: Tensor, plan: UpdatePlan) -> Tensor:
-        """The filter's per-entry state ``key`` of ``params``, flat (zeros in ``p̂``'s dtype where a state has none).
-
-        Kept flat with ``p̂`` (the states its views) when ``p̂`` is.
-        """
-        columns = self.filter.entries()[key]
-        for param in params:
-            state = self.state[param]
-            if key not in state:
-                shape = (param.numel(), columns) if columns else param.shape
-                state[key] = torch.zeros(shape, dtype=state["cov"].dtype, device=state["cov"].device)
-        return self._flats[key].read(plan, params, self.state, keep=self._flats["cov"].kept)
-
-    def _exchange(self) -> Replicated | Sharded:
-        """The step's exchange: sharded with ``shard`` and several processes, else replicated."""
-        if self.shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._consolidated = None
-            return Sharded(self._shards, self.collective_timeout)
-        return Replicated()
-
-    def _adopt_shards(self, shards: ShardPlan) -> None:
-        """The first sharded step: keep ``p̂`` of this process's parameters only, in one arithmetic dtype everywhere."""
-        self._shard_dtypes = Sharded.adopt(self.state, self._params(), shards)
-        self._shards, self._plan, self._plan_key = shards, None, None
 
     @property
     def diagnostics(self) -> dict[str, Tensor]:

@@ -68,6 +68,17 @@ class FlatState:
             states[param][self.key] = view
         return self.flat
 
+    def read_entries(
+        self, plan: UpdatePlan, params: Sequence[Tensor], states: MutableMapping[Tensor, dict], keep: bool
+    ) -> Tensor:
+        """:meth:`read` of a filter's per-entry state, created as zeros in ``p̂``'s dtype where a state has none."""
+        for param in params:
+            state = states[param]
+            if self.key not in state:
+                shape = (param.numel(), self.columns) if self.columns else param.shape
+                state[self.key] = torch.zeros(shape, dtype=state["cov"].dtype, device=state["cov"].device)
+        return self.read(plan, params, states, keep=keep)
+
     def write(self, plan: UpdatePlan, flat: Tensor, params: Sequence[Tensor], states: MutableMapping) -> None:
         """Copy a gathered flat tensor back into the states (nothing to do when they are its views)."""
         if self.flat is None:

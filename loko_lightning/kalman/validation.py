@@ -7,12 +7,14 @@ belong), checked on the device between host reads.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.multistream import check_observation
 from loko_lightning.kalman.time_update import real_number
 from loko_lightning.observation import Observation
 
@@ -80,8 +82,26 @@ class ObservationCheck:
         """A new layout (its first step was checked on the host): read after 1, 2, 4, ... steps again."""
         self._window, self._unchecked, self._violations = 1, 0, None
 
-    def __call__(self, prediction: Tensor, target: Tensor, samples: int) -> Tensor:
-        """``prediction``, made non-finite where the step fails the check (so that it is skipped)."""
+    def __call__(
+        self,
+        prediction: Tensor,
+        target: Tensor,
+        blocks: Sequence[Any],
+        params: Sequence[Tensor],
+        samples: int,
+        rows: int | None,
+        first: bool,
+    ) -> Tensor:
+        """``prediction``, made non-finite where the step fails the check (so that it is skipped).
+
+        On a layout's ``first`` step the blocks' shapes and the observation are checked on the host (a failure raises
+        at once, :func:`~loko_lightning.kalman.multistream.check_observation`); later, on the device.
+        """
+        if first:
+            check_observation(prediction, target, blocks, params, batched=False, rows=rows and rows * samples)
+            self.observation.check(prediction.detach().view(samples, -1), target.detach().view(samples, -1))
+            self.restart()
+            return prediction
         view = (prediction.detach().view(samples, -1), target.detach().view(samples, -1))
         bad = self.observation.violation(*view)
         if bad is None:

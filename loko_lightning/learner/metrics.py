@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -273,3 +273,76 @@ def make_held_out_metrics(names: list[str], num_classes: int, owner: Any) -> tup
                 raise ConfigError(message, field="held_out_metrics", owner=owner)
         pair.append(metrics)
     return pair[0], pair[1]
+
+
+#: The prequential metrics' attribute names on a learner, in the order they are made.
+ONLINE_METRICS = (
+    "online_acc",
+    "online_acc_top5",
+    "online_acc_recent",
+    "loss_avg",
+    "ce_avg",
+    "nll",
+    "nll_recent",
+    "ece",
+    "ece_recent",
+)
+
+
+def make_online_metrics(window: int, recent_window: int) -> dict[str, Metric]:
+    """A learner's prequential metrics by attribute name (:func:`update_online` scores them, :func:`online_values`).
+
+    Accuracy (top-1, top-5, over the last ``recent_window``), the paper's moving averages of the loss and the cross
+    entropy over ``window``, and the calibration of the same predictions: the negative log-likelihood and the expected
+    calibration error, over the stream and the recent window. Every process scores every process's predictions of a
+    step (they are gathered for the joint update), so they are already over all processes: no reduction at compute.
+    """
+    return {
+        "online_acc": OnlineAccuracy(top_k=1, sync_on_compute=False),
+        "online_acc_top5": OnlineAccuracy(top_k=5, sync_on_compute=False),
+        "online_acc_recent": MovingAverage(recent_window, sync_on_compute=False),
+        "loss_avg": MovingAverage(window, sync_on_compute=False),
+        "ce_avg": MovingAverage(window, sync_on_compute=False),
+        "nll": OnlineMean(sync_on_compute=False),
+        "nll_recent": MovingAverage(recent_window, sync_on_compute=False),
+        "ece": CalibrationError(sync_on_compute=False),
+        "ece_recent": CalibrationError(window=recent_window, sync_on_compute=False),
+    }
+
+
+def update_online(metrics: Mapping[str, Metric], prediction: Tensor, label: Tensor, applied: Tensor) -> None:
+    """Score a step's predictions ``(N, m)`` against their labels ``(N,)``, one sample after the other.
+
+    ``applied``: whether the step was applied (a skipped step's predictions count in the stream's accuracy and NLL
+    with weight 0, and not in the windows).
+    """
+    prediction = prediction.float()
+    weight = applied.float()
+    for scores, target in zip(prediction, label, strict=True):
+        metrics["online_acc"].update(scores, target, weight)
+        metrics["online_acc_top5"].update(scores, target, weight)
+        metrics["online_acc_recent"].update((scores.argmax() == target).to(scores.dtype), applied)
+        one_hot = torch.nn.functional.one_hot(target, scores.shape[0]).to(scores.dtype)
+        metrics["loss_avg"].update((one_hot - scores).abs().sum(), applied)
+        nll = -scores[target].clamp_min(torch.finfo(scores.dtype).tiny).log()
+        metrics["ce_avg"].update(nll, applied)
+        metrics["nll"].update(nll, weight)
+        metrics["nll_recent"].update(nll, applied)
+        metrics["ece"].update(scores, target, applied)
+        metrics["ece_recent"].update(scores, target, applied)
+
+
+def online_values(metrics: Mapping[str, Metric], window: int, recent_window: int) -> dict[str, Tensor]:
+    """The prequential metrics as logged: ``train/online_acc``, ``train/nll_recent{recent_window}``, ..."""
+    keys = {
+        "online_acc": "train/online_acc",
+        "online_acc_top5": "train/online_acc_top5",
+        "online_acc_recent": f"train/online_acc_recent{recent_window}",
+        "loss_avg": f"train/loss_avg{window}",
+        "ce_avg": f"train/ce_avg{window}",
+        "nll": "train/nll",
+        "nll_recent": f"train/nll_recent{recent_window}",
+        "ece": "train/ece",
+        "ece_recent": f"train/ece_recent{recent_window}",
+    }
+    return {key: metrics[name].compute() for name, key in keys.items()}

@@ -14,7 +14,6 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
@@ -30,12 +29,12 @@ from loko_lightning.learner.checks import (
 )
 from loko_lightning.learner.groups import build_optimizer, check_head_covariance, check_step_scales, parameter_groups
 from loko_lightning.learner.metrics import (
-    CalibrationError,
+    ONLINE_METRICS,
     HeldOutMetric,
-    MovingAverage,
-    OnlineAccuracy,
-    OnlineMean,
     make_held_out_metrics,
+    make_online_metrics,
+    online_values,
+    update_online,
 )
 from loko_lightning.learner.selection import Candidates
 from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
@@ -190,19 +189,9 @@ class OnlineClassifier(pl.LightningModule):
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
-        # Every process scores every process's predictions of a step (they are gathered for the joint update), so the
-        # online metrics are already over all processes and identical on each: no reduction at compute time.
-        self.online_acc = OnlineAccuracy(top_k=1, sync_on_compute=False)
-        self.online_acc_top5 = OnlineAccuracy(top_k=5, sync_on_compute=False)
-        self.online_acc_recent = MovingAverage(recent_window, sync_on_compute=False)
-        self.loss_avg = MovingAverage(window, sync_on_compute=False)
-        self.ce_avg = MovingAverage(window, sync_on_compute=False)
-        # Calibration beside accuracy: the prequential negative log-likelihood and expected calibration error, over
-        # the stream and over the recent window.
-        self.nll = OnlineMean(sync_on_compute=False)
-        self.nll_recent = MovingAverage(recent_window, sync_on_compute=False)
-        self.ece = CalibrationError(sync_on_compute=False)
-        self.ece_recent = CalibrationError(window=recent_window, sync_on_compute=False)
+        # The prequential metrics, attributes of the module (their states in its state dict, as always).
+        for name, metric in make_online_metrics(window, recent_window).items():
+            setattr(self, name, metric)
         self.register_buffer("skipped", torch.zeros((), dtype=torch.long))
         # The training data's class names (label ids in order) and preprocessing (the data module's effective image
         # data config, or tokenizer and token budget), taken from the data module at fit; kept in checkpoints.
@@ -454,34 +443,10 @@ class OnlineClassifier(pl.LightningModule):
 
     def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:
         """Score the step's predictions ``(N, m)`` against their labels ``(N,)``, one sample after the other."""
-        prediction = prediction.float()
-        weight = applied.float()
-        for scores, target in zip(prediction, label, strict=True):
-            self.online_acc.update(scores, target, weight)
-            self.online_acc_top5.update(scores, target, weight)
-            self.online_acc_recent.update((scores.argmax() == target).to(scores.dtype), applied)
-            one_hot = F.one_hot(target, scores.shape[0]).to(scores.dtype)
-            self.loss_avg.update((one_hot - scores).abs().sum(), applied)
-            nll = -scores[target].clamp_min(torch.finfo(scores.dtype).tiny).log()
-            self.ce_avg.update(nll, applied)
-            self.nll.update(nll, weight)
-            self.nll_recent.update(nll, applied)
-            self.ece.update(scores, target, applied)
-            self.ece_recent.update(scores, target, applied)
-        window = self.hparams.window
-        values = {
-            "train/online_acc": self.online_acc.compute(),
-            "train/online_acc_top5": self.online_acc_top5.compute(),
-            f"train/online_acc_recent{self.hparams.recent_window}": self.online_acc_recent.compute(),
-            f"train/loss_avg{window}": self.loss_avg.compute(),
-            f"train/ce_avg{window}": self.ce_avg.compute(),
-            "train/nll": self.nll.compute(),
-            f"train/nll_recent{self.hparams.recent_window}": self.nll_recent.compute(),
-            "train/ece": self.ece.compute(),
-            f"train/ece_recent{self.hparams.recent_window}": self.ece_recent.compute(),
-            "train/step_time": elapsed,
-            "train/skipped": self.skipped.float(),
-        }
+        metrics = {name: getattr(self, name) for name in ONLINE_METRICS}
+        update_online(metrics, prediction, label, applied)
+        values = online_values(metrics, self.hparams.window, self.hparams.recent_window)
+        values["train/step_time"], values["train/skipped"] = elapsed, self.skipped.float()
         values.update(self.online_step.logged(self.optimizers().optimizer))
         self.log_dict(values, on_step=True, on_epoch=False, batch_size=label.shape[0])
         if self._trainer is not None and self.trainer.progress_bar_callback is not None:
