@@ -1,7 +1,7 @@
 """A weight's rows sharing one full covariance (``shared_rows``, the learner's ``head_covariance="shared"``).
 
 Not the paper: the head's ``P_W = I ⊗ Σ`` with ``Σ`` full (``features x features``). The fast path
-(:class:`~loko_lightning.kalman.algebra.SharedRowBlocks`) is held to the dense float64 reference
+(:class:`~loko_lightning.kalman.shared_rows.SharedRowBlocks`) is held to the dense float64 reference
 (:func:`~loko_lightning.kalman.reference.shared_rows_step_reference`: the Kalman update with that dense ``P``, then
 the mean of the posterior's diagonal row blocks), for every Jacobian block kind and for joint steps.
 """

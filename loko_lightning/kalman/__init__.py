@@ -10,6 +10,7 @@ Torch only.
 - :mod:`~loko_lightning.kalman.exchange`: where a step's observations come from (replicated or sharded).
 - :mod:`~loko_lightning.kalman.update`: one step on plain tensors (:func:`loko_update`).
 - :mod:`~loko_lightning.kalman.algebra`: how each kind of Jacobian block enters the update's products.
+- :mod:`~loko_lightning.kalman.shared_rows`: the weights whose rows share one full covariance (``shared_rows``).
 - :mod:`~loko_lightning.kalman.noise`: the observation-noise (``R``) estimators, one registry.
 - :mod:`~loko_lightning.kalman.multistream`: several observations in one update (a batch, several processes).
 - :mod:`~loko_lightning.kalman.distributed`, :mod:`~loko_lightning.kalman.sharded`: the collectives.

@@ -10,7 +10,9 @@ They share one small interface (:class:`Blocks`): in every step
 
 given ``[Wᵀ; wᵀ]`` with ``S⁺ = W Wᵀ``. What the second call reuses from the first (the Jacobian factors cast and
 stacked) is kept on the object in between and dropped after it. None of the three products is ever formed with a
-dense ``H`` for the factored kinds: each has a closed form in the factors.
+dense ``H`` for the factored kinds: each has a closed form in the factors. The weights whose rows share one full
+covariance are a kind with an update of its own (:class:`~loko_lightning.kalman.shared_rows.SharedRowBlocks`,
+re-exported here).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock, kind
+from loko_lightning.kalman.shared_rows import SharedRowBlocks
+
+__all__ = ["Blocks", "DenseBlocks", "FactoredBlocks", "OuterBlocks", "SharedRowBlocks"]
 
 
 def _weighted_gram(jac: Tensor, weight: Tensor) -> Tensor:
@@ -420,108 +425,6 @@ class FactoredBlocks(Blocks):
                 t = torch.bmm(right, inner).view(g.count, g.cols, g.rows, g.k)
                 torch.sum(t.mul_(right[:, :, None, :]), -1, out=quad_g.transpose(1, 2))
         self._left, self._rights, self._outer_r = None, [], []
-
-
-class SharedRowBlocks:
-    r"""Weights whose rows share one full covariance ``Σ`` (``cols x cols``): ``P_W = I_rows ⊗ Σ`` (not the paper).
-
-    A weight ``W`` (``rows x cols``, e.g. the head: one row per class over the ``cols`` features) whose Jacobian
-    is ``L_i Rᵀ`` per row ``i`` (``L_i``: ``m x k``, ``R``: ``cols x k``; :class:`~loko_lightning.OuterJacobian`
-    has ``k = 1``, a stacked step of ``B`` samples ``k = B``, a dense block ``R = I``) has
-
-    .. math::
-
-        H P H^\top = \sum_i L_i M L_i^\top, \quad M = R^\top \Sigma R, \qquad
-        \Delta W_{i,:} = \Sigma R\, L_i^\top w, \qquad
-        \Sigma^+ = \Sigma - \Sigma R\, \bar N R^\top \Sigma, \quad
-        \bar N = \frac{1}{\mathrm{rows}} \sum_i L_i^\top S^+ L_i .
-
-    The exact posterior ``P − P Hᵀ S⁺ H P`` is not of the form ``I ⊗ Σ``; ``Σ⁺`` is the mean of its diagonal row
-    blocks, the Gaussian of that form closest to it in KL divergence (moment matching), and positive semi-definite
-    as each block is. Unlike the kinds above, the update of these entries is not ``p̂ ⊙ Hᵀ w``: the filter calls
-    :meth:`hpht` and :meth:`update` itself, and ``p̂`` of these entries holds ``diag(Σ)`` on every row.
-
-    Args:
-        jacobians: one block per parameter.
-        shapes: the parameters' shapes.
-        indices: the parameters of this kind, in parameter order.
-        start: where the kind begins in the flat order.
-        m: number of outputs.
-        dtype: dtype of the Kalman arithmetic.
-        device: device of ``p̂``.
-    """
-
-    def __init__(
-        self,
-        jacobians: Sequence[JacobianBlock],
-        shapes: Sequence[torch.Size],
-        indices: Sequence[int],
-        start: int,
-        m: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.m, self.dtype, self.device = m, dtype, device
-        self.order = list(indices)
-        self.spans: list[tuple[int, int, int]] = []  # (start, rows, cols) in the flat order
-        for i in self.order:
-            rows = shapes[i][0]
-            cols = shapes[i].numel() // rows
-            self.spans.append((start, rows, cols))
-            start += rows * cols
-        self.start, self.end = self.spans[0][0] if self.spans else start, start
-        self._factors: list[tuple[Tensor, Tensor]] = []  # (L, Σ R) of each parameter between the two calls
-
-    def __bool__(self) -> bool:
-        return bool(self.order)
-
-    def _left_right(self, block: JacobianBlock, rows: int, cols: int) -> tuple[Tensor, Tensor | None]:
-        """``L`` (``m x rows x k``) and ``R`` (``cols x k``; ``None`` for the identity of a dense block)."""
-        if isinstance(block, Tensor):
-            return block.reshape(self.m, rows, cols).to(self.dtype), None
-        left, right = block.left.to(self.dtype), block.right.to(self.dtype)
-        if right.dim() == 1:  # an OuterJacobian: one position
-            return left.reshape(self.m, rows, 1), right[:, None]
-        return left.reshape(self.m, rows, -1), right.reshape(cols, -1)
-
-    def hpht(self, jacobians: Sequence[JacobianBlock], sigmas: Sequence[Tensor]) -> Tensor:
-        """``Σ_i L_i M L_iᵀ`` summed over the kind's parameters, ``sigmas`` their ``Σ`` (in :attr:`order`)."""
-        total = torch.zeros(self.m, self.m, dtype=self.dtype, device=self.device)
-        self._factors = []
-        for i, (_, rows, cols), sigma in zip(self.order, self.spans, sigmas, strict=True):
-            left, right = self._left_right(jacobians[i], rows, cols)
-            sigma_r = sigma if right is None else sigma @ right  # Σ R, (cols, k)
-            inner = sigma if right is None else right.T @ sigma_r  # M = Rᵀ Σ R, (k, k)
-            flat = left.reshape(self.m, -1)
-            total.addmm_((left @ inner).reshape(self.m, -1), flat.T)
-            self._factors.append((flat, sigma_r))
-        return total
-
-    def update(self, factor: Tensor, sigmas: Sequence[Tensor], update: Tensor, posterior: Tensor) -> list[Tensor]:
-        """Write ``ΔW`` into ``update`` and ``diag(Σ⁺)`` (every row) into ``posterior``; return the ``Σ⁺``.
-
-        Args:
-            factor: ``[Wᵀ; wᵀ]``, ``(m + 1, m)``, with ``S⁺ = W Wᵀ`` and ``w = S⁺ e``.
-            sigmas: the ``Σ`` of the step's prior, in :attr:`order` (read only).
-            update: the whole flat update vector, written at this kind's entries.
-            posterior: the whole flat ``p̂`` of the next step, written at this kind's entries.
-
-        Uses the factors the preceding :meth:`hpht` of the same step received.
-        """
-        m, new = self.m, []
-        for (start, rows, cols), sigma, (flat, sigma_r) in zip(self.spans, sigmas, self._factors, strict=True):
-            products = factor @ flat  # [Wᵀ L; wᵀ L], (m + 1, rows·k)
-            k = sigma_r.shape[1]
-            torch.mm(products[m].view(rows, k), sigma_r.T, out=update[start : start + rows * cols].view(rows, cols))
-            rooted = products[:m].reshape(m * rows, k)  # Wᵀ L_i stacked: N̄ = Σ_i (Wᵀ L_i)ᵀ Wᵀ L_i / rows
-            mean_inner = rooted.T @ rooted / rows
-            # Σ − (Σ R N̄) (Σ R)ᵀ, then made exactly symmetric: two cols x cols temporaries at most.
-            sigma_new = torch.addmm(sigma, sigma_r @ mean_inner, sigma_r.T, alpha=-1.0)
-            sigma_new = torch.add(sigma_new, sigma_new.T).mul_(0.5)
-            posterior[start : start + rows * cols].view(rows, cols).copy_(sigma_new.diagonal()[None].expand(rows, cols))
-            new.append(sigma_new)
-        self._factors = []
-        return new
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[tuple[int, int], ...]:

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock
-from loko_lightning.kalman.algebra import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks, SharedRowBlocks
+from loko_lightning.kalman.algebra import Blocks, DenseBlocks, FactoredBlocks, OuterBlocks
+from loko_lightning.kalman.shared_rows import SharedRowBlocks
 from loko_lightning.kalman.time_update import CompiledTimeUpdate, TimeUpdate
 
 __all__ = ["UpdatePlan", "innovation_covariance"]

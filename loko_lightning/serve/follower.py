@@ -27,7 +27,9 @@ from loko_lightning.serve.batcher import PredictionBatcher
 from loko_lightning.serve.images import ImageTooLarge
 from loko_lightning.serve.learner import ServingLearner
 from loko_lightning.serve.limits import MAX_PIXELS
-from loko_lightning.serve.service import BASE_NAME, CHECKPOINT_NAME, Rejected, prediction_answer, prometheus_value
+from loko_lightning.serve.lock import BASE_NAME, CHECKPOINT_NAME
+from loko_lightning.serve.metrics import prometheus_value
+from loko_lightning.serve.service import Rejected, prediction_answer
 
 # How often a follower looks for a new checkpoint, by default (seconds).
 FOLLOW_SECONDS = 1.0

@@ -18,42 +18,27 @@ writes answers):
 
 from __future__ import annotations
 
-import base64
 import collections
-import hashlib
-import json
 import math
-import os
-import sys
 import threading
 import time
-import traceback
 import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.serve.batcher import PredictionBatcher
 from loko_lightning.serve.images import ImageTooLarge
+from loko_lightning.serve.inputs import input_bytes, loggable
 from loko_lightning.serve.learner import ServingLearner
+from loko_lightning.serve.learning import SAVE_RETRY_SECONDS, LearningLoop
 from loko_lightning.serve.limits import MAX_PIXELS, PENDING_BYTES, QUEUE_BYTES
-from loko_lightning.serve.lock import StateLock
+from loko_lightning.serve.lock import CHECKPOINT_NAME, LOG_NAME, StateLock, check_base
 from loko_lightning.serve.log import FeedbackLog
-
-CHECKPOINT_NAME = "learner.ckpt"
-LOG_NAME = "feedback.log"
-# The base checkpoint a state folder was started from, by hash: another one is refused.
-BASE_NAME = "base.json"
-# How many of the last step times and feedback lags the quantiles in /metrics are computed over.
-WINDOW = 1000
-# The inputs of kept predictions, and of queued feedback, at most (bytes of their JSON strings).
-# A prediction pass waits for the learner's next step at most this long (see FeedbackService._yield_to_learner).
-PASS_WAIT_SECONDS = 1.0
-# A checkpoint that could not be written (disk full, ...) is tried again after this many seconds.
-SAVE_RETRY_SECONDS = 5.0
+from loko_lightning.serve.metrics import WINDOW, service_metrics
+from loko_lightning.serve.pending import PendingPredictions
 
 
 class Rejected(Exception):
@@ -64,7 +49,7 @@ class Rejected(Exception):
         self.status, self.field, self.message = status, field, message
 
 
-class FeedbackService:
+class FeedbackService(LearningLoop):
     """Predict, accept feedback durably, learn it in order in one thread, checkpoint with the log position.
 
     Args:
@@ -136,7 +121,7 @@ class FeedbackService:
         self.max_batch, self.max_pixels = limits["max_batch"], limits["max_pixels"]
         self.pending_size, self.pending_seconds = limits["pending_size"], pending_seconds
         self.pending_bytes, self.queue_bytes = limits["pending_bytes"], limits["queue_bytes"]
-        self.pending_bytes_used = self.queue_bytes_used = 0
+        self.queue_bytes_used = 0
         # One forward pass at a time, over the requests that waited for it: the learner keeps a core.
         self._steps_done = self._steps_at_pass = 0
         self._batcher = PredictionBatcher(
@@ -157,9 +142,7 @@ class FeedbackService:
         for record in self.log.records():
             if record.get("key") is not None:
                 self._keys[record["key"]] = record["seq"]
-        # id -> (input, predicted class, expiry time, input bytes)
-        self._pending: collections.OrderedDict[str, tuple[Any, int, float, int]] = collections.OrderedDict()
-        self._pending_lock = threading.Lock()
+        self._pending = PendingPredictions(self.pending_size, self.pending_seconds, self.pending_bytes)
         self._queue: collections.deque[tuple[dict[str, Any], float, int]] = collections.deque()
         self._accept = threading.Lock()  # one appender: log order is queue order
         self._wake = threading.Condition()
@@ -238,127 +221,15 @@ class FeedbackService:
             self.log.close()
             self.lock.release()
 
-    def _run(self) -> None:
-        """The learner thread: the queue in order; an error that ends it is kept for /health, never silent."""
-        try:
-            self._learn_queue()
-        except BaseException as err:
-            self._failure = f"the learner thread stopped ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
-            print(f"loko serve: {self._failure}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            with self._wake:
-                self._wake.notify_all()
-
-    def _learn_queue(self) -> None:
-        while True:
-            with self._wake:
-                while not self._queue and not self._stopping:
-                    if self._save_error is not None and self._save_due():
-                        break
-                    # With a checkpoint to write again, wake up for it even when no feedback comes.
-                    self._wake.wait(self.save_retry_seconds if self._save_error is not None else None)
-                if not self._queue:
-                    if self._stopping:
-                        return
-                    record = None
-                else:
-                    record, acknowledged, size = self._queue[0]
-            if record is None:  # idle, and a failed checkpoint is due again
-                self._try_save()
-                continue
-            self._learn(record)
-            done = time.monotonic()
-            with self._wake:
-                self._queue.popleft()
-                self.queue_bytes_used -= size
-                self._steps_done += 1
-                self._wake.notify_all()
-            self.lags.append(done - acknowledged)
-            self.lag_sum += done - acknowledged
-            self.lag_count += 1
-            if self.position - self._saved_position >= self.checkpoint_every and self._save_due():
-                self._try_save()
-
-    def _yield_to_learner(self) -> None:
-        """Before a prediction pass: while feedback waits to be learned, one pass per learned sample at most.
-
-        Passes and steps then alternate on the CPU instead of passes crowding out the learner, whose lag stays
-        bounded; the requests that wait meanwhile are predicted together in the next pass. Never more than
-        ``PASS_WAIT_SECONDS``: predictions go on if the learner is stuck.
-        """
-        with self._wake:
-            self._wake.wait_for(
-                lambda: (
-                    not self._queue
-                    or self._stopping
-                    or self._failure is not None
-                    or self._steps_done != self._steps_at_pass
-                ),
-                PASS_WAIT_SECONDS,
-            )
-            self._steps_at_pass = self._steps_done
-
-    def _save_due(self) -> bool:
-        return time.monotonic() - self._save_failed_at >= self.save_retry_seconds
-
-    def _try_save(self) -> None:
-        """:meth:`save`; a failure (disk full, ...) is reported (stderr, /health) and tried again later."""
-        try:
-            self.save()
-        except Exception as err:
-            self._save_failed_at = time.monotonic()
-            self._save_error = (
-                f"the checkpoint {self.state_dir / CHECKPOINT_NAME} could not be written ({type(err).__name__}: "
-                f"{' '.join(str(err).split())[:200]}); tried again every {self.save_retry_seconds:g} s; the feedback "
-                f"log holds every record after position {self._saved_position}, which a restart learns again"
-            )
-            print(f"loko serve: {self._save_error}", file=sys.stderr, flush=True)
-        else:
-            if self._save_error is not None:
-                print("loko serve: the checkpoint is written again", file=sys.stderr, flush=True)
-            self._save_error = None
-
-    def _learn(self, record: dict[str, Any]) -> None:
-        """One record of the log: one LoKO step (or one skipped sample), the log position moved past it."""
-        learner = self.learner
-        try:
-            sample = _tensor(record["input"])
-            if sample is None:  # accepted, so learned whatever today's --max_pixels
-                sample = learner.decode(record["input"], max_pixels=None)
-        except ConfigError as err:  # accepted inputs are checked; a log edited by hand may still hold one
-            print(f"loko serve: feedback {record['seq']} skipped: {err}", file=sys.stderr)
-            learner.skip()
-        else:
-            try:
-                (result,) = learner.learn([sample], [record["label"]])
-            except Exception as err:  # the learner thread goes on with the next record whatever one step raises
-                reason = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
-                print(f"loko serve: feedback {record['seq']} skipped: {reason}", file=sys.stderr)
-                self._step_error = f"the step of feedback {record['seq']} raised ({reason}); it was skipped"
-                learner.skip()
-            else:
-                self._step_error = None
-                self.step_seconds.append(result.seconds)
-                self.step_seconds_sum += result.seconds
-                self.step_count += 1
-        if record.get("predicted") is not None:
-            learner.record_served(int(record["predicted"]), int(record["label"]))
-        self.position = int(record["seq"])
-
-    def save(self) -> None:
-        """Write the learner's checkpoint with the log position it has learned up to (atomically)."""
-        self.learner.save(self.state_dir / CHECKPOINT_NAME, log_position=self.position)
-        self._saved_position = self.position
-
-    def wait_learned(self, timeout: float | None = None) -> bool:
-        """Wait until every accepted feedback is learned; whether it was (``False`` too if the learner stopped)."""
-        with self._wake:
-            self._wake.wait_for(lambda: not self._queue or self._failure is not None, timeout)
-            return not self._queue
-
     @property
     def queue_length(self) -> int:
         """Accepted feedback not learned yet (the one being learned included)."""
         return len(self._queue)
+
+    @property
+    def pending_bytes_used(self) -> int:
+        """The bytes of the kept predictions' inputs."""
+        return self._pending.bytes_used
 
     # ------------------------------------------------------------------ requests
     def predict(self, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -388,9 +259,9 @@ class FeedbackService:
         for value, sample, scores in zip(inputs, samples, probabilities.tolist(), strict=True):
             best = max(range(len(scores)), key=scores.__getitem__)
             ident = uuid.uuid4().hex
-            if isinstance(sample, Tensor) and _input_bytes(sample) < _input_bytes(value):
+            if isinstance(sample, Tensor) and input_bytes(sample) < input_bytes(value):
                 value = sample
-            self._remember(ident, value, best)
+            self._pending.remember(ident, value, best)
             answers.append(prediction_answer(ident, classes, scores, best, version))
         self.predictions += len(answers)
         return answers
@@ -416,16 +287,14 @@ class FeedbackService:
             key = body["id"]
             if not isinstance(key, str):
                 raise Rejected(400, "id", "id must be the string a prediction answered")
-            with self._pending_lock:
-                self._forget_expired()
-                kept = self._pending.get(key)
+            kept = self._pending.get(key)
             if kept is None:
                 if key in self._keys:
                     return {"seq": self._keys[key], "duplicate": True}
                 raise Rejected(404, "id", f"id {key[:64]!r} is unknown or expired: send the input with its label")
-            value, predicted, _, _ = kept
+            value, predicted = kept
             if isinstance(value, Tensor):
-                value = _loggable(value)
+                value = loggable(value)
         elif "input" in body:
             value, key = body["input"], body.get("key")
             if key is not None and (not isinstance(key, str) or not 0 < len(key) <= 200):
@@ -439,7 +308,7 @@ class FeedbackService:
         else:
             raise Rejected(400, "id", "give the id of a prediction, or the input, with its label")
         record = {"input": value, "label": label, "predicted": predicted, "key": key}
-        size = _input_bytes(value)
+        size = input_bytes(value)
         with self._accept:
             if key is not None and key in self._keys:
                 return {"seq": self._keys[key], "duplicate": True}
@@ -481,31 +350,8 @@ class FeedbackService:
                 self._wake.notify_all()
             self.accepted = seq
         if "id" in body:
-            with self._pending_lock:
-                self._forget(key)
+            self._pending.forget(key)
         return {"seq": seq, "duplicate": False}
-
-    def _remember(self, ident: str, value: Any, predicted: int) -> None:
-        size = _input_bytes(value)
-        with self._pending_lock:
-            self._forget_expired()
-            self._pending[ident] = (value, predicted, time.monotonic() + self.pending_seconds, size)
-            self.pending_bytes_used += size
-            while len(self._pending) > self.pending_size or self.pending_bytes_used > self.pending_bytes:
-                self._forget(next(iter(self._pending)))
-
-    def _forget(self, ident: str) -> None:
-        kept = self._pending.pop(ident, None)
-        if kept is not None:
-            self.pending_bytes_used -= kept[3]
-
-    def _forget_expired(self) -> None:
-        now = time.monotonic()
-        while self._pending:
-            ident, (_, _, expires, _) = next(iter(self._pending.items()))
-            if expires > now:
-                return
-            self._forget(ident)
 
     # ------------------------------------------------------------------ health and metrics
     @property
@@ -551,152 +397,7 @@ class FeedbackService:
 
     def metrics(self) -> str:
         """The Prometheus text exposition of the service's counters and gauges."""
-        learner = self.learner
-        rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
-            ("loko_feedback_accepted_total", "counter", "feedback accepted (in the log)", [("", self.accepted)]),
-            (
-                "loko_samples_learned_total",
-                "counter",
-                "feedback samples learned (skipped ones included)",
-                [("", self.position)],
-            ),
-            (
-                "loko_samples_skipped_total",
-                "counter",
-                "samples whose update was not finite (nothing changed)",
-                [("", learner.skipped)],
-            ),
-            (
-                "loko_feedback_refused_busy_total",
-                "counter",
-                "feedback refused because the queue was full (429)",
-                [("", self.refused_busy)],
-            ),
-            ("loko_predictions_total", "counter", "inputs predicted since the start", [("", self.predictions)]),
-            (
-                "loko_online_accuracy",
-                "gauge",
-                "accuracy of the served predictions that received feedback",
-                [("", learner.served_accuracy)],
-            ),
-            (
-                "loko_prequential_accuracy",
-                "gauge",
-                "accuracy of each learned sample's prediction just before its step",
-                [("", learner.online_accuracy)],
-            ),
-            (
-                "loko_status",
-                "gauge",
-                "1 for the status /health says: ok, degraded (it learns; something failed), failed (it does not)",
-                [(f'{{status="{name}"}}', int(name == self.status[0])) for name in ("ok", "degraded", "failed")],
-            ),
-            ("loko_queue_length", "gauge", "accepted feedback waiting for the learner", [("", self.queue_length)]),
-            ("loko_queue_capacity", "gauge", "queue length beyond which feedback is refused", [("", self.queue_size)]),
-            ("loko_queue_bytes", "gauge", "bytes of the queued feedback's inputs", [("", self.queue_bytes_used)]),
-            ("loko_pending_bytes", "gauge", "bytes of the kept predictions' inputs", [("", self.pending_bytes_used)]),
-            (
-                "loko_parameter_version",
-                "gauge",
-                "samples learned by the parameters predictions read",
-                [("", learner.version)],
-            ),
-        ]
-        rows.append(
-            _summary(
-                "loko_step_seconds",
-                "wall time of one learner step",
-                self.step_seconds,
-                self.step_seconds_sum,
-                self.step_count,
-            )
-        )
-        rows.append(
-            _summary(
-                "loko_feedback_lag_seconds",
-                "from a feedback's acknowledgement to its update",
-                self.lags,
-                self.lag_sum,
-                self.lag_count,
-            )
-        )
-        lines = []
-        for name, kind, help_text, samples in rows:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines += [f"{name}{suffix} {prometheus_value(value)}" for suffix, value in samples]
-        return "\n".join(lines) + "\n"
-
-
-def check_base(ckpt_path: str | Path, state_dir: str | Path) -> None:
-    """Record the base checkpoint's SHA-256 in a new state folder; refuse another base for an existing one.
-
-    Raises:
-        ConfigError: (field ``ckpt_path``) the folder was started from a checkpoint with another hash.
-    """
-    digest = hashlib.sha256()
-    with open(ckpt_path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    sha256 = digest.hexdigest()
-    path = Path(state_dir) / BASE_NAME
-    if path.is_file():
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-        if recorded.get("ckpt_sha256") != sha256:
-            raise ConfigError(
-                f"the state folder {str(state_dir)!r} was started from another checkpoint ({recorded.get('ckpt_path')}"
-                f", sha256 {str(recorded.get('ckpt_sha256'))[:12]}...), not {str(ckpt_path)!r} (sha256 "
-                f"{sha256[:12]}...): serve that checkpoint, or give another --state_dir for this one",
-                field="ckpt_path",
-            )
-        return
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"ckpt_sha256": sha256, "ckpt_path": str(ckpt_path)}) + "\n", encoding="utf-8")
-    with open(temporary, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def _loggable(tensor: Tensor) -> dict[str, Any]:
-    """A preprocessed input as a JSON value: its bytes in base64, its shape and dtype."""
-    data = tensor.detach().contiguous().cpu().numpy().tobytes()
-    return {"tensor": base64.b64encode(data).decode(), "shape": list(tensor.shape), "dtype": str(tensor.dtype)[6:]}
-
-
-def _tensor(value: Any) -> Tensor | None:
-    """The preprocessed input a log record holds (:func:`_loggable`), or ``None`` for a raw one (an image, a text)."""
-    if not isinstance(value, dict) or "tensor" not in value:
-        return None
-    data = bytearray(base64.b64decode(value["tensor"]))
-    return torch.frombuffer(data, dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
-
-
-def _input_bytes(value: Any) -> int:
-    """The bytes an input holds in memory, about: its strings' lengths (base64 images and texts), a tensor's data."""
-    if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, str):
-        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
-    if isinstance(value, (list, tuple)):
-        return sum(_input_bytes(item) for item in value)
-    return 0
-
-
-def _summary(name: str, help_text: str, window: Any, total: float, count: int) -> tuple[str, str, str, list]:
-    """A Prometheus summary: quantiles over the last values, sum and count over all."""
-    values = sorted(window)
-    samples = []
-    for q in (0.5, 0.99):
-        value = values[min(len(values) - 1, int(q * len(values)))] if values else math.nan
-        samples.append((f'{{quantile="{q}"}}', value))
-    samples += [("_sum", total), ("_count", count)]
-    return name, "summary", help_text, samples
-
-
-def prometheus_value(value: float) -> str:
-    """A sample's value as the Prometheus text format writes it (``NaN``, an integer, or a float's repr)."""
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    return repr(float(value)) if isinstance(value, float) else str(int(value))
+        return service_metrics(self)
 
 
 def prediction_answer(ident: str | None, classes: list[str], scores: list[float], best: int, version: int) -> dict:
