@@ -46,10 +46,12 @@ def state(model, opt):
     return torch.cat([*parts, opt.state[params[0]]["R"].reshape(-1)]).double()
 
 
-def worker(rank, world, port, out):
+def worker(rank, world, port, out, loko_gathers=False):
+    """``loko_gathers``: LoKO's exchange gathers the processes' observations (the closure returns its own only)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model, opt, items = setup()
+        opt.exchange.gather = loko_gathers
         nbytes = []
         with JacobianEngine(model, factorize=True) as engine:
             for step in range(STEPS):
@@ -58,6 +60,8 @@ def worker(rank, world, port, out):
                 def closure(x=x, y=y):
                     prediction, jacobians = engine.batch(x)
                     nbytes.append(observation_nbytes(prediction, y[None], jacobians))
+                    if loko_gathers:
+                        return prediction, y[None], jacobians
                     return all_gather_observations(prediction, y[None], jacobians)
 
                 opt.step(closure)
@@ -118,6 +122,17 @@ def _cat(a, b):
     if isinstance(a, FactoredJacobian):
         return FactoredJacobian(torch.cat([a.left, b.left]), torch.cat([a.right, b.right]), a.param_shape)
     return torch.cat([a, b])
+
+
+def test_loko_gathering_the_processes_observations_itself_is_the_closure_s_gather_bit_for_bit(ddp_run, tmp_path):
+    """LoKO's replicated exchange with ``gather`` on (what the learner turns on under DDP), fed each process's own
+    sample: the same updates as a closure that gathers every process's, bit for bit, on both ranks."""
+    out = tmp_path / "result.pt"
+    mp.start_processes(worker, args=(2, free_port(), str(out), True), nprocs=2, join=True, start_method="spawn")
+    gathered_by_loko = torch.load(out)
+    assert gathered_by_loko["step"] == STEPS
+    for mine, theirs in zip(gathered_by_loko["states"], ddp_run["states"], strict=True):
+        assert torch.equal(mine, theirs)
 
 
 def test_two_processes_with_one_sample_equal_one_process_with_two(ddp_run):

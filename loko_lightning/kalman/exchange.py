@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loko_lightning.jacobians.blocks import kind
+from loko_lightning.kalman.distributed import all_gather_observations
 from loko_lightning.kalman.filters.base import Evidence, Proposal
 from loko_lightning.kalman.multistream import check_observation, stack_observations
 from loko_lightning.kalman.plan import UpdatePlan
@@ -35,21 +36,42 @@ __all__ = ["Exchange", "Replicated", "Sharded"]
 
 
 class Replicated:
-    """Every observation of the step and every parameter are here: nothing to exchange."""
+    """Every parameter is here, and every observation of the step once gathered: each process applies the same update.
+
+    Args:
+        processes: gather every process's observations first (under ``torch.distributed``; each process then holds
+            the step's ``Σ_r B_r`` samples in rank order); ``False``: the closure's are the step's.
+        timeout: seconds the gather may wait for the other processes (``None``: the group's own).
+    """
 
     #: Sums over the parameters need no reduction.
     reduce: Callable[[Tensor], Tensor] | None = None
 
+    def __init__(self, processes: bool = False, timeout: float | None = None) -> None:
+        self.processes, self.timeout = processes, timeout
+
     def gather(
         self, prediction: Any, target: Any, jacobians: Any, params: Sequence[Tensor], rows: int | None
     ) -> Evidence:
-        """The closure's result, a batch stacked into one observation (:mod:`~loko_lightning.kalman.multistream`)."""
+        """The closure's result (every process's, gathered), a batch stacked into one observation.
+
+        The gather comes before any check, so that every process checks the same observations and an invalid one
+        stops every process at the same point (:mod:`~loko_lightning.kalman.multistream`).
+        """
+        returned = None
+        if self.processes:
+            if isinstance(prediction, Tensor) and prediction.dim() == 1:  # one sample: a batch of one
+                prediction, target = prediction[None], target[None]
+                jacobians = [kind(jac).stack([jac]) for jac in jacobians]
+            prediction, target, jacobians = all_gather_observations(prediction, target, jacobians, timeout=self.timeout)
+            returned = (prediction, target, jacobians)
         samples = 1
         if isinstance(prediction, Tensor) and prediction.dim() == 2:  # a batch: one stacked observation
             check_observation(prediction, target, jacobians, params, batched=True, rows=rows)
             samples = prediction.shape[0]
             prediction, target, jacobians = stack_observations(prediction, target, jacobians, rows)
-        return Evidence(prediction, target, jacobians, samples=samples, owned=list(range(len(params))))
+        owned = list(range(len(params)))
+        return Evidence(prediction, target, jacobians, samples=samples, owned=owned, returned=returned)
 
     def apply(self, plan: UpdatePlan, params: Sequence[Tensor], cov: Tensor, proposal: Proposal) -> dict[str, Tensor]:
         """:meth:`UpdatePlan.apply`: ``applied`` (the statistics of ``p̂`` are read later, from the plan)."""
@@ -140,16 +162,22 @@ class Exchange:
 
     def __init__(self, shard: bool, timeout: float | None) -> None:
         self.shard, self.timeout = shard, timeout
+        #: Under ``torch.distributed`` without ``shard``: the replicated step gathers every process's observations
+        #: (:class:`Replicated`). Off by default, for a closure that gathers them itself
+        #: (:func:`~loko_lightning.kalman.distributed.all_gather_observations`); the learner
+        #: (:class:`~loko_lightning.OnlineClassifier`) turns it on under DDP.
+        self.gather = False
         self.shards: ShardPlan | None = None  # the owners of the parameters once a sharded step has run
         self.dtypes: list[Any] = []  # p̂'s dtype per parameter when the shards were made
         self._consolidated: dict[int, Tensor] | None = None  # every p̂, gathered by consolidate
 
     def current(self) -> Replicated | Sharded:
         """The step's exchange (a sharded step makes an earlier :meth:`consolidate` stale)."""
-        if self.shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self.shard and several:
             self._consolidated = None
             return Sharded(self.shards, self.timeout)
-        return Replicated()
+        return Replicated(self.gather and several, self.timeout)
 
     def adopt(self, state: MutableMapping[Tensor, dict], params: Sequence[Tensor], shards: ShardPlan) -> None:
         """The first sharded step (:meth:`Sharded.adopt`): keep ``p̂`` of this process's parameters only."""

@@ -187,8 +187,10 @@ class LoKO(torch.optim.Optimizer):
         self.average = MeanAverage.check(average, owner=LoKO)
         self._average = MeanAverage(self.average) if self.average else None
         self.shard = shard
-        self.collective_timeout = collective_timeout
-        self.exchange = Exchange(shard, collective_timeout)  # replicated, or sharded with its shards' bookkeeping
+        #: Where a step's observations come from and its update goes (:class:`~.exchange.Exchange`): replicated, or
+        #: sharded with its shards' bookkeeping; ``exchange.gather`` (off by default): under ``torch.distributed``,
+        #: the replicated step gathers every process's observations itself.
+        self.exchange = Exchange(shard, collective_timeout)
         self._generator_seed = seed
         self._generator: torch.Generator | None = None
         self._dtype = dtype
@@ -211,6 +213,15 @@ class LoKO(torch.optim.Optimizer):
                     "Invalid param group: observation and filter describe the single shared observation model and "
                     "filter and must be set on the optimizer, not per group"
                 )
+
+    @property
+    def collective_timeout(self) -> float | None:
+        """Seconds each collective of a distributed step may wait (``None``: the process group's own)."""
+        return self.exchange.timeout
+
+    @collective_timeout.setter
+    def collective_timeout(self, seconds: float | None) -> None:
+        self.exchange.timeout = seconds
 
     @classmethod
     def arguments(cls, state_dict: dict[str, Any]) -> dict[str, Any]:

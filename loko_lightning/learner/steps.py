@@ -190,18 +190,15 @@ class KalmanStep(ServesAnAverage):
                 field="average",
                 owner=LoKO,
             )
-        # LoKO(shard=True) exchanges each shard's blocks itself; the replicated update needs every observation here.
-        sharded = world > 1 and getattr(loko, "shard", False)
-        if sharded and loko.collective_timeout is None:
-            loko.collective_timeout = collective_timeout(module)
+        if world > 1:  # LoKO's exchange gathers every process's observations (or, sharded, exchanges their blocks)
+            loko.exchange.gather = True
+            if loko.collective_timeout is None:
+                loko.collective_timeout = collective_timeout(module)
 
         def closure() -> tuple[Tensor, Tensor, list]:
             forward = torch.autocast(device, dtype=autocast_dtype) if mixed else contextlib.nullcontext()
             with forward:
-                prediction, target, jacobians = engine.observe(inputs, label, batched=joint)
-            if world > 1 and not sharded:  # every process gets every process's observations, applies the same update
-                return all_gather_observations(prediction, target, jacobians, timeout=collective_timeout(module))
-            return prediction, target, jacobians
+                return engine.observe(inputs, label, batched=joint)
 
         averaged = None
         if loko.average:  # the prediction scored (and served) is the averaged mean's, made before the update
