@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import yaml
 
 OPTIMIZERS = (
     "loko",
@@ -156,9 +157,11 @@ def run_args(args: argparse.Namespace, optimizer: str, seed: int) -> list[str]:
     overrides = common.option_groups(args.overrides)
     if optimizer not in LOKO_RUNS:
         overrides = [group for group in overrides if not group[0].startswith(OPTIMIZER_KEYS)]
-    overlay = [] if optimizer in LOKO_RUNS else [args.baseline_dir / f"{optimizer}.yaml"]
+    configs = list(args.config)
+    if optimizer not in LOKO_RUNS:  # a LoKO overlay (a preset) configures the loko runs only
+        configs = [path for path in configs if not loko_overlay(path)] + [args.baseline_dir / f"{optimizer}.yaml"]
     return [
-        *common.config_args([*args.config, *overlay]),
+        *common.config_args(configs),
         f"--seed_everything={seed}",
         f"--data.seed={seed}",
         f"--data.max_samples={args.samples}",
@@ -166,6 +169,21 @@ def run_args(args: argparse.Namespace, optimizer: str, seed: int) -> list[str]:
         *LOKO_RUNS.get(optimizer, []),
         *([f"--model.select.samples={args.select_samples}"] if args.select_samples and optimizer in SELECTING else []),
     ]
+
+
+def loko_overlay(path: Path | str) -> bool:
+    """Whether a config configures LoKO only: a ``model`` section alone, with a LoKO optimizer (the presets).
+
+    Its keys (``head_covariance``, ``step_scales``, LoKO's arguments) are the loko runs' settings; a baseline keeps
+    the experiment config's model and its own optimizer overlay.
+    """
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    model = config.get("model") if isinstance(config, dict) else None
+    if set(config) != {"model"} or not isinstance(model, dict):
+        return False
+    optimizer = model.get("optimizer")
+    class_path = optimizer.get("class_path", "") if isinstance(optimizer, dict) else ""
+    return class_path.rsplit(".", 1)[-1] == "LoKO"
 
 
 def steps_to_convergence(loss: list[float], tol: float) -> int | None:
@@ -508,7 +526,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "weights, each run built from `loko` configs; write per-step metrics (CSV), the paper's Figure 1 (PNG) and a "
         "results table (markdown). Arguments after `--` are `loko fit` overrides (e.g. -- --data.source.image_size 32);"
         " "
-        "model.optimizer/model.lr_scheduler/model.head_covariance overrides go to the loko runs only.",
+        "model.optimizer/model.lr_scheduler/model.head_covariance overrides and --config overlays that configure LoKO "
+        "only (a model section with a LoKO optimizer: the presets) go to the loko runs only.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Steps to convergence: smallest step s with |L(t) - L(T)| <= --conv-tol for all t >= s, L the "
         "moving-average L1 loss, T the last step ('*': s within the last window, still moving). Step-time ratio: "

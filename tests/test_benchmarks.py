@@ -180,6 +180,22 @@ def test_optimizer_overrides_go_to_the_loko_runs_only(scripts):
         assert {"--seed_everything=3", "--data.seed=3", "--data.max_samples=20"} <= set(run)
 
 
+def test_a_loko_preset_configures_the_loko_runs_only(scripts):
+    """--config debug --config presets/loko_average_head_shared.yaml: the preset's shared head covariance and head
+    step scale reach the loko runs, not AdamW's (a gradient optimizer refuses a LoKO covariance: the run failed)."""
+    common, compare = scripts.common, scripts.compare
+    preset = str(ROOT / "configs" / "presets" / "loko_average_head_shared.yaml")
+    args = compare.parse_args([*SCRIPT, "--config", preset, "--", *TINY])
+    loko, adamw = compare.run_args(args, "loko", 0), compare.run_args(args, "adamw", 0)
+    assert any(a.endswith("presets/loko_average_head_shared.yaml") for a in loko)
+    assert not any("presets" in a for a in adamw)
+    assert compare.loko_overlay(preset) and not compare.loko_overlay(ROOT / "configs" / "debug.yaml")
+    assert not compare.loko_overlay(common.BASELINES / "adamw.yaml")
+    built = common.build(adamw)
+    assert built.model.hparams.head_covariance == "diagonal" and built.model.hparams.step_scales is None
+    assert isinstance(built.model.configure_optimizers()["optimizer"], torch.optim.AdamW)
+
+
 def test_compare_csv_thinning(scripts, tmp_path):
     compare, common = scripts.compare, scripts.common
     result = common.RunResult([0.5] * 20, [1.0] * 20, [2.0] * 20, [0.01] * 20, window=10, wall_s=1.0)
