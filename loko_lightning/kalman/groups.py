@@ -131,8 +131,8 @@ def check_shared_rows(filter: Any, group: dict[str, Any], shard: bool, owner: ty
         problem = "the sharded update does not split a shared covariance; use shard=False"
     elif TimeUpdate.of_group(group) != TimeUpdate():
         problem = (
-            "the time updates (process_noise, p_floor, shrinkage, inflation, forgetting) are not built for a "
-            "shared covariance; set them to 0 in this group"
+            f"the time updates ({', '.join(TimeUpdate.group_keys())}) are not built for a shared covariance; set "
+            "them to 0 in this group"
         )
     elif any(param.dim() < 2 for param in group["params"]):
         problem = "every parameter of the group must be a matrix (rows share Σ); put biases in another group"
