@@ -74,6 +74,7 @@ OPTIMIZERS = (
     "loko",
     "loko_auto",
     "loko_avg",
+    "loko_posterior",
     "adamw",
     "adamw_tuned",
     "adamw_const",
@@ -89,6 +90,7 @@ LABELS = {
     "loko": "LoKO",
     "loko_auto": "LoKO (p0: auto)",
     "loko_avg": "LoKO (averaged mean, 0.99)",
+    "loko_posterior": "LoKO (posterior predictive)",
     "adamw": "LoRA/AdamW",
     "adamw_tuned": "LoRA/AdamW (lr tuned)",
     "adamw_const": "LoRA/AdamW (lr tuned, constant)",
@@ -104,6 +106,7 @@ COLORS = {
     "loko": "tab:red",
     "loko_auto": "tab:orange",
     "loko_avg": "tab:gray",
+    "loko_posterior": "tab:olive",
     "adamw": "tab:blue",
     "adamw_tuned": "tab:purple",
     "adamw_const": "tab:pink",
@@ -120,6 +123,7 @@ LOKO_RUNS = {
     "loko": [],
     "loko_auto": ["--model.optimizer.p0=auto"],
     "loko_avg": ["--model.optimizer.init_args.average=0.99"],
+    "loko_posterior": ["--model.predictive=posterior"],
 }
 # The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
 SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors", "frozen_linear_head")
@@ -550,7 +554,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=["loko", "adamw", "adagrad"],
         choices=OPTIMIZERS,
         help="to compare: loko (the config's own), loko_auto (the same with p0: auto), loko_avg (predicting with the "
-        "average of the filter's mean, average 0.99), and the baselines, each the "
+        "average of the filter's mean, average 0.99), loko_posterior (scoring the posterior predictive), and the baselines, each the "
         "overlay configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: auto's budget)",
     )
     runs.add_argument(

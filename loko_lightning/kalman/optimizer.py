@@ -407,6 +407,8 @@ class LoKO(torch.optim.Optimizer):
             self.filter.commit(proposal, applied, belief)
             shared["step"].add_(applied.to(shared["step"].dtype))
             shared["skipped"].add_((~applied).to(torch.int64))
+            # The prediction's covariance under the prior belief, in the outputs' coordinates only (not top-k's).
+            self._prediction_cov = proposal.hpht if aggregation is None else None
             diagnostics["innovation_norm"] = torch.linalg.vector_norm(proposal.innovation)
             diagnostics["cond"] = proposal.cond
             if proposal.cond is None:  # no system solved (the information forms): no condition number
@@ -424,6 +426,15 @@ class LoKO(torch.optim.Optimizer):
             self._average.update([self.state[p][MeanAverage.key] for p in params], params, shared["step"], applied)
         self._diagnostics = diagnostics
         return result if seen.returned is None else seen.returned
+
+    @property
+    def prediction_cov(self) -> Tensor | None:
+        """``H P Hᵀ`` of the last step's prediction at the belief before its update (``(B·m) x (B·m)``), or ``None``.
+
+        ``None`` where the filter does not form it (the information forms) or the update ran in other coordinates
+        (top-k); :func:`~loko_lightning.kalman.predictive.mean_field_predictive` averages the prediction over it.
+        """
+        return getattr(self, "_prediction_cov", None)
 
     @property
     def diagnostics(self) -> dict[str, Tensor]:

@@ -16,7 +16,9 @@ from torch import nn
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.arguments import upgrade_arguments
 from loko_lightning.kalman.optimizer import LoKO
+from loko_lightning.kalman.predictive import PREDICTIVES
 from loko_lightning.learner.selection import Candidates
+from loko_lightning.models.adapters import count_parameters
 
 
 def refuse_learning_rate_tools(owner: Any, lr_scheduler: Any = None, callbacks: Sequence[pl.Callback] = ()) -> None:
@@ -208,4 +210,43 @@ def check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool, owner: Any = 
         "ckpt_path)",
         field="optimizer",
         owner=owner,
+    )
+
+
+def check_predictive(value: Any, probed: torch.optim.Optimizer, owner: Any) -> str:
+    """``predictive`` checked: a known value, and ``"posterior"`` only where the filter forms ``H P Hᵀ``.
+
+    ``probed`` is the optimizer built on a stand-in parameter. The posterior predictive needs LoKO's covariance
+    filter on the softmax observation, predicting with its mean (``average`` 0).
+    """
+    if value not in PREDICTIVES:
+        raise ConfigError(
+            f"predictive must be one of {', '.join(PREDICTIVES)}, got {value!r}", field="predictive", owner=owner
+        )
+    if value == "mean":
+        return value
+    problem = None
+    if not isinstance(probed, LoKO):
+        problem = "a gradient optimizer keeps no posterior; use LoKO"
+    elif probed.filter.name != "covariance" or probed.observation.name != "softmax":
+        problem = (
+            f"it averages over the covariance filter's H P Hᵀ of class probabilities, which filter "
+            f"{probed.filter.spec!r} with observation {probed.observation.spec!r} does not form; use filter: "
+            "covariance and observation: softmax"
+        )
+    elif probed.average:
+        problem = "the averaged mean predicts (average > 0), not the mean whose covariance the filter keeps"
+    if problem is not None:
+        raise ConfigError(f"predictive: posterior is refused: {problem}", field="predictive", owner=owner)
+    return value
+
+
+def describe(factory: Any, network: nn.Module, optimizer: OptimizerCallable) -> str:
+    """``backbone: N trainable parameters of M (x%), optimizer Name`` of a network factory's network."""
+    trainable, total = count_parameters(network)
+    cls = optimizer_class(optimizer)
+    name = cls.__name__ if cls is not None else repr(optimizer)
+    return (
+        f"{getattr(factory, 'backbone', type(network).__name__)}: {trainable:,} trainable parameters of {total:,} "
+        f"({100 * trainable / total:.3f}%), optimizer {name}"
     )

@@ -20,8 +20,9 @@ from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checks import (
     check_head_size,
     check_optimizer_kind,
+    check_predictive,
     check_schedule_length,
-    optimizer_class,
+    describe,
     optimizer_config,
     optimizer_from_config,
     probe,
@@ -38,8 +39,8 @@ from loko_lightning.learner.metrics import (
 )
 from loko_lightning.learner.selection import Candidates
 from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
-from loko_lightning.learner.transfer import load_adapters
-from loko_lightning.models.adapters import count_parameters, freeze_normalization
+from loko_lightning.learner.transfer import data_preprocessing, load_adapters
+from loko_lightning.models.adapters import freeze_normalization
 from loko_lightning.models.factory import NetworkFactory
 
 
@@ -124,6 +125,10 @@ class OnlineClassifier(pl.LightningModule):
             (one row per class) share one full ``features x features`` covariance ``Σ``, the param group key
             ``shared_rows`` (:class:`~loko_lightning.kalman.algebra.SharedRowBlocks`); the head's bias and the
             adapters stay diagonal. Costs ``features²`` numbers of state and about ``features²`` operations a sample.
+        predictive: the probabilities the online metrics score: ``"mean"`` (default, the paper) at the filter's mean;
+            ``"posterior"`` (not the paper; LoKO's covariance filter) averaged over its belief before the sample
+            (:mod:`~loko_lightning.kalman.predictive`: the ``H P Hᵀ`` the step forms, no extra pass). ``predict``,
+            export and serve use the mean.
 
     Example:
         >>> from functools import partial
@@ -144,6 +149,7 @@ class OnlineClassifier(pl.LightningModule):
         adapters_from: str | None = None,
         step_scales: dict[str, float] | None = None,
         head_covariance: str = "diagonal",
+        predictive: str = "mean",
     ) -> None:
         super().__init__()
         if isinstance(network, Mapping):
@@ -186,6 +192,7 @@ class OnlineClassifier(pl.LightningModule):
         step.check(network, lr_scheduler, owner=OnlineClassifier)
         self.online_step: OnlineStep = step() if self.select is None else SelectionStep(step(), self.select)
         self.head_covariance = check_head_covariance(head_covariance, probed, owner=OnlineClassifier)
+        self.predictive = check_predictive(predictive, probed, owner=OnlineClassifier)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()
@@ -259,7 +266,7 @@ class OnlineClassifier(pl.LightningModule):
             self._quiet.__enter__()
         else:
             self._follow_checkpoint_preprocessing()
-        rank_zero_info(_describe(self.network_factory, self.network, self.optimizer_factory))
+        rank_zero_info(describe(self.network_factory, self.network, self.optimizer_factory))
 
     def _follow_checkpoint_preprocessing(self) -> None:
         """Outside ``fit``, the data module preprocesses as the checkpoint's training data was (what it kept).
@@ -337,7 +344,7 @@ class OnlineClassifier(pl.LightningModule):
         classes = getattr(datamodule, "classes", None)
         if classes is not None:
             self.class_names = [str(name) for name in classes]
-        preprocessing = _data_preprocessing(datamodule)
+        preprocessing = data_preprocessing(datamodule)
         if preprocessing is not None:
             self.preprocessing = preprocessing
 
@@ -466,29 +473,3 @@ class OnlineClassifier(pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Top-1 accuracy (and ``held_out_metrics``) on the held-out split."""
         self._eval_step(batch, "test", self.test_metrics)
-
-
-def _data_preprocessing(datamodule: Any) -> dict[str, Any] | None:
-    """What the data module does to a sample, as plain values; ``None`` when it does not say.
-
-    Images: timm's data config (after the data module's overrides); text: ``{"tokenizer", "max_length"}``.
-    """
-    data_config = getattr(datamodule, "data_config", None)
-    if isinstance(data_config, dict):
-        return {key: list(value) if isinstance(value, tuple) else value for key, value in data_config.items()}
-    transform = getattr(datamodule, "transform", None)
-    tokenizer, max_length = getattr(transform, "source", None), getattr(transform, "max_length", None)
-    if isinstance(tokenizer, str) and isinstance(max_length, int):
-        return {"tokenizer": tokenizer, "max_length": max_length}
-    return None
-
-
-def _describe(factory: NetworkFactory, network: nn.Module, optimizer: OptimizerCallable) -> str:
-    """``backbone: N trainable parameters of M (x%), optimizer Name``."""
-    trainable, total = count_parameters(network)
-    cls = optimizer_class(optimizer)
-    name = cls.__name__ if cls is not None else repr(optimizer)
-    return (
-        f"{getattr(factory, 'backbone', type(network).__name__)}: {trainable:,} trainable parameters of {total:,} "
-        f"({100 * trainable / total:.3f}%), optimizer {name}"
-    )

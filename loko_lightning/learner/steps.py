@@ -24,6 +24,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.engine import JacobianEngine
 from loko_lightning.kalman.distributed import all_gather_observations
 from loko_lightning.kalman.optimizer import LoKO
+from loko_lightning.kalman.predictive import mean_field_predictive, sample_blocks
 from loko_lightning.learner.checks import check_selection_trainer, refuse_learning_rate_tools
 from loko_lightning.learner.selection import Candidates, CandidateStates
 
@@ -212,6 +213,9 @@ class KalmanStep(ServesAnAverage):
             label = target.argmax(-1)
         if averaged is not None:
             prediction = averaged.to(prediction.dtype)
+        elif getattr(module, "predictive", "mean") == "posterior" and loko.prediction_cov is not None:
+            blocks = sample_blocks(loko.prediction_cov, prediction.shape[0])
+            prediction = mean_field_predictive(prediction, blocks)
         return prediction, label, loko.diagnostics["applied"]
 
     def serving(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:

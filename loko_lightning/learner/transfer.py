@@ -16,7 +16,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters import get_filter
 from loko_lightning.models.adapters import parameter_kind
 
-__all__ = ["load_adapters"]
+__all__ = ["data_preprocessing", "load_adapters"]
 
 
 def load_adapters(module: Any, path: str) -> None:
@@ -77,3 +77,18 @@ def _covariance_alone(state: dict[str, Any]) -> bool:
         return not get_filter(spec).entries()
     except ConfigError:  # a filter this package does not know: its state cannot be read here
         return False
+
+
+def data_preprocessing(datamodule: Any) -> dict[str, Any] | None:
+    """What the data module does to a sample, as plain values; ``None`` when it does not say.
+
+    Images: timm's data config (after the data module's overrides); text: ``{"tokenizer", "max_length"}``.
+    """
+    data_config = getattr(datamodule, "data_config", None)
+    if isinstance(data_config, dict):
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in data_config.items()}
+    transform = getattr(datamodule, "transform", None)
+    tokenizer, max_length = getattr(transform, "source", None), getattr(transform, "max_length", None)
+    if isinstance(tokenizer, str) and isinstance(max_length, int):
+        return {"tokenizer": tokenizer, "max_length": max_length}
+    return None

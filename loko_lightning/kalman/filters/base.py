@@ -83,6 +83,7 @@ class Belief:
     step: Tensor
     shared_rows: Sequence[Tensor] = ()
     entries: Mapping[str, Tensor] = field(default_factory=dict)
+    hpht: Tensor | None = None
 
 
 @dataclass
@@ -99,6 +100,8 @@ class Proposal:
         cond: the condition number of the solved system's kept spectrum (``None`` where none is solved).
         shared_rows: the new ``Σ`` of each parameter of :attr:`UpdatePlan.rows`.
         entries: the new values of the filter's own per-entry state, by key (written by :meth:`Filter.commit`).
+        hpht: ``H P Hᵀ`` at the step's prior, the covariance of the prediction under the belief (stacked), where the
+            filter forms it (the covariance filter); what :mod:`~loko_lightning.kalman.predictive` averages over.
     """
 
     posterior: Tensor
@@ -108,6 +111,7 @@ class Proposal:
     cond: Tensor | None = None
     shared_rows: Sequence[Tensor] = ()
     entries: Mapping[str, Tensor] = field(default_factory=dict)
+    hpht: Tensor | None = None
 
 
 class Filter:

@@ -151,8 +151,9 @@ class Covariance(Filter):
         # The shared-row weights: ΔW_i = Σ R L_iᵀ w and Σ⁺ (their entries of update and posterior overwritten).
         shared_rows = plan.rows.update(factor, belief.shared_rows, update, posterior) if plan.rows else []
         return Proposal(
-            posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond, shared_rows=shared_rows
-        )
+            posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond, shared_rows=shared_rows,
+            hpht=hpht,
+        )  # fmt: skip
 
     def init_param(self, param: Tensor, cov: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
         """With the group's ``shared_rows``: ``Σ₀`` = the diagonal of the rows' mean ``p̂₀``.
