@@ -554,8 +554,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=["loko", "adamw", "adagrad"],
         choices=OPTIMIZERS,
         help="to compare: loko (the config's own), loko_auto (the same with p0: auto), loko_avg (predicting with the "
-        "average of the filter's mean, average 0.99), loko_posterior (scoring the posterior predictive), and the baselines, each the "
-        "overlay configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: auto's budget)",
+        "average of the filter's mean, average 0.99), loko_posterior (scoring the posterior predictive), and the "
+        "baselines, each the overlay configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: "
+        "auto's budget)",
     )
     runs.add_argument(
         "--baseline-dir", type=Path, default=common.BASELINES, help="where the baselines' <name>.yaml overlays are"
