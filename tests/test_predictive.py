@@ -4,17 +4,26 @@ Jacobian; and the learner scoring it before each sample's update."""
 
 import copy
 import math
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 from loko_helpers import flat_cov, jacrev_rows, loko_closure, mlp, teacher_stream
-from runs import loader, stream, tiny, trainer
+from runs import fit_full_and_resumed, loader, stream, tiny, trainer
 
 from loko_lightning import JacobianEngine, LoKO
 from loko_lightning.errors import ConfigError
-from loko_lightning.kalman.predictive import PROBIT_LAMBDA, mean_field_predictive, sample_blocks
+from loko_lightning.kalman.predictive import (
+    KAPPAS,
+    PROBIT_LAMBDA,
+    PredictiveScale,
+    mean_field_predictive,
+    sample_blocks,
+)
 from loko_lightning.learner.module import OnlineClassifier
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EPS64 = torch.finfo(torch.float64).eps
 
 
@@ -93,9 +102,36 @@ def test_a_joint_step_gives_one_block_per_sample():
     assert mean_field_predictive(prediction, blocks).shape == (3, 4)
 
 
+def test_the_scale_is_chosen_by_the_prequential_log_loss_so_far():
+    """κ = 0 (the mean) predicts first; each later step the scale with the least summed log-loss of the earlier
+    steps; a skipped step adds nothing; a resumed state chooses as the uninterrupted one."""
+    gen = torch.Generator().manual_seed(3)
+    scale = PredictiveScale()
+    totals = torch.zeros(len(KAPPAS), dtype=torch.float64)
+    for step in range(8):
+        p = torch.softmax(3 * torch.randn(2, 4, generator=gen, dtype=torch.float64), -1)
+        root = torch.randn(2, 4, 4, generator=gen, dtype=torch.float64)
+        A = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
+        C = A @ (root @ root.transpose(1, 2)) @ A
+        label = torch.randint(4, (2,), generator=gen)
+        applied = torch.tensor(step != 3)
+        expected_kappa = KAPPAS[int(torch.argmin(totals))]
+        assert scale.kappa == expected_kappa and (step > 0 or expected_kappa == 0.0)
+        got = scale(p, C, label, applied)
+        torch.testing.assert_close(got, mean_field_predictive(p, expected_kappa * C), rtol=0, atol=0)
+        if step != 3:
+            for i, kappa in enumerate(KAPPAS):
+                totals[i] -= mean_field_predictive(p, kappa * C)[torch.arange(2), label].log().sum()
+        torch.testing.assert_close(scale.losses, totals, rtol=1e-12, atol=0)
+    resumed = PredictiveScale()
+    resumed.load_state_dict(scale.state_dict())
+    assert resumed.kappa == scale.kappa and torch.equal(resumed.losses, scale.losses)
+
+
 def test_the_learner_scores_the_posterior_predictive_made_before_each_update():
-    """predictive: posterior: each scored prediction is the mean-field predictive of the mean's prediction and the
-    H P Hᵀ of the belief before that sample's update (what a plain LoKO gives at that step), bit for bit."""
+    """predictive: posterior: each scored prediction is the predictive of the mean's prediction and the H P Hᵀ of
+    the belief before that sample's update (what a plain LoKO gives at that step), at the scale chosen from the
+    earlier samples, bit for bit."""
     torch.manual_seed(0)
     module = tiny(p0=0.05, seed=1)
     module.predictive = "posterior"
@@ -103,19 +139,20 @@ def test_the_learner_scores_the_posterior_predictive_made_before_each_update():
     scored = []
     log = module._log_online
     module._log_online = lambda prediction, *rest: (scored.append(prediction.clone()), log(prediction, *rest))
-    items = stream(5)
+    items = stream(8)
     trainer().fit(module, loader(items))
 
     params = [p for p in reference_net.parameters() if p.requires_grad]
     opt = LoKO(params, p0=0.05, seed=1)
     engine = JacobianEngine(reference_net, params, observation=opt.observation, factorize=True)
-    differs = []
+    scale = PredictiveScale()
     for item, got in zip(items, scored, strict=True):
         prediction, _, _ = opt.step(lambda item=item: engine.observe(item["inputs"][None], item["label"][None]))
-        expected = mean_field_predictive(prediction[None], sample_blocks(opt.prediction_cov, 1))
+        blocks = sample_blocks(opt.prediction_cov, 1)
+        expected = scale(prediction[None], blocks, item["label"][None], opt.diagnostics["applied"])
         assert torch.equal(got, expected)
-        differs.append(not torch.equal(got, prediction[None]))
-    assert differs[1:] == [True] * 4  # the belief is not a point: the average differs (the zero head's first is flat)
+    assert torch.equal(module.online_step.predictive.losses, scale.losses)
+    assert scale.losses.min() < scale.losses[0]  # a spread beat the mean's point prediction on this stream
 
 
 @pytest.mark.parametrize(
@@ -132,6 +169,8 @@ def test_the_posterior_predictive_is_refused_where_the_filter_does_not_form_it(k
     with pytest.raises(ConfigError, match=f"predictive: posterior is refused: .*{message}") as info:
         OnlineClassifier(module.network_factory, module.optimizer_factory, predictive="posterior")
     assert info.value.field == "predictive"
+    with pytest.raises(ConfigError, match="predictive: posterior is refused: a selection"):
+        OnlineClassifier(module.network_factory, partial(LoKO, p0="auto"), predictive="posterior")
     with pytest.raises(ConfigError, match="predictive must be one of mean, posterior"):
         OnlineClassifier(tiny().network_factory, predictive="probit")
 
@@ -144,3 +183,20 @@ def test_prediction_cov_is_none_where_the_update_runs_in_other_coordinates():
     opt.step(lambda: engine.observe(x, y.argmax()[None]))
     assert opt.prediction_cov is None
     assert math.isfinite(float(opt.diagnostics["innovation_norm"]))
+
+
+@pytest.mark.slow
+def test_loko_fit_with_the_posterior_predictive_resumes_exactly(tmp_path, one_thread):
+    """24 real MNIST digits (the debug config) with --model.predictive posterior, stopped after 12 with a checkpoint
+    at 6 and resumed: the scales' losses, the online metrics and the weights as one uninterrupted run, bit for bit."""
+    common = ["--config", str(CONFIGS / "debug.yaml"), "--model.predictive", "posterior"]
+    common += ["--data.max_samples", "24", "--data.eval_max_samples", "8"]
+
+    def has_losses(checkpoint):
+        assert checkpoint["loko_predictive"]["losses"].shape == (len(KAPPAS),)
+
+    full, resumed = fit_full_and_resumed(tmp_path, common, check_part=has_losses)
+    assert full["global_step"] == resumed["global_step"] == 24
+    assert torch.equal(full["loko_predictive"]["losses"], resumed["loko_predictive"]["losses"])
+    for key in full["state_dict"]:
+        assert torch.equal(full["state_dict"][key], resumed["state_dict"][key]), key

@@ -213,11 +213,11 @@ def check_optimizer_kind(checkpoint: dict[str, Any], kalman: bool, owner: Any = 
     )
 
 
-def check_predictive(value: Any, probed: torch.optim.Optimizer, owner: Any) -> str:
+def check_predictive(value: Any, probed: torch.optim.Optimizer, selecting: bool, owner: Any) -> str:
     """``predictive`` checked: a known value, and ``"posterior"`` only where the filter forms ``H P Hᵀ``.
 
     ``probed`` is the optimizer built on a stand-in parameter. The posterior predictive needs LoKO's covariance
-    filter on the softmax observation, predicting with its mean (``average`` 0).
+    filter on the softmax observation, predicting with its mean (``average`` 0), one optimizer (not ``selecting``).
     """
     if value not in PREDICTIVES:
         raise ConfigError(
@@ -236,6 +236,8 @@ def check_predictive(value: Any, probed: torch.optim.Optimizer, owner: Any) -> s
         )
     elif probed.average:
         problem = "the averaged mean predicts (average > 0), not the mean whose covariance the filter keeps"
+    elif selecting:
+        problem = "a selection (p0: auto, select) scores its candidates at their means; choose p0 first"
     if problem is not None:
         raise ConfigError(f"predictive: posterior is refused: {problem}", field="predictive", owner=owner)
     return value

@@ -192,7 +192,7 @@ class OnlineClassifier(pl.LightningModule):
         step.check(network, lr_scheduler, owner=OnlineClassifier)
         self.online_step: OnlineStep = step() if self.select is None else SelectionStep(step(), self.select)
         self.head_covariance = check_head_covariance(head_covariance, probed, owner=OnlineClassifier)
-        self.predictive = check_predictive(predictive, probed, owner=OnlineClassifier)
+        self.predictive = check_predictive(predictive, probed, self.select is not None, owner=OnlineClassifier)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
         self.num_classes = network.num_classes
         self.network = network()

@@ -24,7 +24,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.engine import JacobianEngine
 from loko_lightning.kalman.distributed import all_gather_observations
 from loko_lightning.kalman.optimizer import LoKO
-from loko_lightning.kalman.predictive import mean_field_predictive, sample_blocks
+from loko_lightning.kalman.predictive import PredictiveScale, sample_blocks
 from loko_lightning.learner.checks import check_selection_trainer, refuse_learning_rate_tools
 from loko_lightning.learner.selection import Candidates, CandidateStates
 
@@ -137,12 +137,28 @@ class KalmanStep(ServesAnAverage):
     process updates its own parameters (:mod:`loko_lightning.kalman.sharded`). Under mixed precision the forward pass
     and the Jacobian run under the trainer's autocast, the Kalman update (whose matrix products autocast would run in
     bf16/fp16) in the filter's own dtype. Logged:
-    ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond``.
+    ``loko/innovation_norm``, ``loko/p_mean``, ``loko/p_min``, ``loko/cond`` (and ``loko/predictive_kappa`` with the
+    posterior predictive).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._engine: JacobianEngine | None = None
+        #: With the learner's ``predictive="posterior"``: the scale of the posterior predictive and its losses.
+        self.predictive: PredictiveScale | None = None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The average's training point (:class:`ServesAnAverage`) and the posterior predictive's losses."""
+        super().on_save_checkpoint(checkpoint)
+        if self.predictive is not None:
+            checkpoint["loko_predictive"] = self.predictive.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read the posterior predictive's losses (a checkpoint without them: the scales start again)."""
+        super().on_load_checkpoint(checkpoint)
+        if checkpoint.get("loko_predictive") is not None:
+            self.predictive = PredictiveScale()
+            self.predictive.load_state_dict(checkpoint["loko_predictive"])
 
     @staticmethod
     def check(network: Any, lr_scheduler: Any, owner: Any) -> None:
@@ -213,10 +229,12 @@ class KalmanStep(ServesAnAverage):
             label = target.argmax(-1)
         if averaged is not None:
             prediction = averaged.to(prediction.dtype)
-        elif getattr(module, "predictive", "mean") == "posterior" and loko.prediction_cov is not None:
+        applied = loko.diagnostics["applied"]
+        if getattr(module, "predictive", "mean") == "posterior" and loko.prediction_cov is not None:
+            self.predictive = self.predictive or PredictiveScale()
             blocks = sample_blocks(loko.prediction_cov, prediction.shape[0])
-            prediction = mean_field_predictive(prediction, blocks)
-        return prediction, label, loko.diagnostics["applied"]
+            prediction = self.predictive(prediction, blocks, label, applied)
+        return prediction, label, applied
 
     def serving(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
         """With ``LoKO(average=...)``: :meth:`~loko_lightning.LoKO.averaged` (the checkpoints hold ``θ̄``)."""
@@ -225,7 +243,10 @@ class KalmanStep(ServesAnAverage):
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The filter's diagnostics of the last step."""
         diagnostics = optimizer.diagnostics
-        return {f"loko/{key}": diagnostics[key].float() for key in ("innovation_norm", "p_mean", "p_min", "cond")}
+        logged = {f"loko/{key}": diagnostics[key].float() for key in ("innovation_norm", "p_mean", "p_min", "cond")}
+        if self.predictive is not None:  # the scale that predicts the next sample
+            logged["loko/predictive_kappa"] = self.predictive.kappa
+        return logged
 
     def close(self) -> None:
         """Close the Jacobian engine: its hooks live on the network only while training runs."""
