@@ -1,0 +1,276 @@
+r"""A Bayesian mixture of the fine-tuner and streaming LDA on the frozen backbone, scored prequentially.
+
+Experts :math:`k = 1..K`: the learner's own prediction (LoKO's, made before its update) and streaming LDA
+(:class:`~loko_lightning.peers.frozen_heads.StreamingLDA`) on the backbone's features with the adapters disabled,
+its logits tempered by each temperature :math:`T_j` of a small grid (one expert per temperature: LDA's raw
+probabilities are overconfident, a tempered copy is not). The learner predicts with the mixture
+
+.. math::
+
+    p(y \mid x_t) = \sum_k w_{k,t}\, p_k(y \mid x_t), \qquad
+    w_{k,t+1} \propto w_{k,t}\, p_k(y_t \mid x_t) \quad\text{(Bayes)}, \qquad
+    w \leftarrow (1 - \alpha)\, w + \alpha / K \quad\text{(fixed share, } \alpha = \texttt{share}\text{)},
+
+the weights updated after the sample is scored (prequential). With :math:`\alpha = 0` and a uniform prior the
+mixture's cumulative log loss is at most the best expert's plus :math:`\log K`; fixed share (Herbster & Warmuth 1998)
+lets the weight move from LDA to the fine-tuner later, at a cost of about :math:`\log(K/\alpha)` nats a switch and
+:math:`\alpha` nats a sample. Derivation and measurements: ``docs/results/mixture.md``.
+
+:class:`FrozenHeadMixture` is a Lightning callback that wraps the learner's step in :class:`MixtureStep` when fitting
+starts: ``--trainer.callbacks+=loko_lightning.learner.mixture.FrozenHeadMixture``. The network's weights, LoKO's
+trajectory and a checkpoint's ``state_dict`` are those of the plain learner; the mixture's state (the weights and LDA's
+statistics) rides in the checkpoint as ``"loko_mixture"`` but is not read back: a resumed fit is refused (the learner
+sees a wrapped step as not LoKO's). ``loko predict`` and serving use the network alone. Not with ``step_scales`` or a
+shared head covariance (refused), nor under DDP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from peft import PeftModel
+from torch import Tensor, nn
+
+from loko_lightning.errors import ConfigError
+from loko_lightning.learner.frozen_heads import evaluating
+from loko_lightning.learner.steps import OnlineStep, StepResult
+from loko_lightning.peers.frozen_heads import StreamingLDA
+
+#: LDA's temperatures by default: a geometric grid from its own (1) to 64x softer.
+TEMPERATURES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+# ------------------------------------------------------------------ the arithmetic (pure functions)
+def tempered_log_probabilities(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
+    """``log softmax(logits / T)`` for each ``T``: ``(len(temperatures), B, m)`` from logits ``(B, m)``."""
+    scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
+    return torch.log_softmax(logits[None] / scale[:, None, None], -1)
+
+
+def mixture_log_predictive(log_weights: Tensor, log_probabilities: Tensor) -> Tensor:
+    """``log Σ_k w_k p_k(y|x)`` ``(B, m)`` from normalised log weights ``(K,)`` and experts' ``(K, B, m)``."""
+    return torch.logsumexp(log_weights[:, None, None] + log_probabilities, 0)
+
+
+def update_log_weights(log_weights: Tensor, log_likelihoods: Tensor, share: float = 0.0) -> Tensor:
+    """The normalised log weights after one scored sample: Bayes' ``w_k ∝ w_k p_k(y)``, then fixed share.
+
+    Args:
+        log_weights: ``(K,)`` normalised log weights before the sample.
+        log_likelihoods: ``(K,)`` each expert's ``log p_k(y_t | x_t)``, from its prediction before the update.
+        share: fixed share's ``α`` in ``[0, 1)``: ``w ← (1 − α) w + α / K`` (0: the plain Bayesian mixture).
+    """
+    posterior = log_weights + log_likelihoods
+    posterior = posterior - torch.logsumexp(posterior, 0)
+    if share:
+        floor = torch.full_like(posterior, math.log(share / posterior.shape[0]))
+        posterior = torch.logaddexp(posterior + math.log1p(-share), floor)
+    return posterior
+
+
+# ------------------------------------------------------------------ the frozen expert
+def peft_model(network: nn.Module) -> PeftModel:
+    """The peft model in ``network`` (the network itself for timm; inside the wrapper for text)."""
+    for module in network.modules():
+        if isinstance(module, PeftModel):
+            return module
+    raise ConfigError(
+        "the mixture with a frozen head needs a peft network (its adapters are disabled for the frozen features); "
+        "this one has none. To fix it: use TimmClassifier or TransformersClassifier",
+        field="network",
+        owner=FrozenHeadMixture,
+    )
+
+
+def frozen_features(network: nn.Module, inputs: Any, num_classes: int) -> Tensor:
+    """The pretrained backbone's features ``(B, d)``: the input of the output layer, adapters disabled, eval mode.
+
+    With the adapters disabled peft runs the original head (``modules_to_save``' frozen copy): the features are the
+    input of the last ``nn.Linear`` with ``num_classes`` outputs that runs.
+    """
+    captured: list[Tensor] = []
+    layers = [m for m in network.modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
+    hooks = [layer.register_forward_hook(lambda _, args, __: captured.append(args[0].detach())) for layer in layers]
+    try:
+        with torch.no_grad(), evaluating(network), peft_model(network).disable_adapter():
+            network(inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not captured:
+        raise ConfigError(
+            f"the mixture found no nn.Linear with {num_classes} outputs in the network's forward pass",
+            field="network",
+            owner=FrozenHeadMixture,
+        )
+    return captured[-1].reshape(captured[-1].shape[0], -1)
+
+
+class MixtureStep(OnlineStep):
+    """The learner's step (``inner``, e.g. LoKO's) and streaming LDA on frozen features, predicting as their mixture.
+
+    Per step: the frozen features and LDA's tempered log probabilities (its head before this sample); the inner step
+    (its prediction made before its update); the mixture of both scored; then the weights (float64) updated by each
+    expert's likelihood of the label, and LDA's statistics by the sample. Logged: ``mixture/weight_learner`` (the
+    fine-tuner's weight) and ``mixture/temperature`` (LDA's heaviest temperature).
+
+    Args:
+        inner: the learner's own step.
+        temperatures: LDA's temperatures, one expert each.
+        share: fixed share's ``α`` (0: Bayes).
+        shrinkage: LDA's covariance shrinkage (:class:`~loko_lightning.peers.frozen_heads.StreamingLDA`).
+        prior_learner: the prior weight of the learner's expert; the rest shared equally by the temperatures.
+    """
+
+    single_process = True
+
+    def __init__(
+        self,
+        inner: OnlineStep,
+        temperatures: Sequence[float] = TEMPERATURES,
+        share: float = 0.0,
+        shrinkage: float | str = "oas",
+        prior_learner: float | None = None,
+    ) -> None:
+        self.inner = inner
+        self.temperatures = [float(t) for t in temperatures]
+        self.share, self.shrinkage = float(share), shrinkage
+        experts = 1 + len(self.temperatures)
+        learner = 1.0 / experts if prior_learner is None else float(prior_learner)
+        rest = (1.0 - learner) / len(self.temperatures)
+        self.log_weights = torch.tensor([learner] + [rest] * len(self.temperatures), dtype=torch.float64).log()
+        self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
+        self.lda: StreamingLDA | None = None
+
+    def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
+        """The inner step's checks; one process."""
+        self.inner.check_trainer(trainer, owner)
+        super().check_trainer(trainer, owner)
+
+    def start(self, module: pl.LightningModule) -> None:
+        """Let the inner step prepare."""
+        self.inner.start(module)
+
+    def _build(self, dim: int, classes: int, device: torch.device) -> None:
+        self.head = nn.Linear(dim, classes, dtype=torch.float64, device=device)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+        self.lda = StreamingLDA(self.head.parameters(), shrinkage=self.shrinkage)
+        self.lda.bind(self.head.weight, self.head.bias)
+        self.log_weights = self.log_weights.to(device)
+
+    def experts(self, learner: Tensor, features: Tensor) -> Tensor:
+        """The experts' log probabilities ``(K, B, m)`` (float64): the learner's, then LDA's at each temperature."""
+        assert self.head is not None
+        lda_logits = self.head(features.to(torch.float64))
+        lda = tempered_log_probabilities(lda_logits, self.temperatures)
+        own = learner.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()
+        return torch.cat([own[None], lda])
+
+    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
+        """Both experts predict, the mixture is scored, then every part updates on the samples (see the class)."""
+        features = frozen_features(module.network, inputs, module.num_classes)
+        if self.head is None:
+            self._build(features.shape[1], module.num_classes, features.device)
+        assert self.lda is not None
+        learner, label, applied = self.inner.step(module, optimizer, inputs, label)
+        log_probabilities = self.experts(learner, features)
+        prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
+        finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
+        if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
+            observed = log_probabilities[:, torch.arange(label.shape[0]), label]  # (K, B): log p_k(y_b | x_b)
+            for likelihoods in observed.T:  # one sample after the other
+                self.log_weights = update_log_weights(self.log_weights, likelihoods, self.share)
+            self.lda.step(closure=lambda: (features, label))
+        return prediction.to(learner.dtype), label, applied & finite
+
+    def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The inner step's values, the learner's weight and LDA's heaviest temperature."""
+        weights = self.log_weights.exp()
+        heaviest = self.temperatures[int(weights[1:].argmax())]
+        return {
+            **self.inner.logged(optimizer),
+            "mixture/weight_learner": weights[0].float(),
+            "mixture/temperature": heaviest,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The inner step's state; the mixture's weights and LDA's head and statistics as ``"loko_mixture"``."""
+        self.inner.on_save_checkpoint(checkpoint)
+        if self.head is not None and self.lda is not None:
+            checkpoint["loko_mixture"] = {
+                "log_weights": self.log_weights.clone(),
+                "head": self.head.state_dict(),
+                "lda": self.lda.state_dict(),
+            }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The inner step's state (the mixture does not resume yet: it starts afresh)."""
+        self.inner.on_load_checkpoint(checkpoint)
+
+    def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
+        """The inner step's evaluation parameters (evaluation uses the network alone)."""
+        self.inner.evaluate(module, entering)
+
+    def close(self) -> None:
+        """Close the inner step."""
+        self.inner.close()
+
+
+class FrozenHeadMixture(pl.Callback):
+    """Make the learner predict with the mixture of itself and streaming LDA on frozen features (see the module).
+
+    Add it to the trainer's callbacks (``--trainer.callbacks+=loko_lightning.learner.mixture.FrozenHeadMixture``);
+    when fitting starts it wraps the learner's step in :class:`MixtureStep` with these arguments.
+
+    Args:
+        temperatures: LDA's temperatures, one expert each (each > 0).
+        share: fixed share's ``α`` in ``[0, 1)`` (0: the Bayesian mixture).
+        shrinkage: LDA's covariance shrinkage, ``"oas"`` or a number in ``(0, 1]``.
+        prior_learner: the learner's prior weight in ``(0, 1)``; ``None``: uniform over the experts.
+    """
+
+    def __init__(
+        self,
+        temperatures: list[float] | None = None,
+        share: float = 0.0,
+        shrinkage: float | str = "oas",
+        prior_learner: float | None = None,
+    ) -> None:
+        temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
+        if not temperatures or not all(math.isfinite(t) and t > 0 for t in temperatures):
+            raise ConfigError(f"Invalid temperatures: {temperatures}", field="temperatures", owner=FrozenHeadMixture)
+        if not 0.0 <= share < 1.0:
+            raise ConfigError(f"Invalid share: {share} (in [0, 1))", field="share", owner=FrozenHeadMixture)
+        if prior_learner is not None and not 0.0 < prior_learner < 1.0:
+            raise ConfigError(
+                f"Invalid prior_learner: {prior_learner} (in (0, 1))", field="prior_learner", owner=FrozenHeadMixture
+            )
+        self.temperatures, self.share, self.shrinkage, self.prior_learner = (
+            temperatures,
+            share,
+            shrinkage,
+            prior_learner,
+        )
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Wrap the learner's step (once) when fitting."""
+        if (
+            getattr(pl_module, "step_scales", None) is not None
+            or getattr(pl_module, "head_covariance", "") != "diagonal"
+        ):
+            raise ConfigError(
+                "the mixture with a frozen head runs with one step size and the diagonal covariance (the learner's "
+                "optimizer groups need to see LoKO through the wrapped step). To fix it: no step_scales, "
+                "head_covariance: diagonal",
+                field="step_scales",
+                owner=FrozenHeadMixture,
+            )
+        if stage == "fit" and not isinstance(pl_module.online_step, MixtureStep):
+            pl_module.online_step = MixtureStep(
+                pl_module.online_step, self.temperatures, self.share, self.shrinkage, self.prior_learner
+            )
