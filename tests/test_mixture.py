@@ -17,6 +17,7 @@ from loko_lightning.learner.mixture import (
     mixture_log_predictive,
     tempered_log_probabilities,
     update_log_weights,
+    vote_log_probabilities,
 )
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier
@@ -107,6 +108,16 @@ def test_tempered_experts_and_the_predictive():
     torch.testing.assert_close(mixture_log_predictive(weights.log(), tempered).exp(), direct, rtol=1e-14, atol=0)
 
 
+def test_the_vote_is_laplaces_rule_on_the_argmax():
+    """c = (hits + 1)/(seen + 2) on the predicted class, the rest shared equally: a distribution (float64)."""
+    votes = vote_log_probabilities(
+        torch.tensor([2, 0]), torch.tensor(3.0, dtype=torch.float64), torch.tensor(8.0, dtype=torch.float64), 4
+    ).exp()
+    c = 4 / 10
+    expected = torch.tensor([[(1 - c) / 3] * 2 + [c] + [(1 - c) / 3], [c] + [(1 - c) / 3] * 3], dtype=torch.float64)
+    torch.testing.assert_close(votes, expected, rtol=1e-14, atol=0)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"temperatures": [1.0, 0.0]}, "temperatures"), ({"share": 1.0}, "share"), ({"prior_learner": 1.0}, "prior")],
@@ -149,8 +160,8 @@ def initial_features(module, items):
     return torch.cat(captured)
 
 
-def reference_lda_log_probabilities(x, y, z, shrinkage=0.1):
-    """Float64 batch LDA of ``(x, y)`` (zero mean for an unseen class; (1 − ε)Σ + εI), log softmax on ``z`` per T."""
+def reference_lda_logits(x, y, z, shrinkage=0.1):
+    """Float64 batch LDA of ``(x, y)`` (zero mean for an unseen class; (1 − ε)Σ + εI): its logits on ``z``."""
     means = torch.zeros(3, x.shape[1], dtype=torch.float64)
     for k in range(3):
         if (y == k).any():
@@ -159,17 +170,21 @@ def reference_lda_log_probabilities(x, y, z, shrinkage=0.1):
     covariance = residuals.T @ residuals / max(len(x), 1)
     precision = torch.linalg.inv((1 - shrinkage) * covariance + shrinkage * torch.eye(x.shape[1], dtype=x.dtype))
     weight = means @ precision
-    logits = z @ weight.T - 0.5 * (weight * means).sum(-1)
+    return z @ weight.T - 0.5 * (weight * means).sum(-1)
+
+
+def tempered(logits):
     return torch.stack([torch.log_softmax(logits / t, -1) for t in TEMPERATURES])
 
 
 def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
-    fitted in float64 on samples 0..i-1 of the pretrained features, and the weights of the float64 product of the
-    experts' likelihoods of labels 0..i-1 (fixed share). The network and features are float32 (d = 64 sums): a
-    probability within 1e-4 of the float64 reference, as in the frozen-heads test; predicting with sample i included
-    (LDA and the weights) moves the prediction by far more (asserted, so the test can fail)."""
+    fitted in float64 on samples 0..i-1 of the pretrained features (at each temperature, and its argmax voted with
+    its hits on 0..i-1), and the weights of the float64 product of the experts' likelihoods of labels 0..i-1 (fixed
+    share). The network and features are float32 (d = 64 sums): a probability within 1e-4 of the float64 reference,
+    as in the frozen-heads test; predicting with sample i included (LDA and the weights) moves the prediction by far
+    more (asserted, so the test can fail)."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
     plain = learner()
@@ -178,24 +193,28 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     module = learner()
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
-    callback = FrozenHeadMixture(temperatures=list(TEMPERATURES), share=SHARE, shrinkage=0.1)
+    callback = FrozenHeadMixture(temperatures=list(TEMPERATURES), share=SHARE, shrinkage=0.1, vote=True)
     trainer(callbacks=[callback]).fit(module, loader(items))
     assert isinstance(module.online_step, MixtureStep)
     assert len(mixed) == len(plain_scored) == 14
     for name, param in plain.network.named_parameters():  # LoKO's path is its own
         torch.testing.assert_close(param, module.network.get_parameter(name), rtol=0, atol=0)
-    prior = torch.full((3,), 1 / 3, dtype=torch.float64)
-    switching = (1 - SHARE) * torch.eye(3, dtype=torch.float64) + SHARE / 3
-    weights, lookahead_gap = prior.clone(), 0.0
+    experts = 2 + len(TEMPERATURES)
+    prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
+    switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
+    weights, hits, lookahead_gap = prior.clone(), 0, 0.0
     for i in range(14):
-        lda = reference_lda_log_probabilities(features[:i], labels[:i], features[i : i + 1])[:, 0]
-        experts = torch.cat([plain_scored[i].clamp_min(1e-300).log(), lda])  # (K, m)
-        expected = (weights[:, None] * experts.exp()).sum(0)
+        logits = reference_lda_logits(features[:i], labels[:i], features[i])
+        c = (hits + 1) / (i + 2)
+        vote = torch.full((3,), (1 - c) / 2, dtype=torch.float64)
+        vote[logits.argmax()] = c
+        log_p = torch.cat([plain_scored[i].clamp_min(1e-300).log(), tempered(logits), vote.log()[None]])  # (K, m)
+        expected = (weights[:, None] * log_p.exp()).sum(0)
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
-        posterior = weights * experts[:, labels[i]].exp()
+        posterior = weights * log_p[:, labels[i]].exp()
         weights = switching @ (posterior / posterior.sum())
-        lda_after = reference_lda_log_probabilities(features[: i + 1], labels[: i + 1], features[i : i + 1])[:, 0]
-        ahead = torch.cat([experts[:1], lda_after])
-        lookahead = (weights[:, None] * ahead.exp()).sum(0)
+        hits += int(logits.argmax() == labels[i])
+        ahead = torch.cat([log_p[:1], tempered(reference_lda_logits(features[: i + 1], labels[: i + 1], features[i]))])
+        lookahead = (weights[:-1, None] * ahead.exp()).sum(0) + weights[-1] * vote
         lookahead_gap = max(lookahead_gap, float((mixed[i][0] - lookahead).abs().max()))
     assert lookahead_gap > 1e-2

@@ -51,6 +51,18 @@ def tempered_log_probabilities(logits: Tensor, temperatures: Sequence[float]) ->
     return torch.log_softmax(logits[None] / scale[:, None, None], -1)
 
 
+def vote_log_probabilities(predicted: Tensor, hits: Tensor, seen: Tensor, num_classes: int) -> Tensor:
+    """A classifier's argmax as a calibrated forecast: ``c`` on ``predicted`` ``(B,)``, ``(1 − c)/(m − 1)`` elsewhere.
+
+    ``c = (hits + 1) / (seen + 2)``, Laplace's rule on the classifier's past top-1 hits (prequential: from the samples
+    before). Returns ``(B, m)`` log probabilities in ``hits``' dtype.
+    """
+    confidence = (hits + 1) / (seen + 2)
+    rest = torch.log((1 - confidence) / (num_classes - 1))
+    out = rest.expand(predicted.shape[0], num_classes).clone()
+    return out.scatter_(1, predicted[:, None], torch.log(confidence).expand(predicted.shape[0], 1))
+
+
 def mixture_log_predictive(log_weights: Tensor, log_probabilities: Tensor) -> Tensor:
     """``log Σ_k w_k p_k(y|x)`` ``(B, m)`` from normalised log weights ``(K,)`` and experts' ``(K, B, m)``."""
     return torch.logsumexp(log_weights[:, None, None] + log_probabilities, 0)
@@ -123,7 +135,9 @@ class MixtureStep(OnlineStep):
         temperatures: LDA's temperatures, one expert each.
         share: fixed share's ``α`` (0: Bayes).
         shrinkage: LDA's covariance shrinkage (:class:`~loko_lightning.peers.frozen_heads.StreamingLDA`).
-        prior_learner: the prior weight of the learner's expert; the rest shared equally by the temperatures.
+        prior_learner: the prior weight of the learner's expert; the rest shared equally by LDA's experts.
+        vote: add LDA's argmax as an expert of its own, with its past accuracy as its confidence
+            (:func:`vote_log_probabilities`).
     """
 
     single_process = True
@@ -135,14 +149,16 @@ class MixtureStep(OnlineStep):
         share: float = 0.0,
         shrinkage: float | str = "oas",
         prior_learner: float | None = None,
+        vote: bool = False,
     ) -> None:
         self.inner = inner
         self.temperatures = [float(t) for t in temperatures]
-        self.share, self.shrinkage = float(share), shrinkage
-        experts = 1 + len(self.temperatures)
-        learner = 1.0 / experts if prior_learner is None else float(prior_learner)
-        rest = (1.0 - learner) / len(self.temperatures)
-        self.log_weights = torch.tensor([learner] + [rest] * len(self.temperatures), dtype=torch.float64).log()
+        self.share, self.shrinkage, self.vote = float(share), shrinkage, vote
+        lda = len(self.temperatures) + int(vote)
+        learner = 1.0 / (1 + lda) if prior_learner is None else float(prior_learner)
+        self.log_weights = torch.tensor([learner] + [(1.0 - learner) / lda] * lda, dtype=torch.float64).log()
+        self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
+        self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
         self.lda: StreamingLDA | None = None
 
@@ -162,14 +178,18 @@ class MixtureStep(OnlineStep):
         self.lda = StreamingLDA(self.head.parameters(), shrinkage=self.shrinkage)
         self.lda.bind(self.head.weight, self.head.bias)
         self.log_weights = self.log_weights.to(device)
+        self.hits, self.seen = self.hits.to(device), self.seen.to(device)
 
     def experts(self, learner: Tensor, features: Tensor) -> Tensor:
-        """The experts' log probabilities ``(K, B, m)`` (float64): the learner's, then LDA's at each temperature."""
+        """The experts' log probabilities ``(K, B, m)``, float64: the learner's, LDA's at each temperature, the vote."""
         assert self.head is not None
         lda_logits = self.head(features.to(torch.float64))
-        lda = tempered_log_probabilities(lda_logits, self.temperatures)
-        own = learner.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()
-        return torch.cat([own[None], lda])
+        parts = [learner.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
+        parts.append(tempered_log_probabilities(lda_logits, self.temperatures))
+        if self.vote:
+            votes = vote_log_probabilities(lda_logits.argmax(-1), self.hits, self.seen, lda_logits.shape[-1])
+            parts.append(votes[None])
+        return torch.cat(parts)
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """Both experts predict, the mixture is scored, then every part updates on the samples (see the class)."""
@@ -178,6 +198,7 @@ class MixtureStep(OnlineStep):
             self._build(features.shape[1], module.num_classes, features.device)
         assert self.lda is not None
         learner, label, applied = self.inner.step(module, optimizer, inputs, label)
+        lda_argmax = self.head(features.to(torch.float64)).argmax(-1)  # LDA's head before this sample
         log_probabilities = self.experts(learner, features)
         prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
@@ -185,13 +206,15 @@ class MixtureStep(OnlineStep):
             observed = log_probabilities[:, torch.arange(label.shape[0]), label]  # (K, B): log p_k(y_b | x_b)
             for likelihoods in observed.T:  # one sample after the other
                 self.log_weights = update_log_weights(self.log_weights, likelihoods, self.share)
+            self.hits += (lda_argmax == label).sum()
+            self.seen += label.shape[0]
             self.lda.step(closure=lambda: (features, label))
         return prediction.to(learner.dtype), label, applied & finite
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inner step's values, the learner's weight and LDA's heaviest temperature."""
         weights = self.log_weights.exp()
-        heaviest = self.temperatures[int(weights[1:].argmax())]
+        heaviest = self.temperatures[int(weights[1 : 1 + len(self.temperatures)].argmax())]
         return {
             **self.inner.logged(optimizer),
             "mixture/weight_learner": weights[0].float(),
@@ -204,6 +227,8 @@ class MixtureStep(OnlineStep):
         if self.head is not None and self.lda is not None:
             checkpoint["loko_mixture"] = {
                 "log_weights": self.log_weights.clone(),
+                "hits": self.hits.clone(),
+                "seen": self.seen.clone(),
                 "head": self.head.state_dict(),
                 "lda": self.lda.state_dict(),
             }
@@ -232,6 +257,7 @@ class FrozenHeadMixture(pl.Callback):
         share: fixed share's ``α`` in ``[0, 1)`` (0: the Bayesian mixture).
         shrinkage: LDA's covariance shrinkage, ``"oas"`` or a number in ``(0, 1]``.
         prior_learner: the learner's prior weight in ``(0, 1)``; ``None``: uniform over the experts.
+        vote: add LDA's argmax with its past accuracy as its confidence as an expert (:func:`vote_log_probabilities`).
     """
 
     def __init__(
@@ -240,6 +266,7 @@ class FrozenHeadMixture(pl.Callback):
         share: float = 0.0,
         shrinkage: float | str = "oas",
         prior_learner: float | None = None,
+        vote: bool = False,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         if not temperatures or not all(math.isfinite(t) and t > 0 for t in temperatures):
@@ -250,12 +277,8 @@ class FrozenHeadMixture(pl.Callback):
             raise ConfigError(
                 f"Invalid prior_learner: {prior_learner} (in (0, 1))", field="prior_learner", owner=FrozenHeadMixture
             )
-        self.temperatures, self.share, self.shrinkage, self.prior_learner = (
-            temperatures,
-            share,
-            shrinkage,
-            prior_learner,
-        )
+        self.temperatures, self.share, self.shrinkage = temperatures, share, shrinkage
+        self.prior_learner, self.vote = prior_learner, vote
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Wrap the learner's step (once) when fitting."""
@@ -272,5 +295,5 @@ class FrozenHeadMixture(pl.Callback):
             )
         if stage == "fit" and not isinstance(pl_module.online_step, MixtureStep):
             pl_module.online_step = MixtureStep(
-                pl_module.online_step, self.temperatures, self.share, self.shrinkage, self.prior_learner
+                pl_module.online_step, self.temperatures, self.share, self.shrinkage, self.prior_learner, self.vote
             )
