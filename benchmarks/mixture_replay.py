@@ -32,7 +32,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from loko_lightning.learner.mixture import FrozenHeadMixture, MixtureStep, mixture_log_predictive, update_log_weights
+from loko_lightning.learner.mixture import MixtureStep, mixture_log_predictive, update_log_weights
+
+PRESET = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
 
 #: The recorded temperature grid: LDA's own (1) to 4096x softer, by factors of 2.
 WIDE = [float(2**k) for k in range(13)]
@@ -68,7 +70,7 @@ def record(args: argparse.Namespace) -> None:
     """One LoKO + LDA run per seed with the wide grid; ``experts_seed<s>.pt`` in ``--out``."""
     common.set_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    mixture = [f"--trainer.callbacks+={FrozenHeadMixture.__module__}.FrozenHeadMixture"]
+    mixture = common.config_args([PRESET])  # the preset's mixture (its head, LDA), with the recorded grid and vote
     mixture += [f"--trainer.callbacks.temperatures=[{', '.join(str(t) for t in args.temperatures)}]"]
     mixture += ["--trainer.callbacks.vote=true"]
     for seed in args.seeds:
@@ -148,15 +150,18 @@ def replay(args: argparse.Namespace) -> None:
                         scores(predictions, labels, args.at)
                     )
     keys = list(next(iter(rows.values()))[0])
-    print(f"| setting ({len(runs)} seeds, mean) | " + " | ".join(keys) + " |")
+    seeds = [path.stem.removeprefix("experts_seed") for path in sorted(args.folder.glob("experts_seed*.pt"))]
+    print(f"| setting ({len(runs)} seeds{'' if args.per_seed else ', mean'}) | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for name, values in rows.items():
-        means = [statistics.fmean(v[key] for v in values) for key in keys]
-        cells = [
-            f"{100 * m:.1f}" if key.startswith(("acc", "ece")) else f"{m:.3f}"
-            for key, m in zip(keys, means, strict=True)
-        ]
-        print(f"| {name} | " + " | ".join(cells) + " |")
+        groups = [(f", seed {s}", [v]) for s, v in zip(seeds, values, strict=True)] if args.per_seed else [("", values)]
+        for suffix, group in groups:
+            means = [statistics.fmean(v[key] for v in group) for key in keys]
+            cells = [
+                f"{100 * m:.1f}" if key.startswith(("acc", "ece")) else f"{m:.3f}"
+                for key, m in zip(keys, means, strict=True)
+            ]
+            print(f"| {name}{suffix} | " + " | ".join(cells) + " |")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -178,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep.add_argument("--votes", type=int, nargs="+", default=[0, 1], help="with LDA's vote (1) or without (0)")
     rep.add_argument("--show-temperatures", type=float, nargs="*", default=[1.0, 16.0, 256.0])
     rep.add_argument("--at", type=int, nargs="+", default=[100, 200, 300])
+    rep.add_argument("--per-seed", action="store_true", help="one row per seed instead of the mean")
     args = parser.parse_args(argv)
     args.overrides = overrides
     record(args) if args.command == "record" else replay(args)

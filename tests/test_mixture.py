@@ -21,6 +21,7 @@ from loko_lightning.learner.mixture import (
 )
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier
+from loko_lightning.peers import StreamingLDA
 
 
 def likelihoods(steps=60, experts=5, seed=0, dtype=torch.float64):
@@ -124,7 +125,7 @@ def test_the_vote_is_laplaces_rule_on_the_argmax():
 )
 def test_bad_arguments_are_refused(kwargs, field):
     with pytest.raises(ConfigError, match=field):
-        FrozenHeadMixture(**kwargs)
+        FrozenHeadMixture(StreamingLDA, **kwargs)
 
 
 # ------------------------------------------------------------------ the learner
@@ -193,7 +194,8 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     module = learner()
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
-    callback = FrozenHeadMixture(temperatures=list(TEMPERATURES), share=SHARE, shrinkage=0.1, vote=True)
+    head = partial(StreamingLDA, shrinkage=0.1)
+    callback = FrozenHeadMixture(head, temperatures=list(TEMPERATURES), share=SHARE, vote=True)
     trainer(callbacks=[callback]).fit(module, loader(items))
     assert isinstance(module.online_step, MixtureStep)
     assert len(mixed) == len(plain_scored) == 14

@@ -1,9 +1,10 @@
 r"""A Bayesian mixture of the fine-tuner and streaming LDA on the frozen backbone, scored prequentially.
 
-Experts :math:`k = 1..K`: the learner's own prediction (LoKO's, made before its update) and streaming LDA
-(:class:`~loko_lightning.peers.frozen_heads.StreamingLDA`) on the backbone's features with the adapters disabled,
-its logits tempered by each temperature :math:`T_j` of a small grid (one expert per temperature: LDA's raw
-probabilities are overconfident, a tempered copy is not). The learner predicts with the mixture
+Experts :math:`k = 1..K`: the learner's own prediction (LoKO's, made before its update); a head fitted in closed form
+on the backbone's features with the adapters disabled (:class:`~loko_lightning.peers.frozen_heads.StreamingLDA`,
+injected: the learner layer does not import the peers), its logits tempered by each temperature :math:`T_j` of a grid
+(one expert per temperature: LDA's raw probabilities are overconfident); and LDA's argmax alone, its confidence
+Laplace's rule on LDA's past hits (:func:`vote_log_probabilities`). The learner predicts with the mixture
 
 .. math::
 
@@ -17,17 +18,17 @@ lets the weight move from LDA to the fine-tuner later, at a cost of about :math:
 :math:`\alpha` nats a sample. Derivation and measurements: ``docs/results/mixture.md``.
 
 :class:`FrozenHeadMixture` is a Lightning callback that wraps the learner's step in :class:`MixtureStep` when fitting
-starts: ``--trainer.callbacks+=loko_lightning.learner.mixture.FrozenHeadMixture``. The network's weights, LoKO's
-trajectory and a checkpoint's ``state_dict`` are those of the plain learner; the mixture's state (the weights and LDA's
-statistics) rides in the checkpoint as ``"loko_mixture"`` but is not read back: a resumed fit is refused (the learner
-sees a wrapped step as not LoKO's). ``loko predict`` and serving use the network alone. Not with ``step_scales`` or a
-shared head covariance (refused), nor under DDP.
+starts (``configs/presets/loko_mixture_lda.yaml`` adds it). The network's weights, LoKO's trajectory and a checkpoint's
+``state_dict`` are those of the plain learner; the mixture's state (the weights and LDA's statistics) rides in the
+checkpoint as ``"loko_mixture"`` but is not read back: a resumed fit is refused (the learner sees a wrapped step as
+not LoKO's). ``loko predict`` and serving use the network alone. Not with ``step_scales`` or a shared head covariance
+(refused), nor under DDP.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,10 +39,12 @@ from torch import Tensor, nn
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.frozen_heads import evaluating
 from loko_lightning.learner.steps import OnlineStep, StepResult
-from loko_lightning.peers.frozen_heads import StreamingLDA
 
-#: LDA's temperatures by default: a geometric grid from its own (1) to 64x softer.
-TEMPERATURES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+#: LDA's temperatures by default: a geometric grid from its own (1) to 4096x softer (its early misses cost hundreds
+#: of nats at T = 1; docs/results/mixture.md).
+TEMPERATURES = tuple(float(2**k) for k in range(13))
+#: Fixed share's α by default: the weight can move from LDA to the fine-tuner within a few dozen samples.
+SHARE = 0.01
 
 
 # ------------------------------------------------------------------ the arithmetic (pure functions)
@@ -85,6 +88,13 @@ def update_log_weights(log_weights: Tensor, log_likelihoods: Tensor, share: floa
 
 
 # ------------------------------------------------------------------ the frozen expert
+#: What builds the frozen head from the parameters of its layer, e.g. ``StreamingLDA`` or ``partial(StreamingLDA,
+#: shrinkage=0.1)`` (the peers are configured by the caller: the learner layer does not import them). The head is a
+#: closed-form head's optimizer: ``bind(weight, bias)`` to its layer, then ``step(closure)`` with a closure returning
+#: ``(features, labels)`` updates its statistics and writes the head into the layer.
+HeadCallable = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+
 def peft_model(network: nn.Module) -> PeftModel:
     """The peft model in ``network`` (the network itself for timm; inside the wrapper for text)."""
     for module in network.modules():
@@ -134,7 +144,7 @@ class MixtureStep(OnlineStep):
         inner: the learner's own step.
         temperatures: LDA's temperatures, one expert each.
         share: fixed share's ``α`` (0: Bayes).
-        shrinkage: LDA's covariance shrinkage (:class:`~loko_lightning.peers.frozen_heads.StreamingLDA`).
+        head: builds the frozen head over its layer's parameters (``loko_lightning.peers.StreamingLDA``).
         prior_learner: the prior weight of the learner's expert; the rest shared equally by LDA's experts.
         vote: add LDA's argmax as an expert of its own, with its past accuracy as its confidence
             (:func:`vote_log_probabilities`).
@@ -145,22 +155,22 @@ class MixtureStep(OnlineStep):
     def __init__(
         self,
         inner: OnlineStep,
+        head: HeadCallable,
         temperatures: Sequence[float] = TEMPERATURES,
-        share: float = 0.0,
-        shrinkage: float | str = "oas",
+        share: float = SHARE,
         prior_learner: float | None = None,
-        vote: bool = False,
+        vote: bool = True,
     ) -> None:
         self.inner = inner
         self.temperatures = [float(t) for t in temperatures]
-        self.share, self.shrinkage, self.vote = float(share), shrinkage, vote
+        self.share, self.vote, self.build_head = float(share), vote, head
         lda = len(self.temperatures) + int(vote)
         learner = 1.0 / (1 + lda) if prior_learner is None else float(prior_learner)
         self.log_weights = torch.tensor([learner] + [(1.0 - learner) / lda] * lda, dtype=torch.float64).log()
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
-        self.lda: StreamingLDA | None = None
+        self.lda: Any = None  # the head's optimizer (bind, step), built with the head
 
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
         """The inner step's checks; one process."""
@@ -175,7 +185,7 @@ class MixtureStep(OnlineStep):
         self.head = nn.Linear(dim, classes, dtype=torch.float64, device=device)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
-        self.lda = StreamingLDA(self.head.parameters(), shrinkage=self.shrinkage)
+        self.lda = self.build_head(self.head.parameters())
         self.lda.bind(self.head.weight, self.head.bias)
         self.log_weights = self.log_weights.to(device)
         self.hits, self.seen = self.hits.to(device), self.seen.to(device)
@@ -253,20 +263,21 @@ class FrozenHeadMixture(pl.Callback):
     when fitting starts it wraps the learner's step in :class:`MixtureStep` with these arguments.
 
     Args:
-        temperatures: LDA's temperatures, one expert each (each > 0).
+        temperatures: LDA's temperatures, one expert each (each > 0); default :data:`TEMPERATURES`.
         share: fixed share's ``α`` in ``[0, 1)`` (0: the Bayesian mixture).
-        shrinkage: LDA's covariance shrinkage, ``"oas"`` or a number in ``(0, 1]``.
+        head: builds the frozen head over its layer's parameters: ``loko_lightning.peers.StreamingLDA`` (in a config,
+            ``class_path: loko_lightning.peers.StreamingLDA`` with its ``init_args``).
         prior_learner: the learner's prior weight in ``(0, 1)``; ``None``: uniform over the experts.
         vote: add LDA's argmax with its past accuracy as its confidence as an expert (:func:`vote_log_probabilities`).
     """
 
     def __init__(
         self,
+        head: HeadCallable,
         temperatures: list[float] | None = None,
-        share: float = 0.0,
-        shrinkage: float | str = "oas",
+        share: float = SHARE,
         prior_learner: float | None = None,
-        vote: bool = False,
+        vote: bool = True,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         if not temperatures or not all(math.isfinite(t) and t > 0 for t in temperatures):
@@ -277,7 +288,7 @@ class FrozenHeadMixture(pl.Callback):
             raise ConfigError(
                 f"Invalid prior_learner: {prior_learner} (in (0, 1))", field="prior_learner", owner=FrozenHeadMixture
             )
-        self.temperatures, self.share, self.shrinkage = temperatures, share, shrinkage
+        self.head, self.temperatures, self.share = head, temperatures, share
         self.prior_learner, self.vote = prior_learner, vote
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -295,5 +306,5 @@ class FrozenHeadMixture(pl.Callback):
             )
         if stage == "fit" and not isinstance(pl_module.online_step, MixtureStep):
             pl_module.online_step = MixtureStep(
-                pl_module.online_step, self.temperatures, self.share, self.shrinkage, self.prior_learner, self.vote
+                pl_module.online_step, self.head, self.temperatures, self.share, self.prior_learner, self.vote
             )
