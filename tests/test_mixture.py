@@ -4,6 +4,7 @@ likelihoods, and the prequential contract at the learner level (each sample scor
 import math
 from functools import partial
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from runs import loader, stream, trainer
@@ -225,3 +226,14 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
         lookahead = (weights[:-1, None] * ahead.exp()).sum(0) + weights[-1] * vote
         lookahead_gap = max(lookahead_gap, float((mixed[i][0] - lookahead).abs().max()))
     assert lookahead_gap > 1e-2
+
+
+def test_a_fit_resumed_with_the_mixture_is_refused(tmp_path, one_thread):
+    """The mixture's state is saved but not read back: resuming with it is refused, by the learner's check of the
+    optimizer's kind (the wrapped step does not read as LoKO's, so the message speaks of a gradient optimizer)."""
+    items = stream(4, num_classes=3, seed=5)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(learner(), loader(items))
+    resumed = trainer(max_epochs=2, callbacks=[FrozenHeadMixture(StreamingLDA)])
+    with pytest.raises(ConfigError, match="optimizer state is LoKO's"):
+        resumed.fit(learner(), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))

@@ -20,9 +20,10 @@ lets the weight move from LDA to the fine-tuner later, at a cost of about :math:
 :class:`FrozenHeadMixture` is a Lightning callback that wraps the learner's step in :class:`MixtureStep` when fitting
 starts (``configs/presets/loko_mixture_lda.yaml`` adds it). The network's weights, LoKO's trajectory and a checkpoint's
 ``state_dict`` are those of the plain learner; the mixture's state (the weights and LDA's statistics) rides in the
-checkpoint as ``"loko_mixture"`` but is not read back: a resumed fit is refused (the learner sees a wrapped step as
-not LoKO's). ``loko predict`` and serving use the network alone. Not with ``step_scales`` or a shared head covariance
-(refused), nor under DDP.
+checkpoint as ``"loko_mixture"`` but is not read back: a fit resumed with the mixture is refused (by the learner's
+check of the optimizer's kind, whose message speaks of a gradient optimizer: the learner does not see LoKO through the
+wrapped step). ``loko predict`` and serving use the network alone. Not with ``step_scales`` or a shared head
+covariance (refused), nor under DDP.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class MixtureStep(OnlineStep):
             }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The inner step's state (the mixture does not resume yet: it starts afresh)."""
+        """The inner step's state (the mixture does not resume yet: the learner refuses it)."""
         self.inner.on_load_checkpoint(checkpoint)
 
     def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
@@ -292,7 +293,13 @@ class FrozenHeadMixture(pl.Callback):
         self.prior_learner, self.vote = prior_learner, vote
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Wrap the learner's step (once) when fitting."""
+        """Wrap the learner's step (once) when fitting.
+
+        Raises:
+            ConfigError: ``step_scales`` or a shared head covariance.
+        """
+        if stage != "fit" or isinstance(pl_module.online_step, MixtureStep):
+            return
         if (
             getattr(pl_module, "step_scales", None) is not None
             or getattr(pl_module, "head_covariance", "") != "diagonal"
@@ -304,7 +311,6 @@ class FrozenHeadMixture(pl.Callback):
                 field="step_scales",
                 owner=FrozenHeadMixture,
             )
-        if stage == "fit" and not isinstance(pl_module.online_step, MixtureStep):
-            pl_module.online_step = MixtureStep(
-                pl_module.online_step, self.head, self.temperatures, self.share, self.prior_learner, self.vote
-            )
+        pl_module.online_step = MixtureStep(
+            pl_module.online_step, self.head, self.temperatures, self.share, self.prior_learner, self.vote
+        )
