@@ -49,6 +49,7 @@ from loko_lightning.cli import LoKOCLI
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import DivergenceError
 from loko_lightning.learner.callbacks import DivergenceGuard
+from loko_lightning.learner.mixture import FrozenHeadMixture
 from loko_lightning.learner.module import OnlineClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ class BenchmarkCLI(LoKOCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        """Keep only the divergence guard, seed LoKO's ``p̂₀``, fit a scheduler and IVON's ``ess`` to the stream."""
+        """Keep only the divergence guard (and a mixture), seed LoKO's ``p̂₀``, fit a scheduler and IVON's ``ess``."""
         config = self.config
         callbacks = config.trainer.callbacks or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
@@ -148,7 +149,8 @@ class BenchmarkCLI(LoKOCLI):
             if not guards:
                 guards = [Namespace(class_path=f"{DivergenceGuard.__module__}.DivergenceGuard", init_args=Namespace())]
             guards[0].init_args.check_every = self.guard_every
-        config.trainer.callbacks = guards
+        # The mixture with a frozen head changes what the learner predicts: a run keeps it.
+        config.trainer.callbacks = guards + [c for c in callbacks if _is_subclass(c, FrozenHeadMixture)]
         optimizer = config.model.optimizer
         if _is_subclass(optimizer, LoKO):
             if not isinstance(optimizer, Namespace):  # the class itself: LoKO with its defaults

@@ -9,7 +9,9 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
 
 - ``loko``: the config's own optimizer (LoKO), with the overrides after ``--``; ``loko_auto``: the same with
   ``p0: auto`` (:mod:`loko_lightning.learner.selection`); ``loko_avg``: the same predicting with the average of the
-  filter's mean (``average: 0.99``, not the paper's; ``docs/filters.md``);
+  filter's mean (``average: 0.99``, not the paper's; ``docs/filters.md``); ``loko_mixture``,
+  ``loko_mixture_bayes``: the same predicting with its mixture with streaming LDA on the frozen features
+  (``configs/presets/loko_mixture_lda.yaml``, and the same with share 0; ``docs/results/mixture.md``);
 - ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
   (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
   learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
@@ -75,6 +77,8 @@ OPTIMIZERS = (
     "loko_auto",
     "loko_avg",
     "loko_posterior",
+    "loko_mixture",
+    "loko_mixture_bayes",
     "adamw",
     "adamw_tuned",
     "adamw_const",
@@ -91,6 +95,8 @@ LABELS = {
     "loko_auto": "LoKO (p0: auto)",
     "loko_avg": "LoKO (averaged mean, 0.99)",
     "loko_posterior": "LoKO (posterior predictive)",
+    "loko_mixture": "LoKO + frozen LDA mixture (presets/loko_mixture_lda)",
+    "loko_mixture_bayes": "LoKO + frozen LDA mixture, Bayes (share 0)",
     "adamw": "LoRA/AdamW",
     "adamw_tuned": "LoRA/AdamW (lr tuned)",
     "adamw_const": "LoRA/AdamW (lr tuned, constant)",
@@ -107,6 +113,8 @@ COLORS = {
     "loko_auto": "tab:orange",
     "loko_avg": "tab:gray",
     "loko_posterior": "tab:olive",
+    "loko_mixture": "gold",
+    "loko_mixture_bayes": "darkgoldenrod",
     "adamw": "tab:blue",
     "adamw_tuned": "tab:purple",
     "adamw_const": "tab:pink",
@@ -118,12 +126,16 @@ COLORS = {
     "ncm": "dimgray",
     "frozen_linear_head": "tab:blue",
 }
+# The mixture of the learner and streaming LDA on frozen features (loko_lightning.learner.mixture).
+MIXTURE = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
 # The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it.
 LOKO_RUNS = {
     "loko": [],
     "loko_auto": ["--model.optimizer.p0=auto"],
     "loko_avg": ["--model.optimizer.init_args.average=0.99"],
     "loko_posterior": ["--model.predictive=posterior"],
+    "loko_mixture": common.config_args([MIXTURE]),
+    "loko_mixture_bayes": [*common.config_args([MIXTURE]), "--trainer.callbacks.share=0"],
 }
 # The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
 SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors", "frozen_linear_head")
@@ -554,9 +566,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=["loko", "adamw", "adagrad"],
         choices=OPTIMIZERS,
         help="to compare: loko (the config's own), loko_auto (the same with p0: auto), loko_avg (predicting with the "
-        "average of the filter's mean, average 0.99), loko_posterior (scoring the posterior predictive), and the "
-        "baselines, each the overlay configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: "
-        "auto's budget)",
+        "average of the filter's mean, average 0.99), loko_posterior (scoring the posterior predictive), "
+        "loko_mixture(_bayes) (its mixture with frozen LDA), and the baselines, each the overlay "
+        "configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: auto's budget)",
     )
     runs.add_argument(
         "--baseline-dir", type=Path, default=common.BASELINES, help="where the baselines' <name>.yaml overlays are"

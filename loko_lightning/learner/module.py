@@ -214,7 +214,9 @@ class OnlineClassifier(pl.LightningModule):
     def is_kalman(self) -> bool:
         """Whether the optimizer is LoKO (the steps are Kalman updates) rather than a gradient optimizer."""
         step = self.online_step
-        return isinstance(step.inner if isinstance(step, SelectionStep) else step, KalmanStep)
+        while hasattr(step, "inner"):  # a selection's or a mixture's own step
+            step = step.inner
+        return isinstance(step, KalmanStep)
 
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:

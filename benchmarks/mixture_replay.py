@@ -1,0 +1,193 @@
+r"""Record the mixture's experts on a stream once, then replay the mixture arithmetic for many settings.
+
+Usage:
+    python benchmarks/mixture_replay.py record --config configs/debug.yaml --samples 300 --seeds 0 1 2 --threads 1 \
+        --out results/mixture/experts_debug
+    python benchmarks/mixture_replay.py replay results/mixture/experts_debug --shares 0 0.01 0.03 --at 100 200 300
+
+The experts of :mod:`loko_lightning.learner.mixture` do not depend on the mixture: LoKO's path is its own (the
+learner-level test checks it bit for bit) and streaming LDA learns from the frozen features and the labels alone. So
+one run per seed with a wide temperature grid (``record``: each step's ``(K, m)`` log probabilities of the experts,
+LoKO, LDA at each temperature and LDA's vote, and the label, in ``experts_seed<s>.pt``) gives, by replaying
+:func:`~loko_lightning.learner.mixture.update_log_weights` and
+:func:`~loko_lightning.learner.mixture.mixture_log_predictive`, the prequential score the learner would make for any
+share ``α`` and subset of the experts (uniform prior; ``replay``). A setting chosen this way is chosen on the stream
+it is scored on: a screen; confirm the chosen one with ``compare.py``.
+
+``replay`` prints one row per setting: online accuracy after each ``--at``, prequential NLL and ECE (15 bins, the
+learner's definition) over the whole stream, mean over the recorded seeds; the experts alone first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import common
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from loko_lightning.learner.mixture import MixtureStep, mixture_log_predictive, update_log_weights
+
+PRESET = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
+
+#: The recorded temperature grid: LDA's own (1) to 4096x softer, by factors of 2.
+WIDE = [float(2**k) for k in range(13)]
+
+
+class ExpertRecorder(pl.Callback):
+    """Keep each step's experts' log probabilities ``(K, m)`` (float64) and label, from the learner's mixture step."""
+
+    def __init__(self) -> None:
+        self.experts: list[Tensor] = []
+        self.labels: list[Tensor] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Wrap the mixture step's :meth:`~loko_lightning.learner.mixture.MixtureStep.experts` to record its output."""
+        step = pl_module.online_step
+        assert isinstance(step, MixtureStep)
+        experts = step.experts
+
+        def recording(learner: Tensor, features: Tensor) -> Tensor:
+            out = experts(learner, features)
+            self.experts.append(out.detach().cpu().transpose(0, 1))  # (B, K, m)
+            return out
+
+        step.experts = recording  # type: ignore[method-assign]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        """The step's labels."""
+        self.labels.append(batch["label"].detach().cpu())
+
+
+def record(args: argparse.Namespace) -> None:
+    """One LoKO + LDA run per seed with the wide grid; ``experts_seed<s>.pt`` in ``--out``."""
+    common.set_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    mixture = common.config_args([PRESET])  # the preset's mixture (its head, LDA), with the recorded grid and vote
+    mixture += [f"--trainer.callbacks.temperatures=[{', '.join(str(t) for t in args.temperatures)}]"]
+    mixture += ["--trainer.callbacks.vote=true"]
+    for seed in args.seeds:
+        recorder = ExpertRecorder()
+        run_args = [*common.config_args(args.config), f"--seed_everything={seed}", f"--data.seed={seed}"]
+        run_args += [f"--data.max_samples={args.samples}", *mixture, *args.overrides]
+        with common.quiet(False):
+            result = common.fit(run_args, callbacks=[recorder])
+        experts, labels = torch.cat(recorder.experts), torch.cat(recorder.labels)
+        torch.save(
+            {
+                "experts": experts,
+                "labels": labels,
+                "temperatures": args.temperatures,
+                "vote": True,
+                "command": result.command,
+                "online_acc": result.online_acc,
+            },
+            args.out / f"experts_seed{seed}.pt",
+        )
+        print(f"[record] seed {seed}: {len(labels)} samples, LoKO + mixture online acc {result.online_acc[-1]:.4f}")
+
+
+def ece(predictions: Tensor, labels: Tensor, bins: int = 15) -> float:
+    """Expected calibration error of the top-1 predictions ``(N, m)`` (the learner's 15 equal bins, 1.0 its own)."""
+    confidence, predicted = predictions.max(-1)
+    hits = (predicted == labels).to(predictions.dtype)
+    index = torch.clamp((confidence * bins).floor().long(), max=bins)  # confidence 1: a bin of its own, as there
+    gaps = torch.zeros(bins + 1, dtype=predictions.dtype).index_add_(0, index, hits - confidence)
+    return float(gaps.abs().sum() / len(labels))
+
+
+def replay_one(experts: Tensor, labels: Tensor, share: float) -> Tensor:
+    """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, uniform prior, fixed share ``α``."""
+    count = experts.shape[1]
+    log_weights = torch.full((count,), -torch.log(torch.tensor(float(count), dtype=torch.float64)))
+    predictions = []
+    for step, label in zip(experts, labels, strict=True):
+        predictions.append(mixture_log_predictive(log_weights, step[:, None])[0].exp())
+        log_weights = update_log_weights(log_weights, step[:, label], share)
+    return torch.stack(predictions)
+
+
+def scores(predictions: Tensor, labels: Tensor, at: Sequence[int]) -> dict[str, float]:
+    """Online accuracy after each of ``at``, prequential NLL and ECE of the whole stream."""
+    hits = (predictions.argmax(-1) == labels).double().cumsum(0)
+    nll = -predictions[torch.arange(len(labels)), labels].clamp_min(torch.finfo(torch.float64).tiny).log()
+    return {
+        **{f"acc@{n}": float(hits[n - 1] / n) for n in at if n <= len(labels)},
+        "nll": float(nll.mean()),
+        "ece": ece(predictions, labels),
+    }
+
+
+def replay(args: argparse.Namespace) -> None:
+    """Print the table of the experts and the mixture settings (see the module)."""
+    runs = [torch.load(path) for path in sorted(args.folder.glob("experts_seed*.pt"))]
+    temperatures = runs[0]["temperatures"]
+    rows: dict[str, list[dict[str, float]]] = {}
+    for run in runs:
+        experts, labels = run["experts"], run["labels"]
+        rows.setdefault("LoKO alone", []).append(scores(experts[:, 0].exp(), labels, args.at))
+        for k, t in enumerate(temperatures, start=1):
+            if t in args.show_temperatures:
+                rows.setdefault(f"LDA alone, T={t:g}", []).append(scores(experts[:, k].exp(), labels, args.at))
+        rows.setdefault("LDA's vote alone", []).append(scores(experts[:, -1].exp(), labels, args.at))
+        for top in args.max_temperatures:
+            for vote in args.votes:
+                keep = [0] + [k for k, t in enumerate(temperatures, start=1) if t <= top]
+                keep += [experts.shape[1] - 1] if vote else []
+                if len(keep) == 1:
+                    continue
+                for share in args.shares:
+                    predictions = replay_one(experts[:, keep], labels, share)
+                    what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
+                    rows.setdefault(f"mixture, {what}, share {share:g}", []).append(
+                        scores(predictions, labels, args.at)
+                    )
+    keys = list(next(iter(rows.values()))[0])
+    seeds = [path.stem.removeprefix("experts_seed") for path in sorted(args.folder.glob("experts_seed*.pt"))]
+    print(f"| setting ({len(runs)} seeds{'' if args.per_seed else ', mean'}) | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for name, values in rows.items():
+        groups = [(f", seed {s}", [v]) for s, v in zip(seeds, values, strict=True)] if args.per_seed else [("", values)]
+        for suffix, group in groups:
+            means = [statistics.fmean(v[key] for v in group) for key in keys]
+            cells = [
+                f"{100 * m:.1f}" if key.startswith(("acc", "ece")) else f"{m:.3f}"
+                for key, m in zip(keys, means, strict=True)
+            ]
+            print(f"| {name}{suffix} | " + " | ".join(cells) + " |")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``record`` or ``replay`` (see the module)."""
+    argv, overrides = common.split_overrides(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    rec = commands.add_parser("record")
+    rec.add_argument("--config", type=Path, nargs="+", required=True)
+    rec.add_argument("--samples", type=int, required=True)
+    rec.add_argument("--seeds", type=int, nargs="+", default=[0])
+    rec.add_argument("--threads", type=int, default=None)
+    rec.add_argument("--temperatures", type=float, nargs="+", default=WIDE)
+    rec.add_argument("--out", type=Path, required=True)
+    rep = commands.add_parser("replay")
+    rep.add_argument("folder", type=Path)
+    rep.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.003, 0.01, 0.03, 0.1])
+    rep.add_argument("--max-temperatures", type=float, nargs="+", default=[0.0, 64.0, 4096.0], help="0: no T experts")
+    rep.add_argument("--votes", type=int, nargs="+", default=[0, 1], help="with LDA's vote (1) or without (0)")
+    rep.add_argument("--show-temperatures", type=float, nargs="*", default=[1.0, 16.0, 256.0])
+    rep.add_argument("--at", type=int, nargs="+", default=[100, 200, 300])
+    rep.add_argument("--per-seed", action="store_true", help="one row per seed instead of the mean")
+    args = parser.parse_args(argv)
+    args.overrides = overrides
+    record(args) if args.command == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    main()

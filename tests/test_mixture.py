@@ -1,0 +1,238 @@
+"""The mixture of the learner and streaming LDA on frozen features: its arithmetic against float64 products of
+likelihoods, and the prequential contract at the learner level (each sample scored before any part updates on it)."""
+
+import math
+from functools import partial
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from runs import loader, stream, trainer
+
+from loko_lightning import LoKO
+from loko_lightning.errors import ConfigError
+from loko_lightning.learner.frozen_heads import output_layer
+from loko_lightning.learner.mixture import (
+    FrozenHeadMixture,
+    MixtureStep,
+    mixture_log_predictive,
+    tempered_log_probabilities,
+    update_log_weights,
+    vote_log_probabilities,
+)
+from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.models import TimmClassifier
+from loko_lightning.peers import StreamingLDA
+
+
+def likelihoods(steps=60, experts=5, seed=0, dtype=torch.float64):
+    """``(steps, K)`` log-likelihoods of the labels under ``K`` experts: softmaxes of random logits over 10 classes."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(steps, experts, 10, generator=gen, dtype=torch.float64)
+    labels = torch.randint(10, (steps,), generator=gen)
+    log_p = torch.log_softmax(logits, -1)[torch.arange(steps), :, labels]
+    return log_p.to(dtype)
+
+
+def run(log_likelihoods, prior, share=0.0):
+    """The weights before every step and after the last, and the mixture's log-likelihood of each label."""
+    log_weights = prior.log().to(log_likelihoods.dtype)
+    before, scores = [], []
+    for ll in log_likelihoods:
+        before.append(log_weights.exp())
+        scores.append(torch.logsumexp(log_weights + ll, 0))
+        log_weights = update_log_weights(log_weights, ll, share)
+    return torch.stack(before), log_weights.exp(), torch.stack(scores)
+
+
+# ------------------------------------------------------------------ the arithmetic against float64 references
+def test_bayes_weights_are_the_normalised_product_of_likelihoods():
+    """w_k after t samples = π_k Π_{s<t} p_k(y_s) / Σ_j π_j Π_{s<t} p_j(y_s), computed directly in float64 (products of
+    probabilities, no logarithm); the two float64 paths differ by rounding, a few ulps per step: 1e-12 relative."""
+    ll = likelihoods()
+    prior = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.1], dtype=torch.float64)
+    before, after, _ = run(ll, prior)
+    for t in range(len(ll) + 1):
+        product = prior * ll[:t].exp().prod(0)
+        expected = product / product.sum()
+        got = before[t] if t < len(ll) else after
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-300)
+
+
+def test_the_mixtures_cumulative_log_loss_is_the_marginal_likelihood_and_within_log_k_of_the_best_expert():
+    """Σ_t log p_mix(y_t) = log Σ_k π_k Π_t p_k(y_t) (Bayes' chain rule); with a uniform prior it is never more than
+    log K below the best expert's: the bound the mixture is built on (docs/results/mixture.md)."""
+    ll = likelihoods(steps=80, experts=4, seed=1)
+    prior = torch.full((4,), 0.25, dtype=torch.float64)
+    _, _, scores = run(ll, prior)
+    marginal = torch.log((prior * ll.exp().prod(0)).sum())
+    torch.testing.assert_close(scores.sum(), marginal, rtol=1e-12, atol=0)
+    assert scores.sum() >= ll.sum(0).max() - math.log(4) - 1e-12
+
+
+def test_fixed_share_is_the_dense_switching_recursion():
+    """Fixed share against its dense float64 form: w ← M (w ⊙ p) / Σ(w ⊙ p), M = (1 − α) I + α/K 11ᵀ."""
+    ll = likelihoods(steps=40, experts=3, seed=2)
+    prior = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    alpha = 0.05
+    before, after, _ = run(ll, prior, share=alpha)
+    switching = (1 - alpha) * torch.eye(3, dtype=torch.float64) + alpha / 3
+    w = prior.clone()
+    for t in range(len(ll)):
+        torch.testing.assert_close(before[t], w, rtol=1e-12, atol=0)
+        posterior = w * ll[t].exp()
+        w = switching @ (posterior / posterior.sum())
+    torch.testing.assert_close(after, w, rtol=1e-12, atol=0)
+    assert after.min() >= alpha / 3 - 1e-15  # the floor: no expert's weight ever vanishes
+
+
+def test_float32_weights_follow_the_float64_product():
+    """The same 60 steps in float32: each step rounds the log weights (here |log w| < 50, checked) with a relative
+    error of 2^-24 ≈ 6e-8, so after 60 steps a log weight is off by at most about 60 · 50 · 6e-8 ≈ 1.8e-4, a weight
+    w by w · 1.8e-4 ≤ 1.8e-4, and the mixture's log-likelihood of a label as much: 2e-4 absolute holds that bound."""
+    ll = likelihoods()
+    prior = torch.full((5,), 0.2, dtype=torch.float64)
+    log_weights, largest = prior.log(), 0.0
+    for step in ll:
+        log_weights = update_log_weights(log_weights, step)
+        largest = max(largest, float(log_weights.abs().max()))
+    assert largest < 50
+    _, after64, scores64 = run(ll, prior)
+    _, after32, scores32 = run(ll.float(), prior)
+    torch.testing.assert_close(after32.double(), after64, rtol=0, atol=2e-4)
+    torch.testing.assert_close(scores32.double(), scores64, rtol=0, atol=2e-4)
+
+
+def test_tempered_experts_and_the_predictive():
+    """log softmax(z / T) for each T, and log Σ_k w_k p_k against the direct sum of probabilities (float64)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = 5 * torch.randn(2, 4, generator=gen, dtype=torch.float64)
+    tempered = tempered_log_probabilities(logits, [1.0, 3.0])
+    for k, t in enumerate([1.0, 3.0]):
+        torch.testing.assert_close(tempered[k], torch.log_softmax(logits / t, -1), rtol=1e-14, atol=0)
+    weights = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    direct = (weights[:, None, None] * tempered.exp()).sum(0)
+    torch.testing.assert_close(mixture_log_predictive(weights.log(), tempered).exp(), direct, rtol=1e-14, atol=0)
+
+
+def test_the_vote_is_laplaces_rule_on_the_argmax():
+    """c = (hits + 1)/(seen + 2) on the predicted class, the rest shared equally: a distribution (float64)."""
+    votes = vote_log_probabilities(
+        torch.tensor([2, 0]), torch.tensor(3.0, dtype=torch.float64), torch.tensor(8.0, dtype=torch.float64), 4
+    ).exp()
+    c = 4 / 10
+    expected = torch.tensor([[(1 - c) / 3] * 2 + [c] + [(1 - c) / 3], [c] + [(1 - c) / 3] * 3], dtype=torch.float64)
+    torch.testing.assert_close(votes, expected, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"temperatures": [1.0, 0.0]}, "temperatures"), ({"share": 1.0}, "share"), ({"prior_learner": 1.0}, "prior")],
+)
+def test_bad_arguments_are_refused(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        FrozenHeadMixture(StreamingLDA, **kwargs)
+
+
+# ------------------------------------------------------------------ the learner
+TEMPERATURES = (1.0, 4.0)
+SHARE = 0.05
+
+
+def learner():
+    torch.manual_seed(0)
+    factory = TimmClassifier("test_resnet", num_classes=3, pretrained=False, r=2)
+    return OnlineClassifier(factory, partial(LoKO, p0=0.1, seed=0))
+
+
+def scored(module, monkeypatch):
+    predictions = []
+    log_online = module._log_online
+    monkeypatch.setattr(
+        module, "_log_online", lambda p, *args: (predictions.append(p.detach().double()), log_online(p, *args))
+    )
+    return predictions
+
+
+def initial_features(module, items):
+    """The features the output layer reads with the initial adapters (LoRA's B = 0: the pretrained network), float64."""
+    captured = []
+    hook = output_layer(module.network, 3).register_forward_hook(lambda _, a, __: captured.append(a[0].double()))
+    module.network.eval()
+    with torch.no_grad():
+        for item in items:
+            module.network(item["inputs"][None])
+    hook.remove()
+    module.train()  # the learner's train() keeps the normalisation layers in eval mode
+    return torch.cat(captured)
+
+
+def reference_lda_logits(x, y, z, shrinkage=0.1):
+    """Float64 batch LDA of ``(x, y)`` (zero mean for an unseen class; (1 − ε)Σ + εI): its logits on ``z``."""
+    means = torch.zeros(3, x.shape[1], dtype=torch.float64)
+    for k in range(3):
+        if (y == k).any():
+            means[k] = x[y == k].mean(0)
+    residuals = x - means[y]
+    covariance = residuals.T @ residuals / max(len(x), 1)
+    precision = torch.linalg.inv((1 - shrinkage) * covariance + shrinkage * torch.eye(x.shape[1], dtype=x.dtype))
+    weight = means @ precision
+    return z @ weight.T - 0.5 * (weight * means).sum(-1)
+
+
+def tempered(logits):
+    return torch.stack([torch.log_softmax(logits / t, -1) for t in TEMPERATURES])
+
+
+def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread):
+    """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
+    its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
+    fitted in float64 on samples 0..i-1 of the pretrained features (at each temperature, and its argmax voted with
+    its hits on 0..i-1), and the weights of the float64 product of the experts' likelihoods of labels 0..i-1 (fixed
+    share). The network and features are float32 (d = 64 sums): a probability within 1e-4 of the float64 reference,
+    as in the frozen-heads test; predicting with sample i included (LDA and the weights) moves the prediction by far
+    more (asserted, so the test can fail)."""
+    items = stream(14, num_classes=3, seed=4)
+    labels = torch.stack([item["label"] for item in items])
+    plain = learner()
+    plain_scored = scored(plain, monkeypatch)
+    trainer().fit(plain, loader(items))
+    module = learner()
+    features = initial_features(module, items)
+    mixed = scored(module, monkeypatch)
+    head = partial(StreamingLDA, shrinkage=0.1)
+    callback = FrozenHeadMixture(head, temperatures=list(TEMPERATURES), share=SHARE, vote=True)
+    trainer(callbacks=[callback]).fit(module, loader(items))
+    assert isinstance(module.online_step, MixtureStep)
+    assert len(mixed) == len(plain_scored) == 14
+    for name, param in plain.network.named_parameters():  # LoKO's path is its own
+        torch.testing.assert_close(param, module.network.get_parameter(name), rtol=0, atol=0)
+    experts = 2 + len(TEMPERATURES)
+    prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
+    switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
+    weights, hits, lookahead_gap = prior.clone(), 0, 0.0
+    for i in range(14):
+        logits = reference_lda_logits(features[:i], labels[:i], features[i])
+        c = (hits + 1) / (i + 2)
+        vote = torch.full((3,), (1 - c) / 2, dtype=torch.float64)
+        vote[logits.argmax()] = c
+        log_p = torch.cat([plain_scored[i].clamp_min(1e-300).log(), tempered(logits), vote.log()[None]])  # (K, m)
+        expected = (weights[:, None] * log_p.exp()).sum(0)
+        torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
+        posterior = weights * log_p[:, labels[i]].exp()
+        weights = switching @ (posterior / posterior.sum())
+        hits += int(logits.argmax() == labels[i])
+        ahead = torch.cat([log_p[:1], tempered(reference_lda_logits(features[: i + 1], labels[: i + 1], features[i]))])
+        lookahead = (weights[:-1, None] * ahead.exp()).sum(0) + weights[-1] * vote
+        lookahead_gap = max(lookahead_gap, float((mixed[i][0] - lookahead).abs().max()))
+    assert lookahead_gap > 1e-2
+
+
+def test_a_fit_resumed_with_the_mixture_is_refused(tmp_path, one_thread):
+    """The mixture's state is saved but not read back: resuming with it is refused in one line saying so."""
+    items = stream(4, num_classes=3, seed=5)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(learner(), loader(items))
+    resumed = trainer(max_epochs=2, callbacks=[FrozenHeadMixture(StreamingLDA)])
+    with pytest.raises(ConfigError, match="resuming a fit with the frozen-head mixture is not built yet"):
+        resumed.fit(learner(), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
