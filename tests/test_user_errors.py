@@ -84,10 +84,10 @@ def test_an_integer_one_hot_target_names_the_dtype():
         ({"p0": "0.2"}, "p0", "'0.2' (str"),
         ({"p0": torch.tensor(0.2)}, "p0", "(Tensor"),
         ({"p0": True}, "p0", "True (bool"),
-        ({"beta": "0.95"}, "beta", "'0.95' (str"),
+        ({"filter": {"name": "covariance", "beta": "0.95"}}, "filter", "Invalid beta: '0.95' (str"),
         ({"seed": "0"}, "seed", "'0' (str"),
         ({"seed": 1.5}, "seed", "1.5 (float"),
-        ({"process_noise": False}, "process_noise", "False"),
+        ({"time_update": {"process_noise": False}}, "process_noise", "Invalid process_noise: False"),
     ],
 )
 def test_hyperparameters_of_the_wrong_type_are_named_with_their_type(arguments, field, shown):
