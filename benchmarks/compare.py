@@ -7,7 +7,9 @@ Usage:
 Every run is the training of ``loko fit`` on the given config(s), built by the package's CLI (``benchmarks/common.py``
 says what a benchmark run changes: no logger, checkpoints or validation; only the config's divergence guard kept):
 
-- ``loko``: the config's own optimizer (LoKO), with the overrides after ``--``; ``loko_auto``: the same with
+- ``loko``: the config's own optimizer (LoKO) exactly as configured (``--loko as_configured``: the paper's filter
+  for the shipped configs), with the overrides after ``--``; ``loko_default``: what ``loko fit`` runs without a preset
+  (the default decided from the model, ``loko_lightning.cli.default``); ``loko_auto``: the config's LoKO with
   ``p0: auto`` (:mod:`loko_lightning.learner.selection`); ``loko_avg``: the same predicting with the average of the
   filter's mean (``average: 0.99``, not the paper's; ``docs/filters.md``); ``loko_mixture``,
   ``loko_mixture_bayes``: the same predicting with its mixture with streaming LDA on the frozen features
@@ -74,6 +76,7 @@ import yaml
 
 OPTIMIZERS = (
     "loko",
+    "loko_default",
     "loko_auto",
     "loko_avg",
     "loko_posterior",
@@ -92,6 +95,7 @@ OPTIMIZERS = (
 )
 LABELS = {
     "loko": "LoKO",
+    "loko_default": "LoKO, the default (loko fit decides)",
     "loko_auto": "LoKO (p0: auto)",
     "loko_avg": "LoKO (averaged mean, 0.99)",
     "loko_posterior": "LoKO (posterior predictive)",
@@ -110,6 +114,7 @@ LABELS = {
 }
 COLORS = {
     "loko": "tab:red",
+    "loko_default": "crimson",
     "loko_auto": "tab:orange",
     "loko_avg": "tab:gray",
     "loko_posterior": "tab:olive",
@@ -128,14 +133,17 @@ COLORS = {
 }
 # The mixture of the learner and streaming LDA on frozen features (loko_lightning.learner.mixture).
 MIXTURE = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
-# The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it.
+# The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it: each
+# runs the config as it is (`loko: as_configured`, after the configs), the default only deciding in `loko_default`.
+AS_CONFIGURED = "--loko=as_configured"
 LOKO_RUNS = {
-    "loko": [],
-    "loko_auto": ["--model.optimizer.p0=auto"],
-    "loko_avg": ["--model.optimizer.init_args.average=0.99"],
-    "loko_posterior": ["--model.predictive=posterior"],
-    "loko_mixture": common.config_args([MIXTURE]),
-    "loko_mixture_bayes": [*common.config_args([MIXTURE]), "--trainer.callbacks.share=0"],
+    "loko": [AS_CONFIGURED],
+    "loko_default": ["--loko=default"],
+    "loko_auto": [AS_CONFIGURED, "--model.optimizer.p0=auto"],
+    "loko_avg": [AS_CONFIGURED, "--model.optimizer.init_args.average=0.99"],
+    "loko_posterior": [AS_CONFIGURED, "--model.predictive=posterior"],
+    "loko_mixture": [*common.config_args([MIXTURE]), AS_CONFIGURED],
+    "loko_mixture_bayes": [*common.config_args([MIXTURE]), AS_CONFIGURED, "--trainer.callbacks.share=0"],
 }
 # The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
 SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors", "frozen_linear_head")
@@ -195,7 +203,7 @@ def loko_overlay(path: Path | str) -> bool:
     """
     config = yaml.safe_load(Path(path).read_text()) or {}
     model = config.get("model") if isinstance(config, dict) else None
-    if set(config) != {"model"} or not isinstance(model, dict):
+    if not isinstance(config, dict) or set(config) - {"loko"} != {"model"} or not isinstance(model, dict):
         return False
     optimizer = model.get("optimizer")
     class_path = optimizer.get("class_path", "") if isinstance(optimizer, dict) else ""

@@ -1,6 +1,6 @@
 """What LoFi's step sees, step by step, on the debug stream: the Woodbury system's inputs and the rank cut.
 
-For each step of ``loko fit --config debug --config presets/loko_lofi.yaml`` (with ``--p0``, Kalman ``--dtype``): the
+For each step of ``loko fit --config debug --model.optimizer.init_args.filter lofi10`` (with ``--p0``, Kalman ``--dtype``): the
 largest entry of ``W``, the largest and smallest eigenvalues of ``WᵀW``, the prior's range, the largest entry of the
 proposed update, the precision the step added to the diagonal and the innovation's norm. One JSON object per step::
 
@@ -43,7 +43,7 @@ def main() -> None:
     LowRankPrecision.propose = probed
     try:
         loko([
-            "fit", "--config", "debug", "--config", "presets/loko_lofi.yaml", "--model.optimizer.init_args.p0",
+            "fit", "--config", "debug", "--model.optimizer.init_args.filter", "lofi10", "--model.optimizer.init_args.p0",
             str(args.p0), "--model.optimizer.init_args.dtype", f"torch.{args.dtype}", "--data.max_samples",
             str(args.samples), "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
             "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",

@@ -47,10 +47,16 @@ learner_args() {  # the compare.py arguments of a learner on a stream
     case "$2" in
         paper) echo "--optimizers loko" ;;
         best)
-            if [ "$1" = bbc ]; then echo "--config configs/presets/loko_auto_text.yaml --optimizers loko"
-            else echo "--config configs/presets/loko_lofi.yaml --optimizers loko"; fi ;;
+            if [ "$1" = bbc ]; then echo "--config configs/presets/loko_text.yaml --optimizers loko"
+            else echo "--optimizers loko"; fi ;;
         *) echo "--optimizers $2" ;;
     esac
+}
+
+learner_overrides() {  # the loko fit flags of a learner on a stream (after compare.py's --)
+    if [ "$2" = best ] && [ "$1" != bbc ]; then
+        echo "--model.optimizer.init_args.filter lofi10 --model.optimizer.init_args.p0 0.03"
+    fi
 }
 
 jobs=()
@@ -74,11 +80,11 @@ run_one() {
     if [ -n "$SAMPLES" ]; then shorter+=(--samples "$SAMPLES"); fi
     if [ -n "$SELECT" ]; then shorter+=(--select-samples "$SELECT"); fi
     "$PYTHON" benchmarks/compare.py $(stream_args "$stream") $(learner_args "$stream" "$learner") --seeds "$seed" \
-        "${shorter[@]}" --threads "$THREADS" --csv-every 10 --print-every "$PRINT_EVERY" --out "$out" -- $(stream_overrides "$stream") $EXTRA \
+        "${shorter[@]}" --threads "$THREADS" --csv-every 10 --print-every "$PRINT_EVERY" --out "$out" -- $(stream_overrides "$stream") $(learner_overrides "$stream" "$learner") $EXTRA \
         >"$out/log.txt" 2>&1 \
         || echo "FAILED: $stream $learner $seed (see $out/log.txt)"
 }
-export -f run_one stream_args stream_overrides learner_args
+export -f run_one stream_args stream_overrides learner_args learner_overrides
 export OUT PYTHON THREADS SAMPLES SELECT EXTRA PRINT_EVERY
 
 printf '%s\n' "${jobs[@]}" | xargs -P "$PARALLEL" -L 1 bash -c 'run_one $0 $1 $2'

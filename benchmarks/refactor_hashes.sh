@@ -22,8 +22,8 @@ fit() {
     echo "$name $(python benchmarks/state_hash.py "$ckpt" | cut -d' ' -f2-)"
 }
 fit paper
-fit natural --config "$ROOT/configs/presets/loko_natural.yaml"
-fit lofi --config "$ROOT/configs/presets/loko_lofi.yaml"
-fit average_head_shared --config "$ROOT/configs/presets/loko_average_head_shared.yaml"
+fit natural --model.optimizer.init_args.filter natural --model.optimizer.init_args.p0 0.03
+fit lofi --model.optimizer.init_args.filter lofi10 --model.optimizer.init_args.p0 0.03
+fit average_head_shared --config "$ROOT/configs/presets/loko_images.yaml"
 fit sharded --trainer.strategy ddp --trainer.devices 2 --trainer.accelerator cpu \
     --model.optimizer.init_args.shard true

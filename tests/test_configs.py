@@ -1,5 +1,6 @@
 """Every config in configs/ parses and builds, and the paper experiments have the paper's trainable counts."""
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import yaml
 
 from loko_lightning.cli import LoKOCLI
+from loko_lightning.cli.configs import resolve_config_names
 from loko_lightning.data import StreamDataModule
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models.adapters import count_parameters
@@ -88,23 +90,35 @@ PAPER_LOKO = {
 @pytest.mark.parametrize(
     ("preset", "expected"),
     [
-        ("loko_topk", {"observation": "topk5", "r_estimator": "taylor", "p0": 0.2}),
+        ("presets/loko_topk", {"observation": "topk5", "r_estimator": "taylor", "p0": 0.2}),
         # The information-form filters keep no R setting (their noise is the categorical one).
-        ("loko_natural", {"filter": "natural", "p0": 0.03}),
-        ("loko_lofi", {"filter": "lofi10", "p0": 0.03}),
-        ("loko_natural_average", {"filter": "natural", "p0": 0.03, "average": 0.99}),
+        ("presets/loko_natural", {"filter": "natural", "p0": 0.03}),
+        ("presets/loko_lofi", {"filter": "lofi10", "p0": 0.03}),
+        ("presets/loko_natural_average", {"filter": "natural", "p0": 0.03, "average": 0.99}),
     ],
 )
-def test_the_cheap_observation_presets_layer_over_a_many_class_config(preset, expected):
-    extra = ["--trainer.logger", "false"]
+def test_a_retired_preset_is_refused_naming_the_flags_that_build_its_settings(preset, expected):
+    """Four presets remain; a retired one is one line giving its settings as flags, and those flags build them."""
+    with pytest.raises(ValueError, match="that preset was retired") as caught:
+        resolve_config_names(["fit", "--config", preset])
+    flags = str(caught.value).split("its settings as flags: ")[1]
+    extra = ["--trainer.logger", "false", *shlex.split(flags)]
     with torch.device("meta"):
-        cli = build(CONFIGS / "cifar100_resnet50.yaml", *extra, "--config", str(CONFIGS / "presets" / f"{preset}.yaml"))
+        cli = build(CONFIGS / "cifar100_resnet50.yaml", *extra)
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = cli.model.optimizer_factory([param])
     # The filter's settings are the filter's (its config), the prior's the group's.
     settings = {**optimizer.param_groups[0], **optimizer.filter.config(), "average": optimizer.average}
     settings["filter"] = optimizer.filter.spec
     assert {k: settings[k] for k in expected} == expected
+
+
+def test_only_four_presets_ship():
+    """The paper's, the image and text defaults' parts (to pin them), and the frozen-head mixture for early streams."""
+    shipped = sorted(path.stem for path in (CONFIGS / "presets").glob("*.yaml"))
+    assert shipped == ["loko_images", "loko_mixture_lda", "loko_paper", "loko_text"]
+    for name in shipped:  # each pins itself: the default does not decide over a preset
+        assert yaml.safe_load((CONFIGS / "presets" / f"{name}.yaml").read_text())["loko"] == "as_configured"
 
 
 @pytest.mark.parametrize("name", ["fashion_mnist_lite0", "cifar10_resnet18", "sst2_roberta_base"])
@@ -127,7 +141,7 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
     preset = ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]
     extra = ["--trainer.logger", "false"]
     with torch.device("meta"):
-        plain = build(CONFIGS / f"{name}.yaml", *extra)
+        plain = build(CONFIGS / f"{name}.yaml", *extra, "--loko", "as_configured")
         pinned = build(CONFIGS / f"{name}.yaml", *extra, *changed, *preset)
         unpinned = build(CONFIGS / f"{name}.yaml", *extra, *preset, *changed)
     param = torch.nn.Parameter(torch.zeros(3))
@@ -151,35 +165,10 @@ def test_the_paper_preset_pins_the_papers_loko_over_any_earlier_setting(name):
     )
 
 
-def test_the_average_head_preset_gives_the_head_a_tenth_of_the_adapters_prior():
-    """presets/loko_average_head over the Fashion-MNIST config: the average, and the head's p0 0.1 x 0.2 (LoRA: 0.2)."""
+def test_the_image_preset_shares_the_heads_rows_under_a_tenth_of_the_prior():
+    """presets/loko_images: the average, one Σ for the head's weight and the head's p0 0.1 x 0.2."""
     extra = ["--trainer.logger", "false"]
-    preset = str(CONFIGS / "presets" / "loko_average_head.yaml")
-    with torch.device("meta"):
-        cli = build(CONFIGS / "fashion_mnist_lite0.yaml", *extra, "--config", preset)
-    assert cli.model.step_scales == {"head": 0.1}
-    optimizer = cli.model.build_optimizer()
-    assert optimizer.average == 0.99
-    scales = {group["p0_scale"] for group in optimizer.param_groups}
-    assert scales == {1.0, 0.1} and {group["p0"] for group in optimizer.param_groups} == {0.2}
-
-
-def test_the_average_shared_preset_shares_the_heads_rows():
-    """presets/loko_average_shared over the Fashion-MNIST config: the average, and one Σ for the head's weight."""
-    extra = ["--trainer.logger", "false"]
-    preset = str(CONFIGS / "presets" / "loko_average_shared.yaml")
-    with torch.device("meta"):
-        cli = build(CONFIGS / "fashion_mnist_lite0.yaml", *extra, "--config", preset)
-    assert cli.model.head_covariance == "shared"
-    groups = cli.model.parameter_groups()
-    assert [g["shared_rows"] for g in groups] == [False, True, False]  # the adapters, the head's weight, its bias
-    assert groups[1]["params"][0].shape == (10, 1280)
-
-
-def test_the_average_head_shared_preset_shares_the_heads_rows_under_a_tenth_of_the_prior():
-    """presets/loko_average_head_shared: the average, one Σ for the head's weight and the head's p0 0.1 x 0.2."""
-    extra = ["--trainer.logger", "false"]
-    preset = str(CONFIGS / "presets" / "loko_average_head_shared.yaml")
+    preset = str(CONFIGS / "presets" / "loko_images.yaml")
     with torch.device("meta"):
         cli = build(CONFIGS / "fashion_mnist_lite0.yaml", *extra, "--config", preset)
     assert (cli.model.head_covariance, cli.model.step_scales) == ("shared", {"head": 0.1})
@@ -198,23 +187,10 @@ def test_the_paper_preset_pins_a_diagonal_head_covariance():
     assert cli.model.head_covariance == "diagonal"
 
 
-def test_the_many_class_text_preset_shares_the_heads_rows_and_gives_the_adapters_a_tenth_of_the_prior():
-    """presets/loko_auto_text_many: p0 chosen among 1-100, one Σ for the head's weight, the adapters at 0.1 x p0."""
-    extra = ["--trainer.logger", "false"]
-    preset = str(CONFIGS / "presets" / "loko_auto_text_many.yaml")
-    cli = build(CONFIGS / "wordnet_minilm.yaml", *extra, "--config", preset)
-    assert (cli.model.head_covariance, cli.model.step_scales) == ("shared", {"lora_A": 0.1, "lora_B": 0.1})
-    assert (cli.model.select.name, cli.model.select.values) == ("p0", (1.0, 3.0, 10.0, 30.0, 100.0))
-    optimizer = cli.model.build_optimizer(p0=10.0)  # a candidate of the selection
-    groups = [(g["shared_rows"], g["p0_scale"], tuple(g["params"][0].shape)) for g in optimizer.param_groups]
-    assert groups[-2:] == [(True, 1.0, (25, 384)), (False, 1.0, (25,))]  # the head's weight, then its bias
-    assert {g[:2] for g in groups[:-2]} == {(False, 0.1)}  # LoRA A and B
-
-
 def test_the_text_selection_preset_chooses_p0_from_its_grid():
-    """presets/loko_auto_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10, 30 on 500 samples."""
+    """presets/loko_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10, 30 on 500 samples."""
     extra = ["--trainer.logger", "false"]
-    cli = build(CONFIGS / "text_quickstart.yaml", *extra, "--config", str(CONFIGS / "presets" / "loko_auto_text.yaml"))
+    cli = build(CONFIGS / "text_quickstart.yaml", *extra, "--config", str(CONFIGS / "presets" / "loko_text.yaml"))
     assert (cli.model.select.name, cli.model.select.values, cli.model.select.samples) == (
         "p0",
         (0.3, 1.0, 3.0, 10.0, 30.0),

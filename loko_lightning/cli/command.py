@@ -29,6 +29,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
+from loko_lightning.cli.default import decide
 from loko_lightning.cli.errors import class_at, lost_process_error, parse_error_message, read_parse_error
 from loko_lightning.data import FAMILIES, Source, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
@@ -96,6 +97,19 @@ class LoKOCLI(LightningCLI):
         for action in parser._actions:  # the built-in families by their short names (any Source subclass is taken)
             if action.dest == "data.source":
                 action.help = f"{action.help} Built in: {', '.join(family.__name__ for family in FAMILIES)}."
+        # Every subcommand reads it (a config file has it); fit (and a CLI without subcommands) decides with it.
+        parser.add_argument(
+            "--loko",
+            type=Literal["default", "as_configured"],
+            default="default",
+            help=(
+                "which LoKO loko fit runs: 'default' decides from the model and the run, printing one line (one "
+                "process: presets/loko_images for an image backbone with <= 10 classes, the natural filter with the "
+                "averaged mean beyond, presets/loko_text for a text backbone; a LoKO setting you changed, several "
+                "processes or another network: as configured), 'as_configured' runs the configuration exactly (the "
+                "paper's configs and the presets pin it)"
+            ),
+        )
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> Any:
         """Lightning's subcommand parser; ``predict`` also takes ``--predictions`` (where the rows are written)."""
@@ -197,19 +211,39 @@ class LoKOCLI(LightningCLI):
             )
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys."""
-        self._given_args = [str(arg) for arg in (sys.argv[1:] if args is None else args)]
+        """Parse; an unknown or ill-typed option becomes one ``ValueError`` line naming the close valid keys.
+
+        ``fit`` then decides which LoKO runs (:func:`~loko_lightning.cli.default.decide`, one line printed) and parses
+        again with the decided preset after the configuration; ``--print_config`` prints what was decided.
+        """
+        given = [str(arg) for arg in (sys.argv[1:] if args is None else args)]
+        self._given_args = given
+        printing = [arg for arg in given if arg.split("=", 1)[0] == "--print_config"]
+        first = [arg for arg in given if arg not in printing]
+        self._parse(parser, first if printing else given, from_argv=args is None)
+        subcommand = self.config.get("subcommand")
+        fitting = self.config["fit"] if subcommand == "fit" else self.config if subcommand is None else None
+        decision = decide(fitting) if fitting is not None else None
+        if decision is not None:
+            rank_zero_info(decision.line)
+        if printing or (decision is not None and decision.args):
+            # The preset after the configuration: it sets only what the decision found left at its default.
+            decided = [*first, *(decision.args if decision else ()), *printing]
+            self._parse(parser, decided, from_argv=args is None)
+        # LightningCLI reads the hyperparameters of a ckpt_path file next, with a bare torch error for a torn file.
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path:
+            check_readable(ckpt_path)
+
+    def _parse(self, parser: Any, args: list[str], *, from_argv: bool) -> None:
+        if from_argv:  # LightningCLI reads sys.argv itself (given both, it warns)
+            sys.argv[1:] = args
         try:
-            super().parse_arguments(parser, args)
+            super().parse_arguments(parser, None if from_argv else args)
         except ArgumentError as err:
             sections = {"model": self.model_class, "data": self.datamodule_class, "trainer": self.trainer_class}
             message = parse_error_message(read_parse_error(err), self._known_keys(parser), sections)
             raise ValueError(message) from None
-        # LightningCLI reads the hyperparameters of a ckpt_path file next, with a bare torch error for a torn file.
-        subcommand = self.config.get("subcommand")
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path:
-            check_readable(ckpt_path)
 
     def _parse_ckpt_path(self) -> None:
         """Lightning reads a ``ckpt_path`` file's hyperparameters (``weights_only``); a refused file is one line.

@@ -1,0 +1,217 @@
+"""The LoKO that ``loko fit`` runs when its configuration pins none: decided from the model and the run.
+
+The configuration's top-level key ``loko`` says which: ``default`` (``loko fit``'s default) runs the LoKO measured best
+for the kind of model and run configured; ``as_configured`` runs exactly what the configuration says (the paper's
+configs and every preset pin it). What the default decides from is known before anything is built:
+
+- an image backbone (:class:`~loko_lightning.models.TimmClassifier`) with at most 10 classes: the image default,
+  ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller);
+- an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100);
+- a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
+  (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes);
+- anything else runs as configured, and the line printed says why: several processes (the averaged mean and the
+  online choice run in one), another network family, or a LoKO setting or learner option the configuration changed
+  (``shard: true`` among them: the default does not override a choice).
+
+The default's parts are the preset files themselves (one owner): the default applies the preset as one more
+``--config`` after the configuration (the many-class image default: three flags), which only touches settings the
+check found at their defaults.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from loko_lightning.cli.configs import PACKAGED_CONFIGS
+from loko_lightning.kalman.optimizer import LoKO
+from loko_lightning.kalman.time_update import TimeUpdate
+from loko_lightning.models import TimmClassifier, TransformersClassifier
+
+# The configuration's top-level key and its values.
+CHOICES = ("default", "as_configured")
+# The most classes the image default was measured with (10); beyond, the many-class image default (100 measured).
+MAX_CLASSES = 10
+# The learner's options the default's presets set, with the values that leave them to the default.
+LEARNER_DEFAULTS = {"step_scales": None, "head_covariance": "diagonal", "select": None, "predictive": "mean"}
+# LoKO's arguments the default leaves alone (they say how, not what, it computes).
+NOT_SETTINGS = {"seed", "dtype", "collective_timeout"}
+
+
+# The many-class image default: no preset holds it (four presets at most); these flags pin it.
+MANY_CLASS_IMAGES = (
+    "--model.optimizer.init_args.filter=natural",
+    "--model.optimizer.init_args.p0=0.03",
+    "--model.optimizer.init_args.average=0.99",
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which LoKO runs: ``name`` (``None``: the configuration as it is), the arguments that apply it, and why."""
+
+    name: str | None
+    reason: str
+    args: tuple[str, ...] = ()
+
+    @property
+    def line(self) -> str:
+        """The one line ``loko fit`` prints."""
+        if self.name is None:
+            return f"LoKO as configured: {self.reason}"
+        return (
+            f"LoKO: the default for this run, {self.name} ({self.reason}); `--loko as_configured` runs the config as is"
+        )
+
+
+def preset(name: str) -> tuple[str, ...]:
+    """The ``--config`` arguments of a packaged preset."""
+    return ("--config", str(PACKAGED_CONFIGS / f"{name}.yaml"))
+
+
+def decide(config: Any) -> Decision | None:
+    """The decision for a parsed ``fit`` configuration, or ``None`` (``loko: as_configured``, or not a LoKO)."""
+    if config.get("loko", "default") != "default":
+        return None
+    optimizer = config.get("model.optimizer")
+    if _class_path(optimizer).rsplit(".", 1)[-1] != "LoKO":
+        return None
+    changed = _changed_settings(optimizer, config)
+    if changed:
+        return Decision(None, f"{changed[0]} is set, and the default does not override a choice")
+    network_class = _network_class(config.get("model.network"))
+    num_classes = getattr(getattr(config.get("model.network"), "init_args", None), "num_classes", None)
+    if network_class is None or not issubclass(network_class, (TimmClassifier, TransformersClassifier)):
+        return Decision(None, "the default is measured on timm and transformers classifiers only")
+    text = issubclass(network_class, TransformersClassifier)
+    if distributed(config.get("trainer")):
+        parts = "p0 chosen online runs in one process" if text else "the averaged mean is not built under DDP"
+        return Decision(None, f"several processes: {parts}")
+    if text:
+        return Decision(
+            "presets/loko_text",
+            f"a text backbone, {num_classes} classes: p0 chosen online",
+            preset("presets/loko_text"),
+        )
+    if isinstance(num_classes, int) and num_classes <= MAX_CLASSES:
+        return Decision(
+            "presets/loko_images",
+            f"an image backbone, {num_classes} classes: averaged mean, shared head covariance",
+            preset("presets/loko_images"),
+        )
+    return Decision(
+        "the many-class image default",
+        f"an image backbone, {num_classes} classes: the natural filter's one row, averaged mean, p0 0.03",
+        MANY_CLASS_IMAGES,
+    )
+
+
+def distributed(trainer: Any) -> bool:
+    """Whether a parsed trainer configuration runs several processes (devices, nodes, a DDP strategy, a launcher)."""
+    get = (lambda name: getattr(trainer, name, None)) if trainer is not None else (lambda name: None)
+    strategy = get("strategy")
+    strategy = _class_path(strategy) or (strategy if isinstance(strategy, str) else "")
+    if "ddp" in strategy.lower() or "fsdp" in strategy.lower():
+        return True
+    nodes = get("num_nodes")
+    if isinstance(nodes, int) and nodes > 1:
+        return True
+    devices = get("devices")
+    if isinstance(devices, (list, tuple)):
+        return len(devices) > 1
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int):
+        return devices > 1 or (devices == -1 and _accelerators(get("accelerator")) > 1)
+    if devices in (None, "auto") and _accelerators(get("accelerator")) > 1:  # Lightning takes every GPU there is
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+
+
+def _accelerators(accelerator: Any) -> int:
+    name = accelerator if isinstance(accelerator, str) else "auto"
+    if name in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def _changed_settings(optimizer: Any, config: Any) -> list[str]:
+    """The LoKO arguments and learner options the configuration sets away from their defaults, as flags."""
+    changed = []
+    init_args = _as_dict(getattr(optimizer, "init_args", None))
+    for name, value in init_args.items():
+        if name not in NOT_SETTINGS and not _is_default(name, value):
+            changed.append(f"--model.optimizer.{name} {_shown(value)}")
+    for name, default in LEARNER_DEFAULTS.items():
+        value = config.get(f"model.{name}")
+        if _as_dict(value) != (default if default is None or isinstance(default, str) else _as_dict(default)):
+            changed.append(f"--model.{name} {_shown(value)}")
+    return changed
+
+
+def _is_default(name: str, value: Any) -> bool:
+    if name == "filter":
+        return _filter_arguments(value) == _filter_arguments("covariance")
+    if name == "time_update":
+        settings = TimeUpdate.group_defaults(None if value is None else _as_dict(value))
+        return settings == TimeUpdate.group_defaults(None)
+    default = DEFAULTS.get(name, object())
+    if isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return math.isclose(value, default, rel_tol=0.0, abs_tol=0.0)
+    return value == default
+
+
+def _filter_arguments(value: Any) -> Any:
+    """The filter's saved arguments, as a LoKO built with it on a stand-in parameter records them."""
+    spec = _as_dict(value) if not isinstance(value, str) else value
+    try:
+        with torch.random.fork_rng(devices=[]):
+            optimizer = LoKO([nn.Parameter(torch.zeros(1))], filter=spec)
+    except Exception:  # noqa: BLE001 (an invalid filter is refused by LoKO itself when the learner builds it)
+        return None
+    return LoKO.arguments(optimizer.state_dict()).get("filter")
+
+
+def _as_dict(value: Any) -> Any:
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    if isinstance(value, Mapping):
+        return {key: _as_dict(item) for key, item in value.items()}
+    return value
+
+
+def _class_path(value: Any) -> str:
+    path = getattr(value, "class_path", None)
+    if path is None and isinstance(value, Mapping):
+        path = value.get("class_path")
+    return path if isinstance(path, str) else ""
+
+
+def _network_class(network: Any) -> type | None:
+    module, _, name = _class_path(network).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
+
+
+def _shown(value: Any) -> str:
+    value = _as_dict(value)
+    return str(value)
+
+
+# LoKO's keyword defaults (its signature), the values the default counts as "not set".
+DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(LoKO.__init__).parameters.items()
+    if parameter.default is not parameter.empty
+}

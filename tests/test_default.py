@@ -1,0 +1,185 @@
+"""The LoKO ``loko fit`` runs without a preset: decided from the model and the run, printed in one line, pinnable."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from jsonargparse import Namespace
+
+from loko_lightning import LoKO
+from loko_lightning.cli import LoKOCLI, main
+from loko_lightning.cli.default import decide, distributed
+from loko_lightning.data import StreamDataModule
+from loko_lightning.learner.module import OnlineClassifier
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PAPER_CONFIGS = sorted(
+    path.stem for path in CONFIGS.glob("*.yaml") if path.stem.split("_")[0] in ("cifar10", "cifar100", "imagenet100")
+) + ["mnist_densenet121", "sst2_roberta_base", "cola_roberta_large", "mrpc_roberta_base", "debug"]
+
+
+def build(config, *overrides, caplog=None):
+    args = ["--config", str(CONFIGS / f"{config}.yaml"), "--model.network.pretrained", "false"]
+    args += ["--trainer.logger", "false", *overrides]
+    with torch.device("meta"):
+        return LoKOCLI(OnlineClassifier, StreamDataModule, args=args, run=False)
+
+
+def settings(cli):
+    """What the built learner runs: the optimizer's arguments and the learner's options the default sets."""
+    optimizer = cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(3))])
+    group = optimizer.param_groups[0]
+    select = cli.model.select
+    return {
+        "p0": "auto" if select is not None else group["p0"],
+        "grid": select.values if select is not None else None,
+        "filter": LoKO.arguments(optimizer.state_dict())["filter"],
+        "average": optimizer.average,
+        "head_covariance": cli.model.head_covariance,
+        "step_scales": cli.model.step_scales,
+    }
+
+
+def decided_line(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("LoKO")]
+
+
+def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_saying_so(caplog):
+    with caplog.at_level(logging.INFO):
+        cli = build("quickstart")
+    got = settings(cli)
+    assert (got["average"], got["head_covariance"], got["step_scales"], got["p0"]) == (
+        0.99,
+        "shared",
+        {"head": 0.1},
+        0.2,
+    )
+    (line,) = decided_line(caplog)
+    assert "presets/loko_images" in line and "10 classes" in line and "as_configured" in line
+    # Once decided, the configuration says so: a saved config.yaml runs as it is, with no second decision.
+    assert cli.config.loko == "as_configured"
+
+
+def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
+    for config in ("text_quickstart", "wordnet_minilm"):  # 5 and 25 classes
+        got = settings(build(config))
+        assert (got["p0"], got["grid"], got["average"]) == ("auto", (0.3, 1.0, 3.0, 10.0, 30.0), 0.0), config
+        assert got["head_covariance"] == "diagonal" and got["step_scales"] is None
+
+
+def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean():
+    got = settings(build("glyphs100_lite0"))
+    assert (got["filter"]["name"], got["p0"], got["average"]) == ("natural", 0.03, 0.99)
+
+
+@pytest.mark.parametrize("name", PAPER_CONFIGS)
+def test_the_paper_configs_pin_the_papers_filter(name, caplog):
+    with caplog.at_level(logging.INFO):
+        got = settings(build(name))
+    assert {key: got[key] for key in ("p0", "average")} == {"p0": 0.2, "average": 0.0}
+    assert got["filter"]["name"] == "covariance" and got["filter"]["beta"] == 0.95
+    assert (got["head_covariance"], got["step_scales"]) == ("diagonal", None)
+    assert decided_line(caplog) == []  # pinned: nothing decided, nothing printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--model.optimizer.init_args.p0", "0.5"], "--model.optimizer.p0 0.5"),
+        (["--model.optimizer.init_args.filter", "{name: covariance, beta: 0.9}"], "--model.optimizer.filter"),
+        (["--model.optimizer.init_args.time_update", "{process_noise: 1e-6}"], "--model.optimizer.time_update"),
+        (["--model.head_covariance", "shared"], "--model.head_covariance shared"),
+        (["--model.optimizer.init_args.shard", "true"], "--model.optimizer.shard True"),
+    ],
+)
+def test_a_setting_the_configuration_changed_is_kept_and_the_line_names_it(flags, named, caplog):
+    with caplog.at_level(logging.INFO):
+        got = settings(build("quickstart", *flags))
+    assert got["average"] == 0.0  # nothing of the image default
+    (line,) = decided_line(caplog)
+    assert line.startswith("LoKO as configured: ") and named in line
+
+
+def test_the_paper_filters_own_values_written_out_are_no_change():
+    """The quick starts used to spell the paper's filter out (p0 0.2, beta 0.95): that is the default's to decide."""
+    flags = [
+        "--model.optimizer.init_args.p0",
+        "0.2",
+        "--model.optimizer.init_args.filter",
+        "{name: covariance, beta: 0.95}",
+    ]
+    assert settings(build("quickstart", *flags))["average"] == 0.99
+
+
+def test_as_configured_and_the_paper_preset_run_the_papers_filter():
+    for flags in (["--loko", "as_configured"], ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]):
+        got = settings(build("quickstart", *flags))
+        assert (got["p0"], got["average"], got["head_covariance"], got["step_scales"]) == (0.2, 0.0, "diagonal", None)
+
+
+def test_several_processes_run_as_configured(caplog):
+    with caplog.at_level(logging.INFO):
+        got = settings(build("quickstart", "--trainer.strategy", "ddp", "--trainer.devices", "2"))
+    assert got["average"] == 0.0
+    assert "several processes" in decided_line(caplog)[0]
+
+
+@pytest.mark.parametrize(
+    ("trainer", "expected"),
+    [
+        ({}, False),
+        ({"devices": "auto", "accelerator": "cpu"}, False),
+        ({"devices": 1}, False),
+        ({"devices": 2}, True),
+        ({"devices": "2"}, True),
+        ({"devices": [0, 1]}, True),
+        ({"devices": [0]}, False),
+        ({"num_nodes": 2}, True),
+        ({"strategy": "ddp"}, True),
+        ({"strategy": "ddp_spawn"}, True),
+        ({"strategy": {"class_path": "lightning.pytorch.strategies.DDPStrategy"}}, True),
+        ({"strategy": "auto", "devices": 1}, False),
+    ],
+)
+def test_which_trainer_configurations_run_several_processes(trainer, expected, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = Namespace(**{key: Namespace(**v) if isinstance(v, dict) else v for key, v in trainer.items()})
+    assert distributed(config) is expected
+
+
+def test_a_gradient_optimizer_is_not_decided():
+    assert settings_free(build("quickstart", "--config", str(CONFIGS / "baselines" / "adamw.yaml")))
+
+
+def settings_free(cli):
+    optimizer = cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(3))])
+    return isinstance(optimizer, torch.optim.AdamW) and cli.model.head_covariance == "diagonal"
+
+
+def test_decide_reads_the_top_level_key():
+    assert decide(Namespace(loko="as_configured")) is None
+
+
+def test_print_config_prints_what_was_decided(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "quickstart", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["loko"] == "as_configured" and printed["model"]["head_covariance"] == "shared"
+    assert printed["model"]["optimizer"]["init_args"]["average"] == 0.99
+
+
+def test_a_fit_with_the_default_saves_what_it_ran_and_the_checkpoint_serves_it(tmp_path, monkeypatch):
+    """Through ``loko fit``: the default decided, its checkpoint's learner and optimizer rebuilt as they ran."""
+    monkeypatch.chdir(tmp_path)
+    main([
+        "fit", "--config", "debug", "--loko", "default", "--data.max_samples", "6", "--data.eval_max_samples", "2",
+        "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]",
+        "--trainer.enable_checkpointing", "true",
+    ])  # fmt: skip
+    (ckpt,) = tmp_path.rglob("*.ckpt")
+    loaded = OnlineClassifier.load_from_checkpoint(ckpt, weights_only=False)
+    assert (loaded.head_covariance, loaded.step_scales) == ("shared", {"head": 0.1})
+    state = torch.load(ckpt, weights_only=False)
+    assert state["optimizer_states"][0]["param_groups"][0]["p0"] == 0.2
