@@ -224,6 +224,19 @@ def steps_to_convergence(loss: list[float], tol: float) -> int | None:
     return s
 
 
+# The samples after which summary.json records the average online accuracy (those a stream reaches).
+CHECKPOINTS = (100, 250, 500, 750, 1000, 2000, 3000, 4000, 4500, 5000)
+
+
+def accuracy_at(result: common.RunResult) -> dict[int, float]:
+    """The average online accuracy after each of :data:`CHECKPOINTS` samples that the run reached."""
+    found = {}
+    for samples, acc in zip(result.samples, result.online_acc, strict=False):
+        if samples in CHECKPOINTS:
+            found[samples] = acc
+    return found
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     mean = statistics.fmean(values)
     std = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -271,6 +284,10 @@ def summarize(
             "steps": {run.seed: run.result.steps for run in mine},
             "wall_s": {run.seed: run.result.wall_s for run in mine},
             "selection": {run.seed: run.result.selection for run in mine if run.result.selection},
+            # The average online accuracy after the checkpoints a results table quotes, and the recent accuracy at
+            # the end: kept in summary.json (in git) where metrics.csv (not in git) has the whole curve.
+            "online_acc_at": {run.seed: accuracy_at(run.result) for run in mine},
+            "final_recent_acc": {run.seed: run.result.recent_acc[-1] for run in mine if run.result.recent_acc},
             **{
                 f"final_{name}": {
                     run.seed: getattr(run.result, name)[-1]

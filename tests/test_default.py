@@ -183,3 +183,20 @@ def test_a_fit_with_the_default_saves_what_it_ran_and_the_checkpoint_serves_it(t
     assert (loaded.head_covariance, loaded.step_scales) == ("shared", {"head": 0.1})
     state = torch.load(ckpt, weights_only=False)
     assert state["optimizer_states"][0]["param_groups"][0]["p0"] == 0.2
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--model.step_scales", "{head: 0.1}"], "step_scales {head: < 1} on a text backbone"),
+        (["--model.optimizer.init_args.p0", "auto"], "p0: auto over its default grid"),
+    ],
+)
+def test_a_combination_measured_to_lose_on_text_is_warned_in_one_line(flags, warned):
+    with pytest.warns(UserWarning, match=warned.replace("{", r"\{").replace("(", r"\(")):
+        build("text_quickstart", *flags)
+
+
+def test_the_text_default_is_not_warned(recwarn):
+    build("text_quickstart")
+    assert not [w for w in recwarn if "measured to lose" in str(w.message) or "too small for text" in str(w.message)]

@@ -27,9 +27,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from loko_lightning.cli.default import decide
+from loko_lightning.cli.default import decide, measured_to_lose
 from loko_lightning.cli.errors import class_at, lost_process_error, parse_error_message, read_parse_error
 from loko_lightning.data import FAMILIES, Source, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
@@ -230,6 +230,9 @@ class LoKOCLI(LightningCLI):
             # The preset after the configuration: it sets only what the decision found left at its default.
             decided = [*first, *(decision.args if decision else ()), *printing]
             self._parse(parser, decided, from_argv=args is None)
+        if fitting is not None:
+            for line in measured_to_lose(self.config["fit"] if subcommand == "fit" else self.config):
+                rank_zero_warn(line)
         # LightningCLI reads the hyperparameters of a ckpt_path file next, with a bare torch error for a torn file.
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path:

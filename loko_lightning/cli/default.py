@@ -34,6 +34,7 @@ from torch import nn
 from loko_lightning.cli.configs import PACKAGED_CONFIGS
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.kalman.time_update import TimeUpdate
+from loko_lightning.learner.selection import AUTO_P0
 from loko_lightning.models import TimmClassifier, TransformersClassifier
 
 # The configuration's top-level key and its values.
@@ -112,6 +113,36 @@ def decide(config: Any) -> Decision | None:
         f"an image backbone, {num_classes} classes: the natural filter's one row, averaged mean, p0 0.03",
         MANY_CLASS_IMAGES,
     )
+
+
+def measured_to_lose(config: Any) -> list[str]:
+    """A line per combination in a parsed ``fit`` configuration that the studies measured to lose (warned, not refused).
+
+    - a text backbone with the head's prior below the adapters' (``step_scales: {head: < 1}``): lost at every
+      checkpoint of BBC News (seed 0) against the same LoKO without it;
+    - a text backbone with ``p0: auto`` over its default grid (0.01-0.3): its top, 0.3, was chosen (by LoFi) on every
+      BBC News seed; the text default's grid (0.3-30) led the tuned AdamW there.
+    """
+    if _class_path(config.get("model.optimizer")).rsplit(".", 1)[-1] != "LoKO":
+        return []
+    network_class = _network_class(config.get("model.network"))
+    if network_class is None or not issubclass(network_class, TransformersClassifier):
+        return []
+    lines = []
+    scales = _as_dict(config.get("model.step_scales")) or {}
+    if isinstance(scales.get("head"), (int, float)) and scales["head"] < 1:
+        lines.append(
+            "step_scales {head: < 1} on a text backbone: measured to lose at every checkpoint of BBC News against the "
+            "same LoKO without it (docs/filters.md, 'Which to use'); drop it for text"
+        )
+    select = _as_dict(config.get("model.select"))
+    init_args = _as_dict(getattr(config.get("model.optimizer"), "init_args", None)) or {}
+    if init_args.get("p0") == "auto" and (select is None or tuple(select.get("values", ())) == AUTO_P0):
+        lines.append(
+            "p0: auto over its default grid (0.01-0.3) on a text backbone: its top was chosen on every BBC News seed "
+            "(docs/p0.md), the grid is too small for text; presets/loko_text chooses among 0.3-30"
+        )
+    return lines
 
 
 def distributed(trainer: Any) -> bool:
