@@ -184,13 +184,16 @@ def run_args(args: argparse.Namespace, optimizer: str, seed: int) -> list[str]:
     configs = list(args.config)
     if optimizer not in LOKO_RUNS:  # a LoKO overlay (a preset) configures the loko runs only
         configs = [path for path in configs if not loko_overlay(path)] + [args.baseline_dir / f"{optimizer}.yaml"]
+    added = LOKO_RUNS.get(optimizer, [])
+    pin = [token for token in added if token.startswith("--loko=")]  # before the overrides: `-- --loko ...` wins
     return [
         *common.config_args(configs),
+        *pin,
         f"--seed_everything={seed}",
         f"--data.seed={seed}",
         f"--data.max_samples={args.samples}",
         *(token for group in overrides for token in group),
-        *LOKO_RUNS.get(optimizer, []),
+        *(token for token in added if token not in pin),
         *([f"--model.select.samples={args.select_samples}"] if args.select_samples and optimizer in SELECTING else []),
     ]
 

@@ -196,13 +196,13 @@ def test_optimizer_overrides_go_to_the_loko_runs_only(scripts):
 
 
 def test_a_loko_preset_configures_the_loko_runs_only(scripts):
-    """--config debug --config presets/loko_average_head_shared.yaml: the preset's shared head covariance and head
-    step scale reach the loko runs, not AdamW's (a gradient optimizer refuses a LoKO covariance: the run failed)."""
+    """--config debug --config presets/loko_images.yaml: the preset's shared head covariance and head step scale
+    reach the loko runs, not AdamW's (a gradient optimizer refuses a LoKO covariance: the run failed)."""
     common, compare = scripts.common, scripts.compare
-    preset = str(ROOT / "configs" / "presets" / "loko_average_head_shared.yaml")
+    preset = str(ROOT / "configs" / "presets" / "loko_images.yaml")
     args = compare.parse_args([*SCRIPT, "--config", preset, "--", *TINY])
     loko, adamw = compare.run_args(args, "loko", 0), compare.run_args(args, "adamw", 0)
-    assert any(a.endswith("presets/loko_average_head_shared.yaml") for a in loko)
+    assert any(a.endswith("presets/loko_images.yaml") for a in loko)
     assert not any("presets" in a for a in adamw)
     assert compare.loko_overlay(preset) and not compare.loko_overlay(ROOT / "configs" / "debug.yaml")
     assert not compare.loko_overlay(common.BASELINES / "adamw.yaml")

@@ -330,6 +330,23 @@ def test_loko_fit_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path, two_proc
         assert torch.equal(again["state_dict"][key], last["state_dict"][key]), key
 
 
+def test_the_image_default_under_ddp_scores_every_process_s_averaged_predictions(tmp_path, two_processes):
+    """``presets/loko_images`` (the averaged mean, the shared head covariance) under DDP, refused before (the averaged
+    mean predicted each process's own samples only): both processes' averaged predictions are gathered and scored
+    once each, and the ranks stay in sync."""
+    preset = str(ROOT / "configs" / "presets" / "loko_images.yaml")
+    averaged, checkpoints, _ = loko_ddp(tmp_path, "images", "--config", preset)
+    first, second = averaged["states"]
+    assert torch.equal(first, second)
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["state_dict"]["online_acc.weight"].item() == 24  # every rank's predictions scored once
+    assert last["hyper_parameters"]["head_covariance"] == "shared"
+    # The scores are the averaged mean's, not the filter's: the same stream without the average scores otherwise.
+    plain = torch.load(two_processes[1] / "last.ckpt", weights_only=False)
+    nll = [key for key in last["state_dict"] if key.startswith("nll.")]
+    assert nll and any(not torch.equal(last["state_dict"][k], plain["state_dict"][k]) for k in nll)
+
+
 def test_a_sharded_loko_fit_stays_in_sync_checkpoints_the_whole_state_and_resumes_exactly(tmp_path, two_processes):
     """``--model.optimizer.init_args.shard true``: each process updates its shard of the adapters; the ranks end with
     the same θ̃, p̂ (gathered) and R, every sample is scored once, the checkpoints and the divergence guard's records

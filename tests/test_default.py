@@ -119,11 +119,14 @@ def test_as_configured_and_the_paper_preset_run_the_papers_filter():
         assert (got["p0"], got["average"], got["head_covariance"], got["step_scales"]) == (0.2, 0.0, "diagonal", None)
 
 
-def test_several_processes_run_as_configured(caplog):
+def test_several_processes_keep_the_image_default_and_run_a_text_backbone_as_configured(caplog):
+    ddp = ("--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
     with caplog.at_level(logging.INFO):
-        got = settings(build("quickstart", "--trainer.strategy", "ddp", "--trainer.devices", "2"))
-    assert got["average"] == 0.0
-    assert "several processes" in decided_line(caplog)[0]
+        images, text = settings(build("quickstart", *ddp)), settings(build("text_quickstart", *ddp))
+    assert (images["average"], images["head_covariance"], text["p0"], text["average"]) == (0.99, "shared", 0.2, 0.0)
+    image_line, text_line = decided_line(caplog)
+    assert "several processes (measured in one)" in image_line and "presets/loko_images" in image_line
+    assert text_line == "LoKO as configured: several processes: p0 chosen online runs in one process"
 
 
 @pytest.mark.parametrize(

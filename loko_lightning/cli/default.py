@@ -9,9 +9,12 @@ configs and every preset pin it). What the default decides from is known before 
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes);
-- anything else runs as configured, and the line printed says why: several processes (the averaged mean and the
-  online choice run in one), another network family, or a LoKO setting or learner option the configuration changed
-  (``shard: true`` among them: the default does not override a choice).
+- anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
+  choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
+  changed (``shard: true`` among them: the default does not override a choice).
+
+The image defaults were measured in one process; under DDP they run the same settings, each step one joint update of
+every process's samples, and the line says so.
 
 The default's parts are the preset files themselves (one owner): the default applies the preset as one more
 ``--config`` after the configuration (the many-class image default: three flags), which only touches settings the
@@ -93,9 +96,11 @@ def decide(config: Any) -> Decision | None:
     if network_class is None or not issubclass(network_class, (TimmClassifier, TransformersClassifier)):
         return Decision(None, "the default is measured on timm and transformers classifiers only")
     text = issubclass(network_class, TransformersClassifier)
-    if distributed(config.get("trainer")):
-        parts = "p0 chosen online runs in one process" if text else "the averaged mean is not built under DDP"
-        return Decision(None, f"several processes: {parts}")
+    processes = distributed(config.get("trainer"))
+    if text and processes:
+        return Decision(None, "several processes: p0 chosen online runs in one process")
+    # Measured in one process; under DDP each step is one joint update of every process's samples.
+    where = ", several processes (measured in one)" if processes else ""
     if text:
         return Decision(
             "presets/loko_text",
@@ -105,12 +110,12 @@ def decide(config: Any) -> Decision | None:
     if isinstance(num_classes, int) and num_classes <= MAX_CLASSES:
         return Decision(
             "presets/loko_images",
-            f"an image backbone, {num_classes} classes: averaged mean, shared head covariance",
+            f"an image backbone, {num_classes} classes{where}: averaged mean, shared head covariance",
             preset("presets/loko_images"),
         )
     return Decision(
         "the many-class image default",
-        f"an image backbone, {num_classes} classes: the natural filter's one row, averaged mean, p0 0.03",
+        f"an image backbone, {num_classes} classes{where}: the natural filter's one row, averaged mean, p0 0.03",
         MANY_CLASS_IMAGES,
     )
 

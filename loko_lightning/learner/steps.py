@@ -200,13 +200,6 @@ class KalmanStep(ServesAnAverage):
         autocast_dtype = torch.get_autocast_dtype(device) if mixed else None
         world = world_size(module)
         joint = label.shape[0] > 1 or world > 1
-        if loko.average and world > 1:
-            raise ConfigError(
-                f"average={loko.average} with {world} processes: the averaged mean predicts each process's own "
-                "samples only, which the learner does not gather yet; use average=0 (the paper) under DDP",
-                field="average",
-                owner=LoKO,
-            )
         if world > 1:  # LoKO's exchange gathers every process's observations (or, sharded, exchanges their blocks)
             loko.exchange.gather = True
             if loko.collective_timeout is None:
@@ -221,6 +214,9 @@ class KalmanStep(ServesAnAverage):
         if loko.average:  # the prediction scored (and served) is the averaged mean's, made before the update
             with torch.no_grad(), loko.averaged():
                 averaged = loko.observation.predict(module.network(inputs).reshape(label.shape[0], -1))
+        if averaged is not None and world > 1:  # every process's, in the exchange's order (rank order, as its gather)
+            own = F.one_hot(label, averaged.shape[-1]).to(averaged.dtype)
+            averaged, _, _ = all_gather_observations(averaged, own, [], timeout=loko.collective_timeout)
         with torch.autocast(device, enabled=False) if mixed else contextlib.nullcontext():
             prediction, target, _ = optimizer.step(closure=closure)
         if not joint:
