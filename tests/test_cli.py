@@ -44,23 +44,23 @@ CHEAP_LOFI = [
 ]
 
 
+TOPK = ["--model.optimizer.init_args.observation", "topk5"]
+NATURAL = ["--model.optimizer.init_args.filter", "natural", "--model.optimizer.init_args.p0", "0.03"]
+LOFI = ["--model.optimizer.init_args.filter", "lofi10", "--model.optimizer.init_args.p0", "0.03"]
+
+
 @pytest.mark.parametrize(
-    ("preset", "filter", "extra"),
-    [
-        ("loko_topk", "topk5", []),
-        ("loko_natural", "natural", []),
-        ("loko_lofi", "lofi10", []),
-        ("loko_lofi", "lofi10_empirical", CHEAP_LOFI),
-    ],
+    ("flags", "filter", "extra"),
+    [(TOPK, "topk5", []), (NATURAL, "natural", []), (LOFI, "lofi10", []), (LOFI, "lofi10_empirical", CHEAP_LOFI)],
+    ids=["topk", "natural", "lofi", "lofi_empirical"],
 )
-def test_the_cheap_filter_and_observation_presets_train_from_the_command_line(tmp_path, preset, filter, extra):
-    """A random-weight timm test network on 12 glyphs100 samples (100 classes) with each cheap observation's preset
-    (and LoFi on the empirical Fisher with stabilised forgetting, as flags over the LoFi preset)."""
+def test_the_cheap_filters_and_observations_train_from_the_command_line(tmp_path, flags, filter, extra):
+    """A random-weight timm test network on 12 glyphs100 samples (100 classes) with each cheap observation's flags
+    (the keys of the retired presets; LoFi on the empirical Fisher with stabilised forgetting as more flags)."""
     network = ["--model.network.backbone", "test_resnet", "--model.network.weights", "null"]
     network += ["--model.network.pretrained", "false", "--model.network.num_classes", "100", "--model.window", "4"]
     data = ["--data.source", "Glyphs100", "--data.max_samples", "12", "--data.eval_max_samples", "4"]
-    preset_args = ["--config", str(ROOT / "configs" / "presets" / f"{preset}.yaml")]
-    main(["fit", "--config", DEBUG, *preset_args, *network, *data, *outputs(tmp_path), *extra])
+    main(["fit", "--config", DEBUG, *flags, *network, *data, *outputs(tmp_path), *extra])
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     group = checkpoint["optimizer_states"][0]["param_groups"][0]
     assert filter in (group["observation"], group["filter"]["name"])

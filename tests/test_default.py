@@ -10,7 +10,7 @@ from jsonargparse import Namespace
 
 from loko_lightning import LoKO
 from loko_lightning.cli import LoKOCLI, main
-from loko_lightning.cli.default import decide, distributed
+from loko_lightning.cli.default import decide, default_arguments, distributed
 from loko_lightning.data import StreamDataModule
 from loko_lightning.learner.module import OnlineClassifier
 
@@ -203,3 +203,27 @@ def test_a_combination_measured_to_lose_on_text_is_warned_in_one_line(flags, war
 def test_the_text_default_is_not_warned(recwarn):
     build("text_quickstart")
     assert not [w for w in recwarn if "measured to lose" in str(w.message) or "too small for text" in str(w.message)]
+
+
+@pytest.mark.parametrize(("config", "classes"), [("quickstart", 10), ("glyphs100_lite0", 100), ("text_quickstart", 5)])
+def test_code_gets_the_same_default_as_loko_fit(config, classes):
+    """``default_arguments(network)``: the learner's keyword arguments of the LoKO ``loko fit`` decides for it."""
+    cli = build(config)
+    decision, arguments = default_arguments(cli.model.network_factory)
+    with torch.device("meta"):
+        model = OnlineClassifier(cli.model.network_factory, **arguments)
+    assert settings(cli) == settings(Namespace(model=model))
+    assert decision.line == decide_line(config)
+
+
+def decide_line(config):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        build(config)
+    finally:
+        logger.removeHandler(handler)
+    return next(r.getMessage() for r in records if r.getMessage().startswith("LoKO"))

@@ -29,15 +29,19 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
+from jsonargparse import Namespace
 from torch import nn
 
 from loko_lightning.cli.configs import PACKAGED_CONFIGS
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.kalman.time_update import TimeUpdate
-from loko_lightning.learner.selection import AUTO_P0
+from loko_lightning.learner.selection import AUTO_P0, Candidates
 from loko_lightning.models import TimmClassifier, TransformersClassifier
 
 # The configuration's top-level key and its values.
@@ -251,3 +255,46 @@ DEFAULTS = {
     for name, parameter in inspect.signature(LoKO.__init__).parameters.items()
     if parameter.default is not parameter.empty
 }
+
+
+def default_arguments(network: Any, *, processes: int = 1) -> tuple[Decision, dict[str, Any]]:
+    """The decision for a network factory in code, and the learner's keyword arguments that run it.
+
+    The arguments (of :class:`~loko_lightning.learner.module.OnlineClassifier`) are read from the same preset files
+    ``loko fit`` applies, so code and the command line run the same LoKO.
+
+    Example:
+        >>> from loko_lightning.models import TimmClassifier
+        >>> decision, arguments = default_arguments(TimmClassifier("test_resnet", num_classes=10, pretrained=False))
+        >>> decision.name, arguments["head_covariance"], arguments["optimizer"].keywords
+        ('presets/loko_images', 'shared', {'average': 0.99})
+    """
+    cls = type(network)
+    config = Namespace(
+        loko="default",
+        model=Namespace(
+            network=Namespace(
+                class_path=f"{cls.__module__}.{cls.__name__}",
+                init_args=Namespace(num_classes=getattr(network, "num_classes", None)),
+            ),
+            optimizer=Namespace(class_path=f"{LoKO.__module__}.LoKO", init_args=Namespace()),
+            **LEARNER_DEFAULTS,
+        ),
+        trainer=Namespace(devices=processes),
+    )
+    decision = decide(config)
+    model: dict[str, Any] = {}
+    if decision.args[:1] == ("--config",):
+        model = yaml.safe_load(Path(decision.args[1]).read_text())["model"]
+    init_args = dict((model.get("optimizer") or {}).get("init_args") or {})
+    for flag in decision.args:
+        if flag.startswith("--model.optimizer.init_args."):
+            name, _, value = flag.removeprefix("--model.optimizer.init_args.").partition("=")
+            init_args[name] = yaml.safe_load(value)
+    arguments: dict[str, Any] = {"optimizer": partial(LoKO, **init_args)}
+    for name in ("head_covariance", "step_scales"):
+        if name in model:
+            arguments[name] = model[name]
+    if model.get("select"):
+        arguments["select"] = Candidates(**model["select"])
+    return decision, arguments
