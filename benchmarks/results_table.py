@@ -1,0 +1,378 @@
+r"""The one results table: each visible stream x {the default, the paper's LoKO, the best frozen head, the best peer}.
+
+Usage:
+    python benchmarks/results_table.py [--results results] [--out table.md]
+
+Runs nothing. Every cell is read from a run that ``benchmarks/compare.py`` recorded under ``results/`` and that git
+keeps: a run folder's ``summary.json``, or, once a study's run folders are folded, the entry for that folder in the
+study's ``results/<study>/runs.json`` (the same ``summary.json``, keyed by the folder's path). A cell no such file
+holds prints ``not recorded``. The table reads:
+
+- *after 500 / 1,000 / 2,000* and *end*: the average online top-1 accuracy (%) at the end of a run whose stream ended
+  there (the end of a shorter run of the same setting and seeds is the same prefix of the stream; only learners
+  without a horizon, whose first N predictions do not depend on the stream's length, are read that way), mean ±
+  sample std over the seeds (``compare.py``'s ``_mean_std``); the 500 / 1,000 / 2,000-sample points of a longer run
+  were logged in its ``metrics.csv``, which git does not keep, so they are not read (the study pages quote them);
+- *recent at end*: the accuracy of the last predictions, logged only in ``metrics.csv``: not recorded;
+- *NLL*, *ECE*: the prequential negative log-likelihood and expected calibration error (15 bins) at the end of the
+  longest run read, mean over seeds (``@500`` when that run ended at 500 samples);
+- *step / AdamW*: ``step_time_ratio_vs_adamw`` of a run made in one process with an AdamW run (the range over runs
+  when several); a run made alone records none.
+
+"The best frozen head" and "the best fine-tuning peer" are the candidates of the stream with the highest mean
+accuracy at the end (or, without an end, at the latest checkpoint read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402  (benchmarks/ on sys.path, as the scripts import each other)
+
+NOT_RECORDED = "not recorded"
+CHECKPOINTS = (500, 1000, 2000)
+Runs = tuple[tuple[str, str], ...]  # (run folder under results/, compare.py's optimizer key)
+
+
+def seeds(folder: str, count: int, optimizer: str) -> Runs:
+    """``folder`` with ``_s0``, ``_s1``, ... appended: one run folder per seed."""
+    return tuple((f"{folder}_s{seed}", optimizer) for seed in range(count))
+
+
+@dataclass
+class Entry:
+    """One learner on one stream: the runs each column is read from."""
+
+    name: str
+    end: Runs = ()
+    at: dict[int, Runs] = field(default_factory=dict)
+    cost: Runs = ()  # runs whose step_time_ratio_vs_adamw is read, when not the end runs
+    note: str = ""
+
+
+@dataclass
+class Stream:
+    """A visible stream: its length and, per row, the learners read."""
+
+    name: str
+    samples: int
+    default: Entry | None  # None: the default falls back to the paper's filter on this stream
+    default_note: str
+    paper: Entry
+    frozen: list[Entry]
+    peers: list[Entry]
+
+
+FM32, FM64, MN = "shared_rows/epyc/fm32", "shared_rows/epyc/fm64", "shared_rows/epyc/mnist5k"
+IMAGE_DEFAULT_COST: Runs = (("shared_rows/epyc/step_time/lite0_shared", "loko_avg"),)
+IMAGE_DEFAULT = "the image default (then `presets/loko_average_head_shared`)"
+DEFAULT_NOTE_IMAGE = "image backbone, 10 classes: `presets/loko_images`"
+
+STREAMS = (
+    Stream(
+        "Fashion-MNIST 32 px",
+        5000,
+        Entry(IMAGE_DEFAULT, seeds(f"{FM32}/shared_avg_h0.1", 3, "loko"), cost=IMAGE_DEFAULT_COST),
+        DEFAULT_NOTE_IMAGE,
+        Entry(
+            "the paper's LoKO",
+            seeds(f"{FM32}/paper", 3, "loko"),
+            at={500: (("mixture/fashion_500_3seeds", "loko"),), 2000: (("peers/fm32_2000/fm32/paper_s0", "loko"),)},
+            cost=(("late_stream/fmnist32/paper", "loko"),),
+        ),
+        [Entry("streaming LDA, frozen", at={500: (("mixture/fashion_500_3seeds", "streaming_lda"),)})],
+        [
+            Entry(
+                "AdamW, lr chosen online",
+                (("late_stream/fmnist32/auto", "adamw_tuned"), ("late_stream/fmnist32/auto_seeds12", "adamw_tuned")),
+            ),
+            Entry(
+                "schedule-free AdamW",
+                seeds("peers/images/fm32/schedulefree", 3, "schedulefree"),
+                at={2000: seeds("peers/fm32_2000/fm32/schedulefree", 2, "schedulefree")},
+            ),
+            Entry("AdamW, lr chosen online, constant", seeds("peers/images/fm32/adamw_const", 3, "adamw_const")),
+            Entry("posteriors EKF", seeds("peers/images/fm32/posteriors", 3, "posteriors")),
+            Entry("IVON", seeds("peers/images/fm32/ivon", 3, "ivon")),
+        ],
+    ),
+    Stream(
+        "Fashion-MNIST 64 px",
+        5000,
+        Entry(IMAGE_DEFAULT, seeds(f"{FM64}/shared_avg_h0.1", 3, "loko")),
+        DEFAULT_NOTE_IMAGE,
+        Entry(
+            "the paper's LoKO",
+            (
+                ("late_stream/fmnist64/paper", "loko"),
+                ("late_stream/fmnist64/paper_s1", "loko"),
+                ("late_stream/fmnist64/paper_s2", "loko"),
+            ),
+        ),
+        [],
+        [
+            Entry(
+                "AdamW, lr chosen online",
+                (
+                    ("late_stream/fmnist64/auto_s0_adamw_tuned", "adamw_tuned"),
+                    ("late_stream/fmnist64/auto_s1", "adamw_tuned"),
+                    ("late_stream/fmnist64/auto_s2", "adamw_tuned"),
+                ),
+            ),
+            Entry(
+                "AdamW, paper's lr",
+                (
+                    ("late_stream/fmnist64/paper", "adamw"),
+                    ("late_stream/fmnist64/paper_s1", "adamw"),
+                    ("late_stream/fmnist64/paper_s2", "adamw"),
+                ),
+            ),
+        ],
+    ),
+    Stream(
+        "MNIST-5k",
+        4500,
+        Entry(IMAGE_DEFAULT, seeds(f"{MN}/shared_avg_h0.1", 3, "loko"), cost=IMAGE_DEFAULT_COST),
+        DEFAULT_NOTE_IMAGE,
+        Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
+        [],
+        [
+            Entry(
+                "AdamW, lr chosen online",
+                (("late_stream/mnist5k/auto", "adamw_tuned"), ("late_stream/mnist5k/auto_seeds12", "adamw_tuned")),
+            ),
+            Entry("schedule-free AdamW", seeds("peers/images/mnist5k/schedulefree", 3, "schedulefree")),
+            Entry("AdamW, lr chosen online, constant", seeds("peers/images/mnist5k/adamw_const", 3, "adamw_const")),
+            Entry("posteriors EKF", seeds("peers/images/mnist5k/posteriors", 3, "posteriors")),
+            Entry("IVON", seeds("peers/images/mnist5k/ivon", 3, "ivon")),
+        ],
+    ),
+    Stream(
+        "glyphs100",
+        5000,
+        Entry(
+            "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99`)",
+            seeds("late_stream_avg/xeon/glyphs100/natural_avg", 3, "loko"),
+        ),
+        "image backbone, 100 classes: the natural filter with the averaged mean",
+        Entry("the paper's LoKO", seeds("filters/study5000/gl_paper", 3, "loko")),
+        [],
+        [
+            Entry("AdamW, lr chosen online", seeds("filters/study5000/gl_adamw", 3, "adamw_tuned")),
+            Entry("AdamW, lr chosen online, constant", seeds("peers/images/glyphs100/adamw_const", 3, "adamw_const")),
+            Entry("schedule-free AdamW", seeds("peers/images/glyphs100/schedulefree", 3, "schedulefree")),
+            Entry("posteriors EKF", seeds("peers/images/glyphs100/posteriors", 3, "posteriors")),
+            Entry("IVON", seeds("peers/images/glyphs100/ivon", 3, "ivon")),
+        ],
+    ),
+    Stream(
+        "BBC News",
+        1000,
+        Entry(
+            "the text default (then `presets/loko_auto_text`, grid 0.3-10)",
+            seeds("peers/bbc/best", 3, "loko"),
+        ),
+        "text backbone, 5 classes: `presets/loko_text`",
+        Entry("the paper's LoKO", seeds("peers/bbc/paper", 3, "loko"), cost=(("text_quickstart", "loko"),)),
+        [],
+        [
+            Entry("AdamW, lr chosen online", seeds("peers/bbc/adamw_tuned", 3, "adamw_tuned")),
+            Entry("AdamW, lr chosen online, constant", seeds("peers/bbc/adamw_const", 3, "adamw_const")),
+            Entry("schedule-free AdamW", seeds("peers/bbc/schedulefree", 3, "schedulefree")),
+            Entry("posteriors EKF", seeds("peers/bbc/posteriors", 3, "posteriors")),
+            Entry("IVON", seeds("peers/bbc/ivon", 3, "ivon")),
+        ],
+    ),
+    Stream(
+        "WordNet",
+        2000,
+        Entry("the text default (then `p0: auto` over 0.3-30)", (("wordnet/auto_text_s0", "loko"),)),
+        "text backbone, 25 classes: `presets/loko_text`",
+        Entry("the paper's LoKO", (("wordnet/paper_s0", "loko"),)),
+        [],
+        [
+            Entry(
+                "AdamW, lr chosen online",
+                (
+                    ("wordnet/adamw_tuned_s0", "adamw_tuned"),
+                    ("shared_rows/epyc/wordnet/adamw_tuned_s1", "adamw_tuned"),
+                    ("shared_rows/epyc/wordnet/adamw_tuned_s2", "adamw_tuned"),
+                ),
+            ),
+            Entry("schedule-free AdamW", (("wordnet/schedulefree_s0", "schedulefree"),)),
+            Entry("IVON", (("shared_rows/epyc/wordnet/ivon_s0", "ivon"),)),
+        ],
+    ),
+    Stream(
+        "drifting Fashion-MNIST",
+        4000,
+        Entry(IMAGE_DEFAULT, seeds("shared_rows/epyc/drift/preset", 3, "loko")),
+        DEFAULT_NOTE_IMAGE,
+        Entry("the paper's LoKO", (("shared_rows/epyc/drift/paper_s0", "loko"),)),
+        [],
+        [Entry("AdamW, lr chosen online", seeds("shared_rows/epyc/drift/adamw_tuned", 3, "adamw_tuned"))],
+    ),
+)
+
+
+def load_run(results: Path, folder: str) -> dict[str, Any]:
+    """A run's ``summary.json``: its folder's, else its entry in the study's folded ``runs.json``."""
+    path = results / folder / "summary.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    study = folder.split("/")[0]
+    folded = results / study / "runs.json"
+    if folded.is_file():
+        runs = json.loads(folded.read_text())["runs"]
+        if folder in runs:
+            return runs[folder]["summary"]
+    raise SystemExit(f"results_table.py: no summary for {folder} (neither {path} nor an entry in {folded})")
+
+
+@dataclass
+class Read:
+    """The per-seed values read from a set of runs, and which files they came from."""
+
+    acc: dict[int, float] = field(default_factory=dict)
+    nll: dict[int, float] = field(default_factory=dict)
+    ece: dict[int, float] = field(default_factory=dict)
+    ratios: list[float] = field(default_factory=list)
+    samples: int = 0
+
+
+def read(results: Path, runs: Runs) -> Read:
+    """Pool the runs' per-seed final accuracy, NLL, ECE and step-time ratio (a seed in two runs is an error)."""
+    out = Read()
+    for folder, optimizer in runs:
+        entry = load_run(results, folder)["results"][optimizer]
+        for seed, value in entry["final_online_acc"].items():
+            if int(seed) in out.acc:
+                raise SystemExit(f"results_table.py: seed {seed} of {optimizer} twice (in {folder})")
+            if str(seed) not in entry["diverged"]:
+                out.acc[int(seed)] = value
+        for name, into in (("final_nll", out.nll), ("final_ece", out.ece)):
+            into.update({int(seed): value for seed, value in entry.get(name, {}).items()})
+        ratio = entry["step_time_ratio_vs_adamw"]
+        if isinstance(ratio, float) and math.isfinite(ratio) and optimizer != "adamw":
+            out.ratios.append(ratio)
+        out.samples = max(out.samples, *entry["steps"].values())
+    return out
+
+
+def accuracy(values: dict[int, float]) -> str:
+    """``mean ± std`` in percent over the seeds, with the number of seeds when not 3."""
+    if not values:
+        return NOT_RECORDED
+    mean, std = compare._mean_std([100 * v for v in values.values()])
+    text = f"{mean:.1f} ± {std:.1f}" if len(values) > 1 else f"{mean:.1f}"
+    return text if len(values) == 3 else f"{text} ({len(values)} seed{'s' if len(values) > 1 else ''})"
+
+
+def mean(values: dict[int, float], scale: float, digits: int) -> str:
+    return f"{scale * sum(values.values()) / len(values):.{digits}f}" if values else NOT_RECORDED
+
+
+@dataclass
+class Row:
+    """One printed row: the cells and the key used to rank candidates."""
+
+    cells: list[str]
+    rank: float
+
+
+def row(results: Path, stream: Stream, entry: Entry) -> Row:
+    """The cells of one learner on one stream, read from its runs."""
+    points = {n: read(results, runs) for n, runs in entry.at.items()}
+    end = read(results, entry.end) if entry.end else None
+    cells = [accuracy(points[n].acc) if n in points else NOT_RECORDED for n in CHECKPOINTS]
+    cells.append(accuracy(end.acc) if end else NOT_RECORDED)
+    cells.append(NOT_RECORDED)  # recent at end: only in metrics.csv
+    longest = end if end else (points[max(points)] if points else None)
+    if longest is None or not longest.nll:
+        cells += [NOT_RECORDED, NOT_RECORDED]
+    else:
+        where = "" if longest is end else f" @{longest.samples:,}"
+        cells += [mean(longest.nll, 1, 3) + where, mean(longest.ece, 100, 1) + where]
+    ratios = read(results, entry.cost).ratios if entry.cost else (end.ratios if end else [])
+    if not ratios:
+        cells.append(NOT_RECORDED)
+    elif len(ratios) == 1:
+        cells.append(f"{ratios[0]:.2f}")
+    else:
+        cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}")
+    if end and end.acc:
+        rank = sum(end.acc.values()) / len(end.acc)
+    elif points:
+        last = points[max(points)].acc
+        rank = sum(last.values()) / len(last) - 1  # below any learner read at the end
+    else:
+        rank = -math.inf
+    return Row(cells, rank)
+
+
+def table(results: Path) -> str:
+    """The markdown table and its notes."""
+    header = ["stream", "learner", "after 500", "after 1,000", "after 2,000", "end", "recent at end", "NLL", "ECE (%)"]
+    header.append("step / AdamW")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for stream in STREAMS:
+        stream_name = f"{stream.name} ({stream.samples:,})"
+        paper = row(results, stream, stream.paper)
+        if stream.default is None:
+            default_name, default = f"the default = the paper's LoKO ({stream.default_note})", paper
+        else:
+            default_name, default = f"{stream.default.name}", row(results, stream, stream.default)
+        rows = [(default_name, default), (stream.paper.name, paper)]
+        for kind, candidates in (("best frozen head", stream.frozen), ("best fine-tuning peer", stream.peers)):
+            measured = [(entry, row(results, stream, entry)) for entry in candidates]
+            if not measured:
+                rows.append((f"{kind}: none measured", Row([NOT_RECORDED] * 8, -math.inf)))
+                continue
+            entry, best = max(measured, key=lambda pair: pair[1].rank)
+            rows.append((f"{kind}: {entry.name}", best))
+        for name, found in rows:
+            lines.append(f"| {stream_name} | {name} | " + " | ".join(found.cells) + " |")
+    lines += ["", NOTES]
+    return "\n".join(lines)
+
+
+NOTES = (
+    "Accuracy: average online top-1 (%), each prediction made before the update on its sample, mean ± sample std "
+    "over 3 seeds unless a cell says otherwise. *after N*: read where a run of that setting ended at N samples "
+    "(the 500 / 1,000 / 2,000 points of the longer runs are in their `metrics.csv`, which git does not keep: "
+    "`not recorded`; the study pages quote them). *recent at end*: logged only in `metrics.csv`. NLL, ECE: at the end "
+    "of the longest run read (`@500`: that run ended at 500 samples). *step / AdamW*: the median step time over an "
+    "AdamW run's in the same process (`compare.py`); the image default's cost comes from a 300-sample run of the same "
+    "network (`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared head covariance and the "
+    "averaged mean), the paper's LoKO's on BBC News from the text quick start's run (`results/text_quickstart`). "
+    "Drifting Fashion-MNIST: its labels permuted every 1,000 samples. The image default is what the "
+    "studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: shared`, "
+    "`step_scales: {head: 0.1}`), today `presets/loko_images`; the text default is what they ran as "
+    "`presets/loko_auto_text` (`p0` chosen online on the first 500 samples from 0.3, 1, 3, 10; today's "
+    "`presets/loko_text` also tries 30; on WordNet the run was seed 0 over 0.3-30); on glyphs100 (100 classes) "
+    "the default is `filter: natural` with `p0` 0.03 and `average: 0.99`. The runs, per cell: `benchmarks/results_table.py` (STREAMS)."
+)
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Print the table (and write it with ``--out``); returns it."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[1] / "results")
+    parser.add_argument("--out", type=Path, help="also write the table (markdown) to this file")
+    args = parser.parse_args(argv)
+    text = table(args.results)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()

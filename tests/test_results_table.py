@@ -1,0 +1,77 @@
+"""benchmarks/results_table.py on the repository's own results/: the rows, and every number read from a file."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def results_table():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT / "benchmarks"))
+        import results_table
+
+        yield results_table
+    sys.modules.pop("results_table", None)
+
+
+@pytest.fixture(scope="module")
+def text(results_table):
+    return results_table.table(ROOT / "results")
+
+
+def rows(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[2:] if line.startswith("|")]
+
+
+def test_every_stream_has_the_four_rows(results_table, text):
+    table = rows(text)
+    assert len(table) == 4 * len(results_table.STREAMS)
+    for i, stream in enumerate(results_table.STREAMS):
+        learners = [row[1] for row in table[4 * i : 4 * i + 4]]
+        assert all(row[0].startswith(stream.name) for row in table[4 * i : 4 * i + 4])
+        assert learners[0].startswith("the ") and "default" in learners[0]
+        assert learners[1] == "the paper's LoKO"
+        assert learners[2].startswith("best frozen head")
+        assert learners[3].startswith("best fine-tuning peer")
+        assert len({len(row) for row in table}) == 1
+
+
+def test_a_cell_is_the_recorded_number(text):
+    """The image default's end accuracy on Fashion-MNIST at 32 px: the mean of the three recorded runs."""
+    finals = []
+    for seed in range(3):
+        summary = json.loads((ROOT / f"results/shared_rows/epyc/fm32/shared_avg_h0.1_s{seed}/summary.json").read_text())
+        finals.append(100 * summary["results"]["loko"]["final_online_acc"][str(seed)])
+    row = next(r for r in rows(text) if r[0].startswith("Fashion-MNIST 32 px") and "default" in r[1])
+    assert row[5].startswith(f"{sum(finals) / 3:.1f} ± ")
+
+
+def test_every_number_is_one_it_read(results_table, monkeypatch):
+    """Each cell is a number the script read or `not recorded`: with no run readable, nothing but `not recorded`."""
+    seen = []
+    original = results_table.load_run
+
+    def spy(results, folder):
+        seen.append(folder)
+        return original(results, folder)
+
+    monkeypatch.setattr(results_table, "load_run", spy)
+    text = results_table.table(ROOT / "results")
+    assert seen  # it read recorded runs
+    cell = re.compile(r"^(not recorded|[\d.]+( ± [\d.]+)?( \(\d seeds?\))?( @[\d,]+)?|[\d.]+-[\d.]+)$")
+    for row in rows(text):
+        for value in row[2:]:
+            assert cell.match(value), value
+
+
+def test_missing_run_is_an_error(results_table, tmp_path):
+    with pytest.raises(SystemExit, match="no summary"):
+        results_table.table(tmp_path)
