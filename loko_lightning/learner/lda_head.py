@@ -8,15 +8,19 @@ learner trains, the network outputs
 
 .. math::
 
-    \ell(x) = W z + b + \beta\,(W_L z + b_L),
+    \ell(x) = W z + b + \beta\, g(z), \qquad g(z) = (W_L z + b_L) / s(z),
 
-a forward hook on the output layer adds :math:`\beta\,(W_L z + b_L)`. The learner's filter (LoKO) observes
-:math:`\mathrm{softmax}(\ell)`: its Jacobian is that of :math:`\ell` with respect to the adapters and the head (through
-:math:`z` into both terms; :math:`W_L`, :math:`b_L`, :math:`\beta` are known inputs of the step, functions of the
-samples before). Equivalently the filter's head mean is moved before every step by the change in
-:math:`\beta W_L`: a deterministic control input in the predict step, with no change to the covariance.
+:math:`s(z)` the standard deviation of :math:`W_L z + b_L` over the classes (LDA's logit scale falls by two orders of
+magnitude over the first hundred samples; a single :math:`\beta` cannot weigh it otherwise), a class LDA has not seen
+given the mean of the seen classes' rows. A forward hook on the output layer adds :math:`\beta g`. The learner's filter
+(LoKO) observes :math:`\mathrm{softmax}(\ell)`: with ``features="adapted"`` (default; no extra forward pass) its
+Jacobian is that of :math:`\ell` with respect to the adapters and the head, through :math:`z` into both terms
+(:math:`W_L`, :math:`b_L`, :math:`s`, :math:`\beta` are known inputs of the step, functions of the samples before);
+with ``features="pretrained"`` LDA reads the backbone with the adapters disabled (one more forward pass) and
+:math:`\beta g` is a constant of the step. Equivalently the filter's head mean is moved before every step by the
+change in :math:`\beta W_L / s`: a deterministic control input in the predict step, with no change to the covariance.
 
-:math:`\beta` (LDA's logits are hundreds of nats apart early: raw, they saturate the softmax) is the maximum a
+:math:`\beta` (LDA's raw logits are hundreds to tens of thousands of nats apart early) is the maximum a
 posteriori weight of the past samples' combined logits, a prior :math:`\beta \sim N(0, \sigma^2)` and
 :math:`\beta \in [0, \beta_{\max}]`:
 
