@@ -13,7 +13,7 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
   ``loko_mixture_bayes``: the same predicting with its mixture with streaming LDA on the frozen features
   (``configs/presets/loko_mixture_lda.yaml``, and the same with share 0; ``docs/results/mixture.md``);
   ``loko_lda_head``, ``loko_lda_head_frozen``: the same on its logits plus streaming LDA's on the same (adapted)
-  features or on the pretrained ones (``configs/presets/loko_lda_head.yaml``; ``docs/results/lda_head.md``);
+  features or on the pretrained ones (``benchmarks/overlays/loko_lda_head.yaml``; ``docs/results/lda_head.md``);
 - ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
   (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
   learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
@@ -101,7 +101,7 @@ LABELS = {
     "loko_posterior": "LoKO (posterior predictive)",
     "loko_mixture": "LoKO + frozen LDA mixture (presets/loko_mixture_lda)",
     "loko_mixture_bayes": "LoKO + frozen LDA mixture, Bayes (share 0)",
-    "loko_lda_head": "LoKO + LDA head (presets/loko_lda_head)",
+    "loko_lda_head": "LoKO + LDA head (benchmarks/overlays/loko_lda_head.yaml)",
     "loko_lda_head_frozen": "LoKO + LDA head on pretrained features",
     "adamw": "LoRA/AdamW",
     "adamw_tuned": "LoRA/AdamW (lr tuned)",
@@ -137,7 +137,7 @@ COLORS = {
 # The mixture of the learner and streaming LDA on frozen features (loko_lightning.learner.mixture).
 MIXTURE = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
 # The learner's logits plus streaming LDA's on the same features (loko_lightning.learner.lda_head).
-LDA_HEAD = common.ROOT / "configs" / "presets" / "loko_lda_head.yaml"
+LDA_HEAD = common.ROOT / "benchmarks" / "overlays" / "loko_lda_head.yaml"
 # The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it.
 LOKO_RUNS = {
     "loko": [],

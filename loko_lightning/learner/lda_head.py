@@ -33,7 +33,7 @@ posteriori weight of the past samples' combined logits, a prior :math:`\beta \si
 Derivation and measurements: ``docs/results/lda_head.md``.
 
 :class:`LDAHead` is a Lightning callback that wraps the learner's step in :class:`LDAHeadStep` when fitting starts
-(``configs/presets/loko_lda_head.yaml``). The hook adds LDA's logits only inside training steps: evaluation,
+(``benchmarks/overlays/loko_lda_head.yaml``). The hook adds LDA's logits only inside training steps: evaluation,
 ``loko predict`` and serving use the network alone, and a fit resumed with the head is refused. One process; not with
 ``step_scales`` or a shared head covariance.
 """
