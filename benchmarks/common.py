@@ -6,7 +6,8 @@ A run is the training of ``loko fit`` with the same configs and overrides, built
 - trainer: no logger, no checkpoints, no progress bar, no model summary, no validation, one epoch on one device,
   scratch ``default_root_dir`` (where the divergence guard saves its last good state);
 - callbacks: only the config's :class:`~loko_lightning.learner.DivergenceGuard` is kept (checkpoints and the
-  end-of-run report have no use here), and :class:`StepRecorder` is added;
+  end-of-run report have no use here), with a frozen-head mixture or an LDA head (they change what the learner
+  predicts), and :class:`StepRecorder` is added;
 - a learning-rate scheduler with a ``total_iters`` argument (the AdamW baseline's ``LinearLR``) runs over the
   stream's length in steps (samples / ``data.batch_size``), so the paper's linear decay ends with the stream; an
   optimizer with an effective sample size ``ess`` (IVON) gets the stream's samples;
@@ -49,6 +50,7 @@ from loko_lightning.cli import LoKOCLI
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import DivergenceError
 from loko_lightning.learner.callbacks import DivergenceGuard
+from loko_lightning.learner.lda_head import LDAHead
 from loko_lightning.learner.mixture import FrozenHeadMixture
 from loko_lightning.learner.module import OnlineClassifier
 
@@ -140,7 +142,7 @@ class BenchmarkCLI(LoKOCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        """Keep only the divergence guard (and a mixture), seed LoKO's ``p̂₀``, fit a scheduler and IVON's ``ess``."""
+        """Keep the divergence guard (a mixture, an LDA head), seed LoKO's ``p̂₀``, fit a scheduler, IVON's ``ess``."""
         config = self.config
         callbacks = config.trainer.callbacks or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
@@ -149,8 +151,9 @@ class BenchmarkCLI(LoKOCLI):
             if not guards:
                 guards = [Namespace(class_path=f"{DivergenceGuard.__module__}.DivergenceGuard", init_args=Namespace())]
             guards[0].init_args.check_every = self.guard_every
-        # The mixture with a frozen head changes what the learner predicts: a run keeps it.
-        config.trainer.callbacks = guards + [c for c in callbacks if _is_subclass(c, FrozenHeadMixture)]
+        # The mixture with a frozen head and the LDA head change what the learner predicts: a run keeps them.
+        kept = [c for c in callbacks if _is_subclass(c, FrozenHeadMixture) or _is_subclass(c, LDAHead)]
+        config.trainer.callbacks = guards + kept
         optimizer = config.model.optimizer
         if _is_subclass(optimizer, LoKO):
             if not isinstance(optimizer, Namespace):  # the class itself: LoKO with its defaults

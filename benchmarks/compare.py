@@ -14,6 +14,8 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
   filter's mean (``average: 0.99``, not the paper's; ``docs/filters.md``); ``loko_mixture``,
   ``loko_mixture_bayes``: the same predicting with its mixture with streaming LDA on the frozen features
   (``configs/presets/loko_mixture_lda.yaml``, and the same with share 0; ``docs/results/mixture.md``);
+  ``loko_lda_head``, ``loko_lda_head_frozen``: the same on its logits plus streaming LDA's on the same (adapted)
+  features or on the pretrained ones (``benchmarks/overlays/loko_lda_head.yaml``; ``docs/results/lda_head.md``);
 - ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
   (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
   learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
@@ -82,6 +84,8 @@ OPTIMIZERS = (
     "loko_posterior",
     "loko_mixture",
     "loko_mixture_bayes",
+    "loko_lda_head",
+    "loko_lda_head_frozen",
     "adamw",
     "adamw_tuned",
     "adamw_const",
@@ -101,6 +105,8 @@ LABELS = {
     "loko_posterior": "LoKO (posterior predictive)",
     "loko_mixture": "LoKO + frozen LDA mixture (presets/loko_mixture_lda)",
     "loko_mixture_bayes": "LoKO + frozen LDA mixture, Bayes (share 0)",
+    "loko_lda_head": "LoKO + LDA head (benchmarks/overlays/loko_lda_head.yaml)",
+    "loko_lda_head_frozen": "LoKO + LDA head on pretrained features",
     "adamw": "LoRA/AdamW",
     "adamw_tuned": "LoRA/AdamW (lr tuned)",
     "adamw_const": "LoRA/AdamW (lr tuned, constant)",
@@ -120,6 +126,8 @@ COLORS = {
     "loko_posterior": "tab:olive",
     "loko_mixture": "gold",
     "loko_mixture_bayes": "darkgoldenrod",
+    "loko_lda_head": "tab:brown",
+    "loko_lda_head_frozen": "sienna",
     "adamw": "tab:blue",
     "adamw_tuned": "tab:purple",
     "adamw_const": "tab:pink",
@@ -133,6 +141,8 @@ COLORS = {
 }
 # The mixture of the learner and streaming LDA on frozen features (loko_lightning.learner.mixture).
 MIXTURE = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
+# The learner's logits plus streaming LDA's on the same features (loko_lightning.learner.lda_head).
+LDA_HEAD = common.ROOT / "benchmarks" / "overlays" / "loko_lda_head.yaml"
 # The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it: each
 # runs the config as it is (`loko: as_configured`, after the configs), the default only deciding in `loko_default`.
 AS_CONFIGURED = "--loko=as_configured"
@@ -144,6 +154,8 @@ LOKO_RUNS = {
     "loko_posterior": [AS_CONFIGURED, "--model.predictive=posterior"],
     "loko_mixture": [*common.config_args([MIXTURE]), AS_CONFIGURED],
     "loko_mixture_bayes": [*common.config_args([MIXTURE]), AS_CONFIGURED, "--trainer.callbacks.share=0"],
+    "loko_lda_head": [*common.config_args([LDA_HEAD]), AS_CONFIGURED],
+    "loko_lda_head_frozen": [*common.config_args([LDA_HEAD]), AS_CONFIGURED, "--trainer.callbacks.features=pretrained"],
 }
 # The runs that choose a hyperparameter online (their candidates' samples: --select-samples).
 SELECTING = ("loko_auto", "adamw_tuned", "adamw_const", "schedulefree", "ivon", "posteriors", "frozen_linear_head")
@@ -595,7 +607,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=OPTIMIZERS,
         help="to compare: loko (the config's own), loko_auto (the same with p0: auto), loko_avg (predicting with the "
         "average of the filter's mean, average 0.99), loko_posterior (scoring the posterior predictive), "
-        "loko_mixture(_bayes) (its mixture with frozen LDA), and the baselines, each the overlay "
+        "loko_mixture(_bayes) (its mixture with frozen LDA), loko_lda_head (its logits plus streaming LDA's), and "
+        "the baselines, each the overlay "
         "configs/baselines/<name>.yaml (adamw_tuned: AdamW with lr chosen online from p0: auto's budget)",
     )
     runs.add_argument(

@@ -1,8 +1,9 @@
 """What LoFi's step sees, step by step, on the debug stream: the Woodbury system's inputs and the rank cut.
 
-For each step of ``loko fit --config debug --model.optimizer.init_args.filter lofi10`` (with ``--p0``, Kalman ``--dtype``): the
-largest entry of ``W``, the largest and smallest eigenvalues of ``WᵀW``, the prior's range, the largest entry of the
-proposed update, the precision the step added to the diagonal and the innovation's norm. One JSON object per step::
+For each step of ``loko fit --config debug --model.optimizer.init_args.filter lofi10`` (with ``--p0``, Kalman
+``--dtype``): the largest entry of ``W``, the largest and smallest eigenvalues of ``WᵀW``, the prior's range, the
+largest entry of the proposed update, the precision the step added to the diagonal and the innovation's norm. One
+JSON object per step::
 
     python benchmarks/lofi_probe.py --p0 0.3 --dtype float32 --samples 120 --out lofi_float32.json
 """
@@ -43,10 +44,10 @@ def main() -> None:
     LowRankPrecision.propose = probed
     try:
         loko([
-            "fit", "--config", "debug", "--model.optimizer.init_args.filter", "lofi10", "--model.optimizer.init_args.p0",
-            str(args.p0), "--model.optimizer.init_args.dtype", f"torch.{args.dtype}", "--data.max_samples",
-            str(args.samples), "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-            "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
+            "fit", "--config", "debug", "--model.optimizer.init_args.filter", "lofi10",
+            "--model.optimizer.init_args.p0", str(args.p0), "--model.optimizer.init_args.dtype", f"torch.{args.dtype}",
+            "--data.max_samples", str(args.samples), "--trainer.logger", "false",
+            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
         ])  # fmt: skip
     except SystemExit:  # the run may stop by itself (a divergence)
         pass

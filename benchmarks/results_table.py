@@ -357,7 +357,8 @@ NOTES = (
     "`step_scales: {head: 0.1}`), today `presets/loko_images`; the text default is what they ran as "
     "`presets/loko_auto_text` (`p0` chosen online on the first 500 samples from 0.3, 1, 3, 10; today's "
     "`presets/loko_text` also tries 30; on WordNet the run was seed 0 over 0.3-30); on glyphs100 (100 classes) "
-    "the default is `filter: natural` with `p0` 0.03 and `average: 0.99`. The runs, per cell: `benchmarks/results_table.py` (STREAMS)."
+    "the default is `filter: natural` with `p0` 0.03 and `average: 0.99`. The runs, per cell: "
+    "`benchmarks/results_table.py` (STREAMS)."
 )
 
 

@@ -234,7 +234,8 @@ def test_export_of_a_vit_query_adapter_is_timms_fused_layout(tmp_path):
 
 def test_configs_ship_in_the_package_and_resolve_by_name(tmp_path, monkeypatch, capsys):
     names = packaged_configs()
-    assert {"quickstart", "debug", "presets/loko_paper", "presets/loko_images", "presets/loko_text", "baselines/adamw"} <= set(names)
+    presets = {"presets/loko_paper", "presets/loko_images", "presets/loko_text"}
+    assert {"quickstart", "debug", "baselines/adamw", *presets} <= set(names)
     files = (ROOT / "configs").rglob("*.yaml")
     assert sorted(str(p.relative_to(ROOT / "configs").with_suffix("")) for p in files) == names
     monkeypatch.chdir(tmp_path)  # outside the repository: no configs/ folder here
