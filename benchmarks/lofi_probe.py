@@ -47,7 +47,8 @@ def main() -> None:
             "fit", "--config", "debug", "--model.optimizer.init_args.filter", "lofi10",
             "--model.optimizer.init_args.p0", str(args.p0), "--model.optimizer.init_args.dtype", f"torch.{args.dtype}",
             "--data.max_samples", str(args.samples), "--trainer.logger", "false",
-            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false", "--trainer.callbacks", "[]",
+            "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+            "--trainer.callbacks", "[]",
         ])  # fmt: skip
     except SystemExit:  # the run may stop by itself (a divergence)
         pass
