@@ -13,7 +13,9 @@ holds prints ``not recorded``. The table reads:
   without a horizon, whose first N predictions do not depend on the stream's length, are read that way), mean ±
   sample std over the seeds (``compare.py``'s ``_mean_std``); the 500 / 1,000 / 2,000-sample points of a longer run
   were logged in its ``metrics.csv``, which git does not keep, so they are not read (the study pages quote them);
-- *recent at end*: the accuracy of the last predictions, logged only in ``metrics.csv``: not recorded;
+- *recent at end*: the accuracy of the last predictions (the learner's recent window), and *after N* of a longer
+  run: recorded in ``summary.json`` by today's ``compare.py`` (``final_recent_acc``, ``online_acc_at``), in
+  ``metrics.csv`` only by earlier runs (not recorded here);
 - *NLL*, *ECE*: the prequential negative log-likelihood and expected calibration error (15 bins) at the end of the
   longest run read, mean over seeds (``@500`` when that run ended at 500 samples);
 - *step / AdamW*: ``step_time_ratio_vs_adamw`` of a run made in one process with an AdamW run (the range over runs
@@ -245,6 +247,8 @@ class Read:
     ece: dict[int, float] = field(default_factory=dict)
     ratios: list[float] = field(default_factory=list)
     samples: int = 0
+    at: dict[int, dict[int, float]] = field(default_factory=dict)  # samples -> seed -> accuracy (summary.json)
+    recent: dict[int, float] = field(default_factory=dict)
 
 
 def read(results: Path, runs: Runs) -> Read:
@@ -257,8 +261,13 @@ def read(results: Path, runs: Runs) -> Read:
                 raise SystemExit(f"results_table.py: seed {seed} of {optimizer} twice (in {folder})")
             if str(seed) not in entry["diverged"]:
                 out.acc[int(seed)] = value
-        for name, into in (("final_nll", out.nll), ("final_ece", out.ece)):
+        for name, into in (("final_nll", out.nll), ("final_ece", out.ece), ("final_recent_acc", out.recent)):
             into.update({int(seed): value for seed, value in entry.get(name, {}).items()})
+        # Recorded since compare.py keeps them in summary.json: the accuracy at the checkpoints reached.
+        for seed, points in entry.get("online_acc_at", {}).items():
+            if str(seed) not in entry["diverged"]:
+                for samples, value in points.items():
+                    out.at.setdefault(int(samples), {})[int(seed)] = value
         ratio = entry["step_time_ratio_vs_adamw"]
         if isinstance(ratio, float) and math.isfinite(ratio) and optimizer != "adamw":
             out.ratios.append(ratio)
@@ -291,9 +300,12 @@ def row(results: Path, stream: Stream, entry: Entry) -> Row:
     """The cells of one learner on one stream, read from its runs."""
     points = {n: read(results, runs) for n, runs in entry.at.items()}
     end = read(results, entry.end) if entry.end else None
-    cells = [accuracy(points[n].acc) if n in points else NOT_RECORDED for n in CHECKPOINTS]
+    cells = [
+        accuracy(points[n].acc) if n in points else accuracy(end.at.get(n, {})) if end else NOT_RECORDED
+        for n in CHECKPOINTS
+    ]
     cells.append(accuracy(end.acc) if end else NOT_RECORDED)
-    cells.append(NOT_RECORDED)  # recent at end: only in metrics.csv
+    cells.append(accuracy(end.recent) if end else NOT_RECORDED)  # recorded in summary.json by today's compare.py
     longest = end if end else (points[max(points)] if points else None)
     if longest is None or not longest.nll:
         cells += [NOT_RECORDED, NOT_RECORDED]
@@ -346,8 +358,9 @@ def table(results: Path) -> str:
 NOTES = (
     "Accuracy: average online top-1 (%), each prediction made before the update on its sample, mean ± sample std "
     "over 3 seeds unless a cell says otherwise. *after N*: read where a run of that setting ended at N samples "
-    "(the 500 / 1,000 / 2,000 points of the longer runs are in their `metrics.csv`, which git does not keep: "
-    "`not recorded`; the study pages quote them). *recent at end*: logged only in `metrics.csv`. NLL, ECE: at the end "
+    "or, for the runs made since `compare.py` records them in `summary.json`, at that checkpoint of a longer run "
+    "(earlier runs logged them and the recent accuracy in `metrics.csv`, which git does not keep: `not recorded`; the "
+    "study pages quote them). NLL, ECE: at the end "
     "of the longest run read (`@500`: that run ended at 500 samples). *step / AdamW*: the median step time over an "
     "AdamW run's in the same process (`compare.py`); the image default's cost comes from a 300-sample run of the same "
     "network (`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared head covariance and the "
