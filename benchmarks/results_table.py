@@ -81,7 +81,12 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 32 px",
         5000,
-        Entry(IMAGE_DEFAULT, seeds(f"{FM32}/shared_avg_h0.1", 3, "loko"), cost=IMAGE_DEFAULT_COST),
+        Entry(
+            IMAGE_DEFAULT,
+            seeds(f"{FM32}/shared_avg_h0.1", 3, "loko"),
+            at={500: (("default_study/fm32_500", "loko_default"),)},
+            cost=IMAGE_DEFAULT_COST,
+        ),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -98,7 +103,10 @@ STREAMS = (
             Entry(
                 "schedule-free AdamW",
                 seeds("peers/images/fm32/schedulefree", 3, "schedulefree"),
-                at={2000: seeds("peers/fm32_2000/fm32/schedulefree", 2, "schedulefree")},
+                at={
+                    500: (("default_study/fm32_500", "schedulefree"),),
+                    2000: seeds("peers/fm32_2000/fm32/schedulefree", 2, "schedulefree"),
+                },
             ),
             Entry("AdamW, lr chosen online, constant", seeds("peers/images/fm32/adamw_const", 3, "adamw_const")),
             Entry("posteriors EKF", seeds("peers/images/fm32/posteriors", 3, "posteriors")),
