@@ -149,16 +149,28 @@ STREAMS = (
     Stream(
         "MNIST-5k",
         4500,
-        Entry(IMAGE_DEFAULT, seeds(f"{MN}/shared_avg_h0.1", 3, "loko"), cost=IMAGE_DEFAULT_COST),
+        Entry(
+            IMAGE_DEFAULT,
+            seeds(f"{MN}/shared_avg_h0.1", 3, "loko"),
+            at={500: (("default_study/mnist5k_500", "loko_default"),)},
+            cost=IMAGE_DEFAULT_COST,
+        ),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
-        [],
+        [
+            Entry("streaming LDA, frozen", at={500: (("default_study/mnist5k_500_frozen", "streaming_lda"),)}),
+            Entry("nearest class mean, frozen", at={500: (("default_study/mnist5k_500_frozen", "ncm"),)}),
+        ],
         [
             Entry(
                 "AdamW, lr chosen online",
                 (("late_stream/mnist5k/auto", "adamw_tuned"), ("late_stream/mnist5k/auto_seeds12", "adamw_tuned")),
             ),
-            Entry("schedule-free AdamW", seeds("peers/images/mnist5k/schedulefree", 3, "schedulefree")),
+            Entry(
+                "schedule-free AdamW",
+                seeds("peers/images/mnist5k/schedulefree", 3, "schedulefree"),
+                at={500: (("default_study/mnist5k_500", "schedulefree"),)},
+            ),
             Entry("AdamW, lr chosen online, constant", seeds("peers/images/mnist5k/adamw_const", 3, "adamw_const")),
             Entry("posteriors EKF", seeds("peers/images/mnist5k/posteriors", 3, "posteriors")),
             Entry("IVON", seeds("peers/images/mnist5k/ivon", 3, "ivon")),
@@ -185,19 +197,22 @@ STREAMS = (
     Stream(
         "BBC News",
         1000,
-        Entry(
-            "the text default (then `presets/loko_auto_text`, grid 0.3-10)",
-            seeds("peers/bbc/best", 3, "loko"),
-        ),
+        Entry("the text default (`presets/loko_text`)", (("default_study/bbc", "loko_default"),)),
         "text backbone, 5 classes: `presets/loko_text`",
-        Entry("the paper's LoKO", seeds("peers/bbc/paper", 3, "loko"), cost=(("text_quickstart", "loko"),)),
-        [],
+        Entry(
+            "the paper's LoKO (head on the pooler then)",
+            seeds("peers/bbc/paper", 3, "loko"),
+            cost=(("text_quickstart", "loko"),),
+        ),
         [
-            Entry("AdamW, lr chosen online", seeds("peers/bbc/adamw_tuned", 3, "adamw_tuned")),
-            Entry("AdamW, lr chosen online, constant", seeds("peers/bbc/adamw_const", 3, "adamw_const")),
-            Entry("schedule-free AdamW", seeds("peers/bbc/schedulefree", 3, "schedulefree")),
-            Entry("posteriors EKF", seeds("peers/bbc/posteriors", 3, "posteriors")),
-            Entry("IVON", seeds("peers/bbc/ivon", 3, "ivon")),
+            Entry("nearest class mean, frozen", (("default_study/bbc", "ncm"),)),
+            Entry("streaming LDA, frozen", (("default_study/bbc", "streaming_lda"),)),
+        ],
+        [
+            Entry("AdamW, lr chosen online", (("default_study/bbc", "adamw_tuned"),)),
+            # Earlier runs, with the head on BERT's pooler (the table picks the best by the end):
+            Entry("schedule-free AdamW (head on the pooler then)", seeds("peers/bbc/schedulefree", 3, "schedulefree")),
+            Entry("AdamW, constant (head on the pooler then)", seeds("peers/bbc/adamw_const", 3, "adamw_const")),
         ],
     ),
     Stream(
