@@ -9,7 +9,6 @@ the argument it names; checkpoints are written atomically.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 import pickle
 import re
@@ -29,7 +28,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from loko_lightning.cli.default import decide, measured_to_lose
+from loko_lightning.cli.default import class_of, decide, measured_to_lose
 from loko_lightning.cli.errors import class_at, lost_process_error, parse_error_message, read_parse_error
 from loko_lightning.data import FAMILIES, Source, StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
@@ -291,7 +290,7 @@ class LoKOCLI(LightningCLI):
         """The network takes the kind of sample the source holds (images or text), checked before building either."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         network, source = config.get("model.network"), config.get("data.source")
-        network_class, source_class = _class_of(network), _class_of(source)
+        network_class, source_class = class_of(network), class_of(source)
         if network_class is None or source_class is None or not issubclass(source_class, Source):
             return  # unknown classes are refused by the parser or the classes themselves
         if source_class.follows_network:
@@ -399,19 +398,6 @@ def _same(value: Any, saved: Any) -> bool:
 
 def _shown(value: Any) -> str:
     return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
-
-
-def _class_of(config: Any) -> type | None:
-    """The class a parsed ``class_path`` names, or ``None`` (no class path, or nothing importable there)."""
-    class_path = getattr(config, "class_path", None)
-    if not isinstance(class_path, str):
-        return None
-    module, _, name = class_path.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-    return found if isinstance(found, type) else None
 
 
 def _preprocessing(network: Any) -> Any:

@@ -95,7 +95,7 @@ def decide(config: Any) -> Decision | None:
     changed = _changed_settings(optimizer, config)
     if changed:
         return Decision(None, f"{changed[0]} is set, and the default does not override a choice")
-    network_class = _network_class(config.get("model.network"))
+    network_class = class_of(config.get("model.network"))
     num_classes = getattr(getattr(config.get("model.network"), "init_args", None), "num_classes", None)
     if network_class is None or not issubclass(network_class, (TimmClassifier, TransformersClassifier)):
         return Decision(None, "the default is measured on timm and transformers classifiers only")
@@ -134,7 +134,7 @@ def measured_to_lose(config: Any) -> list[str]:
     """
     if _class_path(config.get("model.optimizer")).rsplit(".", 1)[-1] != "LoKO":
         return []
-    network_class = _network_class(config.get("model.network"))
+    network_class = class_of(config.get("model.network"))
     if network_class is None or not issubclass(network_class, TransformersClassifier):
         return []
     lines = []
@@ -235,8 +235,9 @@ def _class_path(value: Any) -> str:
     return path if isinstance(path, str) else ""
 
 
-def _network_class(network: Any) -> type | None:
-    module, _, name = _class_path(network).rpartition(".")
+def class_of(config: Any) -> type | None:
+    """The class a parsed ``class_path`` names, or ``None`` (no class path, or nothing importable there)."""
+    module, _, name = _class_path(config).rpartition(".")
     try:
         found = getattr(importlib.import_module(module), name, None) if module else None
     except ImportError:
