@@ -51,7 +51,6 @@ from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import DivergenceError
 from loko_lightning.learner.callbacks import DivergenceGuard
 from loko_lightning.learner.lda_head import LDAHead
-from loko_lightning.learner.mixture import FrozenHeadMixture
 from loko_lightning.learner.module import OnlineClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +141,7 @@ class BenchmarkCLI(LoKOCLI):
         super().__init__(*args, **kwargs)
 
     def before_instantiate_classes(self) -> None:
-        """Keep the divergence guard (a mixture, an LDA head), seed LoKO's ``p̂₀``, fit a scheduler, IVON's ``ess``."""
+        """Keep the divergence guard (an LDA head), seed LoKO's ``p̂₀``, fit a scheduler, IVON's ``ess``."""
         config = self.config
         callbacks = config.trainer.callbacks or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
@@ -151,8 +150,8 @@ class BenchmarkCLI(LoKOCLI):
             if not guards:
                 guards = [Namespace(class_path=f"{DivergenceGuard.__module__}.DivergenceGuard", init_args=Namespace())]
             guards[0].init_args.check_every = self.guard_every
-        # The mixture with a frozen head and the LDA head change what the learner predicts: a run keeps them.
-        kept = [c for c in callbacks if _is_subclass(c, FrozenHeadMixture) or _is_subclass(c, LDAHead)]
+        # The LDA head changes what the learner predicts: a run keeps it (the mixture is the learner's own option).
+        kept = [c for c in callbacks if _is_subclass(c, LDAHead)]
         config.trainer.callbacks = guards + kept
         optimizer = config.model.optimizer
         if _is_subclass(optimizer, LoKO):

@@ -153,7 +153,7 @@ LOKO_RUNS = {
     "loko_avg": [AS_CONFIGURED, "--model.optimizer.init_args.average=0.99"],
     "loko_posterior": [AS_CONFIGURED, "--model.predictive=posterior"],
     "loko_mixture": [*common.config_args([MIXTURE]), AS_CONFIGURED],
-    "loko_mixture_bayes": [*common.config_args([MIXTURE]), AS_CONFIGURED, "--trainer.callbacks.share=0"],
+    "loko_mixture_bayes": [*common.config_args([MIXTURE]), AS_CONFIGURED, "--model.mixture.init_args.share=0"],
     "loko_lda_head": [*common.config_args([LDA_HEAD]), AS_CONFIGURED],
     "loko_lda_head_frozen": [*common.config_args([LDA_HEAD]), AS_CONFIGURED, "--trainer.callbacks.features=pretrained"],
 }

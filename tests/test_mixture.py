@@ -1,5 +1,6 @@
 """The mixture of the learner and streaming LDA on frozen features: its arithmetic against float64 products of
-likelihoods, and the prequential contract at the learner level (each sample scored before any part updates on it)."""
+likelihoods, the prequential contract at the learner level (each sample scored before any part updates on it), and
+the learner the user gets: an exact resume, ``predict`` and the serving learner predicting with the mixture."""
 
 import math
 from functools import partial
@@ -139,10 +140,10 @@ TEMPERATURES = (1.0, 4.0)
 SHARE = 0.05
 
 
-def learner():
+def learner(mixture=None, **kwargs):
     torch.manual_seed(0)
     factory = TimmClassifier("test_resnet", num_classes=3, pretrained=False, r=2)
-    return OnlineClassifier(factory, partial(LoKO, p0=0.1, seed=0))
+    return OnlineClassifier(factory, partial(LoKO, p0=0.1, seed=0), mixture=mixture, **kwargs)
 
 
 def scored(module, monkeypatch):
@@ -197,12 +198,11 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     plain = learner()
     plain_scored = scored(plain, monkeypatch)
     trainer().fit(plain, loader(items))
-    module = learner()
+    head = partial(StreamingLDA, shrinkage=0.1)
+    module = learner(FrozenHeadMixture(head, temperatures=list(TEMPERATURES), share=SHARE, vote=True))
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
-    head = partial(StreamingLDA, shrinkage=0.1)
-    callback = FrozenHeadMixture(head, temperatures=list(TEMPERATURES), share=SHARE, vote=True)
-    trainer(callbacks=[callback]).fit(module, loader(items))
+    trainer().fit(module, loader(items))
     assert isinstance(module.online_step, MixtureStep)
     assert len(mixed) == len(plain_scored) == 14
     for name, param in plain.network.named_parameters():  # LoKO's path is its own
@@ -228,11 +228,116 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     assert lookahead_gap > 1e-2
 
 
-def test_a_fit_resumed_with_the_mixture_is_refused(tmp_path, one_thread):
-    """The mixture's state is saved but not read back: resuming with it is refused in one line saying so."""
+def mixed_learner(**kwargs):
+    mixture = FrozenHeadMixture(partial(StreamingLDA, shrinkage=0.1), temperatures=[1.0, 4.0], share=0.05)
+    return learner(mixture, **kwargs)
+
+
+def mixture_state(module):
+    step = module.online_step
+    return {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, **step.head.state_dict()}
+
+
+def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch):
+    """8 samples in one fit, or 4, a checkpoint, and 4 more resumed from it: the same predictions scored for the last
+    4 (bit for bit: the same float operations in the same order), the same mixture weights, LDA head and network."""
+    items = stream(8, num_classes=3, seed=5)
+    whole = mixed_learner()
+    whole_scored = scored(whole, monkeypatch)
+    trainer(max_epochs=1).fit(whole, loader(items))
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = mixed_learner()
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(first, loader(items[:4]))
+    resumed = mixed_learner()
+    resumed_scored = scored(resumed, monkeypatch)
+    trainer(max_epochs=2).fit(resumed, loader(items[4:]), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert len(resumed_scored) == 4
+    for ours, theirs in zip(resumed_scored, whole_scored[4:], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    for key, value in mixture_state(whole).items():
+        torch.testing.assert_close(mixture_state(resumed)[key], value, rtol=0, atol=0)
+    for name, param in whole.network.named_parameters():
+        torch.testing.assert_close(resumed.network.get_parameter(name), param, rtol=0, atol=0)
+    # The resumed mixture is not a fresh one: its weights moved from the prior.
+    assert not torch.equal(mixture_state(resumed)["log_weights"], mixed_learner().online_step.log_weights)
+
+
+def test_a_checkpoint_fitted_without_the_mixture_is_not_resumed_with_it(tmp_path, one_thread):
     items = stream(4, num_classes=3, seed=5)
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(learner(), loader(items))
-    resumed = trainer(max_epochs=2, callbacks=[FrozenHeadMixture(StreamingLDA)])
-    with pytest.raises(ConfigError, match="resuming a fit with the frozen-head mixture is not built yet"):
-        resumed.fit(learner(), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
+    with pytest.raises(ConfigError, match="fitted without the mixture"):
+        trainer(max_epochs=2).fit(mixed_learner(), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
+
+
+def test_predict_and_the_loaded_learner_predict_with_the_mixture(tmp_path, one_thread):
+    """After a fit, ``predict_step`` is the mixture of the network's softmax and LDA's experts with the weights as
+    they stand (float32 of the float64 mixture); the learner loaded from the checkpoint rebuilds the mixture from its
+    hyperparameters and predicts the same, bit for bit; the network alone predicts otherwise (the test can fail)."""
+    items = stream(10, num_classes=3, seed=6)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    module = mixed_learner()
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(module, loader(items))
+    batch = {"inputs": torch.stack([item["inputs"] for item in items[:3]])}
+    module.eval()
+    with torch.no_grad():
+        predicted = module.predict_step(batch, 0)["probabilities"]
+        step = module.online_step
+        features = initial_features(learner(), items[:3])  # the pretrained network's (a fresh learner: LoRA's B = 0)
+        learner_p = module.network(batch["inputs"]).float().softmax(-1)
+        expected = mixture_log_predictive(step.log_weights, step.experts(learner_p, features)).exp().float()
+    torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
+    assert (predicted - learner_p).abs().max() > 1e-3
+    loaded = OnlineClassifier.load_from_checkpoint(str(tmp_path / "last.ckpt")).eval()
+    assert isinstance(loaded.online_step, MixtureStep) and loaded.hparams["mixture"]["share"] == 0.05
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.predict_step(batch, 0)["probabilities"], predicted, rtol=0, atol=0)
+
+
+def test_the_serving_learner_predicts_with_the_mixture_and_learns_it(tmp_path, one_thread):
+    """A served mixture checkpoint predicts what the loaded learner predicts; learning a sample moves its weights and
+    LDA, and the next prediction is the mixture's after that sample (the serving copy follows the learning one)."""
+    from loko_lightning.serve.learner import ServingLearner
+
+    items = stream(10, num_classes=3, seed=7)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(mixed_learner(), loader(items[:6]))
+    path = str(tmp_path / "last.ckpt")
+    served = ServingLearner.from_checkpoint(path)
+    loaded = OnlineClassifier.load_from_checkpoint(path).eval()
+    inputs = [item["inputs"] for item in items[6:9]]
+    with torch.no_grad():
+        expected = loaded.predict_step({"inputs": torch.stack(inputs)}, 0)["probabilities"]
+    torch.testing.assert_close(served.predict(inputs), expected, rtol=0, atol=0)
+    before = served.module.online_step.log_weights.clone()
+    served.learn([items[9]["inputs"]], [int(items[9]["label"])])
+    learning = served.module.online_step
+    assert not torch.equal(learning.log_weights, before) and int(learning.seen) == 7
+    serving = served._serving.online_step
+    torch.testing.assert_close(serving.log_weights, learning.log_weights, rtol=0, atol=0)
+    torch.testing.assert_close(serving.head.weight, learning.head.weight, rtol=0, atol=0)
+    # Saved and read back: the mixture's state travels with the serving checkpoint.
+    served.save(tmp_path / "served.ckpt")
+    again = ServingLearner.from_checkpoint(tmp_path / "served.ckpt")
+    torch.testing.assert_close(again.predict(inputs), served.predict(inputs), rtol=0, atol=0)
+
+
+def test_the_mixture_runs_in_one_process_and_its_head_must_be_a_plain_frozen_head():
+    with pytest.raises(ConfigError, match="head"):
+        FrozenHeadMixture(lambda params: StreamingLDA(params))
+    with pytest.raises(ConfigError, match="not a frozen head"):
+        FrozenHeadMixture.from_spec({"head": {"class_path": "os.system"}})
+    spec = mixed_learner().hparams["mixture"]
+    head = {"class_path": "loko_lightning.peers.frozen_heads.StreamingLDA", "init_args": {"shrinkage": 0.1}}
+    assert spec["head"] == head
+    assert FrozenHeadMixture.from_spec(spec).spec() == spec
+
+
+def test_an_export_says_the_mixture_is_not_in_it(tmp_path):
+    from loko_lightning.learner.export import MIXTURE_NOT_EXPORTED, export, read_export
+
+    with pytest.warns(UserWarning, match="network alone"):
+        export(mixed_learner(), tmp_path / "mixed")
+    assert read_export(tmp_path / "mixed")["mixture"] == MIXTURE_NOT_EXPORTED
+    export(learner(), tmp_path / "plain")
+    assert "mixture" not in read_export(tmp_path / "plain")

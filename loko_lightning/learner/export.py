@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
@@ -40,6 +41,13 @@ from loko_lightning.models.factory import LoraClassifier
 from loko_lightning.models.weights import PYPI, PYPI_TEXT_MODELS
 
 EXPORT_FILE = "loko_export.json"
+
+
+#: What an export of a learner that predicted with a mixture (``OnlineClassifier(mixture=...)``) says.
+MIXTURE_NOT_EXPORTED = (
+    "the learner predicted with its mixture with a frozen head (streaming LDA); this export is its network alone, "
+    "which predicts otherwise. loko predict and loko serve on the checkpoint predict with the mixture"
+)
 
 
 def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrite: bool = False) -> Path:
@@ -94,6 +102,9 @@ def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrit
         }
         if getattr(network, "pooling", "pooler") != "pooler":  # the stock model's forward uses its pooler instead
             info["pooling"] = f"{network.pooling}: the classifier reads this pooling of the last hidden states"
+        if getattr(learner, "mixture", None) is not None:  # the learner predicted with more than this network
+            info["mixture"] = MIXTURE_NOT_EXPORTED
+            rank_zero_warn(f"loko export: {MIXTURE_NOT_EXPORTED}")
         (staging / EXPORT_FILE).write_text(json.dumps(info, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()

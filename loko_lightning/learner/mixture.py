@@ -17,16 +17,17 @@ mixture's cumulative log loss is at most the best expert's plus :math:`\log K`; 
 lets the weight move from LDA to the fine-tuner later, at a cost of about :math:`\log(K/\alpha)` nats a switch and
 :math:`\alpha` nats a sample. Derivation and measurements: ``docs/results/mixture.md``.
 
-:class:`FrozenHeadMixture` is a Lightning callback that wraps the learner's step in :class:`MixtureStep` when fitting
-starts (``configs/presets/loko_mixture_lda.yaml`` adds it). The network's weights, LoKO's trajectory and a checkpoint's
-``state_dict`` are those of the plain learner; the mixture's state (the weights and LDA's statistics) rides in the
-checkpoint as ``"loko_mixture"`` but is not read back: a fit resumed with the mixture is refused, saying so.
-``loko predict`` and serving use the network alone. Not with ``step_scales`` or a shared head
-covariance (refused), nor under DDP.
+The learner's option ``mixture`` (:class:`FrozenHeadMixture`; ``configs/presets/loko_mixture_lda.yaml`` sets it)
+wraps its step in :class:`MixtureStep`, so every prediction the learner makes is the mixture's: the prequential score
+in ``loko fit``, held-out evaluation, ``loko predict`` and ``loko serve`` (which learns on with it). The network's
+weights and LoKO's trajectory are those of the plain learner; the mixture's state (the weights, LDA's head and
+statistics) rides in the checkpoint as ``"loko_mixture"`` and is read back (a fit resumes exactly). One process.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ from peft import PeftModel
 from torch import Tensor, nn
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.learner.checks import optimizer_class, optimizer_config, optimizer_from_config
 from loko_lightning.learner.frozen_heads import evaluating
 from loko_lightning.learner.steps import OnlineStep, StepResult
 
@@ -173,9 +175,20 @@ class MixtureStep(OnlineStep):
         self.lda: Any = None  # the head's optimizer (bind, step), built with the head
 
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
-        """The inner step's checks; one process."""
+        """The inner step's checks; one process.
+
+        Raises:
+            ConfigError: several processes (``field="mixture"``).
+        """
         self.inner.check_trainer(trainer, owner)
-        super().check_trainer(trainer, owner)
+        if trainer.world_size > 1:
+            raise ConfigError(
+                f"the mixture with a frozen head runs in one process (its weights and LDA's statistics are not "
+                f"exchanged between processes); this trainer has {trainer.world_size}. To fix it: "
+                "--model.mixture null, or --trainer.devices 1",
+                field="mixture",
+                owner=owner,
+            )
 
     def start(self, module: pl.LightningModule) -> None:
         """Let the inner step prepare."""
@@ -185,16 +198,24 @@ class MixtureStep(OnlineStep):
         self.head = nn.Linear(dim, classes, dtype=torch.float64, device=device)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        self.head.requires_grad_(False)  # written by LDA in closed form: no autograd graph through the weights
         self.lda = self.build_head(self.head.parameters())
         self.lda.bind(self.head.weight, self.head.bias)
         self.log_weights = self.log_weights.to(device)
         self.hits, self.seen = self.hits.to(device), self.seen.to(device)
 
+    def _features(self, module: pl.LightningModule, inputs: Any) -> Tensor:
+        """The frozen features of ``inputs`` (LDA's head built at the first call: its width is theirs)."""
+        features = frozen_features(module.network, inputs, module.num_classes)
+        if self.head is None:
+            self._build(features.shape[1], module.num_classes, features.device)
+        return features
+
     def experts(self, learner: Tensor, features: Tensor) -> Tensor:
         """The experts' log probabilities ``(K, B, m)``, float64: the learner's, LDA's at each temperature, the vote."""
         assert self.head is not None
         lda_logits = self.head(features.to(torch.float64))
-        parts = [learner.to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
+        parts = [learner.detach().to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
         parts.append(tempered_log_probabilities(lda_logits, self.temperatures))
         if self.vote:
             votes = vote_log_probabilities(lda_logits.argmax(-1), self.hits, self.seen, lda_logits.shape[-1])
@@ -203,9 +224,7 @@ class MixtureStep(OnlineStep):
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """Both experts predict, the mixture is scored, then every part updates on the samples (see the class)."""
-        features = frozen_features(module.network, inputs, module.num_classes)
-        if self.head is None:
-            self._build(features.shape[1], module.num_classes, features.device)
+        features = self._features(module, inputs)
         assert self.lda is not None
         learner, label, applied = self.inner.step(module, optimizer, inputs, label)
         lda_argmax = self.head(features.to(torch.float64)).argmax(-1)  # LDA's head before this sample
@@ -244,21 +263,62 @@ class MixtureStep(OnlineStep):
             }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refused: the mixture is installed for fitting only, and a fit does not resume with it yet.
+        """The inner step's state; the mixture's as it was saved (none in a checkpoint from before the first step).
 
         Raises:
-            ConfigError: always (``field="ckpt_path"``), saying what to do instead.
+            ConfigError: a checkpoint fitted without the mixture (``field="mixture"``): its weights and LDA's
+                statistics would start again mid-stream.
         """
-        raise ConfigError(
-            "resuming a fit with the frozen-head mixture is not built yet: its weights and the frozen head's "
-            "statistics are saved in the checkpoint but not read back, so the resumed mixture would start again. To "
-            "fix it: fit from the start with the mixture, or resume without it (the learner alone)",
-            field="ckpt_path",
-            owner=FrozenHeadMixture,
-        )
+        self.inner.on_load_checkpoint(checkpoint)
+        saved = checkpoint.get("loko_mixture")
+        if saved is None:
+            if checkpoint.get("global_step", 0) or checkpoint.get("serve"):
+                raise ConfigError(
+                    "this checkpoint was fitted without the mixture with a frozen head, so its weights and LDA's "
+                    "statistics would start again mid-stream. To fix it: resume the learner as it was fitted (e.g. "
+                    "--config presets/loko_images pins the image default's filter without the mixture), or fit from "
+                    "the start with the mixture",
+                    field="mixture",
+                    owner=FrozenHeadMixture,
+                )
+            return
+        head = saved["head"]
+        classes, dim = head["weight"].shape
+        self._build(dim, classes, head["weight"].device)
+        assert self.head is not None and self.lda is not None
+        self.head.load_state_dict(head)
+        self.lda.load_state_dict(saved["lda"])
+        self.log_weights = saved["log_weights"].to(torch.float64).clone()
+        self.hits = saved["hits"].to(torch.float64).clone()
+        self.seen = saved["seen"].to(torch.float64).clone()
+
+    @torch.no_grad()
+    def predict(self, module: pl.LightningModule, inputs: Any) -> Tensor:
+        """The mixture's class probabilities ``(B, m)``, float32, with its weights and LDA as they stand (no update)."""
+        features = self._features(module, inputs)
+        learner = module.network(inputs).float().softmax(-1)
+        return mixture_log_predictive(self.log_weights, self.experts(learner, features)).exp().float()
+
+    def follow(self, other: OnlineStep) -> None:
+        """Predict as ``other`` (the learning copy's mixture) now does: its weights, hits and LDA's head."""
+        assert isinstance(other, MixtureStep)
+        if other.head is None:
+            return
+        if self.head is None:
+            self._build(other.head.in_features, other.head.out_features, other.head.weight.device)
+        assert self.head is not None
+        with torch.no_grad():
+            self.head.weight.copy_(other.head.weight)
+            self.head.bias.copy_(other.head.bias)
+        self.log_weights, self.hits, self.seen = other.log_weights.clone(), other.hits.clone(), other.seen.clone()
+
+    def serving(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The inner step's parameters that predict (with an average: ``θ̄``), or ``None``."""
+        serving = getattr(self.inner, "serving", None)
+        return serving(optimizer) if serving is not None else None
 
     def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
-        """The inner step's evaluation parameters (evaluation uses the network alone)."""
+        """The inner step's evaluation parameters (with an average: ``θ̄``), which :meth:`predict` mixes with LDA."""
         self.inner.evaluate(module, entering)
 
     def close(self) -> None:
@@ -266,17 +326,34 @@ class MixtureStep(OnlineStep):
         self.inner.close()
 
 
-class FrozenHeadMixture(pl.Callback):
-    """Make the learner predict with the mixture of itself and streaming LDA on frozen features (see the module).
+def head_config(head: HeadCallable) -> dict[str, Any] | None:
+    """A head callable as plain values ``{"class_path", "init_args"}`` (``None``: not a class with plain arguments).
 
-    Add it to the trainer's callbacks (``--trainer.callbacks+=loko_lightning.learner.mixture.FrozenHeadMixture``);
-    when fitting starts it wraps the learner's step in :class:`MixtureStep` with these arguments.
+    A class, a ``functools.partial`` of one, or the partial the command line's parser makes of a ``class_path``.
+    """
+    cls = optimizer_class(head)
+    keywords: dict[str, Any] = {}
+    target: Any = head
+    while isinstance(target, functools.partial):
+        keywords = {**target.keywords, **keywords}
+        target = target.func
+    return None if cls is None else optimizer_config(functools.partial(cls, **keywords))
+
+
+class FrozenHeadMixture:
+    """The learner's option ``mixture``: predict with the mixture of the learner and a frozen head (see the module).
+
+    ``OnlineClassifier(..., mixture=FrozenHeadMixture(StreamingLDA))`` wraps the learner's step in
+    :class:`MixtureStep` with these arguments; in a config, ``model.mixture`` with this class path
+    (``configs/presets/loko_mixture_lda.yaml``). A checkpoint keeps it as :meth:`spec` (plain values) and the learner
+    it loads into rebuilds it (:meth:`from_spec`).
 
     Args:
+        head: builds the frozen head over its layer's parameters: ``loko_lightning.peers.StreamingLDA`` or a
+            ``functools.partial`` of it (in a config, ``class_path: loko_lightning.peers.StreamingLDA`` with its
+            ``init_args``).
         temperatures: LDA's temperatures, one expert each (each > 0); default :data:`TEMPERATURES`.
         share: fixed share's ``α`` in ``[0, 1)`` (0: the Bayesian mixture).
-        head: builds the frozen head over its layer's parameters: ``loko_lightning.peers.StreamingLDA`` (in a config,
-            ``class_path: loko_lightning.peers.StreamingLDA`` with its ``init_args``).
         prior_learner: the learner's prior weight in ``(0, 1)``; ``None``: uniform over the experts.
         vote: add LDA's argmax with its past accuracy as its confidence as an expert (:func:`vote_log_probabilities`).
     """
@@ -298,28 +375,51 @@ class FrozenHeadMixture(pl.Callback):
             raise ConfigError(
                 f"Invalid prior_learner: {prior_learner} (in (0, 1))", field="prior_learner", owner=FrozenHeadMixture
             )
-        self.head, self.temperatures, self.share = head, temperatures, share
-        self.prior_learner, self.vote = prior_learner, vote
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Wrap the learner's step (once) when fitting.
-
-        Raises:
-            ConfigError: ``step_scales`` or a shared head covariance.
-        """
-        if stage != "fit" or isinstance(pl_module.online_step, MixtureStep):
-            return
-        if (
-            getattr(pl_module, "step_scales", None) is not None
-            or getattr(pl_module, "head_covariance", "") != "diagonal"
-        ):
+        if head_config(head) is None:
             raise ConfigError(
-                "the mixture with a frozen head runs with one step size and the diagonal covariance (the learner's "
-                "optimizer groups need to see LoKO through the wrapped step). To fix it: no step_scales, "
-                "head_covariance: diagonal",
-                field="step_scales",
+                f"Invalid head: {head!r}; a checkpoint keeps the head as its class and plain keyword arguments. To "
+                "fix it: loko_lightning.peers.StreamingLDA, or functools.partial(StreamingLDA, shrinkage=...)",
+                field="head",
                 owner=FrozenHeadMixture,
             )
-        pl_module.online_step = MixtureStep(
-            pl_module.online_step, self.head, self.temperatures, self.share, self.prior_learner, self.vote
-        )
+        self.head, self.temperatures, self.share = head, temperatures, float(share)
+        self.prior_learner, self.vote = prior_learner, bool(vote)
+
+    def wrap(self, inner: OnlineStep) -> MixtureStep:
+        """The learner's step ``inner`` predicting with this mixture."""
+        return MixtureStep(inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote)
+
+    def spec(self) -> dict[str, Any]:
+        """Plain values a checkpoint keeps (the learner's hyperparameter ``mixture``)."""
+        return {
+            "head": head_config(self.head),
+            "temperatures": list(self.temperatures),
+            "share": self.share,
+            "prior_learner": self.prior_learner,
+            "vote": self.vote,
+        }
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> FrozenHeadMixture:
+        """The mixture a :meth:`spec` (or a config's ``{class_path, init_args}`` of this class) describes.
+
+        A head of this package (``loko_lightning.peers``) is imported; any other must be imported already (a
+        checkpoint is data, never code to run).
+
+        Raises:
+            ConfigError: a head that is not an imported frozen head (``field="mixture"``).
+        """
+        spec = dict(spec.get("init_args") or {}) if "class_path" in spec else dict(spec)
+        head = spec.pop("head", None)
+        path = head.get("class_path") if isinstance(head, dict) else None
+        if isinstance(path, str) and path.startswith("loko_lightning."):  # this package's own heads only
+            importlib.import_module(path.rpartition(".")[0])
+        built = optimizer_from_config(head) if isinstance(head, dict) else head
+        if built is None:
+            raise ConfigError(
+                f"the mixture's head {head!r} is not a frozen head this process has imported. To fix it: import "
+                "loko_lightning.peers first, or configure head: {class_path: loko_lightning.peers.StreamingLDA}",
+                field="mixture",
+                owner=FrozenHeadMixture,
+            )
+        return cls(built, **spec)

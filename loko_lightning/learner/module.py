@@ -37,6 +37,7 @@ from loko_lightning.learner.metrics import (
     online_values,
     update_online,
 )
+from loko_lightning.learner.mixture import FrozenHeadMixture
 from loko_lightning.learner.selection import Candidates
 from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
 from loko_lightning.learner.transfer import data_preprocessing, load_adapters
@@ -129,6 +130,11 @@ class OnlineClassifier(pl.LightningModule):
             ``"posterior"`` (not the paper; LoKO's covariance filter) averaged over its belief before the sample
             (:mod:`~loko_lightning.kalman.predictive`: the ``H P Hᵀ`` the step forms, no extra pass). ``predict``,
             export and serve use the mean.
+        mixture: ``None`` (default, the paper) or a
+            :class:`~loko_lightning.learner.mixture.FrozenHeadMixture` (not the paper): every prediction is the
+            mixture of the learner's and a frozen head's (streaming LDA on the pretrained backbone's features),
+            weighted by their prequential likelihoods: the scores, ``predict`` and ``loko serve``. One more forward
+            pass a sample (adapters disabled); one process. ``loko export`` writes the network alone.
 
     Example:
         >>> from functools import partial
@@ -150,6 +156,7 @@ class OnlineClassifier(pl.LightningModule):
         step_scales: dict[str, float] | None = None,
         head_covariance: str = "diagonal",
         predictive: str = "mean",
+        mixture: FrozenHeadMixture | None = None,
     ) -> None:
         super().__init__()
         if isinstance(network, Mapping):
@@ -165,7 +172,7 @@ class OnlineClassifier(pl.LightningModule):
         # The factories are objects; checkpoints keep plain values: the network factory as its configuration (what
         # load_from_checkpoint rebuilds it from), the optimizer and schedule not (a checkpoint is used, or resumed
         # with the optimizer configured by the caller).
-        self.save_hyperparameters(ignore=["network", "optimizer", "lr_scheduler", "select"])
+        self.save_hyperparameters(ignore=["network", "optimizer", "lr_scheduler", "select", "mixture"])
         self.hparams["network"] = network.spec()
         self.automatic_optimization = False
         if not isinstance(window, int) or window < 1:
@@ -191,6 +198,19 @@ class OnlineClassifier(pl.LightningModule):
         step = step_for(probed)
         step.check(network, lr_scheduler, owner=OnlineClassifier)
         self.online_step: OnlineStep = step() if self.select is None else SelectionStep(step(), self.select)
+        if isinstance(mixture, Mapping):
+            mixture = FrozenHeadMixture.from_spec(mixture)
+        if mixture is not None and not isinstance(mixture, FrozenHeadMixture):
+            raise ConfigError(
+                f"mixture must be a FrozenHeadMixture or None, got {mixture!r}: e.g. "
+                "FrozenHeadMixture(StreamingLDA) (configs/presets/loko_mixture_lda.yaml)",
+                field="mixture",
+                owner=OnlineClassifier,
+            )
+        self.mixture = mixture
+        self.hparams["mixture"] = None if mixture is None else mixture.spec()
+        if mixture is not None:
+            self.online_step = mixture.wrap(self.online_step)
         self.head_covariance = check_head_covariance(head_covariance, probed, owner=OnlineClassifier)
         self.predictive = check_predictive(predictive, probed, self.select is not None, owner=OnlineClassifier)
         self.network_factory, self.optimizer_factory, self.lr_scheduler_factory = network, optimizer, lr_scheduler
@@ -328,7 +348,7 @@ class OnlineClassifier(pl.LightningModule):
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         """Class probabilities ``(B, m)`` (softmax of the logits, float32) of a batch, with its ``index``/``label``."""
-        probabilities = self.network(batch["inputs"]).float().softmax(-1)
+        probabilities = self.online_step.predict(self, batch["inputs"])
         out = {"probabilities": probabilities}
         for key in ("index", "label"):
             if key in batch:
@@ -463,7 +483,7 @@ class OnlineClassifier(pl.LightningModule):
             self.log("online_acc", values["train/online_acc"], prog_bar=True, logger=False, batch_size=1)
 
     def _eval_step(self, batch: dict[str, Any], stage: str, metrics: nn.ModuleDict) -> None:
-        predicted = self.network(batch["inputs"]).argmax(-1)
+        predicted = self.online_step.predict(self, batch["inputs"]).argmax(-1)
         for key, metric in metrics.items():
             metric.update(predicted, batch["label"])
             self.log(f"{stage}/{key}", metric, prog_bar=key == "acc", batch_size=predicted.shape[0])

@@ -80,6 +80,19 @@ class OnlineStep:
     def evaluate(self, module: pl.LightningModule, entering: bool) -> None:
         """Set the parameters evaluation and prediction use (``entering``), or back to the training ones."""
 
+    def predict(self, module: pl.LightningModule, inputs: Any) -> Tensor:
+        """Class probabilities ``(B, m)``, float32, outside training (evaluation, ``loko predict``, serving).
+
+        By default the network's (with the parameters :meth:`evaluate` set); a mixture predicts as it is scored.
+        """
+        return module.network(inputs).float().softmax(-1)
+
+    def follow(self, other: OnlineStep) -> None:
+        """Predict as ``other`` (the same strategy, learning in another copy of the learner) now does.
+
+        The parameters are copied by the caller; a strategy with a prediction state of its own copies it here.
+        """
+
 
 def collective_timeout(module: pl.LightningModule) -> float | None:
     """The seconds the step's gather waits for the other processes (``OnlineClassifier.collective_timeout``)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -110,6 +111,10 @@ class ServingLearner:
         self.extra: dict[str, Any] = {k: v for k, v in saved.items() if k not in counters}
         # Two serving copies: predictions read the current one, the next version is written into the other.
         self._lock = threading.Condition()
+        # A mixture disables the serving copy's adapters for its frozen features: its predictions run one at a time.
+        self._frozen_forward: contextlib.AbstractContextManager[Any] = (
+            threading.Lock() if module.mixture is not None else contextlib.nullcontext()
+        )
         self._copies = [_serving_copy(module), _serving_copy(module)]
         self._readers = [0, 0]
         self._current = 0
@@ -222,7 +227,8 @@ class ServingLearner:
             index, version = self._current, self._version
             self._readers[index] += 1
         try:
-            probabilities = self._copies[index].predict_step({"inputs": batch}, 0)["probabilities"]
+            with self._frozen_forward:
+                probabilities = self._copies[index].predict_step({"inputs": batch}, 0)["probabilities"]
         finally:
             with self._lock:
                 self._readers[index] -= 1
@@ -294,6 +300,7 @@ class ServingLearner:
         with torch.no_grad():
             for served, learned in zip(_trainable(self._copies[spare]), self.module.trainable_parameters, strict=True):
                 served.copy_(state[learned]["average"] if average and "average" in state[learned] else learned)
+        self._copies[spare].online_step.follow(self.module.online_step)  # a mixture's weights and frozen head
         with self._lock:
             self._current, self._version = spare, self.learned
 
