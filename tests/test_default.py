@@ -39,6 +39,7 @@ def settings(cli):
         "average": optimizer.average,
         "head_covariance": cli.model.head_covariance,
         "step_scales": cli.model.step_scales,
+        "mixture": cli.model.hparams["mixture"],
     }
 
 
@@ -56,8 +57,11 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
         {"head": 0.1},
         0.2,
     )
+    # Predicting with its mixture with streaming LDA on the frozen features (OAS), the preset's experts.
+    assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA") and got["mixture"]["share"] == 0.01
+    assert len(got["mixture"]["temperatures"]) == 13 and got["mixture"]["vote"]
     (line,) = decided_line(caplog)
-    assert "presets/loko_images" in line and "10 classes" in line and "as_configured" in line
+    assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
     # Once decided, the configuration says so: a saved config.yaml runs as it is, with no second decision.
     assert cli.config.loko == "as_configured"
 
@@ -71,7 +75,7 @@ def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
 
 def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean():
     got = settings(build("glyphs100_lite0"))
-    assert (got["filter"]["name"], got["p0"], got["average"]) == ("natural", 0.03, 0.99)
+    assert (got["filter"]["name"], got["p0"], got["average"], got["mixture"]) == ("natural", 0.03, 0.99, None)
 
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
@@ -80,7 +84,7 @@ def test_the_paper_configs_pin_the_papers_filter(name, caplog):
         got = settings(build(name))
     assert {key: got[key] for key in ("p0", "average")} == {"p0": 0.2, "average": 0.0}
     assert got["filter"]["name"] == "covariance" and got["filter"]["beta"] == 0.95
-    assert (got["head_covariance"], got["step_scales"]) == ("diagonal", None)
+    assert (got["head_covariance"], got["step_scales"], got["mixture"]) == ("diagonal", None, None)
     assert decided_line(caplog) == []  # pinned: nothing decided, nothing printed
 
 
@@ -92,6 +96,11 @@ def test_the_paper_configs_pin_the_papers_filter(name, caplog):
         (["--model.optimizer.init_args.time_update", "{process_noise: 1e-6}"], "--model.optimizer.time_update"),
         (["--model.head_covariance", "shared"], "--model.head_covariance shared"),
         (["--model.optimizer.init_args.shard", "true"], "--model.optimizer.shard True"),
+        (
+            ["--model.mixture", "loko_lightning.learner.mixture.FrozenHeadMixture"]
+            + ["--model.mixture.head", "StreamingLDA"],
+            "--model.mixture",
+        ),
     ],
 )
 def test_a_setting_the_configuration_changed_is_kept_and_the_line_names_it(flags, named, caplog):
@@ -117,6 +126,7 @@ def test_as_configured_and_the_paper_preset_run_the_papers_filter():
     for flags in (["--loko", "as_configured"], ["--config", str(CONFIGS / "presets" / "loko_paper.yaml")]):
         got = settings(build("quickstart", *flags))
         assert (got["p0"], got["average"], got["head_covariance"], got["step_scales"]) == (0.2, 0.0, "diagonal", None)
+        assert got["mixture"] is None
 
 
 def test_several_processes_keep_the_image_default_and_run_a_text_backbone_as_configured(caplog):
@@ -126,6 +136,8 @@ def test_several_processes_keep_the_image_default_and_run_a_text_backbone_as_con
     assert (images["average"], images["head_covariance"], text["p0"], text["average"]) == (0.99, "shared", 0.2, 0.0)
     image_line, text_line = decided_line(caplog)
     assert "several processes (measured in one)" in image_line and "presets/loko_images" in image_line
+    # The mixture runs in one process: under DDP the image default runs without it, and says so.
+    assert images["mixture"] is None and "mixture" in image_line and "loko_mixture_lda" not in image_line
     assert text_line == "LoKO as configured: several processes: p0 chosen online runs in one process"
 
 

@@ -5,7 +5,9 @@ for the kind of model and run configured; ``as_configured`` runs exactly what th
 configs and every preset pin it). What the default decides from is known before anything is built:
 
 - an image backbone (:class:`~loko_lightning.models.TimmClassifier`) with at most 10 classes: the image default,
-  ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller);
+  ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller) predicting with
+  its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``; under DDP without it: the
+  mixture runs in one process);
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes);
@@ -16,8 +18,8 @@ configs and every preset pin it). What the default decides from is known before 
 The image defaults were measured in one process; under DDP they run the same settings, each step one joint update of
 every process's samples, and the line says so.
 
-The default's parts are the preset files themselves (one owner): the default applies the preset as one more
-``--config`` after the configuration (the many-class image default: three flags), which only touches settings the
+The default's parts are the preset files themselves (one owner): the default applies the presets as more
+``--config`` after the configuration (the many-class image default: three flags), which only touch settings the
 check found at their defaults.
 """
 
@@ -41,6 +43,7 @@ from torch import nn
 from loko_lightning.cli.configs import PACKAGED_CONFIGS
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.kalman.time_update import TimeUpdate
+from loko_lightning.learner.mixture import FrozenHeadMixture
 from loko_lightning.learner.selection import AUTO_P0, Candidates
 from loko_lightning.models import TimmClassifier, TransformersClassifier
 
@@ -49,7 +52,13 @@ CHOICES = ("default", "as_configured")
 # The most classes the image default was measured with (10); beyond, the many-class image default (100 measured).
 MAX_CLASSES = 10
 # The learner's options the default's presets set, with the values that leave them to the default.
-LEARNER_DEFAULTS = {"step_scales": None, "head_covariance": "diagonal", "select": None, "predictive": "mean"}
+LEARNER_DEFAULTS = {
+    "step_scales": None,
+    "head_covariance": "diagonal",
+    "select": None,
+    "predictive": "mean",
+    "mixture": None,
+}
 # LoKO's arguments the default leaves alone (they say how, not what, it computes).
 NOT_SETTINGS = {"seed", "dtype", "collective_timeout"}
 
@@ -111,11 +120,19 @@ def decide(config: Any) -> Decision | None:
             f"a text backbone, {num_classes} classes: p0 chosen online",
             preset("presets/loko_text"),
         )
-    if isinstance(num_classes, int) and num_classes <= MAX_CLASSES:
+    if isinstance(num_classes, int) and num_classes <= MAX_CLASSES and processes:
         return Decision(
             "presets/loko_images",
-            f"an image backbone, {num_classes} classes{where}: averaged mean, shared head covariance",
+            f"an image backbone, {num_classes} classes{where}: averaged mean, shared head covariance; the mixture "
+            "with streaming LDA runs in one process",
             preset("presets/loko_images"),
+        )
+    if isinstance(num_classes, int) and num_classes <= MAX_CLASSES:
+        return Decision(
+            "presets/loko_images + presets/loko_mixture_lda",
+            f"an image backbone, {num_classes} classes: averaged mean, shared head covariance, predicting with its "
+            "mixture with streaming LDA on the frozen features",
+            preset("presets/loko_images") + preset("presets/loko_mixture_lda"),
         )
     return Decision(
         "the many-class image default",
@@ -268,7 +285,7 @@ def default_arguments(network: Any, *, processes: int = 1) -> tuple[Decision, di
         >>> from loko_lightning.models import TimmClassifier
         >>> decision, arguments = default_arguments(TimmClassifier("test_resnet", num_classes=10, pretrained=False))
         >>> decision.name, arguments["head_covariance"], arguments["optimizer"].keywords
-        ('presets/loko_images', 'shared', {'average': 0.99})
+        ('presets/loko_images + presets/loko_mixture_lda', 'shared', {'average': 0.99})
     """
     cls = type(network)
     config = Namespace(
@@ -285,8 +302,9 @@ def default_arguments(network: Any, *, processes: int = 1) -> tuple[Decision, di
     )
     decision = decide(config)
     model: dict[str, Any] = {}
-    if decision.args[:1] == ("--config",):
-        model = yaml.safe_load(Path(decision.args[1]).read_text())["model"]
+    for flag, value in zip(decision.args, decision.args[1:], strict=False):
+        if flag == "--config":
+            model.update(yaml.safe_load(Path(value).read_text())["model"])
     init_args = dict((model.get("optimizer") or {}).get("init_args") or {})
     for flag in decision.args:
         if flag.startswith("--model.optimizer.init_args."):
@@ -296,6 +314,8 @@ def default_arguments(network: Any, *, processes: int = 1) -> tuple[Decision, di
     for name in ("head_covariance", "step_scales"):
         if name in model:
             arguments[name] = model[name]
+    if model.get("mixture"):
+        arguments["mixture"] = FrozenHeadMixture.from_spec(model["mixture"])
     if model.get("select"):
         arguments["select"] = Candidates(**model["select"])
     return decision, arguments
