@@ -32,26 +32,41 @@ def rows(text: str) -> list[list[str]]:
 
 
 def test_every_stream_has_the_four_rows(results_table, text):
+    """The default, the rows beside it (its filter alone), the paper's LoKO, the best frozen head and fine-tuner."""
     table = rows(text)
-    assert len(table) == 4 * len(results_table.STREAMS)
-    for i, stream in enumerate(results_table.STREAMS):
-        learners = [row[1] for row in table[4 * i : 4 * i + 4]]
-        assert all(row[0].startswith(stream.name) for row in table[4 * i : 4 * i + 4])
+    sizes = [4 + len(stream.also) for stream in results_table.STREAMS]
+    assert len(table) == sum(sizes)
+    start = 0
+    for stream, size in zip(results_table.STREAMS, sizes, strict=True):
+        block = table[start : start + size]
+        start += size
+        learners = [row[1] for row in block]
+        assert all(row[0].startswith(stream.name) for row in block)
         assert learners[0].startswith("the ") and "default" in learners[0]
-        assert learners[1].startswith("the paper's LoKO")
-        assert learners[2].startswith("best frozen head")
-        assert learners[3].startswith("best fine-tuning peer")
-        assert len({len(row) for row in table}) == 1
+        assert learners[1 : 1 + len(stream.also)] == [entry.name for entry in stream.also]
+        assert learners[-3].startswith("the paper's LoKO")
+        assert learners[-2].startswith("best frozen head")
+        assert learners[-1].startswith("best fine-tuning peer")
+    assert len({len(row) for row in table}) == 1
 
 
 def test_a_cell_is_the_recorded_number(text):
-    """The image default's end accuracy on Fashion-MNIST at 32 px: the mean of the three recorded runs."""
+    """The image default's filter's end accuracy on Fashion-MNIST at 32 px: the mean of the three recorded runs."""
     finals = []
     for seed in range(3):
         summary = json.loads((ROOT / f"results/shared_rows/epyc/fm32/shared_avg_h0.1_s{seed}/summary.json").read_text())
         finals.append(100 * summary["results"]["loko"]["final_online_acc"][str(seed)])
-    row = next(r for r in rows(text) if r[0].startswith("Fashion-MNIST 32 px") and "default" in r[1])
+    row = next(r for r in rows(text) if r[0].startswith("Fashion-MNIST 32 px") and "filter alone" in r[1])
     assert row[5].startswith(f"{sum(finals) / 3:.1f} ± ")
+
+
+def test_a_checkpoint_of_a_longer_run_is_its_recorded_point(text):
+    """The image default after 1,000 Fashion-MNIST samples: the point its 2,000-sample runs recorded, not their end."""
+    summary = json.loads((ROOT / "results/default_study/fm32_2000/summary.json").read_text())
+    at = summary["results"]["loko_default"]["online_acc_at"]
+    points = [100 * at[str(seed)]["1000"] for seed in range(3)]
+    row = next(r for r in rows(text) if r[0].startswith("Fashion-MNIST 32 px") and "default" in r[1])
+    assert row[3].startswith(f"{sum(points) / 3:.1f} ± ") and row[3] != row[4]
 
 
 def test_every_number_is_one_it_read(results_table, monkeypatch):
