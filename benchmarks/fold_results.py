@@ -14,7 +14,7 @@ keyed by the run folder's path relative to ``results/`` (``benchmarks/results_ta
 there when its folder's ``summary.json`` is gone), and removes the run folders' small text files that went into it
 (``summary.json``, ``results.md``, other ``.md``/``.txt``/``.csv``/``.json`` files; not those git ignores, such as
 ``metrics.csv``), then the folders left empty. An entry holds everything its folder held, so a study's ``runs.json``
-alone is its record; an existing ``runs.json`` is merged into (a folder read again replaces its entry).
+alone is its record; an existing ``runs.json`` is merged into (what a folder holds replaces its entry's fields).
 
 It keeps, and refuses to delete, every file referenced by path: a ``results/...`` path (a glob, a shell brace
 ``{a,b}``, an f-string ``{seed}`` or a ``$var`` in it matches any value) in ``docs/``, ``README.md``, ``benchmarks/``,
@@ -86,6 +86,8 @@ def references(root: Path) -> list[Reference]:
         elif path.is_dir():
             files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
     for path in files:
+        if path.resolve() == Path(__file__).resolve():
+            continue  # this script's own examples name no file
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -223,6 +225,14 @@ def dump_runs(runs: dict[str, dict[str, Any]]) -> str:
     return json.dumps({"runs": dict(sorted(runs.items()))}, indent=1, ensure_ascii=False) + "\n"
 
 
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A folder's entry read again: what it holds now replaces, field by field, what ``runs.json`` held."""
+    merged = {**old, **new}
+    if "files" in old or "files" in new:
+        merged["files"] = {**old.get("files", {}), **new.get("files", {})}
+    return merged
+
+
 def agreement(results: Path, runs: dict[str, dict[str, Any]]) -> list[str]:
     """The entries that disagree with a file still in their folder."""
     problems = []
@@ -258,7 +268,7 @@ def fold(results: Path, study: str, refs: list[Reference], check: bool) -> bool:
     study_dir = results / study
     plan = plan_study(results, study, refs)
     runs = load_runs(study_dir)
-    merged = {**runs, **plan.entries}
+    merged = {**runs, **{key: merge(runs.get(key, {}), entry) for key, entry in plan.entries.items()}}
     plan.disagree = agreement(results, runs)
     pending = bool(plan.remove) or canonical(merged) != canonical(runs)
     if not merged:
@@ -282,8 +292,8 @@ def fold(results: Path, study: str, refs: list[Reference], check: bool) -> bool:
     text = dump_runs(merged)
     # Nothing is removed unless runs.json, read back, holds every entry as read from its folder.
     back = json.loads(text)["runs"]
-    for key, entry in plan.entries.items():
-        if canonical(back[key]) != canonical(entry):
+    for key in plan.entries:
+        if canonical(back[key]) != canonical(merged[key]):
             raise SystemExit(f"fold_results.py: {key} does not read back from {RUNS_FILE}; nothing removed")
     (study_dir / RUNS_FILE).write_text(text, encoding="utf-8")
     for path in plan.remove:

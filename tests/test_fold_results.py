@@ -49,7 +49,7 @@ def tree(tmp_path: Path) -> Path:
     (results / "other" / "summary.json").write_text(json.dumps(summary(0, 0.75)))
     (tmp_path / "docs" / "results").mkdir(parents=True)
     (tmp_path / "docs" / "results" / "study.md").write_text(
-        "![curves](study/stream/paper_s0/compare.png)\n\nRead `results/study/stream/paper_s1/results.md`.\n"
+        "![curves](study/stream/paper_s0/compare.png)\n\nRead `results/study/stream/paper_s1/summary.json`.\n"
     )
     return results
 
@@ -67,6 +67,7 @@ def test_fold_keeps_the_runs_and_the_referenced_files(scripts, tree, capsys):
     assert {key: json.dumps(results_table.load_run(tree, key)) for key in keys} == before
     runs = json.loads((tree / "study/runs.json").read_text())["runs"]
     assert sorted(runs) == keys
+    assert {key: json.dumps(runs[key]["summary"]) for key in keys} == before  # the kept one too
     assert runs["study/stream/paper_s0"]["results_md"] == "# seed 0 ± 1\n"
     assert runs["study/stream/paper_s0"]["files"] == {"at.csv": "samples,acc\n10,0.2\n"}
     left = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file())
@@ -75,9 +76,10 @@ def test_fold_keeps_the_runs_and_the_referenced_files(scripts, tree, capsys):
         "study/hashes.txt",  # not in a run folder
         "study/runs.json",
         "study/stream/paper_s0/compare.png",  # the image a page embeds
-        "study/stream/paper_s1/results.md",  # a path a page names
+        "study/stream/paper_s1/summary.json",  # a path a page names
     ]
-    # Folded: nothing left to do, and the kept file agrees with its entry.
+    assert runs["study/stream/paper_s1"]["results_md"] == "# seed 1 ± 1\n"
+    # Folded: nothing left to do, and the kept files agree with their entries.
     assert fold_results.main(["--results", str(tree), "--study", "study", "--check"]) == 0
     assert "DISAGREES" not in capsys.readouterr().out
 
@@ -85,7 +87,7 @@ def test_fold_keeps_the_runs_and_the_referenced_files(scripts, tree, capsys):
 def test_refuses_to_delete_a_referenced_file(scripts, tree):
     fold_results, _ = scripts
     refs = fold_results.references(tree.parent)
-    path = tree / "study/stream/paper_s1/results.md"
+    path = tree / "study/stream/paper_s1/summary.json"
     with pytest.raises(SystemExit, match="refusing to delete"):
         fold_results.remove(path, refs, tree.parent)
     assert path.is_file()
