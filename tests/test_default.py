@@ -62,6 +62,7 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     assert len(got["mixture"]["temperatures"]) == 13 and got["mixture"]["vote"]
     (line,) = decided_line(caplog)
     assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
+    assert "--config presets/loko_images runs the filter alone" in line  # the way out of the mixture's cost
     # Once decided, the configuration says so: a saved config.yaml runs as it is, with no second decision.
     assert cli.config.loko == "as_configured"
 

@@ -131,7 +131,8 @@ def decide(config: Any) -> Decision | None:
         return Decision(
             "presets/loko_images + presets/loko_mixture_lda",
             f"an image backbone, {num_classes} classes: averaged mean, shared head covariance, predicting with its "
-            "mixture with streaming LDA on the frozen features",
+            "mixture with streaming LDA on the frozen features; --config presets/loko_images runs the filter alone, "
+            "without the mixture's extra forward pass and LDA solve a sample",
             preset("presets/loko_images") + preset("presets/loko_mixture_lda"),
         )
     return Decision(
