@@ -265,7 +265,7 @@ STREAMS = (
     Stream(
         "drifting Fashion-MNIST",
         4000,
-        Entry(IMAGE_DEFAULT),
+        Entry(IMAGE_DEFAULT, seeds("default_study/drift", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("shared_rows/epyc/drift/paper_s0", "loko"),)),
         [],
@@ -426,7 +426,8 @@ NOTES = (
     "averaged mean), the paper's LoKO's on BBC News from the text quick start's run (`results/text_quickstart`). "
     "Drifting Fashion-MNIST: its labels permuted every 1,000 samples. The image default is the filter of "
     "`presets/loko_images` predicting with its mixture with streaming LDA on the frozen features "
-    "(`presets/loko_mixture_lda`), measured to 2,000 samples on Fashion-MNIST at 32 px and MNIST-5k; its filter "
+    "(`presets/loko_mixture_lda`), measured to 2,000 samples on Fashion-MNIST at 32 px and MNIST-5k and on the "
+    "drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its filter "
     "alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: shared`, "
     "`step_scales: {head: 0.1}`), today `presets/loko_images`; the text default is what they ran as "
     "`presets/loko_auto_text` (`p0` chosen online on the first 500 samples from 0.3, 1, 3, 10; today's "
