@@ -79,6 +79,13 @@ IMAGE_DEFAULT = "the image default (`presets/loko_images` + `presets/loko_mixtur
 IMAGE_FILTER = "the image default's filter alone (`presets/loko_images`; then `loko_average_head_shared`)"
 # The default's step against an AdamW's, in one process (Fashion-MNIST at 32 px, 300 samples).
 IMAGE_DEFAULT_STEP: Runs = (("default_study/step_time", "loko_default"),)
+
+
+def fm64_500(optimizer: str) -> Runs:
+    """The default study's 500-sample runs on Fashion-MNIST at 64 px (seeds 0 and 1 in one folder, 2 in another)."""
+    return (("default_study/fm64_500_s01", optimizer), ("default_study/fm64_500_s2", optimizer))
+
+
 DEFAULT_NOTE_IMAGE = "image backbone, 10 classes: `presets/loko_images`"
 
 STREAMS = (
@@ -131,7 +138,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 64 px",
         5000,
-        Entry(IMAGE_DEFAULT),
+        Entry(IMAGE_DEFAULT, at={500: fm64_500("loko_default")}),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -141,7 +148,7 @@ STREAMS = (
                 ("late_stream/fmnist64/paper_s2", "loko"),
             ),
         ),
-        [],
+        [Entry("streaming LDA, frozen", at={500: fm64_500("streaming_lda")})],
         [
             Entry(
                 "AdamW, lr chosen online",
