@@ -81,6 +81,19 @@ IMAGE_FILTER = "the image default's filter alone (`presets/loko_images`; then `l
 IMAGE_DEFAULT_STEP: Runs = (("default_study/step_time", "loko_default"),)
 
 
+def image_default(at500: str, to2000: str) -> Entry:
+    """The image default: at 500 the mixture's 500-sample runs, at 1,000 and 2,000 its 2,000-sample runs' points."""
+    longer = ((to2000, "loko_default"),)
+    return Entry(
+        IMAGE_DEFAULT, at={500: ((at500, "loko_mixture"),), 1000: longer, 2000: longer}, cost=IMAGE_DEFAULT_STEP
+    )
+
+
+def filter_alone(folder: str, at500: str) -> Entry:
+    """The image default's filter alone: its long runs (``folder_s0..2``), at 500 the default study's, its step."""
+    return Entry(IMAGE_FILTER, seeds(folder, 3, "loko"), at={500: ((at500, "loko_default"),)}, cost=IMAGE_DEFAULT_COST)
+
+
 def fm64_500(optimizer: str) -> Runs:
     """The default study's 500-sample runs on Fashion-MNIST at 64 px (seeds 0 and 1 in one folder, 2 in another)."""
     return (("default_study/fm64_500_s01", optimizer), ("default_study/fm64_500_s2", optimizer))
@@ -92,15 +105,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 32 px",
         5000,
-        Entry(
-            IMAGE_DEFAULT,
-            at={
-                500: (("default_study/fm32_500_mixture", "loko_mixture"),),
-                1000: (("default_study/fm32_2000", "loko_default"),),
-                2000: (("default_study/fm32_2000", "loko_default"),),
-            },
-            cost=IMAGE_DEFAULT_STEP,
-        ),
+        image_default("default_study/fm32_500_mixture", "default_study/fm32_2000"),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -126,14 +131,7 @@ STREAMS = (
             Entry("posteriors EKF", seeds("peers/images/fm32/posteriors", 3, "posteriors")),
             Entry("IVON", seeds("peers/images/fm32/ivon", 3, "ivon")),
         ],
-        also=[
-            Entry(
-                IMAGE_FILTER,
-                seeds(f"{FM32}/shared_avg_h0.1", 3, "loko"),
-                at={500: (("default_study/fm32_500", "loko_default"),)},
-                cost=IMAGE_DEFAULT_COST,
-            )
-        ],
+        also=[filter_alone(f"{FM32}/shared_avg_h0.1", "default_study/fm32_500")],
     ),
     Stream(
         "Fashion-MNIST 64 px",
@@ -172,15 +170,7 @@ STREAMS = (
     Stream(
         "MNIST-5k",
         4500,
-        Entry(
-            IMAGE_DEFAULT,
-            at={
-                500: (("default_study/mnist5k_500_mixture", "loko_mixture"),),
-                1000: (("default_study/mnist5k_2000", "loko_default"),),
-                2000: (("default_study/mnist5k_2000", "loko_default"),),
-            },
-            cost=IMAGE_DEFAULT_STEP,
-        ),
+        image_default("default_study/mnist5k_500_mixture", "default_study/mnist5k_2000"),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
         [
@@ -201,14 +191,7 @@ STREAMS = (
             Entry("posteriors EKF", seeds("peers/images/mnist5k/posteriors", 3, "posteriors")),
             Entry("IVON", seeds("peers/images/mnist5k/ivon", 3, "ivon")),
         ],
-        also=[
-            Entry(
-                IMAGE_FILTER,
-                seeds(f"{MN}/shared_avg_h0.1", 3, "loko"),
-                at={500: (("default_study/mnist5k_500", "loko_default"),)},
-                cost=IMAGE_DEFAULT_COST,
-            )
-        ],
+        also=[filter_alone(f"{MN}/shared_avg_h0.1", "default_study/mnist5k_500")],
     ),
     Stream(
         "glyphs100",
