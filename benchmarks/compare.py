@@ -16,7 +16,8 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
   (``configs/presets/loko_mixture_lda.yaml``, and the same with share 0; ``docs/results/mixture.md``);
   ``loko_lda_head``, ``loko_lda_head_frozen``: the same on its logits plus streaming LDA's on the same (adapted)
   features or on the pretrained ones (``benchmarks/overlays/loko_lda_head.yaml``; ``docs/results/lda_head.md``);
-- ``adamw``, ``adamw_tuned``, ``adagrad``: the same plus the overlay ``configs/baselines/<name>.yaml``
+- ``adamw``, ``adamw_tuned``, ``adagrad`` (and every other peer: ``schedulefree``, ``ivon``, ``posteriors``, the
+  learning-rate-free ``prodigy``, ``dadaptation``, ``dog``, ``mechanic``, the frozen heads): the same plus the overlay ``configs/baselines/<name>.yaml``
   (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
   learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
   ``--select-samples`` for both). Overrides of ``model.optimizer``,
@@ -93,6 +94,10 @@ OPTIMIZERS = (
     "schedulefree",
     "ivon",
     "posteriors",
+    "prodigy",
+    "dadaptation",
+    "dog",
+    "mechanic",
     "streaming_lda",
     "ncm",
     "frozen_linear_head",
@@ -114,6 +119,10 @@ LABELS = {
     "schedulefree": "Schedule-free AdamW (lr tuned)",
     "ivon": "IVON (lr tuned)",
     "posteriors": "posteriors EKF (p0 tuned)",
+    "prodigy": "Prodigy (no lr)",
+    "dadaptation": "D-Adaptation Adam (no lr)",
+    "dog": "DoG (no lr)",
+    "mechanic": "Mechanic AdamW (no lr)",
     "streaming_lda": "Streaming LDA, frozen (OAS)",
     "ncm": "Nearest class mean, frozen",
     "frozen_linear_head": "Linear head, frozen, AdamW (lr tuned)",
@@ -135,6 +144,10 @@ COLORS = {
     "schedulefree": "tab:cyan",
     "ivon": "tab:brown",
     "posteriors": "tab:olive",
+    "prodigy": "teal",
+    "dadaptation": "navy",
+    "dog": "olive",
+    "mechanic": "indigo",
     "streaming_lda": "black",
     "ncm": "dimgray",
     "frozen_linear_head": "tab:blue",

@@ -144,6 +144,24 @@ def test_compare_runs_every_peer_on_the_same_stream(scripts, tmp_path, capsys):
     assert "NLL" in table and "ECE" in table
 
 
+def test_compare_runs_the_learning_rate_free_peers_with_nothing_chosen(scripts, tmp_path):
+    """Prodigy, D-Adaptation, DoG and Mechanic from their packages on the same 12 samples: each runs its own overlay
+    (configs/baselines/<name>.yaml), records every step, and chooses nothing online (they have no rate to choose)."""
+    for package in ("prodigyopt", "dadaptation", "dog", "mechanic_pytorch"):
+        pytest.importorskip(package)
+    compare = scripts.compare
+    peers = ["prodigy", "dadaptation", "dog", "mechanic"]
+    args = [*SCRIPT, "--seeds", "0", "--warmup", "2", "--samples", "12", "--optimizers", *peers]
+    summary = compare.main([*args, "--out", str(tmp_path), "--", *TINY])
+    with (tmp_path / "metrics.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    text = (tmp_path / "results.md").read_text()
+    for peer in peers:
+        assert [int(r["step"]) for r in rows if r["optimizer"] == peer] == list(range(1, 13)), peer
+        assert not summary[peer].get("selection"), peer
+        assert f"baselines/{peer}.yaml" in text and compare.LABELS[peer] in text, peer
+
+
 @pytest.mark.slow
 def test_every_optimizer_starts_from_the_same_adapters_and_reads_the_same_stream(scripts):
     """The comparison's premise: for one seed, the three runs differ only in the optimizer."""
