@@ -10,7 +10,7 @@ from jsonargparse import Namespace
 
 from loko_lightning import LoKO
 from loko_lightning.cli import LoKOCLI, main
-from loko_lightning.cli.default import decide, default_arguments, distributed
+from loko_lightning.cli.default import MANY_CLASS_IMAGES, decide, default_arguments, distributed
 from loko_lightning.data import StreamDataModule
 from loko_lightning.learner.module import OnlineClassifier
 
@@ -74,9 +74,21 @@ def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
         assert got["head_covariance"] == "diagonal" and got["step_scales"] is None
 
 
-def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean():
-    got = settings(build("glyphs100_lite0"))
-    assert (got["filter"]["name"], got["p0"], got["average"], got["mixture"]) == ("natural", 0.03, 0.99, None)
+def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean_and_the_mixture(
+    caplog,
+):
+    with caplog.at_level(logging.INFO):
+        got = settings(build("glyphs100_lite0"))
+    assert (got["filter"]["name"], got["p0"], got["average"]) == ("natural", 0.03, 0.99)
+    assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA") and got["mixture"]["share"] == 0.01
+    (line,) = decided_line(caplog)
+    assert "the many-class image default + presets/loko_mixture_lda" in line and "100 classes" in line
+    # The way out of the mixture's cost: the filter's three flags, given, pin it alone.
+    flags = [flag for pair in (f.split("=", 1) for f in MANY_CLASS_IMAGES) for flag in pair]
+    assert all(flag in line for flag in MANY_CLASS_IMAGES)
+    with caplog.at_level(logging.INFO):
+        alone = settings(build("glyphs100_lite0", *flags))
+    assert (alone["filter"]["name"], alone["p0"], alone["average"], alone["mixture"]) == ("natural", 0.03, 0.99, None)
 
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
@@ -140,6 +152,15 @@ def test_several_processes_keep_the_image_default_and_run_a_text_backbone_as_con
     # The mixture runs in one process: under DDP the image default runs without it, and says so.
     assert images["mixture"] is None and "mixture" in image_line and "loko_mixture_lda" not in image_line
     assert text_line == "LoKO as configured: several processes: p0 chosen online runs in one process"
+
+
+def test_several_processes_keep_the_many_class_image_default_without_the_mixture(caplog):
+    ddp = ("--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
+    with caplog.at_level(logging.INFO):
+        got = settings(build("glyphs100_lite0", *ddp))
+    assert (got["filter"]["name"], got["p0"], got["average"], got["mixture"]) == ("natural", 0.03, 0.99, None)
+    (line,) = decided_line(caplog)
+    assert "several processes (measured in one)" in line and "mixture" in line and "loko_mixture_lda" not in line
 
 
 @pytest.mark.parametrize(

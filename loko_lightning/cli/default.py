@@ -8,7 +8,8 @@ configs and every preset pin it). What the default decides from is known before 
   ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller) predicting with
   its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``; under DDP without it: the
   mixture runs in one process);
-- an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100);
+- an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
+  predicting with the same mixture (in one process);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
@@ -135,10 +136,20 @@ def decide(config: Any) -> Decision | None:
             "without the mixture's extra forward pass and LDA solve a sample",
             preset("presets/loko_images") + preset("presets/loko_mixture_lda"),
         )
+    if processes:
+        return Decision(
+            "the many-class image default",
+            f"an image backbone, {num_classes} classes{where}: the natural filter's one row, averaged mean, p0 0.03; "
+            "the mixture with streaming LDA runs in one process",
+            MANY_CLASS_IMAGES,
+        )
     return Decision(
-        "the many-class image default",
-        f"an image backbone, {num_classes} classes{where}: the natural filter's one row, averaged mean, p0 0.03",
-        MANY_CLASS_IMAGES,
+        "the many-class image default + presets/loko_mixture_lda",
+        f"an image backbone, {num_classes} classes: the natural filter's one row, averaged mean, p0 0.03, predicting "
+        "with its mixture with streaming LDA on the frozen features; the filter's three flags given "
+        f"({' '.join(MANY_CLASS_IMAGES)}) run it alone, without the mixture's extra forward pass and LDA solve a "
+        "sample",
+        MANY_CLASS_IMAGES + preset("presets/loko_mixture_lda"),
     )
 
 
