@@ -341,3 +341,37 @@ def test_an_export_says_the_mixture_is_not_in_it(tmp_path):
     assert read_export(tmp_path / "mixed")["mixture"] == MIXTURE_NOT_EXPORTED
     export(learner(), tmp_path / "plain")
     assert "mixture" not in read_export(tmp_path / "plain")
+
+
+def test_a_text_model_predicts_and_learns_with_the_mixture_on_its_sentence_embedding(tmp_path, one_thread):
+    """A tiny BERT with a real tokenizer and the mixture (what the text default runs): the served learner predicts
+    texts and text pairs as the mixture of the network's softmax and LDA's experts on the frozen sentence embedding,
+    with the weights as they stand; each learned text moves the weights and LDA's counts."""
+    from text_helpers import tiny_bert_dir
+
+    from loko_lightning.learner.mixture import frozen_features
+    from loko_lightning.models import TransformersClassifier
+    from loko_lightning.serve.learner import ServingLearner
+
+    torch.manual_seed(0)
+    factory = TransformersClassifier(str(tiny_bert_dir(tmp_path / "bert")), num_classes=2, pretrained=True)
+    mixture = FrozenHeadMixture(partial(StreamingLDA, shrinkage=0.1), temperatures=[1.0, 4.0], share=0.05)
+    module = OnlineClassifier(factory, partial(LoKO, p0=0.1, seed=0), mixture=mixture)
+    served = ServingLearner(module, LoKO(module.trainable_parameters, p0=0.1, seed=0))
+    prior = served.module.online_step.log_weights.clone()
+    for text, label in (("an awful ending", 0), ("a wonderful cast", 1), ("dull and slow", 0)):
+        served.learn([text], [label])
+    step = served.module.online_step
+    assert isinstance(step, MixtureStep) and int(step.seen) == 3 and not torch.equal(step.log_weights, prior)
+    texts = ["a great film", ["a plot", "that works"], "bad"]
+    predicted = served.predict(texts)
+    copy = served._serving
+    batch = served.batch(texts)
+    with torch.no_grad():
+        copy.eval()
+        features = frozen_features(copy.network, batch, 2)
+        network_p = copy.network(batch).float().softmax(-1)
+        expected = mixture_log_predictive(step.log_weights, step.experts(network_p, features)).exp().float()
+    torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
+    assert features.shape[0] == 3 and step.head.in_features == features.shape[1]  # LDA reads the embedding
+    assert (predicted - network_p).abs().max() > 1e-4  # the mixture, not the network alone (the test can fail)
