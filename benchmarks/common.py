@@ -272,7 +272,9 @@ class StepRecorder(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep what an online selection (``select``, ``p0: auto``) chose."""
-        states = getattr(getattr(pl_module, "online_step", None), "states", None)  # a SelectionStep's candidates
+        step, states = getattr(pl_module, "online_step", None), None
+        while step is not None and states is None:  # a SelectionStep's candidates, inside a mixture if there is one
+            states, step = getattr(step, "states", None), getattr(step, "inner", None)
         if states is not None:
             self.selection = states.summary()
         ece = getattr(pl_module, "ece", None)
