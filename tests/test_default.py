@@ -67,18 +67,11 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     assert cli.config.loko == "as_configured"
 
 
-def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid_and_the_mixture(caplog):
+def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
     for config in ("text_quickstart", "wordnet_minilm"):  # 5 and 25 classes
-        caplog.clear()
-        with caplog.at_level(logging.INFO):
-            got = settings(build(config))
+        got = settings(build(config))
         assert (got["p0"], got["grid"], got["average"]) == ("auto", (0.3, 1.0, 3.0, 10.0, 30.0), 0.0), config
         assert got["head_covariance"] == "diagonal" and got["step_scales"] is None
-        assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA") and got["mixture"]["share"] == 0.01
-        (line,) = decided_line(caplog)
-        assert "presets/loko_text + presets/loko_mixture_lda" in line and "--config presets/loko_text runs" in line
-    alone = settings(build("text_quickstart", "--config", str(CONFIGS / "presets" / "loko_text.yaml")))
-    assert (alone["p0"], alone["mixture"]) == ("auto", None)  # the preset pins the filter alone
 
 
 def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean_and_the_mixture(

@@ -11,8 +11,7 @@ configs and every preset pin it). What the default decides from is known before 
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
   predicting with the same mixture (in one process);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
-  (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with its mixture with streaming LDA on
-  the frozen sentence embedding (``presets/loko_mixture_lda``);
+  (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
   choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
   changed (``shard: true`` among them: the default does not override a choice).
@@ -118,11 +117,9 @@ def decide(config: Any) -> Decision | None:
     where = ", several processes (measured in one)" if processes else ""
     if text:
         return Decision(
-            "presets/loko_text + presets/loko_mixture_lda",
-            f"a text backbone, {num_classes} classes: p0 chosen online, predicting with its mixture with streaming LDA "
-            "on the frozen sentence embedding; --config presets/loko_text runs the filter alone, without the "
-            "mixture's extra forward pass and LDA solve a sample",
-            preset("presets/loko_text") + preset("presets/loko_mixture_lda"),
+            "presets/loko_text",
+            f"a text backbone, {num_classes} classes: p0 chosen online",
+            preset("presets/loko_text"),
         )
     if isinstance(num_classes, int) and num_classes <= MAX_CLASSES and processes:
         return Decision(
