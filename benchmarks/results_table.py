@@ -94,6 +94,37 @@ def filter_alone(folder: str, at500: str) -> Entry:
     return Entry(IMAGE_FILTER, seeds(folder, 3, "loko"), at={500: ((at500, "loko_default"),)}, cost=IMAGE_DEFAULT_COST)
 
 
+def points(runs: Runs, *checkpoints: int) -> dict[int, Runs]:
+    """The same longer runs read at each checkpoint (their recorded points)."""
+    return {n: runs for n in checkpoints}
+
+
+def longer_frozen(folder: str, optimizer: str, at500: Runs) -> dict[int, Runs]:
+    """A frozen head: at 500 its 500-sample runs, at 1,000 and 2,000 the points of its 2,000-sample runs."""
+    return {500: at500, **points(((folder, optimizer),), 1000, 2000)}
+
+
+def lr_free(folder: str) -> list[Entry]:
+    """The learning-rate-free peers' 2,000-sample runs (package defaults), read at 500, 1,000 and 2,000."""
+    names = {"prodigy": "Prodigy", "dadaptation": "D-Adaptation Adam", "dog": "DoG", "mechanic": "Mechanic AdamW"}
+    return [Entry(name, at=points(((folder, key),), 500, 1000, 2000)) for key, name in names.items()]
+
+
+GLYPHS = tuple(f"default_study/glyphs100_2000_s{seed}" for seed in range(3))
+WORDNET_MIXTURE: Runs = (
+    ("default_study/wordnet_default_s0", "loko_mixture"),
+    ("default_study/wordnet_default_s1", "loko_mixture"),
+    ("default_study/wordnet_mixture_s2", "loko_mixture"),
+)
+WORDNET_FILTER: Runs = (
+    ("default_study/wordnet_default_s0", "loko_default"),
+    ("default_study/wordnet_default_s1", "loko_default"),
+    ("default_study/wordnet_default_s2", "loko_default"),
+)
+TEXT_DEFAULT = "the text default (`presets/loko_text`)"
+TEXT_MIXTURE = "the text default + `presets/loko_mixture_lda` (not the default)"
+
+
 def fm64_500(optimizer: str) -> Runs:
     """The default study's 500-sample runs on Fashion-MNIST at 64 px (seeds 0 and 1 in one folder, 2 in another)."""
     return (("default_study/fm64_500_s01", optimizer), ("default_study/fm64_500_s2", optimizer))
@@ -113,7 +144,15 @@ STREAMS = (
             at={500: (("mixture/fashion_500_3seeds", "loko"),), 2000: (("peers/fm32_2000/fm32/paper_s0", "loko"),)},
             cost=(("late_stream/fmnist32/paper", "loko"),),
         ),
-        [Entry("streaming LDA, frozen", at={500: (("mixture/fashion_500_3seeds", "streaming_lda"),)})],
+        [
+            Entry(
+                "streaming LDA, frozen",
+                at=longer_frozen(
+                    "default_study/fm32_2000_frozen", "streaming_lda", (("mixture/fashion_500_3seeds", "streaming_lda"),)
+                ),
+            ),
+            Entry("nearest class mean, frozen", at=points((("default_study/fm32_2000_frozen", "ncm"),), 500, 1000, 2000)),
+        ],
         [
             Entry(
                 "AdamW, lr chosen online",
@@ -130,6 +169,7 @@ STREAMS = (
             Entry("AdamW, lr chosen online, constant", seeds("peers/images/fm32/adamw_const", 3, "adamw_const")),
             Entry("posteriors EKF", seeds("peers/images/fm32/posteriors", 3, "posteriors")),
             Entry("IVON", seeds("peers/images/fm32/ivon", 3, "ivon")),
+            *lr_free("default_study/lrfree_fm32_2000"),
         ],
         also=[filter_alone(f"{FM32}/shared_avg_h0.1", "default_study/fm32_500")],
     ),
@@ -174,8 +214,18 @@ STREAMS = (
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
         [
-            Entry("streaming LDA, frozen", at={500: (("default_study/mnist5k_500_frozen", "streaming_lda"),)}),
-            Entry("nearest class mean, frozen", at={500: (("default_study/mnist5k_500_frozen", "ncm"),)}),
+            Entry(
+                "streaming LDA, frozen",
+                at=longer_frozen(
+                    "default_study/mnist5k_2000_frozen",
+                    "streaming_lda",
+                    (("default_study/mnist5k_500_frozen", "streaming_lda"),),
+                ),
+            ),
+            Entry(
+                "nearest class mean, frozen",
+                at=longer_frozen("default_study/mnist5k_2000_frozen", "ncm", (("default_study/mnist5k_500_frozen", "ncm"),)),
+            ),
         ],
         [
             Entry(
@@ -190,6 +240,7 @@ STREAMS = (
             Entry("AdamW, lr chosen online, constant", seeds("peers/images/mnist5k/adamw_const", 3, "adamw_const")),
             Entry("posteriors EKF", seeds("peers/images/mnist5k/posteriors", 3, "posteriors")),
             Entry("IVON", seeds("peers/images/mnist5k/ivon", 3, "ivon")),
+            *lr_free("default_study/lrfree_mnist5k_2000"),
         ],
         also=[filter_alone(f"{MN}/shared_avg_h0.1", "default_study/mnist5k_500")],
     ),
@@ -197,12 +248,15 @@ STREAMS = (
         "glyphs100",
         5000,
         Entry(
-            "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99`)",
-            seeds("late_stream_avg/xeon/glyphs100/natural_avg", 3, "loko"),
+            "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`)",
+            at=points(tuple((folder, "loko_mixture") for folder in GLYPHS), 500, 1000, 2000),
         ),
-        "image backbone, 100 classes: the natural filter with the averaged mean",
+        "image backbone, 100 classes: the natural filter with the averaged mean and the mixture",
         Entry("the paper's LoKO", seeds("filters/study5000/gl_paper", 3, "loko")),
-        [],
+        [
+            Entry("streaming LDA, frozen", at=points(tuple((f, "streaming_lda") for f in GLYPHS), 500, 1000, 2000)),
+            Entry("nearest class mean, frozen", at=points(tuple((f, "ncm") for f in GLYPHS), 500, 1000, 2000)),
+        ],
         [
             Entry("AdamW, lr chosen online", seeds("filters/study5000/gl_adamw", 3, "adamw_tuned")),
             Entry("AdamW, lr chosen online, constant", seeds("peers/images/glyphs100/adamw_const", 3, "adamw_const")),
@@ -210,11 +264,18 @@ STREAMS = (
             Entry("posteriors EKF", seeds("peers/images/glyphs100/posteriors", 3, "posteriors")),
             Entry("IVON", seeds("peers/images/glyphs100/ivon", 3, "ivon")),
         ],
+        also=[
+            Entry(
+                "the many-class image default's filter alone (the three flags)",
+                seeds("late_stream_avg/xeon/glyphs100/natural_avg", 3, "loko"),
+                at=points(tuple((folder, "loko_default") for folder in GLYPHS), 500, 1000, 2000),
+            )
+        ],
     ),
     Stream(
         "BBC News",
         1000,
-        Entry("the text default (`presets/loko_text`)", (("default_study/bbc", "loko_default"),)),
+        Entry(TEXT_DEFAULT, (("default_study/bbc", "loko_default"),)),
         "text backbone, 5 classes: `presets/loko_text`",
         Entry(
             "the paper's LoKO (head on the pooler then)",
@@ -231,26 +292,32 @@ STREAMS = (
             Entry("schedule-free AdamW (head on the pooler then)", seeds("peers/bbc/schedulefree", 3, "schedulefree")),
             Entry("AdamW, constant (head on the pooler then)", seeds("peers/bbc/adamw_const", 3, "adamw_const")),
         ],
+        also=[Entry(TEXT_MIXTURE, (("default_study/bbc_mixture", "loko_mixture"),))],
     ),
     Stream(
         "WordNet",
         2000,
-        Entry("the text default (then `p0: auto` over 0.3-30)", (("wordnet/auto_text_s0", "loko"),)),
+        Entry(TEXT_DEFAULT, WORDNET_FILTER),
         "text backbone, 25 classes: `presets/loko_text`",
-        Entry("the paper's LoKO", (("wordnet/paper_s0", "loko"),)),
-        [],
+        Entry("the paper's LoKO (head on the pooler then)", (("wordnet/paper_s0", "loko"),)),
         [
+            Entry("streaming LDA, frozen", (("default_study/wordnet_frozen", "streaming_lda"),)),
+            Entry("nearest class mean, frozen", (("default_study/wordnet_frozen", "ncm"),)),
+        ],
+        [
+            Entry("AdamW, lr chosen online", (("default_study/wordnet_adamw", "adamw_tuned"),)),
             Entry(
-                "AdamW, lr chosen online",
+                "AdamW, lr chosen online (head on the pooler then)",
                 (
                     ("wordnet/adamw_tuned_s0", "adamw_tuned"),
                     ("shared_rows/epyc/wordnet/adamw_tuned_s1", "adamw_tuned"),
                     ("shared_rows/epyc/wordnet/adamw_tuned_s2", "adamw_tuned"),
                 ),
             ),
-            Entry("schedule-free AdamW", (("wordnet/schedulefree_s0", "schedulefree"),)),
-            Entry("IVON", (("shared_rows/epyc/wordnet/ivon_s0", "ivon"),)),
+            Entry("schedule-free AdamW (head on the pooler then)", (("wordnet/schedulefree_s0", "schedulefree"),)),
+            Entry("IVON (head on the pooler then)", (("shared_rows/epyc/wordnet/ivon_s0", "ivon"),)),
         ],
+        also=[Entry(TEXT_MIXTURE, WORDNET_MIXTURE)],
     ),
     Stream(
         "drifting Fashion-MNIST",
@@ -419,10 +486,13 @@ NOTES = (
     "(`presets/loko_mixture_lda`), measured to 2,000 samples on Fashion-MNIST at 32 px and MNIST-5k and on the "
     "drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its filter "
     "alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: shared`, "
-    "`step_scales: {head: 0.1}`), today `presets/loko_images`; the text default is what they ran as "
-    "`presets/loko_auto_text` (`p0` chosen online on the first 500 samples from 0.3, 1, 3, 10; today's "
-    "`presets/loko_text` also tries 30; on WordNet the run was seed 0 over 0.3-30); on glyphs100 (100 classes) "
-    "the default is `filter: natural` with `p0` 0.03 and `average: 0.99`. The runs, per cell: "
+    "`step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its head on the "
+    "sentence embedding) and the text default with the mixture were run as `loko fit` runs them today; the rows "
+    "marked *head on the pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the "
+    "default is `filter: natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture, measured to "
+    "2,000 samples (its filter alone's end: 5,000-sample runs). The learning-rate-free peers (Prodigy, "
+    "D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best fine-tuning peer on Fashion-MNIST at "
+    "32 px and MNIST-5k (2,000 samples). The runs, per cell: "
     "`benchmarks/results_table.py` (STREAMS)."
 )
 
