@@ -434,8 +434,8 @@ def row(results: Path, stream: Stream, entry: Entry) -> Row:
         cells.append(f"{min(ratios):.2f}-{max(ratios):.2f}")
     if end and end.acc:
         rank = sum(end.acc.values()) / len(end.acc)
-    elif points:
-        last = points[max(points)].acc
+    elif points and at_checkpoint(points[max(points)], max(points)):
+        last = at_checkpoint(points[max(points)], max(points))
         rank = sum(last.values()) / len(last) - 1  # below any learner read at the end
     else:
         rank = -math.inf
