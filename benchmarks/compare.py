@@ -17,10 +17,10 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
   ``loko_lda_head``, ``loko_lda_head_frozen``: the same on its logits plus streaming LDA's on the same (adapted)
   features or on the pretrained ones (``benchmarks/overlays/loko_lda_head.yaml``; ``docs/results/lda_head.md``);
 - ``adamw``, ``adamw_tuned``, ``adagrad`` (and every other peer: ``schedulefree``, ``ivon``, ``posteriors``, the
-  learning-rate-free ``prodigy``, ``dadaptation``, ``dog``, ``mechanic``, the frozen heads): the same plus the overlay ``configs/baselines/<name>.yaml``
-  (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the stream's steps; ``adamw_tuned`` chooses its
-  learning rate online from the same budget as ``p0: auto`` (four candidates on the first 500 samples,
-  ``--select-samples`` for both). Overrides of ``model.optimizer``,
+  learning-rate-free ``prodigy``, ``dadaptation``, ``dog``, ``mechanic``, the frozen heads): the same plus the
+  overlay ``configs/baselines/<name>.yaml`` (``--baseline-dir``), the AdamW schedule's ``total_iters`` set to the
+  stream's steps; ``adamw_tuned`` chooses its learning rate online from the same budget as ``p0: auto`` (four
+  candidates on the first 500 samples, ``--select-samples`` for both). Overrides of ``model.optimizer``,
   ``model.lr_scheduler`` and ``model.head_covariance`` go to the ``loko`` runs only (a baseline's optimizer has other
   arguments); the other overrides go to every run.
 

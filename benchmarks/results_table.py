@@ -148,10 +148,15 @@ STREAMS = (
             Entry(
                 "streaming LDA, frozen",
                 at=longer_frozen(
-                    "default_study/fm32_2000_frozen", "streaming_lda", (("mixture/fashion_500_3seeds", "streaming_lda"),)
+                    "default_study/fm32_2000_frozen",
+                    "streaming_lda",
+                    (("mixture/fashion_500_3seeds", "streaming_lda"),),
                 ),
             ),
-            Entry("nearest class mean, frozen", at=points((("default_study/fm32_2000_frozen", "ncm"),), 500, 1000, 2000)),
+            Entry(
+                "nearest class mean, frozen",
+                at=points((("default_study/fm32_2000_frozen", "ncm"),), 500, 1000, 2000),
+            ),
         ],
         [
             Entry(
@@ -224,7 +229,9 @@ STREAMS = (
             ),
             Entry(
                 "nearest class mean, frozen",
-                at=longer_frozen("default_study/mnist5k_2000_frozen", "ncm", (("default_study/mnist5k_500_frozen", "ncm"),)),
+                at=longer_frozen(
+                    "default_study/mnist5k_2000_frozen", "ncm", (("default_study/mnist5k_500_frozen", "ncm"),)
+                ),
             ),
         ],
         [
