@@ -15,6 +15,7 @@ from loko_lightning.learner.frozen_heads import output_layer
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier
 from loko_lightning.peers import FrozenLinearHead, NearestClassMean, StreamingLDA
+from loko_lightning.peers.frozen_heads import REFRESH
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.yaml")
@@ -78,6 +79,41 @@ def test_streaming_lda_equals_the_batch_computation_in_float64(shrinkage, batch)
     torch.testing.assert_close(layer.weight.detach(), weight, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(layer.bias.detach(), bias, rtol=1e-9, atol=1e-12)
     assert not layer.weight[2].any() and layer.bias[2] == 0  # the unseen class: the paper's zero mean, logit 0
+
+
+@pytest.mark.parametrize("shrinkage", ["oas", 1e-2])
+def test_streaming_lda_solves_the_head_through_its_refreshes(shrinkage):
+    """The head after each sample, before the first refresh of the eigenbasis, at it, between and after two, equals
+    the batch float64 head of the samples so far (the eigendecomposition and the Woodbury correction are exact
+    algebra: float64 rounding only, as in the test above)."""
+    x, y = labelled(n=2 * REFRESH + 40, d=24, m=4)
+    layer = torch.nn.Linear(24, 4).double()
+    lda = StreamingLDA(layer.parameters(), shrinkage=shrinkage)
+    lda.bind(layer.weight, layer.bias)
+    checks = {1, 2, REFRESH - 1, REFRESH, REFRESH + 5, REFRESH + 6, 2 * REFRESH + 7, len(x)}
+    for n in range(1, len(x) + 1):
+        assert bool(lda.step(lambda n=n: (x[n - 1 : n], y[n - 1 : n])))
+        if n in checks:
+            _, _, weight, bias = reference_lda(x[:n], y[:n], 4, shrinkage)
+            torch.testing.assert_close(layer.weight.detach(), weight, rtol=1e-9, atol=1e-12, msg=f"after {n}")
+            torch.testing.assert_close(layer.bias.detach(), bias, rtol=1e-9, atol=1e-12, msg=f"after {n}")
+    assert lda.state[layer.weight]["recent"].shape[0] < REFRESH  # the rows since the last refresh, folded at REFRESH
+
+
+def test_streaming_lda_resumed_between_refreshes_writes_the_same_heads():
+    """A checkpoint between two refreshes (the eigenbasis is not in it: rebuilt from the saved scatter) continues
+    with the same heads, bit for bit: every vector is rotated by the same product either way."""
+    x, y = labelled(n=REFRESH + 50, d=24, m=4)
+    whole, lda = fit(StreamingLDA, x[: REFRESH + 20], y[: REFRESH + 20], 4)
+    saved = lda.state_dict()
+    layer = torch.nn.Linear(24, 4).double()
+    resumed = StreamingLDA(layer.parameters())
+    resumed.bind(layer.weight, layer.bias)
+    resumed.load_state_dict(saved)
+    for n in range(REFRESH + 20, len(x)):
+        lda.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+        resumed.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+        assert torch.equal(layer.weight, whole.weight) and torch.equal(layer.bias, whole.bias), n
 
 
 def test_streaming_lda_predicts_the_gaussian_posterior():
