@@ -14,6 +14,7 @@ from loko_lightning import LoKO
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.frozen_heads import output_layer
 from loko_lightning.learner.mixture import (
+    FrozenFeatures,
     FrozenHeadMixture,
     MixtureStep,
     mixture_log_predictive,
@@ -185,6 +186,41 @@ def tempered(logits):
     return torch.stack([torch.log_softmax(logits / t, -1) for t in TEMPERATURES])
 
 
+def test_the_frozen_features_are_peft_disable_adapters_and_leave_the_network_as_it_was():
+    """The features read once the adapters are found equal those peft's own ``disable_adapter()`` context gives (the
+    same forward pass: exactly), and after the call every module's mode, every parameter's ``requires_grad`` and the
+    adapted network's output are as before."""
+    network = TimmClassifier("test_resnet", num_classes=3, pretrained=False, r=2)()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in network.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # adapters that change the output
+    inputs = torch.randn(2, 3, 32, 32)
+    heads = [m for m in network.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 3]
+    captured = []
+    hooks = [head.register_forward_hook(lambda _, a, __: captured.append(a[0])) for head in heads]
+    network.eval()
+    with torch.no_grad():
+        adapted = network(inputs)
+        with network.disable_adapter():  # peft's context: the pretrained network, its original head
+            network(inputs)
+    for hook in hooks:
+        hook.remove()
+    network.train()
+    modes = [m.training for m in network.modules()]
+    grads = {name: p.requires_grad for name, p in network.named_parameters()}
+    features = FrozenFeatures(network, 3)
+    assert features.adapters and len(features.layers) == 2  # the adapted head and peft's copy of the original
+    frozen = features(inputs)
+    assert torch.equal(frozen, captured[-1]) and not torch.equal(frozen, captured[0])
+    assert [m.training for m in network.modules()] == modes
+    assert {name: p.requires_grad for name, p in network.named_parameters()} == grads
+    network.eval()
+    with torch.no_grad():
+        assert torch.equal(network(inputs), adapted)
+
+
 def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
@@ -285,7 +321,8 @@ def test_predict_and_the_loaded_learner_predict_with_the_mixture(tmp_path, one_t
         step = module.online_step
         features = initial_features(learner(), items[:3])  # the pretrained network's (a fresh learner: LoRA's B = 0)
         learner_p = module.network(batch["inputs"]).float().softmax(-1)
-        expected = mixture_log_predictive(step.log_weights, step.experts(learner_p, features)).exp().float()
+        experts = step.experts(learner_p, step.lda_logits(features))
+        expected = mixture_log_predictive(step.log_weights, experts).exp().float()
     torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
     assert (predicted - learner_p).abs().max() > 1e-3
     loaded = OnlineClassifier.load_from_checkpoint(str(tmp_path / "last.ckpt")).eval()
@@ -371,7 +408,8 @@ def test_a_text_model_predicts_and_learns_with_the_mixture_on_its_sentence_embed
         copy.eval()
         features = frozen_features(copy.network, batch, 2)
         network_p = copy.network(batch).float().softmax(-1)
-        expected = mixture_log_predictive(step.log_weights, step.experts(network_p, features)).exp().float()
+        experts = step.experts(network_p, step.lda_logits(features))
+        expected = mixture_log_predictive(step.log_weights, experts).exp().float()
     torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
     assert features.shape[0] == 3 and step.head.in_features == features.shape[1]  # LDA reads the embedding
     assert (predicted - network_p).abs().max() > 1e-4  # the mixture, not the network alone (the test can fail)

@@ -12,7 +12,7 @@ layer's cross-entropy gradient. Importing this module registers the step for tho
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,9 +46,12 @@ def output_layer(network: nn.Module, num_classes: int) -> nn.Linear:
 
 
 @contextlib.contextmanager
-def evaluating(network: nn.Module) -> Iterator[None]:
-    """Inside, every module of ``network`` is in eval mode (dropout off); after, each back in its own mode."""
-    modes = [(module, module.training) for module in network.modules()]
+def evaluating(network: nn.Module, modules: Sequence[nn.Module] | None = None) -> Iterator[None]:
+    """Inside, every module of ``network`` is in eval mode (dropout off); after, each back in its own mode.
+
+    ``modules``: ``network.modules()`` found before (a caller that enters this every sample keeps them).
+    """
+    modes = [(module, module.training) for module in (network.modules() if modules is None else modules)]
     network.eval()
     try:
         yield

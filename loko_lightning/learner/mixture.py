@@ -26,6 +26,7 @@ statistics) rides in the checkpoint as ``"loko_mixture"`` and is read back (a fi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -35,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
 
 from loko_lightning.errors import ConfigError
@@ -47,6 +49,12 @@ from loko_lightning.learner.steps import OnlineStep, StepResult
 TEMPERATURES = tuple(float(2**k) for k in range(13))
 #: Fixed share's α by default: the weight can move from LDA to the fine-tuner within a few dozen samples.
 SHARE = 0.01
+
+try:  # the layers peft's disable_adapter() switches: its adapter layers and the wrapper of modules_to_save
+    from peft.utils.other import AuxiliaryTrainingWrapper as _Wrapper
+except ImportError:  # peft < 0.15
+    from peft.utils import ModulesToSaveWrapper as _Wrapper
+ADAPTER_LAYERS = (BaseTunerLayer, _Wrapper)
 
 
 # ------------------------------------------------------------------ the arithmetic (pure functions)
@@ -110,28 +118,64 @@ def peft_model(network: nn.Module) -> PeftModel:
     )
 
 
-def frozen_features(network: nn.Module, inputs: Any, num_classes: int) -> Tensor:
-    """The pretrained backbone's features ``(B, d)``: the input of the output layer, adapters disabled, eval mode.
+class FrozenFeatures:
+    """The pretrained backbone's features ``(B, d)``: the input of the output layer, adapters off, eval mode.
 
-    With the adapters disabled peft runs the original head (``modules_to_save``' frozen copy): the features are the
-    input of the last ``nn.Linear`` with ``num_classes`` outputs that runs.
+    No gradient. With the adapters disabled peft runs the original head (``modules_to_save``' frozen copy): the
+    features are the input of the last ``nn.Linear`` with ``num_classes`` outputs that runs. The modules this reads
+    and toggles (the network's, peft's adapter layers, the candidate output layers) are found once, when it is built:
+    peft's ``disable_adapter()`` walks the whole network three times on each call, which cost more than the forward
+    pass itself a sample (EfficientNet-Lite0 with LoRA on its convs). The adapters are switched off and back on by
+    each layer's own ``enable_adapters``, as that context does, and only those that were on.
+
+    Raises:
+        ConfigError: a network without peft (``field="network"``).
     """
-    captured: list[Tensor] = []
-    layers = [m for m in network.modules() if isinstance(m, nn.Linear) and m.out_features == num_classes]
-    hooks = [layer.register_forward_hook(lambda _, args, __: captured.append(args[0].detach())) for layer in layers]
-    try:
-        with torch.no_grad(), evaluating(network), peft_model(network).disable_adapter():
-            network(inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    if not captured:
-        raise ConfigError(
-            f"the mixture found no nn.Linear with {num_classes} outputs in the network's forward pass",
-            field="network",
-            owner=FrozenHeadMixture,
-        )
-    return captured[-1].reshape(captured[-1].shape[0], -1)
+
+    def __init__(self, network: nn.Module, num_classes: int) -> None:
+        peft_model(network)
+        self.network, self.num_classes = network, num_classes
+        self.modules = list(network.modules())
+        self.layers = [m for m in self.modules if isinstance(m, nn.Linear) and m.out_features == num_classes]
+        self.adapters = [m for m in self.modules if isinstance(m, ADAPTER_LAYERS)]
+
+    @contextlib.contextmanager
+    def _adapters_disabled(self) -> Iterator[None]:
+        enabled = [layer for layer in self.adapters if not layer.disable_adapters]
+        for layer in enabled:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in enabled:
+                layer.enable_adapters(True)
+
+    def __call__(self, inputs: Any) -> Tensor:
+        """The features of ``inputs``.
+
+        Raises:
+            ConfigError: no ``nn.Linear`` with ``num_classes`` outputs ran (``field="network"``).
+        """
+        captured: list[Tensor] = []
+        hooks = [m.register_forward_hook(lambda _, args, __: captured.append(args[0].detach())) for m in self.layers]
+        try:
+            with torch.no_grad(), evaluating(self.network, self.modules), self._adapters_disabled():
+                self.network(inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if not captured:
+            raise ConfigError(
+                f"the mixture found no nn.Linear with {self.num_classes} outputs in the network's forward pass",
+                field="network",
+                owner=FrozenHeadMixture,
+            )
+        return captured[-1].reshape(captured[-1].shape[0], -1)
+
+
+def frozen_features(network: nn.Module, inputs: Any, num_classes: int) -> Tensor:
+    """The pretrained backbone's features ``(B, d)`` of ``inputs`` (:class:`FrozenFeatures`, for one call)."""
+    return FrozenFeatures(network, num_classes)(inputs)
 
 
 class MixtureStep(OnlineStep):
@@ -173,6 +217,7 @@ class MixtureStep(OnlineStep):
         self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
         self.lda: Any = None  # the head's optimizer (bind, step), built with the head
+        self._frozen: FrozenFeatures | None = None  # the network's frozen features, its modules found once
 
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
         """The inner step's checks; one process.
@@ -206,15 +251,20 @@ class MixtureStep(OnlineStep):
 
     def _features(self, module: pl.LightningModule, inputs: Any) -> Tensor:
         """The frozen features of ``inputs`` (LDA's head built at the first call: its width is theirs)."""
-        features = frozen_features(module.network, inputs, module.num_classes)
+        if self._frozen is None or self._frozen.network is not module.network:
+            self._frozen = FrozenFeatures(module.network, module.num_classes)
+        features = self._frozen(inputs)
         if self.head is None:
             self._build(features.shape[1], module.num_classes, features.device)
         return features
 
-    def experts(self, learner: Tensor, features: Tensor) -> Tensor:
-        """The experts' log probabilities ``(K, B, m)``, float64: the learner's, LDA's at each temperature, the vote."""
+    def lda_logits(self, features: Tensor) -> Tensor:
+        """LDA's logits ``(B, m)`` of the frozen features, float64, with its head as it stands."""
         assert self.head is not None
-        lda_logits = self.head(features.to(torch.float64))
+        return self.head(features.to(torch.float64))
+
+    def experts(self, learner: Tensor, lda_logits: Tensor) -> Tensor:
+        """The experts' log probabilities ``(K, B, m)``, float64: the learner's, LDA's at each temperature, the vote."""
         parts = [learner.detach().to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
         parts.append(tempered_log_probabilities(lda_logits, self.temperatures))
         if self.vote:
@@ -227,15 +277,15 @@ class MixtureStep(OnlineStep):
         features = self._features(module, inputs)
         assert self.lda is not None
         learner, label, applied = self.inner.step(module, optimizer, inputs, label)
-        lda_argmax = self.head(features.to(torch.float64)).argmax(-1)  # LDA's head before this sample
-        log_probabilities = self.experts(learner, features)
+        lda_logits = self.lda_logits(features)  # LDA's head before this sample
+        log_probabilities = self.experts(learner, lda_logits)
         prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
         if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
             observed = log_probabilities[:, torch.arange(label.shape[0]), label]  # (K, B): log p_k(y_b | x_b)
             for likelihoods in observed.T:  # one sample after the other
                 self.log_weights = update_log_weights(self.log_weights, likelihoods, self.share)
-            self.hits += (lda_argmax == label).sum()
+            self.hits += (lda_logits.argmax(-1) == label).sum()
             self.seen += label.shape[0]
             self.lda.step(closure=lambda: (features, label))
         return prediction.to(learner.dtype), label, applied & finite
@@ -297,7 +347,8 @@ class MixtureStep(OnlineStep):
         """The mixture's class probabilities ``(B, m)``, float32, with its weights and LDA as they stand (no update)."""
         features = self._features(module, inputs)
         learner = module.network(inputs).float().softmax(-1)
-        return mixture_log_predictive(self.log_weights, self.experts(learner, features)).exp().float()
+        experts = self.experts(learner, self.lda_logits(features))
+        return mixture_log_predictive(self.log_weights, experts).exp().float()
 
     def follow(self, other: OnlineStep) -> None:
         """Predict as ``other`` (the learning copy's mixture) now does: its weights, hits and LDA's head."""
