@@ -121,35 +121,22 @@ def decide(config: Any) -> Decision | None:
             f"a text backbone, {num_classes} classes: p0 chosen online",
             preset("presets/loko_text"),
         )
-    if isinstance(num_classes, int) and num_classes <= MAX_CLASSES and processes:
-        return Decision(
-            "presets/loko_images",
-            f"an image backbone, {num_classes} classes{where}: averaged mean, shared head covariance; the mixture "
-            "with streaming LDA runs in one process",
-            preset("presets/loko_images"),
-        )
     if isinstance(num_classes, int) and num_classes <= MAX_CLASSES:
-        return Decision(
-            "presets/loko_images + presets/loko_mixture_lda",
-            f"an image backbone, {num_classes} classes: averaged mean, shared head covariance, predicting with its "
-            "mixture with streaming LDA on the frozen features; --config presets/loko_images runs the filter alone, "
-            "without the mixture's extra forward pass and LDA solve a sample",
-            preset("presets/loko_images") + preset("presets/loko_mixture_lda"),
-        )
+        name, args = "presets/loko_images", preset("presets/loko_images")
+        settings = "averaged mean, shared head covariance"
+        alone = "--config presets/loko_images runs the filter alone"
+    else:
+        name, args = "the many-class image default", MANY_CLASS_IMAGES
+        settings = "the natural filter's one row, averaged mean, p0 0.03"
+        alone = f"the filter's three flags given ({' '.join(MANY_CLASS_IMAGES)}) run it alone"
     if processes:
-        return Decision(
-            "the many-class image default",
-            f"an image backbone, {num_classes} classes{where}: the natural filter's one row, averaged mean, p0 0.03; "
-            "the mixture with streaming LDA runs in one process",
-            MANY_CLASS_IMAGES,
-        )
+        where += f": {settings}; the mixture with streaming LDA runs in one process"
+        return Decision(name, f"an image backbone, {num_classes} classes{where}", args)
     return Decision(
-        "the many-class image default + presets/loko_mixture_lda",
-        f"an image backbone, {num_classes} classes: the natural filter's one row, averaged mean, p0 0.03, predicting "
-        "with its mixture with streaming LDA on the frozen features; the filter's three flags given "
-        f"({' '.join(MANY_CLASS_IMAGES)}) run it alone, without the mixture's extra forward pass and LDA solve a "
-        "sample",
-        MANY_CLASS_IMAGES + preset("presets/loko_mixture_lda"),
+        f"{name} + presets/loko_mixture_lda",
+        f"an image backbone, {num_classes} classes: {settings}, predicting with its mixture with streaming LDA on the "
+        f"frozen features; {alone}, without the mixture's extra forward pass and LDA solve a sample",
+        args + preset("presets/loko_mixture_lda"),
     )
 
 
