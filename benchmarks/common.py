@@ -52,6 +52,7 @@ from loko_lightning.errors import DivergenceError
 from loko_lightning.learner.callbacks import DivergenceGuard
 from loko_lightning.learner.lda_head import LDAHead
 from loko_lightning.learner.module import OnlineClassifier
+from loko_lightning.learner.steps import nested_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ROOT / "configs" / "baselines"
@@ -272,9 +273,9 @@ class StepRecorder(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep what an online selection (``select``, ``p0: auto``) chose."""
-        step, states = getattr(pl_module, "online_step", None), None
-        while step is not None and states is None:  # a SelectionStep's candidates, inside a mixture if there is one
-            states, step = getattr(step, "states", None), getattr(step, "inner", None)
+        # A SelectionStep's candidates, inside a mixture if there is one.
+        steps = nested_steps(getattr(pl_module, "online_step", None))
+        states = next((step.states for step in steps if getattr(step, "states", None) is not None), None)
         if states is not None:
             self.selection = states.summary()
         ece = getattr(pl_module, "ece", None)

@@ -39,7 +39,7 @@ from loko_lightning.learner.metrics import (
 )
 from loko_lightning.learner.mixture import FrozenHeadMixture
 from loko_lightning.learner.selection import Candidates
-from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, step_for
+from loko_lightning.learner.steps import KalmanStep, OnlineStep, SelectionStep, nested_steps, step_for
 from loko_lightning.learner.transfer import data_preprocessing, load_adapters
 from loko_lightning.models.adapters import freeze_normalization
 from loko_lightning.models.factory import NetworkFactory
@@ -233,9 +233,7 @@ class OnlineClassifier(pl.LightningModule):
     @property
     def is_kalman(self) -> bool:
         """Whether the optimizer is LoKO (the steps are Kalman updates) rather than a gradient optimizer."""
-        step = self.online_step
-        while hasattr(step, "inner"):  # a selection's or a mixture's own step
-            step = step.inner
+        *_, step = nested_steps(self.online_step)  # inside a selection or a mixture: the learner's own step
         return isinstance(step, KalmanStep)
 
     @property

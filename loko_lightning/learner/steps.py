@@ -11,7 +11,7 @@ not finite changes nothing).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
@@ -92,6 +92,13 @@ class OnlineStep:
 
         The parameters are copied by the caller; a strategy with a prediction state of its own copies it here.
         """
+
+
+def nested_steps(step: OnlineStep | None) -> Iterator[OnlineStep]:
+    """``step`` and the steps it wraps, outermost first (a mixture's or a selection's ``inner`` step, and so on)."""
+    while step is not None:
+        yield step
+        step = getattr(step, "inner", None)
 
 
 def collective_timeout(module: pl.LightningModule) -> float | None:
