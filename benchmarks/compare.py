@@ -393,7 +393,8 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
     same comparison run again for more seeds, a seed in two files is an error). A run's value after ``N`` samples
     is its first recorded step with at least ``N`` samples (``N`` itself with one sample a step; with ``B`` samples a
     step, the step that reaches ``N``); a run whose CSV has no such step within one ``--csv-every`` of ``N``
-    (thinned, or shorter) is an error.
+    (thinned) is an error, and so is an ``N`` no run reached; a run whose CSV ends before an ``N`` another run
+    reached stopped there (diverged, or shorter): the cell pools the other seeds and says how many stopped.
     """
     field, loss_name = LOSSES[loss]
     paths = [paths] if isinstance(paths, Path) else list(paths)
@@ -422,13 +423,17 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
                     names[key] = label if len(paths) == 1 or pool else f"{label} ({_where(path)})"
     path = paths[0] if len(paths) == 1 else ", ".join(map(str, paths))
     values: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    stopped: dict[tuple[str, int], int] = {}  # seeds whose run ended before N
     missing = []
     for (optimizer, _seed), run in rows.items():
         per_step = max(int(run[0].get("samples") or run[0]["step"]) // int(run[0]["step"]), 1)
         for n in at:
             row = next((r for r in run if int(r.get("samples") or r["step"]) >= n), None)
             reached = int(row.get("samples") or row["step"]) if row is not None else None
-            if reached is None or reached - n >= per_step:
+            if reached is None:
+                stopped[optimizer, n] = stopped.get((optimizer, n), 0) + 1
+                continue
+            elif reached - n >= per_step:
                 missing.append(f"{optimizer}@{n}")
                 continue
             recent = float(row["recent_acc"]) if row.get("recent_acc") else math.nan
@@ -437,6 +442,8 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
             values.setdefault((optimizer, n), []).append(
                 (100 * float(row["online_acc"]), 100 * recent, float(row[field]), nll, ece)
             )
+    reached_by_some = {n for _, n in values}
+    missing += [f"{optimizer}@{n}" for optimizer, n in stopped if n not in reached_by_some]
     if not optimizers or missing:
         missing_text = ", ".join(dict.fromkeys(missing)) or "any optimizer"
         raise SystemExit(f"compare.py: {path} has no rows for {missing_text} (--csv-every?)")
@@ -449,6 +456,11 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
     for optimizer in optimizers:
         cells = []
         for n in at:
+            ended = stopped.get((optimizer, n), 0)
+            ended_text = f"stopped before in {ended} of {ended + len(values.get((optimizer, n), []))} seeds"
+            if (optimizer, n) not in values:
+                cells.append(ended_text)
+                continue
             accs, recents, losses, nlls, eces = zip(*values[optimizer, n], strict=True)
             acc_mean, acc_std = _mean_std(list(accs))
             loss_mean, _ = _mean_std(list(losses))
@@ -461,9 +473,10 @@ def curve_table(paths: Path | Sequence[Path], at: list[int], loss: str = "l1", p
             if all(math.isfinite(v) for v in nlls + eces):
                 has_calibration = True
                 cell += f"; NLL {statistics.fmean(nlls):.3f}, ECE {statistics.fmean(eces):.1f} %"
-            cells.append(cell + ")")
+            cells.append(cell + (f"; {ended_text})" if ended else ")"))
         lines.append(f"| {names[optimizer]} | {' | '.join(cells)} |")
-    seeds = ", ".join(sorted({str(len(values[o, at[0]])) for o in optimizers}))
+    counts = {len(values.get((o, n), [])) + stopped.get((o, n), 0) for o in optimizers for n in at}
+    seeds = ", ".join(str(count) for count in sorted(counts))
     lines.append("")
     recent_text = (
         "; recent: the accuracy of the last predictions (the learner's recent_window) then, mean ± std"

@@ -287,6 +287,28 @@ def test_curve_table_from_a_written_csv(scripts, tmp_path, capsys):
         compare.main(["--table-from", str(tmp_path), "--at", "20"])
 
 
+def test_curve_table_pools_the_seeds_that_ran_past_a_stopped_one(scripts, tmp_path, capsys):
+    """A run whose CSV ends before N while other runs reached N stopped there (a diverged run): its cell pools the
+    seeds that reached N and says how many stopped; where none of its seeds did, the cell says only that. A row
+    missing inside a run (thinned) is still an error."""
+    compare = scripts.compare
+    fields = ("optimizer", "seed", "step", "online_acc", "loss_avg", "ce_avg", "step_time")
+    rows = [("dog", 0, step, 0.1 * step) for step in (1, 2, 3)] + [("dog", 1, 1, 0.5)]  # seed 1 stopped after 1
+    rows += [("prodigy", 0, 1, 0.2), ("prodigy", 1, 1, 0.4)]  # both stopped after 1
+    with (tmp_path / "metrics.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(fields)
+        for optimizer, seed, step, acc in rows:
+            writer.writerow([optimizer, seed, step, acc, 1.0, 1.0, 0.01])
+    compare.main(["--table-from", str(tmp_path), "--at", "1", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "| Prodigy (no lr) | 30.0 ± 14.1 % (L1 1.000) | stopped before in 2 of 2 seeds |"
+    stopped = "30.0 ± 0.0 % (L1 1.000; stopped before in 1 of 2 seeds)"  # seed 0's 30%, alone
+    assert lines[3] == f"| DoG (no lr) | 30.0 ± 28.3 % (L1 1.000) | {stopped} |"
+    with pytest.raises(SystemExit, match="no rows for dog@4, prodigy@4"):  # beyond every run
+        compare.main(["--table-from", str(tmp_path), "--at", "4"])
+
+
 def test_curve_table_counts_samples_with_batches(scripts, tmp_path, capsys):
     """With B samples a step, 'after N samples' is the step that reaches N; the recent accuracy is tabled too."""
     compare = scripts.compare
