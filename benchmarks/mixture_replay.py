@@ -53,8 +53,8 @@ class ExpertRecorder(pl.Callback):
         assert isinstance(step, MixtureStep)
         experts = step.experts
 
-        def recording(learner: Tensor, features: Tensor) -> Tensor:
-            out = experts(learner, features)
+        def recording(learner: Tensor, lda_logits: Tensor) -> Tensor:
+            out = experts(learner, lda_logits)
             self.experts.append(out.detach().cpu().transpose(0, 1))  # (B, K, m)
             return out
 

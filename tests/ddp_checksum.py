@@ -6,10 +6,13 @@ import signal
 import lightning.pytorch as pl
 import torch
 
+from loko_lightning.learner.steps import nested_steps
+
 
 class Checksum(pl.Callback):
-    """At the end of training, every rank's θ̃ and LoKO's p̂ and R (float64, one vector), gathered and saved by rank 0,
-    with the start's θ̃ and p̂, the last step's cond(S) and how many parameters' p̂ each rank held before gathering."""
+    """At the end of training, every rank's θ̃ and LoKO's p̂ and R (float64, one vector; with the mixture, its weights,
+    LDA's hits and head too), gathered and saved by rank 0, with the start's θ̃ and p̂, the last step's cond(S) and how
+    many parameters' p̂ each rank held before gathering."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -31,7 +34,10 @@ class Checksum(pl.Callback):
             opt.consolidate_state_dict()
             state = opt.state_dict()["state"]
             parts += [state[i]["cov"].reshape(-1) for i in range(len(params))] + [state[0]["R"].reshape(-1)]
-        mine = torch.cat(parts).double()
+        mixture = next((s for s in nested_steps(pl_module.online_step) if hasattr(s, "log_weights")), None)
+        if mixture is not None and mixture.head is not None:  # the mixture's weights, LDA's hits and head
+            parts += [mixture.log_weights, mixture.hits[None], mixture.seen[None], *mixture.head.parameters()]
+        mine = torch.cat([part.detach().reshape(-1).double() for part in parts])
         gathered = pl_module.all_gather(mine)
         held = pl_module.all_gather(held)
         if trainer.is_global_zero:

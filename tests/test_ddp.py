@@ -347,6 +347,29 @@ def test_the_image_default_under_ddp_scores_every_process_s_averaged_predictions
     assert nll and any(not torch.equal(last["state_dict"][k], plain["state_dict"][k]) for k in nll)
 
 
+def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resumes_exactly(tmp_path):
+    """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``) under DDP, refused
+    before (its state was one process's): every process mixes and learns from both processes' samples in rank order,
+    so the mixture's weights, LDA's hits and head are the same on both ranks (in the checksum), LDA counted each of
+    the 24 samples once, every prediction was scored once, and a run resumed under DDP from the step-6 checkpoint ends
+    bit for bit like the whole one."""
+    presets = []
+    for name in ("loko_images", "loko_mixture_lda"):
+        presets += ["--config", str(ROOT / "configs" / "presets" / f"{name}.yaml")]
+    full, checkpoints, _ = loko_ddp(tmp_path, "mixture", *presets)
+    first, second = full["states"]
+    assert torch.equal(first, second)
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["state_dict"]["online_acc.weight"].item() == 24  # every rank's predictions scored once
+    mixture = last["loko_mixture"]
+    (lda,) = mixture["lda"]["state"].values()
+    assert float(mixture["seen"]) == 24 and lda["count"].sum().item() == 24 and lda["samples"].item() == 24
+    assert mixture["log_weights"].exp().max() < 1  # the weights moved from the prior, not to one expert
+    middle = str(checkpoints / "epoch=0-step=6.ckpt")
+    resumed, _, _ = loko_ddp(tmp_path, "mixture_resumed", *presets, "--ckpt_path", middle)
+    assert torch.equal(resumed["states"][0], first) and torch.equal(resumed["states"][1], first)
+
+
 def test_a_sharded_loko_fit_stays_in_sync_checkpoints_the_whole_state_and_resumes_exactly(tmp_path, two_processes):
     """``--model.optimizer.init_args.shard true``: each process updates its shard of the adapters; the ranks end with
     the same θ̃, p̂ (gathered) and R, every sample is scored once, the checkpoints and the divergence guard's records

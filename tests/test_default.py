@@ -149,18 +149,19 @@ def test_several_processes_keep_the_image_default_and_run_a_text_backbone_as_con
     assert (images["average"], images["head_covariance"], text["p0"], text["average"]) == (0.99, "shared", 0.2, 0.0)
     image_line, text_line = decided_line(caplog)
     assert "several processes (measured in one)" in image_line and "presets/loko_images" in image_line
-    # The mixture runs in one process: under DDP the image default runs without it, and says so.
-    assert images["mixture"] is None and "mixture" in image_line and "loko_mixture_lda" not in image_line
+    # The mixture mixes every process's samples under DDP: the image default keeps it there.
+    assert images["mixture"] is not None and "presets/loko_mixture_lda" in image_line
     assert text_line == "LoKO as configured: several processes: p0 chosen online runs in one process"
 
 
-def test_several_processes_keep_the_many_class_image_default_without_the_mixture(caplog):
+def test_several_processes_keep_the_many_class_image_default_with_the_mixture(caplog):
     ddp = ("--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
     with caplog.at_level(logging.INFO):
         got = settings(build("glyphs100_lite0", *ddp))
-    assert (got["filter"]["name"], got["p0"], got["average"], got["mixture"]) == ("natural", 0.03, 0.99, None)
+    assert (got["filter"]["name"], got["p0"], got["average"]) == ("natural", 0.03, 0.99)
+    assert got["mixture"] is not None
     (line,) = decided_line(caplog)
-    assert "several processes (measured in one)" in line and "mixture" in line and "loko_mixture_lda" not in line
+    assert "several processes (measured in one)" in line and "presets/loko_mixture_lda" in line
 
 
 @pytest.mark.parametrize(

@@ -359,7 +359,7 @@ def test_the_serving_learner_predicts_with_the_mixture_and_learns_it(tmp_path, o
     torch.testing.assert_close(again.predict(inputs), served.predict(inputs), rtol=0, atol=0)
 
 
-def test_the_mixture_runs_in_one_process_and_its_head_must_be_a_plain_frozen_head():
+def test_the_mixtures_head_must_be_a_plain_frozen_head():
     with pytest.raises(ConfigError, match="head"):
         FrozenHeadMixture(lambda params: StreamingLDA(params))
     with pytest.raises(ConfigError, match="not a frozen head"):

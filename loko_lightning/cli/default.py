@@ -6,10 +6,9 @@ configs and every preset pin it). What the default decides from is known before 
 
 - an image backbone (:class:`~loko_lightning.models.TimmClassifier`) with at most 10 classes: the image default,
   ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller) predicting with
-  its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``; under DDP without it: the
-  mixture runs in one process);
+  its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``);
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
-  predicting with the same mixture (in one process);
+  predicting with the same mixture;
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
@@ -129,13 +128,10 @@ def decide(config: Any) -> Decision | None:
         name, args = "the many-class image default", MANY_CLASS_IMAGES
         settings = "the natural filter's one row, averaged mean, p0 0.03"
         alone = f"the filter's three flags given ({' '.join(MANY_CLASS_IMAGES)}) run it alone"
-    if processes:
-        where += f": {settings}; the mixture with streaming LDA runs in one process"
-        return Decision(name, f"an image backbone, {num_classes} classes{where}", args)
     return Decision(
         f"{name} + presets/loko_mixture_lda",
-        f"an image backbone, {num_classes} classes: {settings}, predicting with its mixture with streaming LDA on the "
-        f"frozen features; {alone}, without the mixture's extra forward pass and LDA solve a sample",
+        f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
+        f"on the frozen features; {alone}, without the mixture's extra forward pass and LDA solve a sample",
         args + preset("presets/loko_mixture_lda"),
     )
 

@@ -21,7 +21,8 @@ The learner's option ``mixture`` (:class:`FrozenHeadMixture`; ``configs/presets/
 wraps its step in :class:`MixtureStep`, so every prediction the learner makes is the mixture's: the prequential score
 in ``loko fit``, held-out evaluation, ``loko predict`` and ``loko serve`` (which learns on with it). The network's
 weights and LoKO's trajectory are those of the plain learner; the mixture's state (the weights, LDA's head and
-statistics) rides in the checkpoint as ``"loko_mixture"`` and is read back (a fit resumes exactly). One process.
+statistics) rides in the checkpoint as ``"loko_mixture"`` and is read back (a fit resumes exactly). Under DDP every
+process mixes and learns from every process's samples (:class:`MixtureStep`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ import torch
 from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.distributed import all_gather_observations
 from loko_lightning.learner.checks import optimizer_class, optimizer_config, optimizer_from_config
 from loko_lightning.learner.frozen_heads import evaluating
-from loko_lightning.learner.steps import OnlineStep, StepResult
+from loko_lightning.learner.steps import OnlineStep, StepResult, collective_timeout, world_size
 
 #: LDA's temperatures by default: a geometric grid from its own (1) to 4096x softer (its early misses cost hundreds
 #: of nats at T = 1; docs/results/mixture.md).
@@ -186,6 +189,11 @@ class MixtureStep(OnlineStep):
     expert's likelihood of the label, and LDA's statistics by the sample. Logged: ``mixture/weight_learner`` (the
     fine-tuner's weight) and ``mixture/temperature`` (LDA's heaviest temperature).
 
+    Under DDP the inner step returns every process's predictions and labels in rank order (one joint update); the
+    frozen features are gathered in the same order, and every process mixes, scores and updates on all of them, one
+    sample after the other: the weights and LDA's statistics are the same on every process, as one process's with
+    the joint step's samples in one batch.
+
     Args:
         inner: the learner's own step.
         temperatures: LDA's temperatures, one expert each.
@@ -195,8 +203,6 @@ class MixtureStep(OnlineStep):
         vote: add LDA's argmax as an expert of its own, with its past accuracy as its confidence
             (:func:`vote_log_probabilities`).
     """
-
-    single_process = True
 
     def __init__(
         self,
@@ -220,20 +226,8 @@ class MixtureStep(OnlineStep):
         self._frozen: FrozenFeatures | None = None  # the network's frozen features, its modules found once
 
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
-        """The inner step's checks; one process.
-
-        Raises:
-            ConfigError: several processes (``field="mixture"``).
-        """
+        """The inner step's checks (under DDP the inner step must run there: LoKO's and AdamW's do)."""
         self.inner.check_trainer(trainer, owner)
-        if trainer.world_size > 1:
-            raise ConfigError(
-                f"the mixture with a frozen head runs in one process (its weights and LDA's statistics are not "
-                f"exchanged between processes); this trainer has {trainer.world_size}. To fix it: "
-                "--model.mixture null, or --trainer.devices 1",
-                field="mixture",
-                owner=owner,
-            )
 
     def start(self, module: pl.LightningModule) -> None:
         """Let the inner step prepare."""
@@ -276,7 +270,11 @@ class MixtureStep(OnlineStep):
         """Both experts predict, the mixture is scored, then every part updates on the samples (see the class)."""
         features = self._features(module, inputs)
         assert self.lda is not None
+        own = label
         learner, label, applied = self.inner.step(module, optimizer, inputs, label)
+        if world_size(module) > 1:  # every process's samples, in the inner step's (rank) order
+            target = F.one_hot(own, module.num_classes).to(features.dtype)
+            features, _, _ = all_gather_observations(features, target, [], timeout=collective_timeout(module))
         lda_logits = self.lda_logits(features)  # LDA's head before this sample
         log_probabilities = self.experts(learner, lda_logits)
         prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
