@@ -370,6 +370,21 @@ def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resume
     assert torch.equal(resumed["states"][0], first) and torch.equal(resumed["states"][1], first)
 
 
+def test_the_image_default_with_the_sharded_update_stays_in_sync(tmp_path):
+    """``loko fit`` deciding the default under DDP with ``shard: true``: the image default with a covariance per head
+    row, its averaged mean and its mixture, each process updating its own shard; the ranks end identical (θ̃, p̂, R and
+    the mixture's state), every sample scored once."""
+    shard = ("--loko", "default", "--model.optimizer.init_args.shard", "true")
+    full, checkpoints, log = loko_ddp(tmp_path, "sharded_default", *shard)
+    assert "presets/loko_images with a covariance per head row" in log
+    first, second = full["states"]
+    assert torch.equal(first, second)
+    assert max(full["held"]) < full["parameters"]  # sharded: each process held p̂ of its own parameters only
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["state_dict"]["online_acc.weight"].item() == 24 and float(last["loko_mixture"]["seen"]) == 24
+    assert last["hyper_parameters"]["head_covariance"] == "diagonal"
+
+
 def test_a_sharded_loko_fit_stays_in_sync_checkpoints_the_whole_state_and_resumes_exactly(tmp_path, two_processes):
     """``--model.optimizer.init_args.shard true``: each process updates its shard of the adapters; the ranks end with
     the same θ̃, p̂ (gathered) and R, every sample is scored once, the checkpoints and the divergence guard's records

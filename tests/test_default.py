@@ -108,7 +108,6 @@ def test_the_paper_configs_pin_the_papers_filter(name, caplog):
         (["--model.optimizer.init_args.filter", "{name: covariance, beta: 0.9}"], "--model.optimizer.filter"),
         (["--model.optimizer.init_args.time_update", "{process_noise: 1e-6}"], "--model.optimizer.time_update"),
         (["--model.head_covariance", "shared"], "--model.head_covariance shared"),
-        (["--model.optimizer.init_args.shard", "true"], "--model.optimizer.shard True"),
         (
             ["--model.mixture", "loko_lightning.learner.mixture.FrozenHeadMixture"]
             + ["--model.mixture.head", "StreamingLDA"],
@@ -162,6 +161,27 @@ def test_several_processes_keep_the_many_class_image_default_with_the_mixture(ca
     assert got["mixture"] is not None
     (line,) = decided_line(caplog)
     assert "several processes (measured in one)" in line and "presets/loko_mixture_lda" in line
+
+
+def test_the_sharded_update_keeps_the_image_defaults_with_a_covariance_per_head_row(caplog):
+    """``shard: true`` says how the update is computed: the image defaults keep their filter and mixture, the 10-class
+    one with a covariance per head row (the sharded update refuses a shared one), and say so; text runs as configured
+    (its online choice of p0 runs in one unsharded process)."""
+    shard = ("--model.optimizer.init_args.shard", "true")
+    with caplog.at_level(logging.INFO):
+        images, many = (build(config, *shard) for config in ("quickstart", "glyphs100_lite0"))
+        text = settings(build("text_quickstart", *shard))
+    for cli in (images, many):
+        assert cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(3))]).shard
+    images, many = settings(images), settings(many)
+    assert (images["average"], images["head_covariance"], images["step_scales"]) == (0.99, "diagonal", {"head": 0.1})
+    assert (many["filter"]["name"], many["p0"], many["average"]) == ("natural", 0.03, 0.99)
+    assert images["mixture"] is not None and many["mixture"] is not None
+    image_line, many_line, text_line = decided_line(caplog)
+    assert "a covariance per head row" in image_line and "presets/loko_mixture_lda" in image_line
+    assert "the many-class image default" in many_line
+    assert text_line.startswith("LoKO as configured: --model.optimizer.shard True is set")
+    assert text["p0"] == 0.2 and text["mixture"] is None
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ configs and every preset pin it). What the default decides from is known before 
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
   choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
-  changed (``shard: true`` among them: the default does not override a choice).
+  changed (the default does not override a choice). ``shard: true`` is how the update is computed: an image backbone
+  keeps its default, the 10-class one with a covariance per head row (the sharded update does not split a shared
+  one; measured without the mixture as ``presets/loko_average_head``), a text backbone runs as configured.
 
 The image defaults were measured in one process; under DDP they run the same settings, each step one joint update of
 every process's samples, and the line says so.
@@ -71,6 +73,11 @@ MANY_CLASS_IMAGES = (
 )
 
 
+# With ``shard: true`` the image default's head keeps a covariance per row (the sharded update refuses a shared one):
+# presets/loko_images with this flag after it, measured as ``presets/loko_average_head`` (late-stream study).
+SHARDED_HEAD = "--model.head_covariance=diagonal"
+
+
 @dataclass(frozen=True)
 class Decision:
     """Which LoKO runs: ``name`` (``None``: the configuration as it is), the arguments that apply it, and why."""
@@ -102,13 +109,16 @@ def decide(config: Any) -> Decision | None:
     if _class_path(optimizer).rsplit(".", 1)[-1] != "LoKO":
         return None
     changed = _changed_settings(optimizer, config)
+    network_class = class_of(config.get("model.network"))
+    text = network_class is not None and issubclass(network_class, TransformersClassifier)
+    sharded = _as_dict(getattr(optimizer, "init_args", None) or {}).get("shard") is True
+    if sharded and not text:  # how the update is computed, which the image defaults keep (see below)
+        changed = [flag for flag in changed if not flag.startswith("--model.optimizer.shard ")]
     if changed:
         return Decision(None, f"{changed[0]} is set, and the default does not override a choice")
-    network_class = class_of(config.get("model.network"))
     num_classes = getattr(getattr(config.get("model.network"), "init_args", None), "num_classes", None)
     if network_class is None or not issubclass(network_class, (TimmClassifier, TransformersClassifier)):
         return Decision(None, "the default is measured on timm and transformers classifiers only")
-    text = issubclass(network_class, TransformersClassifier)
     processes = distributed(config.get("trainer"))
     if text and processes:
         return Decision(None, "several processes: p0 chosen online runs in one process")
@@ -120,7 +130,12 @@ def decide(config: Any) -> Decision | None:
             f"a text backbone, {num_classes} classes: p0 chosen online",
             preset("presets/loko_text"),
         )
-    if isinstance(num_classes, int) and num_classes <= MAX_CLASSES:
+    if isinstance(num_classes, int) and num_classes <= MAX_CLASSES and sharded:
+        name = "presets/loko_images with a covariance per head row"
+        args = (*preset("presets/loko_images"), SHARDED_HEAD)
+        settings = "averaged mean, a covariance per head row (the sharded update does not split a shared one)"
+        alone = f"--config presets/loko_images {SHARDED_HEAD} runs the filter alone"
+    elif isinstance(num_classes, int) and num_classes <= MAX_CLASSES:
         name, args = "presets/loko_images", preset("presets/loko_images")
         settings = "averaged mean, shared head covariance"
         alone = "--config presets/loko_images runs the filter alone"
