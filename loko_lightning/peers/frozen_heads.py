@@ -137,7 +137,7 @@ def lda_head(state: dict[str, Tensor], basis: Eigenbasis, shrinkage: float | str
         rho = oas_shrinkage(frobenius / (count * dim) ** 2, nu, dim, float(state["samples"]))
         scale, ridge = (1.0 - rho) / count, rho * nu
     else:
-        scale, ridge = (1.0 - shrinkage) / count, torch.tensor(float(shrinkage), dtype=means.dtype)
+        scale, ridge = (1.0 - shrinkage) / count, means.new_tensor(float(shrinkage))
     inverse = 1.0 / (scale * basis.values + ridge)  # B⁻¹ in V's basis
     rotated = basis.means * inverse  # rows B⁻¹ μ_k
     if rows.shape[0]:
