@@ -12,8 +12,9 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
   (the default decided from the model, ``loko_lightning.cli.default``); ``loko_auto``: the config's LoKO with
   ``p0: auto`` (:mod:`loko_lightning.learner.selection`); ``loko_avg``: the same predicting with the average of the
   filter's mean (``average: 0.99``, not the paper's; ``docs/filters.md``); ``loko_mixture``,
-  ``loko_mixture_bayes``: the same predicting with its mixture with streaming LDA on the frozen features
-  (``configs/presets/loko_mixture_lda.yaml``, and the same with share 0; ``docs/results/mixture.md``);
+  ``loko_mixture_bayes``, ``loko_mixture_sharp``: the same predicting with its mixture with streaming LDA on the
+  frozen features (``configs/presets/loko_mixture_lda.yaml``, the same with share 0, the same with the learner's
+  prediction also sharpened at T = 0.5, 0.7, 0.85 as three more experts; ``docs/results/mixture.md``);
   ``loko_lda_head``, ``loko_lda_head_frozen``: the same on its logits plus streaming LDA's on the same (adapted)
   features or on the pretrained ones (``benchmarks/overlays/loko_lda_head.yaml``; ``docs/results/lda_head.md``);
 - ``adamw``, ``adamw_tuned``, ``adagrad`` (and every other peer: ``schedulefree``, ``ivon``, ``posteriors``, the
@@ -85,6 +86,7 @@ OPTIMIZERS = (
     "loko_posterior",
     "loko_mixture",
     "loko_mixture_bayes",
+    "loko_mixture_sharp",
     "loko_lda_head",
     "loko_lda_head_frozen",
     "adamw",
@@ -110,6 +112,7 @@ LABELS = {
     "loko_posterior": "LoKO (posterior predictive)",
     "loko_mixture": "LoKO + frozen LDA mixture (presets/loko_mixture_lda)",
     "loko_mixture_bayes": "LoKO + frozen LDA mixture, Bayes (share 0)",
+    "loko_mixture_sharp": "LoKO + frozen LDA mixture, LoKO also at T 0.5, 0.7, 0.85",
     "loko_lda_head": "LoKO + LDA head (benchmarks/overlays/loko_lda_head.yaml)",
     "loko_lda_head_frozen": "LoKO + LDA head on pretrained features",
     "adamw": "LoRA/AdamW",
@@ -135,6 +138,7 @@ COLORS = {
     "loko_posterior": "tab:olive",
     "loko_mixture": "gold",
     "loko_mixture_bayes": "darkgoldenrod",
+    "loko_mixture_sharp": "yellowgreen",
     "loko_lda_head": "tab:brown",
     "loko_lda_head_frozen": "sienna",
     "adamw": "tab:blue",
@@ -167,6 +171,9 @@ LOKO_RUNS = {
     "loko_posterior": [AS_CONFIGURED, "--model.predictive=posterior"],
     "loko_mixture": [*common.config_args([MIXTURE]), AS_CONFIGURED],
     "loko_mixture_bayes": [*common.config_args([MIXTURE]), AS_CONFIGURED, "--model.mixture.init_args.share=0"],
+    "loko_mixture_sharp": [
+        *common.config_args([MIXTURE]), AS_CONFIGURED, "--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85]"
+    ],
     "loko_lda_head": [*common.config_args([LDA_HEAD]), AS_CONFIGURED],
     "loko_lda_head_frozen": [*common.config_args([LDA_HEAD]), AS_CONFIGURED, "--trainer.callbacks.features=pretrained"],
 }

@@ -15,7 +15,11 @@ share ``α`` and subset of the experts (uniform prior; ``replay``). A setting ch
 it is scored on: a screen; confirm the chosen one with ``compare.py``.
 
 ``replay`` prints one row per setting: online accuracy after each ``--at``, prequential NLL and ECE (15 bins, the
-learner's definition) over the whole stream, mean over the recorded seeds; the experts alone first.
+learner's definition) over the whole stream, mean over the recorded seeds; the experts alone first. With
+``--learner-temperatures``, each setting again with LoKO's recorded prediction tempered at those temperatures as more
+experts (a screen of calibrating the learner's expert inside the mixture); with ``--calibrate``, each setting's
+prediction tempered at those temperatures and mixed again by Bayes' weights (fixed share ``--calibrate-share``): a
+calibration of the whole mixture that keeps its argmax where one temperature dominates.
 """
 
 from __future__ import annotations
@@ -71,8 +75,8 @@ def record(args: argparse.Namespace) -> None:
     common.set_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     mixture = common.config_args([PRESET])  # the preset's mixture (its head, LDA), with the recorded grid and vote
-    mixture += [f"--trainer.callbacks.temperatures=[{', '.join(str(t) for t in args.temperatures)}]"]
-    mixture += ["--trainer.callbacks.vote=true"]
+    mixture += [f"--model.mixture.init_args.temperatures=[{', '.join(str(t) for t in args.temperatures)}]"]
+    mixture += ["--model.mixture.init_args.vote=true", "--model.mixture.init_args.learner_temperatures=[]"]
     for seed in args.seeds:
         recorder = ExpertRecorder()
         run_args = [*common.config_args(args.config), f"--seed_everything={seed}", f"--data.seed={seed}"]
@@ -143,12 +147,25 @@ def replay(args: argparse.Namespace) -> None:
                 keep += [experts.shape[1] - 1] if vote else []
                 if len(keep) == 1:
                     continue
-                for share in args.shares:
-                    predictions = replay_one(experts[:, keep], labels, share)
-                    what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
-                    rows.setdefault(f"mixture, {what}, share {share:g}", []).append(
-                        scores(predictions, labels, args.at)
-                    )
+                chosen = experts[:, keep]
+                for learner_temperatures in ([], args.learner_temperatures) if args.learner_temperatures else ([],):
+                    tempered = [torch.log_softmax(experts[:, :1] / t, -1) for t in learner_temperatures]
+                    for share in args.shares:
+                        predictions = replay_one(torch.cat([chosen, *tempered], 1), labels, share)
+                        what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
+                        if learner_temperatures:
+                            what += f" + LoKO at T = {', '.join(f'{t:g}' for t in learner_temperatures)}"
+                        rows.setdefault(f"mixture, {what}, share {share:g}", []).append(
+                            scores(predictions, labels, args.at)
+                        )
+                        if args.calibrate:  # the mixture's prediction tempered at each T, mixed again (argmax kept)
+                            log_p = predictions.clamp_min(torch.finfo(torch.float64).tiny).log()
+                            again = torch.stack([torch.log_softmax(log_p / t, -1) for t in args.calibrate], 1)
+                            calibrated = replay_one(again, labels, args.calibrate_share)
+                            grid = ", ".join(f"{t:g}" for t in args.calibrate)
+                            rows.setdefault(f"mixture, {what}, share {share:g}, calibrated over T = {grid}", []).append(
+                                scores(calibrated, labels, args.at)
+                            )
     keys = list(next(iter(rows.values()))[0])
     seeds = [path.stem.removeprefix("experts_seed") for path in sorted(args.folder.glob("experts_seed*.pt"))]
     print(f"| setting ({len(runs)} seeds{'' if args.per_seed else ', mean'}) | " + " | ".join(keys) + " |")
@@ -184,6 +201,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep.add_argument("--show-temperatures", type=float, nargs="*", default=[1.0, 16.0, 256.0])
     rep.add_argument("--at", type=int, nargs="+", default=[100, 200, 300])
     rep.add_argument("--per-seed", action="store_true", help="one row per seed instead of the mean")
+    rep.add_argument(
+        "--learner-temperatures", type=float, nargs="*", default=[],
+        help="also each setting with LoKO's prediction tempered at these T as more experts (log p / T, renormalised)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--calibrate", type=float, nargs="*", default=[],
+        help="also each setting's prediction tempered at these T (log p / T, renormalised), mixed by Bayes again",
+    )  # fmt: skip
+    rep.add_argument("--calibrate-share", type=float, default=0.01, help="fixed share of the --calibrate mixture")
     args = parser.parse_args(argv)
     args.overrides = overrides
     record(args) if args.command == "record" else replay(args)

@@ -117,6 +117,35 @@ def test_tempered_experts_and_the_predictive():
     torch.testing.assert_close(mixture_log_predictive(weights.log(), tempered).exp(), direct, rtol=1e-14, atol=0)
 
 
+def test_the_learners_tempered_experts_follow_the_vote_and_share_its_prior():
+    """With learner temperatures the experts are the learner, LDA at each T, the vote, then softmax(log p / T) of the
+    learner's p at each of its T (float64); the prior is uniform over all of them, or, with prior_learner, that weight
+    shared by the learner's experts; the logged learner weight is their sum."""
+    gen = torch.Generator().manual_seed(5)
+    step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], learner_temperatures=[0.5, 0.8])
+    step.head = torch.nn.Linear(4, 3, dtype=torch.float64)
+    learner = torch.softmax(torch.randn(2, 3, generator=gen), -1)
+    lda_logits = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    experts = step.experts(learner, lda_logits)
+    assert experts.shape == (6, 2, 3)
+    log_p = learner.double().log()
+    for k, t in zip((4, 5), (0.5, 0.8), strict=True):
+        torch.testing.assert_close(experts[k].exp(), torch.softmax(log_p / t, -1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(experts[:3], MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0]).experts(
+        learner, lda_logits)[:3], rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(step.log_weights.exp(), torch.full((6,), 1 / 6, dtype=torch.float64))
+    shared = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], prior_learner=0.6, learner_temperatures=[0.5])
+    expected = torch.tensor([0.3, 0.4 / 3, 0.4 / 3, 0.4 / 3, 0.3], dtype=torch.float64)
+    torch.testing.assert_close(shared.log_weights.exp(), expected, rtol=1e-14, atol=0)
+
+    class Inner:
+        def logged(self, optimizer):
+            return {}
+
+    shared.inner = Inner()
+    assert abs(float(shared.logged(None)["mixture/weight_learner"]) - 0.6) < 1e-7  # float32: its rounding
+
+
 def test_the_vote_is_laplaces_rule_on_the_argmax():
     """c = (hits + 1)/(seen + 2) on the predicted class, the rest shared equally: a distribution (float64)."""
     votes = vote_log_probabilities(
@@ -129,7 +158,12 @@ def test_the_vote_is_laplaces_rule_on_the_argmax():
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"temperatures": [1.0, 0.0]}, "temperatures"), ({"share": 1.0}, "share"), ({"prior_learner": 1.0}, "prior")],
+    [
+        ({"temperatures": [1.0, 0.0]}, "temperatures"),
+        ({"share": 1.0}, "share"),
+        ({"prior_learner": 1.0}, "prior"),
+        ({"learner_temperatures": [0.5, -1.0]}, "learner_temperatures"),
+    ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
     with pytest.raises(ConfigError, match=field):

@@ -199,9 +199,12 @@ class MixtureStep(OnlineStep):
         temperatures: LDA's temperatures, one expert each.
         share: fixed share's ``α`` (0: Bayes).
         head: builds the frozen head over its layer's parameters (``loko_lightning.peers.StreamingLDA``).
-        prior_learner: the prior weight of the learner's expert; the rest shared equally by LDA's experts.
+        prior_learner: the prior weight of the learner's experts (shared equally by them); the rest shared equally by
+            LDA's experts.
         vote: add LDA's argmax as an expert of its own, with its past accuracy as its confidence
             (:func:`vote_log_probabilities`).
+        learner_temperatures: the learner's prediction also tempered at each of these ``T`` (``log p / T``,
+            renormalised; ``T < 1`` sharpens it), one expert each, after the vote.
     """
 
     def __init__(
@@ -212,13 +215,16 @@ class MixtureStep(OnlineStep):
         share: float = SHARE,
         prior_learner: float | None = None,
         vote: bool = True,
+        learner_temperatures: Sequence[float] = (),
     ) -> None:
         self.inner = inner
         self.temperatures = [float(t) for t in temperatures]
+        self.learner_temperatures = [float(t) for t in learner_temperatures]
         self.share, self.vote, self.build_head = float(share), vote, head
-        lda = len(self.temperatures) + int(vote)
-        learner = 1.0 / (1 + lda) if prior_learner is None else float(prior_learner)
-        self.log_weights = torch.tensor([learner] + [(1.0 - learner) / lda] * lda, dtype=torch.float64).log()
+        lda, learners = len(self.temperatures) + int(vote), 1 + len(self.learner_temperatures)
+        learner = learners / (learners + lda) if prior_learner is None else float(prior_learner)
+        prior = [learner / learners] + [(1.0 - learner) / lda] * lda + [learner / learners] * (learners - 1)
+        self.log_weights = torch.tensor(prior, dtype=torch.float64).log()
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
@@ -258,12 +264,17 @@ class MixtureStep(OnlineStep):
         return self.head(features.to(torch.float64))
 
     def experts(self, learner: Tensor, lda_logits: Tensor) -> Tensor:
-        """The experts' log probabilities ``(K, B, m)``, float64: the learner's, LDA's at each temperature, the vote."""
+        """The experts' log probabilities ``(K, B, m)``, float64.
+
+        In order: the learner's, LDA's at each temperature, the vote, the learner's at each of its temperatures.
+        """
         parts = [learner.detach().to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
         parts.append(tempered_log_probabilities(lda_logits, self.temperatures))
         if self.vote:
             votes = vote_log_probabilities(lda_logits.argmax(-1), self.hits, self.seen, lda_logits.shape[-1])
             parts.append(votes[None])
+        if self.learner_temperatures:
+            parts.append(tempered_log_probabilities(parts[0][0], self.learner_temperatures))
         return torch.cat(parts)
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
@@ -289,12 +300,13 @@ class MixtureStep(OnlineStep):
         return prediction.to(learner.dtype), label, applied & finite
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The inner step's values, the learner's weight and LDA's heaviest temperature."""
+        """The inner step's values, the learner's weight (all its temperatures) and LDA's heaviest temperature."""
         weights = self.log_weights.exp()
         heaviest = self.temperatures[int(weights[1 : 1 + len(self.temperatures)].argmax())]
+        learner = weights[0] + weights[1 + len(self.temperatures) + int(self.vote) :].sum()
         return {
             **self.inner.logged(optimizer),
-            "mixture/weight_learner": weights[0].float(),
+            "mixture/weight_learner": learner.float(),
             "mixture/temperature": heaviest,
         }
 
@@ -405,6 +417,8 @@ class FrozenHeadMixture:
         share: fixed share's ``α`` in ``[0, 1)`` (0: the Bayesian mixture).
         prior_learner: the learner's prior weight in ``(0, 1)``; ``None``: uniform over the experts.
         vote: add LDA's argmax with its past accuracy as its confidence as an expert (:func:`vote_log_probabilities`).
+        learner_temperatures: the learner's prediction also tempered at each ``T > 0``, one expert each (``T < 1``
+            sharpens it: the learner's calibration chosen by the same Bayes weights); default none.
     """
 
     def __init__(
@@ -414,8 +428,16 @@ class FrozenHeadMixture:
         share: float = SHARE,
         prior_learner: float | None = None,
         vote: bool = True,
+        learner_temperatures: list[float] | None = None,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
+        learner_temperatures = [float(t) for t in learner_temperatures or ()]
+        if not all(math.isfinite(t) and t > 0 for t in learner_temperatures):
+            raise ConfigError(
+                f"Invalid learner_temperatures: {learner_temperatures} (each > 0)",
+                field="learner_temperatures",
+                owner=FrozenHeadMixture,
+            )
         if not temperatures or not all(math.isfinite(t) and t > 0 for t in temperatures):
             raise ConfigError(f"Invalid temperatures: {temperatures}", field="temperatures", owner=FrozenHeadMixture)
         if not 0.0 <= share < 1.0:
@@ -432,11 +454,13 @@ class FrozenHeadMixture:
                 owner=FrozenHeadMixture,
             )
         self.head, self.temperatures, self.share = head, temperatures, float(share)
-        self.prior_learner, self.vote = prior_learner, bool(vote)
+        self.prior_learner, self.vote, self.learner_temperatures = prior_learner, bool(vote), learner_temperatures
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
-        return MixtureStep(inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote)
+        return MixtureStep(
+            inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures
+        )
 
     def spec(self) -> dict[str, Any]:
         """Plain values a checkpoint keeps (the learner's hyperparameter ``mixture``)."""
@@ -446,6 +470,7 @@ class FrozenHeadMixture:
             "share": self.share,
             "prior_learner": self.prior_learner,
             "vote": self.vote,
+            "learner_temperatures": list(self.learner_temperatures),
         }
 
     @classmethod
