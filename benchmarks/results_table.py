@@ -78,15 +78,15 @@ IMAGE_DEFAULT_COST: Runs = (("shared_rows/epyc/step_time/lite0_shared", "loko_av
 IMAGE_DEFAULT = "the image default (`presets/loko_images` + `presets/loko_mixture_lda`)"
 IMAGE_FILTER = "the image default's filter alone (`presets/loko_images`; then `loko_average_head_shared`)"
 # The default's step against an AdamW's, in one process (Fashion-MNIST at 32 px, 300 samples).
-IMAGE_DEFAULT_STEP: Runs = (("default_study/step_time", "loko_default"),)
+IMAGE_DEFAULT_STEP: Runs = (("default_study/step_time_eigenbasis", "loko_default"),)
 
 
-def image_default(at500: str, to2000: str) -> Entry:
-    """The image default: at 500 the mixture's 500-sample runs, at 1,000 and 2,000 its 2,000-sample runs' points."""
-    longer = ((to2000, "loko_default"),)
-    return Entry(
-        IMAGE_DEFAULT, at={500: ((at500, "loko_mixture"),), 1000: longer, 2000: longer}, cost=IMAGE_DEFAULT_STEP
-    )
+def image_default(runs: Runs, cost: Runs = IMAGE_DEFAULT_STEP) -> Entry:
+    """The image default: its runs to the end of the stream, read at their end and at their recorded points.
+
+    Its step cost from ``cost`` (by default the 32 px measurement).
+    """
+    return Entry(IMAGE_DEFAULT, runs, at=points(runs, *CHECKPOINTS), cost=cost)
 
 
 def filter_alone(folder: str, at500: str) -> Entry:
@@ -136,7 +136,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 32 px",
         5000,
-        image_default("default_study/fm32_500_mixture", "default_study/fm32_2000"),
+        image_default((("default_study/fm32_5000", "loko_default"),)),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -181,7 +181,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 64 px",
         5000,
-        Entry(IMAGE_DEFAULT, at={500: fm64_500("loko_default")}),
+        image_default(seeds("default_study/fm64_5000", 3, "loko_default"), cost=()),  # its step not measured at 64 px
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -215,7 +215,7 @@ STREAMS = (
     Stream(
         "MNIST-5k",
         4500,
-        image_default("default_study/mnist5k_500_mixture", "default_study/mnist5k_2000"),
+        image_default((("default_study/mnist5k_4500", "loko_default"),)),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
         [
@@ -256,7 +256,9 @@ STREAMS = (
         5000,
         Entry(
             "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`)",
-            at=points(tuple((folder, "loko_mixture") for folder in GLYPHS), 500, 1000, 2000),
+            seeds("default_study/glyphs100_5000", 3, "loko_default"),
+            at=points(seeds("default_study/glyphs100_5000", 3, "loko_default"), *CHECKPOINTS),
+            cost=(("default_study/step_time_glyphs100", "loko_default"),),
         ),
         "image backbone, 100 classes: the natural filter with the averaged mean and the mixture",
         Entry("the paper's LoKO", seeds("filters/study5000/gl_paper", 3, "loko")),
@@ -485,19 +487,20 @@ NOTES = (
     "study pages quote them). NLL, ECE: at the end "
     "of the longest run read (`@500`: that run ended at 500 samples). *step / AdamW*: the median step time over an "
     "AdamW run's in the same process (`compare.py`); the image default's from a 300-sample run on Fashion-MNIST at 32 "
-    "px (`results/default_study/step_time`), its filter alone's from a 300-sample run of the same network "
+    "px (`results/default_study/step_time_eigenbasis`; on glyphs100 `step_time_glyphs100`), its filter alone's from a "
+    "300-sample run of the same network "
     "(`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared head covariance and the "
     "averaged mean), the paper's LoKO's on BBC News from the text quick start's run (`results/text_quickstart`). "
     "Drifting Fashion-MNIST: its labels permuted every 1,000 samples. The image default is the filter of "
     "`presets/loko_images` predicting with its mixture with streaming LDA on the frozen features "
-    "(`presets/loko_mixture_lda`), measured to 2,000 samples on Fashion-MNIST at 32 px and MNIST-5k and on the "
+    "(`presets/loko_mixture_lda`), measured to the end of Fashion-MNIST at 32 and 64 px, MNIST-5k and the "
     "drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its filter "
     "alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: shared`, "
     "`step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its head on the "
     "sentence embedding) and the text default with the mixture were run as `loko fit` runs them today; the rows "
     "marked *head on the pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the "
-    "default is `filter: natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture, measured to "
-    "2,000 samples (its filter alone's end: 5,000-sample runs). The learning-rate-free peers (Prodigy, "
+    "default is `filter: natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture. The "
+    "learning-rate-free peers (Prodigy, "
     "D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best fine-tuning peer on Fashion-MNIST at "
     "32 px and MNIST-5k (2,000 samples). The runs, per cell: "
     "`benchmarks/results_table.py` (STREAMS)."
