@@ -60,6 +60,8 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     # Predicting with its mixture with streaming LDA on the frozen features (OAS), the preset's experts.
     assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA") and got["mixture"]["share"] == 0.01
     assert len(got["mixture"]["temperatures"]) == 13 and got["mixture"]["vote"]
+    # and the learner's prediction also sharpened, for Bayes' weights to pick its calibration.
+    assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85]
     (line,) = decided_line(caplog)
     assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
     assert "--config presets/loko_images runs the filter alone" in line  # the way out of the mixture's cost

@@ -221,10 +221,15 @@ class MixtureStep(OnlineStep):
         self.temperatures = [float(t) for t in temperatures]
         self.learner_temperatures = [float(t) for t in learner_temperatures]
         self.share, self.vote, self.build_head = float(share), vote, head
-        lda, learners = len(self.temperatures) + int(vote), 1 + len(self.learner_temperatures)
+        # The experts' order (see experts()): the learner, LDA at each temperature, the vote, the tempered learner.
+        lda = len(self.temperatures) + int(vote)
+        self.learner_experts = [0, *range(1 + lda, 1 + lda + len(self.learner_temperatures))]
+        self.lda_temperature_experts = slice(1, 1 + len(self.temperatures))
+        learners = len(self.learner_experts)
         learner = learners / (learners + lda) if prior_learner is None else float(prior_learner)
-        prior = [learner / learners] + [(1.0 - learner) / lda] * lda + [learner / learners] * (learners - 1)
-        self.log_weights = torch.tensor(prior, dtype=torch.float64).log()
+        prior = torch.full((learners + lda,), (1.0 - learner) / lda, dtype=torch.float64)
+        prior[self.learner_experts] = learner / learners
+        self.log_weights = prior.log()
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
@@ -302,8 +307,8 @@ class MixtureStep(OnlineStep):
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inner step's values, the learner's weight (all its temperatures) and LDA's heaviest temperature."""
         weights = self.log_weights.exp()
-        heaviest = self.temperatures[int(weights[1 : 1 + len(self.temperatures)].argmax())]
-        learner = weights[0] + weights[1 + len(self.temperatures) + int(self.vote) :].sum()
+        heaviest = self.temperatures[int(weights[self.lda_temperature_experts].argmax())]
+        learner = weights[self.learner_experts].sum()
         return {
             **self.inner.logged(optimizer),
             "mixture/weight_learner": learner.float(),
