@@ -674,3 +674,27 @@ def test_peers_table_pools_each_learners_seeds_and_marks_a_choice_on_an_edge(scr
     assert cells[1:3] == ["60.0 ± 14.1", "60.0 ± 14.1"]
     assert cells[3] == "60.0 ± 14.1" and cells[4] == "1.500 ± 0.707" and cells[5] == "10.0 ± 0.0"
     assert cells[6] == "0.003^, 0.0001v" and cells[7] == "0, 1"
+
+
+def test_step_parts_times_each_part_of_the_default_and_the_papers_step(tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import step_parts
+    originals = {name: getattr(step_parts.LoKO, name) for name in ("step", "averaged")}
+    rows, steps = step_parts.main([*DEBUG, "--samples", "14", "--warmup", "4", "--", *TINY])
+
+    assert len(steps["default"]) == len(steps["paper"]) == 10
+    # The default's step has every part (its averaged mean predicts, the mixture reads the frozen features and
+    # updates LDA); the paper's has the Jacobian and the filter only.
+    assert all(set(step) == set(step_parts.PARTS) for step in steps["default"])
+    assert all(set(step) == {"step", "Jacobian", "filter", "rest"} for step in steps["paper"])
+    # The parts are disjoint calls inside the step: none is negative and they never add up to more than the step.
+    for step in steps["default"] + steps["paper"]:
+        assert all(value >= 0.0 for value in step.values()) and step["rest"] >= 0.0
+    assert {(learner, part) for learner, part, *_ in rows} == {
+        *(("default", part) for part in step_parts.PARTS),
+        *(("paper", part) for part in ("step", "Jacobian", "filter", "rest")),
+    }
+    # The methods are the package's again after the script.
+    assert {name: getattr(step_parts.LoKO, name) for name in ("step", "averaged")} == originals
