@@ -1,6 +1,7 @@
 """The heads on frozen features (streaming LDA, nearest class mean, the frozen linear head): float64 references, the
 prequential contract at the learner level, checkpoints, and their configuration errors."""
 
+import copy
 from functools import partial
 from pathlib import Path
 
@@ -114,6 +115,28 @@ def test_streaming_lda_resumed_between_refreshes_writes_the_same_heads():
         lda.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
         resumed.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
         assert torch.equal(layer.weight, whole.weight) and torch.equal(layer.bias, whole.bias), n
+
+
+def test_streaming_lda_loads_a_state_saved_before_the_recent_rows_were_kept():
+    """A state whose scatter is all of S (no ``"recent"`` rows: saved before they were kept) loads, and the heads
+    after the next samples equal those of the state that kept its rows (the same S: float64 rounding only, as in the
+    tests above)."""
+    x, y = labelled(n=REFRESH + 30, d=24, m=4)
+    whole, lda = fit(StreamingLDA, x[: REFRESH + 20], y[: REFRESH + 20], 4)
+    saved = copy.deepcopy(lda.state_dict())  # torch's state_dict shares the live state's dicts
+    old = saved["state"][0]
+    old["scatter"] = old["scatter"] + old["recent"].T @ old["recent"]  # the rows folded, as a state of before
+    del old["recent"]
+    layer = torch.nn.Linear(24, 4).double()
+    resumed = StreamingLDA(layer.parameters())
+    resumed.bind(layer.weight, layer.bias)
+    resumed.load_state_dict(saved)
+    assert resumed.state[layer.weight]["recent"].shape == (0, 24)
+    for n in range(REFRESH + 20, len(x)):
+        lda.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+        resumed.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+        torch.testing.assert_close(layer.weight, whole.weight, rtol=1e-9, atol=1e-12, msg=f"after {n}")
+        torch.testing.assert_close(layer.bias, whole.bias, rtol=1e-9, atol=1e-12, msg=f"after {n}")
 
 
 def test_streaming_lda_predicts_the_gaussian_posterior():

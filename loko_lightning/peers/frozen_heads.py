@@ -293,13 +293,16 @@ class StreamingLDA(FrozenHead):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as :class:`FrozenHead` does; the eigenbasis is rebuilt from the loaded scatter at the next head."""
         super().load_state_dict(state_dict)
+        for state in self.state.values():  # saved before the rows were kept: its scatter is all of S, no rows
+            if "scatter" in state and "recent" not in state:
+                state["recent"] = state["scatter"].new_zeros(0, state["scatter"].shape[0])
         self._basis = None
 
     def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
         """``S += w δδᵀ``: the row ``√w δ`` joins ``U``; every :data:`REFRESH` rows ``S₀ += Uᵀ U`` (see the module)."""
         if not float(weight):  # a class's first sample: no spread yet
             return
-        rows = torch.cat([_recent(state), (delta * weight.sqrt())[None]])
+        rows = torch.cat([state["recent"], (delta * weight.sqrt())[None]])
         if rows.shape[0] == REFRESH:
             state["scatter"].addmm_(rows.T, rows)
             rows, self._basis = rows[:0], None
@@ -307,23 +310,15 @@ class StreamingLDA(FrozenHead):
 
     def covariance(self, state: dict[str, Tensor]) -> Tensor:
         """The shared covariance ``Σ = (S₀ + Uᵀ U) / N`` (float64)."""
-        rows = _recent(state)
+        rows = state["recent"]
         return (state["scatter"] + rows.T @ rows) / state["samples"].clamp_min(1)
 
     def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """:func:`lda_head` of the statistics, in the eigenbasis of the last refresh (computed here when missing)."""
-        _recent(state)
         if self._basis is None:
             self._basis = Eigenbasis(state["scatter"], state["mean"].shape[0])
         self._basis.update(state)
         return lda_head(state, self._basis, self.param_groups[0]["shrinkage"])
-
-
-def _recent(state: dict[str, Tensor]) -> Tensor:
-    """The rows since the last refresh (none in a state saved before they were kept: its scatter is all of S)."""
-    if "recent" not in state:
-        state["recent"] = state["scatter"].new_zeros(0, state["scatter"].shape[0])
-    return state["recent"]
 
 
 class NearestClassMean(FrozenHead):
