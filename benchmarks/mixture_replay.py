@@ -25,6 +25,7 @@ calibration of the whole mixture that keeps its argmax where one temperature dom
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from collections.abc import Sequence
@@ -107,10 +108,20 @@ def ece(predictions: Tensor, labels: Tensor, bins: int = 15) -> float:
     return float(gaps.abs().sum() / len(labels))
 
 
-def replay_one(experts: Tensor, labels: Tensor, share: float) -> Tensor:
-    """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, uniform prior, fixed share ``α``."""
+def replay_one(
+    experts: Tensor, labels: Tensor, share: float, learners: Sequence[int] = (), prior_learner: float | None = None
+) -> Tensor:
+    """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, fixed share ``α``.
+
+    The prior is uniform, or with ``prior_learner`` the learner's experts (indices ``learners``) share that weight
+    equally and the others the rest, as :class:`~loko_lightning.learner.mixture.MixtureStep` builds it.
+    """
     count = experts.shape[1]
-    log_weights = torch.full((count,), -torch.log(torch.tensor(float(count), dtype=torch.float64)))
+    prior = torch.full((count,), 1.0 / count, dtype=torch.float64)
+    if prior_learner is not None:
+        prior.fill_((1.0 - prior_learner) / (count - len(learners)))
+        prior[list(learners)] = prior_learner / len(learners)
+    log_weights = prior.log()
     predictions = []
     for step, label in zip(experts, labels, strict=True):
         predictions.append(mixture_log_predictive(log_weights, step[:, None])[0].exp())
@@ -150,11 +161,14 @@ def replay(args: argparse.Namespace) -> None:
                 chosen = experts[:, keep]
                 for learner_temperatures in ([], args.learner_temperatures) if args.learner_temperatures else ([],):
                     tempered = [torch.log_softmax(experts[:, :1] / t, -1) for t in learner_temperatures]
-                    for share in args.shares:
-                        predictions = replay_one(torch.cat([chosen, *tempered], 1), labels, share)
+                    learners = [0, *range(len(keep), len(keep) + len(tempered))]
+                    for share, prior in itertools.product(args.shares, [None, *args.prior_learner]):
+                        predictions = replay_one(torch.cat([chosen, *tempered], 1), labels, share, learners, prior)
                         what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
                         if learner_temperatures:
                             what += f" + LoKO at T = {', '.join(f'{t:g}' for t in learner_temperatures)}"
+                        if prior is not None:
+                            what += f", LoKO's prior {prior:g}"
                         rows.setdefault(f"mixture, {what}, share {share:g}", []).append(
                             scores(predictions, labels, args.at)
                         )
@@ -210,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="also each setting's prediction tempered at these T (log p / T, renormalised), mixed by Bayes again",
     )  # fmt: skip
     rep.add_argument("--calibrate-share", type=float, default=0.01, help="fixed share of the --calibrate mixture")
+    rep.add_argument(
+        "--prior-learner", type=float, nargs="*", default=[],
+        help="also each setting with LoKO's experts sharing this prior weight (the mixture's prior_learner)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.overrides = overrides
     record(args) if args.command == "record" else replay(args)

@@ -698,3 +698,27 @@ def test_step_parts_times_each_part_of_the_default_and_the_papers_step(tmp_path)
     }
     # The methods are the package's again after the script.
     assert {name: getattr(step_parts.LoKO, name) for name in ("step", "averaged")} == originals
+
+
+def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
+    """The replay of recorded experts with ``prior_learner`` is the learner's mixture arithmetic, bit for bit: the same
+    prior over the same experts' order (MixtureStep's learner indices), the same Bayes and fixed-share updates."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    from loko_lightning.learner.mixture import MixtureStep, mixture_log_predictive, update_log_weights
+    from loko_lightning.peers import StreamingLDA
+
+    step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], prior_learner=0.2, learner_temperatures=[0.5, 0.8])
+    torch.manual_seed(0)
+    experts = torch.randn(30, len(step.log_weights), 5, dtype=torch.float64).log_softmax(-1)
+    labels = torch.randint(5, (30,))
+    got = mixture_replay.replay_one(experts, labels, 0.01, step.learner_experts, 0.2)
+    log_weights, want = step.log_weights, []
+    for log_probabilities, label in zip(experts, labels, strict=True):
+        want.append(mixture_log_predictive(log_weights, log_probabilities[:, None])[0].exp())
+        log_weights = update_log_weights(log_weights, log_probabilities[:, label], 0.01)
+    assert torch.equal(got, torch.stack(want))
+    # Without prior_learner: the uniform prior, another mixture.
+    assert not torch.equal(mixture_replay.replay_one(experts, labels, 0.01), got)
