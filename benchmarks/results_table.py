@@ -136,7 +136,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 32 px",
         5000,
-        image_default((("default_study/fm32_5000", "loko_default"),)),
+        image_default((("default_study/fm32_5000_sharp", "loko_default"),)),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -181,7 +181,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 64 px",
         5000,
-        image_default(seeds("default_study/fm64_5000", 3, "loko_default"), cost=()),  # its step not measured at 64 px
+        image_default(seeds("default_study/fm64_5000_sharp", 3, "loko_default"), cost=()),  # its step not measured at 64 px
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -215,7 +215,7 @@ STREAMS = (
     Stream(
         "MNIST-5k",
         4500,
-        image_default((("default_study/mnist5k_4500", "loko_default"),)),
+        image_default((("default_study/mnist5k_4500_sharp", "loko_default"),)),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
         [
@@ -256,8 +256,8 @@ STREAMS = (
         5000,
         Entry(
             "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`)",
-            seeds("default_study/glyphs100_5000", 3, "loko_default"),
-            at=points(seeds("default_study/glyphs100_5000", 3, "loko_default"), *CHECKPOINTS),
+            seeds("default_study/glyphs100_5000_sharp", 3, "loko_default"),
+            at=points(seeds("default_study/glyphs100_5000_sharp", 3, "loko_default"), *CHECKPOINTS),
             cost=(("default_study/step_time_glyphs100", "loko_default"),),
         ),
         "image backbone, 100 classes: the natural filter with the averaged mean and the mixture",
@@ -331,7 +331,7 @@ STREAMS = (
     Stream(
         "drifting Fashion-MNIST",
         4000,
-        Entry(IMAGE_DEFAULT, seeds("default_study/drift", 3, "loko_default")),
+        Entry(IMAGE_DEFAULT, seeds("default_study/drift_sharp", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("shared_rows/epyc/drift/paper_s0", "loko"),)),
         [],

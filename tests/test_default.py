@@ -74,6 +74,9 @@ def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
         got = settings(build(config))
         assert (got["p0"], got["grid"], got["average"]) == ("auto", (0.3, 1.0, 3.0, 10.0, 30.0), 0.0), config
         assert got["head_covariance"] == "diagonal" and got["step_scales"] is None
+        # predicting with the mixture on the frozen sentence embedding, the learner also softened and sharpened.
+        assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA"), config
+        assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85, 1.25, 1.5, 2.0], config
 
 
 def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean_and_the_mixture(
