@@ -104,8 +104,8 @@ class LoKOCLI(LightningCLI):
             help=(
                 "which LoKO loko fit runs: 'default' decides from the model and the run, printing one line (one "
                 "process: presets/loko_images for an image backbone with <= 10 classes, the natural filter with the "
-                "averaged mean beyond, both predicting with presets/loko_mixture_lda (without it under DDP), "
-                "presets/loko_text for a text backbone; a LoKO setting you changed, a text backbone under DDP or "
+                "averaged mean beyond, both predicting with presets/loko_mixture_lda, presets/loko_text with the "
+                "same mixture for a text backbone; a LoKO setting you changed, a text backbone under DDP or "
                 "another network: as configured), 'as_configured' runs the configuration exactly (the paper's configs "
                 "and the presets pin it)"
             ),
