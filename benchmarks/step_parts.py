@@ -15,7 +15,8 @@ process, and every part is timed around its call (``time.perf_counter``) at ever
 - ``Jacobian``: ``JacobianEngine.observe``, the forward pass and the Jacobian's rows at the mean;
 - ``filter``: ``LoKO.step`` less the Jacobian (the Kalman arithmetic and the exchange);
 - ``frozen forward``: the mixture's forward pass with the adapters off (``FrozenFeatures``);
-- ``LDA``: the frozen head's update (``FrozenHead.step``: the eigenbasis refreshed every 64 samples);
+- ``LDA``: the frozen head's update (its optimizer's ``step``: the eigenbasis refreshed every 64 samples; timed from
+  the second step, the head being built at the first);
 - ``rest``: the step less those parts (the mixture's experts and weights, the loop's bookkeeping in the step).
 
 It prints the median of each over the steps after ``--warmup`` (a part's median and the medians of the step do not
@@ -40,7 +41,6 @@ import lightning.pytorch as pl
 from loko_lightning.jacobians.engine import JacobianEngine
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.mixture import FrozenFeatures
-from loko_lightning.peers.frozen_heads import FrozenHead
 
 LEARNERS = {"default": ["--loko=default"], "paper": ["--loko=as_configured"]}
 PARTS = ("step", "averaged forward", "Jacobian", "filter", "frozen forward", "LDA", "rest")
@@ -66,6 +66,12 @@ class PartTimes(pl.Callback):
         if not getattr(step, "_timed", False):
             step.step = self.wrap(step.step, "step")
             step._timed = True
+        # The frozen head's optimizer, built at the mixture's first step: its own step (an instance attribute, as
+        # torch's optimizer hook may have put a wrapper of the base class's step on the head's class).
+        head = getattr(step, "lda", None)
+        if head is not None and not getattr(head, "_timed", False):
+            head.step = self.wrap(head.step, "LDA")
+            head._timed = True
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
@@ -94,7 +100,6 @@ def timed(times: PartTimes) -> Iterator[None]:
         (JacobianEngine, "observe"): times.wrap(JacobianEngine.observe, "Jacobian"),
         (LoKO, "step"): times.wrap(LoKO.step, "LoKO.step"),
         (FrozenFeatures, "__call__"): times.wrap(FrozenFeatures.__call__, "frozen forward"),
-        (FrozenHead, "step"): times.wrap(FrozenHead.step, "LDA"),
     }
     averaged = LoKO.averaged
 

@@ -687,7 +687,8 @@ def test_step_parts_times_each_part_of_the_default_and_the_papers_step(tmp_path)
     assert len(steps["default"]) == len(steps["paper"]) == 10
     # The default's step has every part (its averaged mean predicts, the mixture reads the frozen features and
     # updates LDA); the paper's has the Jacobian and the filter only.
-    assert all(set(step) == set(step_parts.PARTS) for step in steps["default"])
+    missing = [sorted(set(step_parts.PARTS) - set(step)) for step in steps["default"]]
+    assert not any(missing) and all(set(step) == set(step_parts.PARTS) for step in steps["default"]), missing
     assert all(set(step) == {"step", "Jacobian", "filter", "rest"} for step in steps["paper"])
     # The parts are disjoint calls inside the step: none is negative and they never add up to more than the step.
     for step in steps["default"] + steps["paper"]:
