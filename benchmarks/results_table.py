@@ -111,18 +111,13 @@ def lr_free(folder: str) -> list[Entry]:
 
 
 GLYPHS = tuple(f"default_study/glyphs100_2000_s{seed}" for seed in range(3))
-WORDNET_MIXTURE: Runs = (
-    ("default_study/wordnet_default_s0", "loko_mixture"),
-    ("default_study/wordnet_default_s1", "loko_mixture"),
-    ("default_study/wordnet_mixture_s2", "loko_mixture"),
-)
 WORDNET_FILTER: Runs = (
     ("default_study/wordnet_default_s0", "loko_default"),
     ("default_study/wordnet_default_s1", "loko_default"),
     ("default_study/wordnet_default_s2", "loko_default"),
 )
-TEXT_DEFAULT = "the text default (`presets/loko_text`)"
-TEXT_MIXTURE = "the text default + `presets/loko_mixture_lda` (not the default)"
+TEXT_DEFAULT = "the text default (`presets/loko_text` + `presets/loko_mixture_lda`)"
+TEXT_FILTER = "the text default's filter alone (`presets/loko_text`)"
 
 
 def fm64_500(optimizer: str) -> Runs:
@@ -181,7 +176,8 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 64 px",
         5000,
-        image_default(seeds("default_study/fm64_5000_sharp", 3, "loko_default"), cost=()),  # its step not measured at 64 px
+        # its step not measured at 64 px
+        image_default(seeds("default_study/fm64_5000_sharp", 3, "loko_default"), cost=()),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -284,8 +280,8 @@ STREAMS = (
     Stream(
         "BBC News",
         1000,
-        Entry(TEXT_DEFAULT, (("default_study/bbc", "loko_default"),)),
-        "text backbone, 5 classes: `presets/loko_text`",
+        Entry(TEXT_DEFAULT, (("default_study/bbc_mixture_default", "loko_default"),)),
+        "text backbone, 5 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry(
             "the paper's LoKO (head on the pooler then)",
             seeds("peers/bbc/paper", 3, "loko"),
@@ -301,13 +297,13 @@ STREAMS = (
             Entry("schedule-free AdamW (head on the pooler then)", seeds("peers/bbc/schedulefree", 3, "schedulefree")),
             Entry("AdamW, constant (head on the pooler then)", seeds("peers/bbc/adamw_const", 3, "adamw_const")),
         ],
-        also=[Entry(TEXT_MIXTURE, (("default_study/bbc_mixture", "loko_mixture"),))],
+        also=[Entry(TEXT_FILTER, (("default_study/bbc", "loko_default"),))],
     ),
     Stream(
         "WordNet",
         2000,
-        Entry(TEXT_DEFAULT, WORDNET_FILTER),
-        "text backbone, 25 classes: `presets/loko_text`",
+        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_mixture_default", 3, "loko_default")),
+        "text backbone, 25 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry("the paper's LoKO (head on the pooler then)", (("wordnet/paper_s0", "loko"),)),
         [
             Entry("streaming LDA, frozen", (("default_study/wordnet_frozen", "streaming_lda"),)),
@@ -326,7 +322,7 @@ STREAMS = (
             Entry("schedule-free AdamW (head on the pooler then)", (("wordnet/schedulefree_s0", "schedulefree"),)),
             Entry("IVON (head on the pooler then)", (("shared_rows/epyc/wordnet/ivon_s0", "ivon"),)),
         ],
-        also=[Entry(TEXT_MIXTURE, WORDNET_MIXTURE)],
+        also=[Entry(TEXT_FILTER, WORDNET_FILTER)],
     ),
     Stream(
         "drifting Fashion-MNIST",
@@ -481,29 +477,28 @@ def table(results: Path) -> str:
 
 NOTES = (
     "Accuracy: average online top-1 (%), each prediction made before the update on its sample, mean ± sample std "
-    "over 3 seeds unless a cell says otherwise. *after N*: read where a run of that setting ended at N samples "
-    "or, for the runs made since `compare.py` records them in `summary.json`, at that checkpoint of a longer run "
-    "(earlier runs logged them and the recent accuracy in `metrics.csv`, which git does not keep: `not recorded`; the "
-    "study pages quote them). NLL, ECE: at the end "
-    "of the longest run read (`@500`: that run ended at 500 samples). *step / AdamW*: the median step time over an "
-    "AdamW run's in the same process (`compare.py`); the image default's from a 300-sample run on Fashion-MNIST at 32 "
-    "px (`results/default_study/step_time_eigenbasis`; on glyphs100 `step_time_glyphs100`), its filter alone's from a "
-    "300-sample run of the same network "
-    "(`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared head covariance and the "
-    "averaged mean), the paper's LoKO's on BBC News from the text quick start's run (`results/text_quickstart`). "
-    "Drifting Fashion-MNIST: its labels permuted every 1,000 samples. The image default is the filter of "
-    "`presets/loko_images` predicting with its mixture with streaming LDA on the frozen features "
-    "(`presets/loko_mixture_lda`), measured to the end of Fashion-MNIST at 32 and 64 px, MNIST-5k and the "
-    "drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its filter "
-    "alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: shared`, "
-    "`step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its head on the "
-    "sentence embedding) and the text default with the mixture were run as `loko fit` runs them today; the rows "
-    "marked *head on the pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the "
-    "default is `filter: natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture. The "
-    "learning-rate-free peers (Prodigy, "
-    "D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best fine-tuning peer on Fashion-MNIST at "
-    "32 px and MNIST-5k (2,000 samples). The runs, per cell: "
-    "`benchmarks/results_table.py` (STREAMS)."
+    "over 3 seeds unless a cell says otherwise. *after N*: read where a run of that setting ended at N samples or, "
+    "for the runs made since `compare.py` records them in `summary.json`, at that checkpoint of a longer run "
+    "(earlier runs logged them and the recent accuracy in `metrics.csv`, which git does not keep: `not recorded`; "
+    "the study pages quote them). NLL, ECE: at the end of the longest run read (`@500`: that run ended at 500 "
+    "samples). *step / AdamW*: the median step time over an AdamW run's in the same process (`compare.py`); the "
+    "image default's from a 300-sample run on Fashion-MNIST at 32 px "
+    "(`results/default_study/step_time_eigenbasis`; on glyphs100 `step_time_glyphs100`), its filter alone's from a "
+    "300-sample run of the same network (`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared "
+    "head covariance and the averaged mean), the paper's LoKO's on BBC News from the text quick start's run "
+    "(`results/text_quickstart`). Drifting Fashion-MNIST: its labels permuted every 1,000 samples. The image "
+    "default is the filter of `presets/loko_images` predicting with its mixture with streaming LDA on the frozen "
+    "features and with its own prediction sharpened (`presets/loko_mixture_lda`), measured to the end of "
+    "Fashion-MNIST at 32 and 64 px, MNIST-5k and the drifting stream (on the Intel Xeon; the filter alone and "
+    "AdamW there on the AMD EPYC); its filter alone is what the studies ran as `presets/loko_average_head_shared` "
+    "(`average: 0.99`, `head_covariance: shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The "
+    "text default (`presets/loko_text`, its head on the sentence embedding, with the same mixture, its learner "
+    "also softened) and its filter alone were run as `loko fit` runs them today; the rows marked *head on the "
+    "pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the default is "
+    "`filter: natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture. The learning-rate-free "
+    "peers (Prodigy, D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best fine-tuning peer "
+    "on Fashion-MNIST at 32 px and MNIST-5k (2,000 samples). The runs, per cell: `benchmarks/results_table.py` "
+    "(STREAMS)."
 )
 
 

@@ -11,7 +11,7 @@ configs and every preset pin it). What the default decides from is known before 
   predicting with the same mixture;
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with the same mixture on the frozen
-  sentence embedding, the learner's prediction also softened (``TEXT_MIXTURE``);
+  sentence embedding, the learner's prediction also tempered both ways (``TEXT_MIXTURE``);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
   choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
   changed (the default does not override a choice). ``shard: true`` is how the update is computed: an image backbone
@@ -132,8 +132,8 @@ def decide(config: Any) -> Decision | None:
         return Decision(
             "presets/loko_text + presets/loko_mixture_lda",
             f"a text backbone, {num_classes} classes: p0 chosen online, predicting with its mixture with streaming LDA "
-            "on the frozen sentence embedding, the learner's prediction also softened (its confidence too high on "
-            "WordNet); --config presets/loko_text runs it alone, without the mixture's extra forward pass",
+            "on the frozen sentence embedding, the learner's prediction also tempered both ways (its confidence too "
+            "high on WordNet); --config presets/loko_text runs it alone, without the mixture's extra forward pass",
             preset("presets/loko_text") + preset("presets/loko_mixture_lda") + TEXT_MIXTURE,
         )
     if isinstance(num_classes, int) and num_classes <= MAX_CLASSES and sharded:
