@@ -8,6 +8,7 @@ from functools import partial
 import lightning.pytorch as pl
 import pytest
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 from runs import loader, stream, trainer
 
 from loko_lightning import LoKO
@@ -18,6 +19,7 @@ from loko_lightning.learner.mixture import (
     FrozenHeadMixture,
     MixtureStep,
     mixture_log_predictive,
+    passthrough,
     tempered_log_probabilities,
     update_log_weights,
     vote_log_probabilities,
@@ -253,6 +255,35 @@ def test_the_frozen_features_are_peft_disable_adapters_and_leave_the_network_as_
     network.eval()
     with torch.no_grad():
         assert torch.equal(network(inputs), adapted)
+
+
+def test_the_frozen_features_put_every_adapter_layer_back_even_on_an_error_and_unmerge_merged_adapters():
+    """The frozen pass replaces each adapter layer by its base for the call: after a forward pass that raises, every
+    module is where it was (the same objects). Adapters merged into their base layers are not swapped (the base
+    layer then holds them) but switched off by peft, which unmerges them: the features are those of the unmerged
+    network."""
+    network = TimmClassifier("test_resnet", num_classes=3, pretrained=False, r=2)()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in network.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    features = FrozenFeatures(network, 3)
+    before = [(name, id(module)) for name, module in network.named_modules()]
+    with pytest.raises(RuntimeError):
+        features(torch.randn(2, 5, 32, 32))  # 5 channels: the stem's convolution fails inside the frozen pass
+    assert [(name, id(module)) for name, module in network.named_modules()] == before
+    inputs = torch.randn(2, 3, 32, 32)
+    frozen = features(inputs)
+    lora = [m for m in network.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "lora_A")]
+    for layer in lora:
+        layer.merge()
+    merged_features = FrozenFeatures(network, 3)
+    assert all(layer.merged for layer in lora) and all(passthrough(layer) is None for layer in lora)
+    # float32 merge then unmerge rounds each base weight (W + ΔW - ΔW): the features agree to float32 rounding of
+    # the network's sums; the adapters move the outputs by far more (the adapted network's are not the frozen ones)
+    torch.testing.assert_close(merged_features(inputs), frozen, rtol=1e-4, atol=1e-5)
+    assert not any(layer.merged for layer in lora)  # peft's switch left them unmerged, as its own context does
 
 
 def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread):
