@@ -20,6 +20,7 @@ from loko_lightning.learner.mixture import (
     MixtureStep,
     mixture_log_predictive,
     passthrough,
+    pooled_log_probabilities,
     tempered_log_probabilities,
     update_log_weights,
     vote_log_probabilities,
@@ -148,6 +149,41 @@ def test_the_learners_tempered_experts_follow_the_vote_and_share_its_prior():
     assert abs(float(shared.logged(None)["mixture/weight_learner"]) - 0.6) < 1e-7  # float32: its rounding
 
 
+def test_the_pools_are_the_renormalised_products_and_come_last_among_the_other_experts():
+    """A pool is softmax(a log p + z / T) of the learner's p and the frozen head's logits z, for each power a, then
+    each T (float64, against the product p^a exp(z / T) normalised by its sum); the pools follow the learner's
+    tempered experts, the prior is uniform over all, or with prior_learner the pools share the rest with LDA's; the
+    logged pooled weight is their sum."""
+    gen = torch.Generator().manual_seed(7)
+    learner = torch.softmax(torch.randn(2, 3, generator=gen), -1)
+    lda_logits = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    log_p = learner.double().log()
+    pools = pooled_log_probabilities(log_p, lda_logits, [0.5, 1.0], [1.0, 8.0])
+    assert pools.shape == (4, 2, 3)
+    for k, (a, t) in enumerate([(0.5, 1.0), (0.5, 8.0), (1.0, 1.0), (1.0, 8.0)]):
+        product = learner.double() ** a * torch.exp(lda_logits / t)
+        torch.testing.assert_close(pools[k].exp(), product / product.sum(-1, keepdim=True), rtol=1e-12, atol=0)
+    step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], learner_temperatures=[0.5], pools=[0.5, 1.0])
+    experts = step.experts(learner, lda_logits)
+    assert experts.shape == (9, 2, 3)
+    torch.testing.assert_close(experts[5:], pools, rtol=0, atol=0)
+    without = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], learner_temperatures=[0.5])
+    torch.testing.assert_close(experts[:5], without.experts(learner, lda_logits), rtol=0, atol=0)
+    torch.testing.assert_close(step.log_weights.exp(), torch.full((9,), 1 / 9, dtype=torch.float64))
+    shared = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], prior_learner=0.6, pools=[1.0])
+    expected = torch.tensor([0.6, 0.08, 0.08, 0.08, 0.08, 0.08], dtype=torch.float64)
+    torch.testing.assert_close(shared.log_weights.exp(), expected, rtol=1e-14, atol=0)
+
+    class Inner:
+        def logged(self, optimizer):
+            return {}
+
+    shared.inner = Inner()
+    assert abs(float(shared.logged(None)["mixture/weight_pooled"]) - 0.16) < 1e-7  # float32: its rounding
+    without.inner = Inner()
+    assert "mixture/weight_pooled" not in without.logged(None)
+
+
 def test_the_vote_is_laplaces_rule_on_the_argmax():
     """c = (hits + 1)/(seen + 2) on the predicted class, the rest shared equally: a distribution (float64)."""
     votes = vote_log_probabilities(
@@ -165,6 +201,7 @@ def test_the_vote_is_laplaces_rule_on_the_argmax():
         ({"share": 1.0}, "share"),
         ({"prior_learner": 1.0}, "prior"),
         ({"learner_temperatures": [0.5, -1.0]}, "learner_temperatures"),
+        ({"pools": [0.5, 0.0]}, "pools"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
@@ -286,12 +323,14 @@ def test_the_frozen_features_put_every_adapter_layer_back_even_on_an_error_and_u
     assert not any(layer.merged for layer in lora)  # peft's switch left them unmerged, as its own context does
 
 
-def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread):
+@pytest.mark.parametrize("pools", [[], [0.5, 1.0]])
+def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread, pools):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
     fitted in float64 on samples 0..i-1 of the pretrained features (at each temperature, and its argmax voted with
     its hits on 0..i-1), and the weights of the float64 product of the experts' likelihoods of labels 0..i-1 (fixed
-    share). The network and features are float32 (d = 64 sums): a probability within 1e-4 of the float64 reference,
+    share), with the pools softmax(a log p + z / T) last. The network and features are float32 (d = 64 sums): a
+    probability within 1e-4 of the float64 reference,
     as in the frozen-heads test; predicting with sample i included (LDA and the weights) moves the prediction by far
     more (asserted, so the test can fail)."""
     items = stream(14, num_classes=3, seed=4)
@@ -300,7 +339,7 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     plain_scored = scored(plain, monkeypatch)
     trainer().fit(plain, loader(items))
     head = partial(StreamingLDA, shrinkage=0.1)
-    module = learner(FrozenHeadMixture(head, temperatures=list(TEMPERATURES), share=SHARE, vote=True))
+    module = learner(FrozenHeadMixture(head, temperatures=list(TEMPERATURES), share=SHARE, vote=True, pools=pools))
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
     trainer().fit(module, loader(items))
@@ -308,7 +347,12 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     assert len(mixed) == len(plain_scored) == 14
     for name, param in plain.network.named_parameters():  # LoKO's path is its own
         torch.testing.assert_close(param, module.network.get_parameter(name), rtol=0, atol=0)
-    experts = 2 + len(TEMPERATURES)
+    experts = 2 + len(TEMPERATURES) + len(pools) * len(TEMPERATURES)
+
+    def reference_experts(log_learner, logits, vote):  # (K, m) in the learner's order
+        pooled = [torch.log_softmax(a * log_learner + logits / t, -1) for a in pools for t in TEMPERATURES]
+        return torch.stack([log_learner, *tempered(logits), vote.log(), *pooled])
+
     prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
     switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
     weights, hits, lookahead_gap = prior.clone(), 0, 0.0
@@ -317,14 +361,14 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
         c = (hits + 1) / (i + 2)
         vote = torch.full((3,), (1 - c) / 2, dtype=torch.float64)
         vote[logits.argmax()] = c
-        log_p = torch.cat([plain_scored[i].clamp_min(1e-300).log(), tempered(logits), vote.log()[None]])  # (K, m)
+        log_p = reference_experts(plain_scored[i][0].clamp_min(1e-300).log(), logits, vote)
         expected = (weights[:, None] * log_p.exp()).sum(0)
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
         posterior = weights * log_p[:, labels[i]].exp()
         weights = switching @ (posterior / posterior.sum())
         hits += int(logits.argmax() == labels[i])
-        ahead = torch.cat([log_p[:1], tempered(reference_lda_logits(features[: i + 1], labels[: i + 1], features[i]))])
-        lookahead = (weights[:-1, None] * ahead.exp()).sum(0) + weights[-1] * vote
+        ahead = reference_experts(log_p[0], reference_lda_logits(features[: i + 1], labels[: i + 1], features[i]), vote)
+        lookahead = (weights[:, None] * ahead.exp()).sum(0)
         lookahead_gap = max(lookahead_gap, float((mixed[i][0] - lookahead).abs().max()))
     assert lookahead_gap > 1e-2
 

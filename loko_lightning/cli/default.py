@@ -72,9 +72,12 @@ MANY_CLASS_IMAGES = (
     "--model.optimizer.init_args.p0=0.03",
     "--model.optimizer.init_args.average=0.99",
 )
+# The mixture's log-linear pools of the learner and LDA (p_learner^a exp(z_LDA / T) at each of LDA's T), where they
+# were measured to lead: many classes and text (docs/results/default_study.md).
+POOLS = "--model.mixture.init_args.pools=[0.5, 1]"
 # The text default's mixture: the learner's prediction tempered on both sides, sharpened as on images and softened
-# (its ECE on WordNet 8.9% alone: overconfident), Bayes' weights choosing (docs/results/default_study.md).
-TEXT_MIXTURE = ("--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85, 1.25, 1.5, 2]",)
+# (its ECE on WordNet 8.9% alone: overconfident), Bayes' weights choosing (docs/results/default_study.md); the pools.
+TEXT_MIXTURE = ("--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85, 1.25, 1.5, 2]", POOLS)
 
 
 # With ``shard: true`` the image default's head keeps a covariance per row (the sharded update refuses a shared one):
@@ -133,7 +136,8 @@ def decide(config: Any) -> Decision | None:
             "presets/loko_text + presets/loko_mixture_lda",
             f"a text backbone, {num_classes} classes: p0 chosen online, predicting with its mixture with streaming LDA "
             "on the frozen sentence embedding, the learner's prediction also tempered both ways (its confidence too "
-            "high on WordNet); --config presets/loko_text runs it alone, without the mixture's extra forward pass",
+            "high on WordNet) and pooled with LDA's; --config presets/loko_text runs it alone, without the mixture's "
+            "extra forward pass",
             preset("presets/loko_text") + preset("presets/loko_mixture_lda") + TEXT_MIXTURE,
         )
     if isinstance(num_classes, int) and num_classes <= MAX_CLASSES and sharded:
@@ -149,11 +153,13 @@ def decide(config: Any) -> Decision | None:
         name, args = "the many-class image default", MANY_CLASS_IMAGES
         settings = "the natural filter's one row, averaged mean, p0 0.03"
         alone = f"the filter's three flags given ({' '.join(MANY_CLASS_IMAGES)}) run it alone"
+    many = not (isinstance(num_classes, int) and num_classes <= MAX_CLASSES)
     return Decision(
         f"{name} + presets/loko_mixture_lda",
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
-        f"on the frozen features; {alone}, without the mixture's extra forward pass and LDA solve a sample",
-        args + preset("presets/loko_mixture_lda"),
+        f"on the frozen features{' (with their pools)' if many else ''}; {alone}, without the mixture's extra "
+        "forward pass and LDA solve a sample",
+        args + preset("presets/loko_mixture_lda") + ((POOLS,) if many else ()),
     )
 
 

@@ -3,8 +3,11 @@ r"""A Bayesian mixture of the fine-tuner and streaming LDA on the frozen backbon
 Experts :math:`k = 1..K`: the learner's own prediction (LoKO's, made before its update); a head fitted in closed form
 on the backbone's features with the adapters disabled (:class:`~loko_lightning.peers.frozen_heads.StreamingLDA`,
 injected: the learner layer does not import the peers), its logits tempered by each temperature :math:`T_j` of a grid
-(one expert per temperature: LDA's raw probabilities are overconfident); and LDA's argmax alone, its confidence
-Laplace's rule on LDA's past hits (:func:`vote_log_probabilities`). The learner predicts with the mixture
+(one expert per temperature: LDA's raw probabilities are overconfident); LDA's argmax alone, its confidence
+Laplace's rule on LDA's past hits (:func:`vote_log_probabilities`); optionally the learner's prediction tempered
+(``learner_temperatures``) and log-linear pools of the learner and LDA (``pools``, :func:`pooled_log_probabilities`:
+``p ∝ p_learner^a · exp(z_LDA / T)``, the two heads' evidence added, which neither expert alone predicts). The
+learner predicts with the mixture
 
 .. math::
 
@@ -66,6 +69,21 @@ def tempered_log_probabilities(logits: Tensor, temperatures: Sequence[float]) ->
     """``log softmax(logits / T)`` for each ``T``: ``(len(temperatures), B, m)`` from logits ``(B, m)``."""
     scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
     return torch.log_softmax(logits[None] / scale[:, None, None], -1)
+
+
+def pooled_log_probabilities(
+    learner_log_probabilities: Tensor, logits: Tensor, powers: Sequence[float], temperatures: Sequence[float]
+) -> Tensor:
+    """Log-linear pools ``log softmax(a · log p + z / T)`` for each power ``a``, then each ``T``: ``(A·T, B, m)``.
+
+    ``log p`` ``(B, m)``: the learner's log probabilities; ``z`` ``(B, m)``: the frozen head's logits. Each pool
+    adds the two predictions' log evidence (a product of experts, renormalised): where the learner and the frozen
+    head are each unsure but in different ways, the pool can be right and confident where both are not.
+    """
+    power = torch.tensor(powers, dtype=logits.dtype, device=logits.device)[:, None, None, None]
+    scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[None, :, None, None]
+    pooled = power * learner_log_probabilities[None, None] + logits[None, None] / scale
+    return torch.log_softmax(pooled, -1).reshape(-1, *logits.shape)
 
 
 def vote_log_probabilities(predicted: Tensor, hits: Tensor, seen: Tensor, num_classes: int) -> Tensor:
@@ -241,6 +259,8 @@ class MixtureStep(OnlineStep):
             (:func:`vote_log_probabilities`).
         learner_temperatures: the learner's prediction also tempered at each of these ``T`` (``log p / T``,
             renormalised; ``T < 1`` sharpens it), one expert each, after the vote.
+        pools: the learner's log probabilities times each of these powers ``a`` pooled with LDA's logits at each of
+            ``temperatures`` (:func:`pooled_log_probabilities`), one expert each, last.
     """
 
     def __init__(
@@ -252,18 +272,23 @@ class MixtureStep(OnlineStep):
         prior_learner: float | None = None,
         vote: bool = True,
         learner_temperatures: Sequence[float] = (),
+        pools: Sequence[float] = (),
     ) -> None:
         self.inner = inner
         self.temperatures = [float(t) for t in temperatures]
         self.learner_temperatures = [float(t) for t in learner_temperatures]
+        self.pools = [float(a) for a in pools]
         self.share, self.vote, self.build_head = float(share), vote, head
-        # The experts' order (see experts()): the learner, LDA at each temperature, the vote, the tempered learner.
+        # The experts' order (see experts()): the learner, LDA at each temperature, the vote, the tempered learner,
+        # the pools. With prior_learner, the learner's experts share it and the others (LDA's, the pools) the rest.
         lda = len(self.temperatures) + int(vote)
         self.learner_experts = [0, *range(1 + lda, 1 + lda + len(self.learner_temperatures))]
         self.lda_temperature_experts = slice(1, 1 + len(self.temperatures))
         learners = len(self.learner_experts)
-        learner = learners / (learners + lda) if prior_learner is None else float(prior_learner)
-        prior = torch.full((learners + lda,), (1.0 - learner) / lda, dtype=torch.float64)
+        self.pooled_experts = slice(learners + lda, learners + lda + len(self.pools) * len(self.temperatures))
+        others = lda + len(self.pools) * len(self.temperatures)
+        learner = learners / (learners + others) if prior_learner is None else float(prior_learner)
+        prior = torch.full((learners + others,), (1.0 - learner) / others, dtype=torch.float64)
         prior[self.learner_experts] = learner / learners
         self.log_weights = prior.log()
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
@@ -307,7 +332,8 @@ class MixtureStep(OnlineStep):
     def experts(self, learner: Tensor, lda_logits: Tensor) -> Tensor:
         """The experts' log probabilities ``(K, B, m)``, float64.
 
-        In order: the learner's, LDA's at each temperature, the vote, the learner's at each of its temperatures.
+        In order: the learner's, LDA's at each temperature, the vote, the learner's at each of its temperatures, the
+        pools (each power, then each of LDA's temperatures).
         """
         parts = [learner.detach().to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
         parts.append(tempered_log_probabilities(lda_logits, self.temperatures))
@@ -316,6 +342,8 @@ class MixtureStep(OnlineStep):
             parts.append(votes[None])
         if self.learner_temperatures:
             parts.append(tempered_log_probabilities(parts[0][0], self.learner_temperatures))
+        if self.pools:
+            parts.append(pooled_log_probabilities(parts[0][0], lda_logits, self.pools, self.temperatures))
         return torch.cat(parts)
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
@@ -341,15 +369,18 @@ class MixtureStep(OnlineStep):
         return prediction.to(learner.dtype), label, applied & finite
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The inner step's values, the learner's weight (all its temperatures) and LDA's heaviest temperature."""
+        """The inner step's values, the weights of the learner (all its temperatures) and the pools, LDA's top T."""
         weights = self.log_weights.exp()
         heaviest = self.temperatures[int(weights[self.lda_temperature_experts].argmax())]
         learner = weights[self.learner_experts].sum()
-        return {
+        logged = {
             **self.inner.logged(optimizer),
             "mixture/weight_learner": learner.float(),
             "mixture/temperature": heaviest,
         }
+        if self.pools:
+            logged["mixture/weight_pooled"] = weights[self.pooled_experts].sum().float()
+        return logged
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The inner step's state; the mixture's weights and LDA's head and statistics as ``"loko_mixture"``."""
@@ -460,6 +491,8 @@ class FrozenHeadMixture:
         vote: add LDA's argmax with its past accuracy as its confidence as an expert (:func:`vote_log_probabilities`).
         learner_temperatures: the learner's prediction also tempered at each ``T > 0``, one expert each (``T < 1``
             sharpens it: the learner's calibration chosen by the same Bayes weights); default none.
+        pools: powers ``a > 0`` of the learner's prediction, each pooled with LDA's at every one of ``temperatures``
+            (``p ∝ p_learner^a exp(z_LDA / T)``, :func:`pooled_log_probabilities`), one expert each; default none.
     """
 
     def __init__(
@@ -470,6 +503,7 @@ class FrozenHeadMixture:
         prior_learner: float | None = None,
         vote: bool = True,
         learner_temperatures: list[float] | None = None,
+        pools: list[float] | None = None,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         learner_temperatures = [float(t) for t in learner_temperatures or ()]
@@ -477,6 +511,13 @@ class FrozenHeadMixture:
             raise ConfigError(
                 f"Invalid learner_temperatures: {learner_temperatures} (each > 0)",
                 field="learner_temperatures",
+                owner=FrozenHeadMixture,
+            )
+        pools = [float(a) for a in pools or ()]
+        if not all(math.isfinite(a) and a > 0 for a in pools):
+            raise ConfigError(
+                f"Invalid pools: {pools} (each power > 0, e.g. [0.5, 1]; [] for none)",
+                field="pools",
                 owner=FrozenHeadMixture,
             )
         if not temperatures or not all(math.isfinite(t) and t > 0 for t in temperatures):
@@ -496,12 +537,14 @@ class FrozenHeadMixture:
             )
         self.head, self.temperatures, self.share = head, temperatures, float(share)
         self.prior_learner, self.vote, self.learner_temperatures = prior_learner, bool(vote), learner_temperatures
+        self.pools = pools
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
         return MixtureStep(
-            inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures
-        )
+            inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures,
+            self.pools,
+        )  # fmt: skip
 
     def spec(self) -> dict[str, Any]:
         """Plain values a checkpoint keeps (the learner's hyperparameter ``mixture``)."""
@@ -512,6 +555,7 @@ class FrozenHeadMixture:
             "prior_learner": self.prior_learner,
             "vote": self.vote,
             "learner_temperatures": list(self.learner_temperatures),
+            "pools": list(self.pools),
         }
 
     @classmethod
