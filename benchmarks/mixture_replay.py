@@ -17,7 +17,11 @@ it is scored on: a screen; confirm the chosen one with ``compare.py``.
 ``replay`` prints one row per setting: online accuracy after each ``--at``, prequential NLL and ECE (15 bins, the
 learner's definition) over the whole stream, mean over the recorded seeds; the experts alone first. With
 ``--learner-temperatures``, each setting again with LoKO's recorded prediction tempered at those temperatures as more
-experts (a screen of calibrating the learner's expert inside the mixture); with ``--calibrate``, each setting's
+experts (a screen of calibrating the learner's expert inside the mixture); with ``--pools``, each setting again with
+the log-linear pools of LoKO's recorded prediction and LDA's (:func:`~loko_lightning.learner.mixture.\
+pooled_log_probabilities` at those powers and each kept temperature; LDA's logits read from its recorded ``T = 1`` log
+probabilities, equal up to a constant a pool does not see: the learner's arithmetic to float64 rounding); with
+``--calibrate``, each setting's
 prediction tempered at those temperatures and mixed again by Bayes' weights (fixed share ``--calibrate-share``): a
 calibration of the whole mixture that keeps its argmax where one temperature dominates.
 """
@@ -37,7 +41,12 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from loko_lightning.learner.mixture import MixtureStep, mixture_log_predictive, update_log_weights
+from loko_lightning.learner.mixture import (
+    MixtureStep,
+    mixture_log_predictive,
+    pooled_log_probabilities,
+    update_log_weights,
+)
 
 PRESET = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
 
@@ -140,6 +149,24 @@ def scores(predictions: Tensor, labels: Tensor, at: Sequence[int]) -> dict[str, 
     }
 
 
+def setting_experts(
+    experts: Tensor,
+    keep: Sequence[int],
+    kept: Sequence[float],
+    learner_temperatures: Sequence[float] = (),
+    powers: Sequence[float] = (),
+) -> tuple[Tensor, list[int]]:
+    """A setting's experts ``(N, K, m)`` in the mixture's order, and the learner's indices among them.
+
+    ``keep``: the recorded experts kept (LoKO first, the kept temperatures ``kept``, the vote); then LoKO tempered at
+    ``learner_temperatures``; then the pools at ``powers`` and each kept temperature, from LoKO's and LDA's ``T = 1``
+    recorded log probabilities (LDA's logits up to a constant: the pool is the same distribution).
+    """
+    tempered = [torch.log_softmax(experts[:, :1] / t, -1) for t in learner_temperatures]
+    pooled = [pooled_log_probabilities(experts[:, 0], experts[:, 1], powers, kept).transpose(0, 1)] if powers else []
+    return torch.cat([experts[:, list(keep)], *tempered, *pooled], 1), [0, *range(len(keep), len(keep) + len(tempered))]
+
+
 def replay(args: argparse.Namespace) -> None:
     """Print the table of the experts and the mixture settings (see the module)."""
     runs = [torch.load(path) for path in sorted(args.folder.glob("experts_seed*.pt"))]
@@ -158,15 +185,18 @@ def replay(args: argparse.Namespace) -> None:
                 keep += [experts.shape[1] - 1] if vote else []
                 if len(keep) == 1:
                     continue
-                chosen = experts[:, keep]
-                for learner_temperatures in ([], args.learner_temperatures) if args.learner_temperatures else ([],):
-                    tempered = [torch.log_softmax(experts[:, :1] / t, -1) for t in learner_temperatures]
-                    learners = [0, *range(len(keep), len(keep) + len(tempered))]
+                kept = [t for t in temperatures if t <= top]
+                learner_sets = ([], args.learner_temperatures) if args.learner_temperatures else ([],)
+                pool_sets = ([], args.pools) if args.pools and kept else ([],)
+                for learner_temperatures, powers in itertools.product(learner_sets, pool_sets):
+                    mixed, learners = setting_experts(experts, keep, kept, learner_temperatures, powers)
                     for share, prior in itertools.product(args.shares, [None, *args.prior_learner]):
-                        predictions = replay_one(torch.cat([chosen, *tempered], 1), labels, share, learners, prior)
+                        predictions = replay_one(mixed, labels, share, learners, prior)
                         what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
                         if learner_temperatures:
                             what += f" + LoKO at T = {', '.join(f'{t:g}' for t in learner_temperatures)}"
+                        if powers:
+                            what += f" + pools a = {', '.join(f'{a:g}' for a in powers)}"
                         if prior is not None:
                             what += f", LoKO's prior {prior:g}"
                         rows.setdefault(f"mixture, {what}, share {share:g}", []).append(
@@ -218,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep.add_argument(
         "--learner-temperatures", type=float, nargs="*", default=[],
         help="also each setting with LoKO's prediction tempered at these T as more experts (log p / T, renormalised)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--pools", type=float, nargs="*", default=[],
+        help="also each setting with the pools of LoKO and LDA at these powers (the mixture's pools)",
     )  # fmt: skip
     rep.add_argument(
         "--calibrate", type=float, nargs="*", default=[],

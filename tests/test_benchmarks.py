@@ -723,3 +723,34 @@ def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     assert torch.equal(got, torch.stack(want))
     # Without prior_learner: the uniform prior, another mixture.
     assert not torch.equal(mixture_replay.replay_one(experts, labels, 0.01), got)
+
+
+def test_mixture_replay_builds_the_learners_experts_with_its_pools():
+    """The replay's experts of a setting from a recording (LoKO, LDA at each temperature, the vote) with the learner's
+    tempered experts and the pools are MixtureStep's experts with those settings, in its order (float64: LDA's logits
+    are read from its recorded T = 1 log probabilities, a constant apart, so a pool agrees to rounding, 1e-12), and the
+    learner's indices are MixtureStep's."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    from loko_lightning.learner.mixture import MixtureStep
+    from loko_lightning.peers import StreamingLDA
+
+    torch.manual_seed(1)
+    learner = torch.softmax(torch.randn(6, 4), -1)
+    logits = 3 * torch.randn(6, 4, dtype=torch.float64)
+    recorder = MixtureStep(None, StreamingLDA, temperatures=[1.0, 2.0, 8.0])
+    recorder.hits, recorder.seen = torch.tensor(3.0, dtype=torch.float64), torch.tensor(5.0, dtype=torch.float64)
+    recorded = recorder.experts(learner, logits).transpose(0, 1)  # (N, K, m) as `record` keeps them
+    step = MixtureStep(
+        None, StreamingLDA, temperatures=[1.0, 2.0], learner_temperatures=[0.5, 0.8], pools=[0.5, 1.0]
+    )  # fmt: skip
+    step.hits, step.seen = recorder.hits, recorder.seen
+    want = step.experts(learner, logits).transpose(0, 1)
+    got, learners = mixture_replay.setting_experts(recorded, [0, 1, 2, 4], [1.0, 2.0], [0.5, 0.8], [0.5, 1.0])
+    assert got.shape == want.shape and learners == step.learner_experts
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # Without the pools, the experts before them, exactly.
+    plain, _ = mixture_replay.setting_experts(recorded, [0, 1, 2, 4], [1.0, 2.0], [0.5, 0.8])
+    assert torch.equal(plain, want[:, : plain.shape[1]])
