@@ -251,10 +251,11 @@ STREAMS = (
         "glyphs100",
         5000,
         Entry(
-            "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`)",
-            seeds("default_study/glyphs100_5000_sharp", 3, "loko_default"),
-            at=points(seeds("default_study/glyphs100_5000_sharp", 3, "loko_default"), *CHECKPOINTS),
-            cost=(("default_study/step_time_glyphs100", "loko_default"),),
+            "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`, "
+            "`pools: [0.5, 1]`)",
+            seeds("default_study/glyphs100_pools", 3, "loko_default"),
+            at=points(seeds("default_study/glyphs100_pools", 3, "loko_default"), *CHECKPOINTS),
+            cost=(("default_study/step_time_glyphs100_pools", "loko_default"),),
         ),
         "image backbone, 100 classes: the natural filter with the averaged mean and the mixture",
         Entry("the paper's LoKO", seeds("filters/study5000/gl_paper", 3, "loko")),
@@ -280,7 +281,7 @@ STREAMS = (
     Stream(
         "BBC News",
         1000,
-        Entry(TEXT_DEFAULT, (("default_study/bbc_mixture_default", "loko_default"),)),
+        Entry(TEXT_DEFAULT, (("default_study/bbc_pools", "loko_default"),)),
         "text backbone, 5 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry(
             "the paper's LoKO (head on the pooler then)",
@@ -302,7 +303,7 @@ STREAMS = (
     Stream(
         "WordNet",
         2000,
-        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_mixture_default", 3, "loko_default")),
+        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_pools", 3, "loko_default")),
         "text backbone, 25 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry("the paper's LoKO (head on the pooler then)", (("wordnet/paper_s0", "loko"),)),
         [
@@ -482,23 +483,23 @@ NOTES = (
     "(earlier runs logged them and the recent accuracy in `metrics.csv`, which git does not keep: `not recorded`; "
     "the study pages quote them). NLL, ECE: at the end of the longest run read (`@500`: that run ended at 500 "
     "samples). *step / AdamW*: the median step time over an AdamW run's in the same process (`compare.py`); the "
-    "image default's from a 300-sample run on Fashion-MNIST at 32 px "
-    "(`results/default_study/step_time_eigenbasis`; on glyphs100 `step_time_glyphs100`), its filter alone's from a "
-    "300-sample run of the same network (`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared "
-    "head covariance and the averaged mean), the paper's LoKO's on BBC News from the text quick start's run "
-    "(`results/text_quickstart`). Drifting Fashion-MNIST: its labels permuted every 1,000 samples. The image "
-    "default is the filter of `presets/loko_images` predicting with its mixture with streaming LDA on the frozen "
-    "features and with its own prediction sharpened (`presets/loko_mixture_lda`), measured to the end of "
-    "Fashion-MNIST at 32 and 64 px, MNIST-5k and the drifting stream (on the Intel Xeon; the filter alone and "
-    "AdamW there on the AMD EPYC); its filter alone is what the studies ran as `presets/loko_average_head_shared` "
-    "(`average: 0.99`, `head_covariance: shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The "
-    "text default (`presets/loko_text`, its head on the sentence embedding, with the same mixture, its learner "
-    "also softened) and its filter alone were run as `loko fit` runs them today; the rows marked *head on the "
-    "pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the default is "
-    "`filter: natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture. The learning-rate-free "
-    "peers (Prodigy, D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best fine-tuning peer "
-    "on Fashion-MNIST at 32 px and MNIST-5k (2,000 samples). The runs, per cell: `benchmarks/results_table.py` "
-    "(STREAMS)."
+    "image default's from a 300-sample run on Fashion-MNIST at 32 px (`results/default_study/step_time_eigenbasis`; "
+    "on glyphs100 `step_time_glyphs100_pools`), its filter alone's from a 300-sample run of the same network "
+    "(`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared head covariance and the averaged "
+    "mean), the paper's LoKO's on BBC News from the text quick start's run (`results/text_quickstart`). Drifting "
+    "Fashion-MNIST: its labels permuted every 1,000 samples. The image default is the filter of "
+    "`presets/loko_images` predicting with its mixture with streaming LDA on the frozen features and with its own "
+    "prediction sharpened (`presets/loko_mixture_lda`), measured to the end of Fashion-MNIST at 32 and 64 px, "
+    "MNIST-5k and the drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its "
+    "filter alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: "
+    "shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its "
+    "head on the sentence embedding, with the same mixture, its learner also softened, and the mixture's pools of "
+    "the learner and LDA) and its filter alone were run as `loko fit` runs them today; the rows marked *head on the "
+    "pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the default is `filter: "
+    "natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture and its pools. The "
+    "learning-rate-free peers (Prodigy, D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best "
+    "fine-tuning peer on Fashion-MNIST at 32 px and MNIST-5k (2,000 samples). The runs, per cell: "
+    "`benchmarks/results_table.py` (STREAMS)."
 )
 
 

@@ -8,10 +8,10 @@ configs and every preset pin it). What the default decides from is known before 
   ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller) predicting with
   its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``);
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
-  predicting with the same mixture;
+  predicting with the same mixture and its log-linear pools of the learner and LDA (``POOLS``);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with the same mixture on the frozen
-  sentence embedding, the learner's prediction also tempered both ways (``TEXT_MIXTURE``);
+  sentence embedding, the learner's prediction also tempered both ways, and the pools (``TEXT_MIXTURE``);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
   choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
   changed (the default does not override a choice). ``shard: true`` is how the update is computed: an image backbone
