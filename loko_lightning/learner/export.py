@@ -27,11 +27,11 @@ import json
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
@@ -104,7 +104,7 @@ def export(learner: nn.Module, out: str | Path, *, merge: bool = False, overwrit
             info["pooling"] = f"{network.pooling}: the classifier reads this pooling of the last hidden states"
         if getattr(learner, "mixture", None) is not None:  # the learner predicted with more than this network
             info["mixture"] = MIXTURE_NOT_EXPORTED
-            rank_zero_warn(f"loko export: {MIXTURE_NOT_EXPORTED}")
+            warnings.warn(f"loko export: {MIXTURE_NOT_EXPORTED}", UserWarning, stacklevel=2)
         (staging / EXPORT_FILE).write_text(json.dumps(info, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
