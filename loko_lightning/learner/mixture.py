@@ -473,6 +473,14 @@ def head_config(head: HeadCallable) -> dict[str, Any] | None:
     return None if cls is None else optimizer_config(functools.partial(cls, **keywords))
 
 
+def _positive(values: list[float] | None, field: str, rule: str) -> list[float]:
+    """``values`` as floats (``None``: none), each finite and > 0; else refused naming ``field``."""
+    values = [float(v) for v in values or ()]
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ConfigError(f"Invalid {field}: {values} ({rule})", field=field, owner=FrozenHeadMixture)
+    return values
+
+
 class FrozenHeadMixture:
     """The learner's option ``mixture``: predict with the mixture of the learner and a frozen head (see the module).
 
@@ -506,20 +514,8 @@ class FrozenHeadMixture:
         pools: list[float] | None = None,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
-        learner_temperatures = [float(t) for t in learner_temperatures or ()]
-        if not all(math.isfinite(t) and t > 0 for t in learner_temperatures):
-            raise ConfigError(
-                f"Invalid learner_temperatures: {learner_temperatures} (each > 0)",
-                field="learner_temperatures",
-                owner=FrozenHeadMixture,
-            )
-        pools = [float(a) for a in pools or ()]
-        if not all(math.isfinite(a) and a > 0 for a in pools):
-            raise ConfigError(
-                f"Invalid pools: {pools} (each power > 0, e.g. [0.5, 1]; [] for none)",
-                field="pools",
-                owner=FrozenHeadMixture,
-            )
+        learner_temperatures = _positive(learner_temperatures, "learner_temperatures", "each > 0")
+        pools = _positive(pools, "pools", "each power > 0, e.g. [0.5, 1]; [] for none")
         if not temperatures or not all(math.isfinite(t) and t > 0 for t in temperatures):
             raise ConfigError(f"Invalid temperatures: {temperatures}", field="temperatures", owner=FrozenHeadMixture)
         if not 0.0 <= share < 1.0:
