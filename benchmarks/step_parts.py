@@ -40,7 +40,7 @@ import lightning.pytorch as pl
 
 from loko_lightning.jacobians.engine import JacobianEngine
 from loko_lightning.kalman.optimizer import LoKO
-from loko_lightning.learner.mixture import FrozenFeatures
+from loko_lightning.learner.frozen_features import FrozenFeatures
 
 LEARNERS = {"default": ["--loko=default"], "paper": ["--loko=as_configured"]}
 PARTS = ("step", "averaged forward", "Jacobian", "filter", "frozen forward", "LDA", "rest")

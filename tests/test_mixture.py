@@ -13,13 +13,12 @@ from runs import loader, stream, trainer
 
 from loko_lightning import LoKO
 from loko_lightning.errors import ConfigError
+from loko_lightning.learner.frozen_features import FrozenFeatures, passthrough
 from loko_lightning.learner.frozen_heads import output_layer
 from loko_lightning.learner.mixture import (
-    FrozenFeatures,
     FrozenHeadMixture,
     MixtureStep,
     mixture_log_predictive,
-    passthrough,
     pooled_log_probabilities,
     tempered_log_probabilities,
     update_log_weights,
@@ -502,7 +501,7 @@ def test_a_text_model_predicts_and_learns_with_the_mixture_on_its_sentence_embed
     with the weights as they stand; each learned text moves the weights and LDA's counts."""
     from text_helpers import tiny_bert_dir
 
-    from loko_lightning.learner.mixture import frozen_features
+    from loko_lightning.learner.frozen_features import frozen_features
     from loko_lightning.models import TransformersClassifier
     from loko_lightning.serve.learner import ServingLearner
 
