@@ -62,6 +62,7 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     assert len(got["mixture"]["temperatures"]) == 13 and got["mixture"]["vote"]
     # and the learner's prediction also sharpened, for Bayes' weights to pick its calibration.
     assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85]
+    assert got["mixture"]["pools"] == [] and got["mixture"]["nearest_mean"] is False  # measured on many classes
     (line,) = decided_line(caplog)
     assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
     assert "--config presets/loko_images runs the filter alone" in line  # the way out of the mixture's cost
@@ -86,6 +87,7 @@ def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_t
         got = settings(build("glyphs100_lite0"))
     assert (got["filter"]["name"], got["p0"], got["average"]) == ("natural", 0.03, 0.99)
     assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA") and got["mixture"]["share"] == 0.01
+    assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is True
     (line,) = decided_line(caplog)
     assert "the many-class image default + presets/loko_mixture_lda" in line and "100 classes" in line
     # The way out of the mixture's cost: the filter's three flags, given, pin it alone.

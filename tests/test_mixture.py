@@ -26,7 +26,7 @@ from loko_lightning.learner.mixture import (
 )
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier
-from loko_lightning.peers import StreamingLDA
+from loko_lightning.peers import FrozenLinearHead, NearestClassMean, StreamingLDA
 
 
 def likelihoods(steps=60, experts=5, seed=0, dtype=torch.float64):
@@ -193,6 +193,52 @@ def test_the_vote_is_laplaces_rule_on_the_argmax():
     torch.testing.assert_close(votes, expected, rtol=1e-14, atol=0)
 
 
+def test_the_nearest_mean_experts_are_nearest_class_mean_on_ldas_statistics_and_come_last():
+    """``StreamingLDA.nearest_mean()`` is the head NearestClassMean fits on the same samples (float64: the pooled
+    variance from the scatter's trace rather than summed as it goes, rounding apart); the mixture's nearest-mean
+    experts are its logits tempered at each of LDA's temperatures, after every other expert, with the prior shared
+    with LDA's and a logged weight; without a sample the logits are 0 (the uniform prediction)."""
+    gen = torch.Generator().manual_seed(9)
+    y = torch.arange(40) % 3  # class 3 unseen
+    x = torch.randn(40, 5, generator=gen, dtype=torch.float64) + 3 * torch.eye(5, dtype=torch.float64)[y]
+    heads, layers = {}, {}
+    for cls in (StreamingLDA, NearestClassMean):
+        layers[cls] = layer = torch.nn.Linear(5, 4, dtype=torch.float64)
+        heads[cls] = head = cls(layer.parameters())
+        head.bind(layer.weight, layer.bias)
+        assert head.nearest_mean() is None
+        head.step(lambda: (x, y))
+    ncm = layers[NearestClassMean]
+    for ours, theirs in zip(heads[StreamingLDA].nearest_mean(), (ncm.weight, ncm.bias), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], pools=[1.0], nearest_mean=True)
+    step.head = torch.nn.Linear(5, 4, dtype=torch.float64)
+    assert torch.equal(step.nearest_logits(x[:2]), torch.zeros(2, 4, dtype=torch.float64))
+    step.nearest = heads[StreamingLDA].nearest_mean()
+    weight, bias = step.nearest
+    nearest_logits = step.nearest_logits(x[:2])
+    torch.testing.assert_close(nearest_logits, x[:2] @ weight.T + bias, rtol=1e-14, atol=1e-12)
+    learner = torch.softmax(torch.randn(2, 4, generator=gen), -1)
+    lda_logits = torch.randn(2, 4, generator=gen, dtype=torch.float64)
+    experts = step.experts(learner, lda_logits, nearest_logits)
+    assert experts.shape == (8, 2, 4) and step.nearest_experts == slice(6, 8)
+    torch.testing.assert_close(experts[6:], tempered_log_probabilities(nearest_logits, [1.0, 8.0]), rtol=0, atol=0)
+    without = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], pools=[1.0])
+    torch.testing.assert_close(experts[:6], without.experts(learner, lda_logits), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="nearest_logits"):
+        step.experts(learner, lda_logits)
+    shared = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], prior_learner=0.5, nearest_mean=True)
+    nearest_prior = shared.log_weights.exp()[shared.nearest_experts].sum()
+    torch.testing.assert_close(nearest_prior, torch.tensor(0.2, dtype=torch.float64), rtol=1e-14, atol=0)
+
+    class Inner:
+        def logged(self, optimizer):
+            return {}
+
+    shared.inner = Inner()
+    assert abs(float(shared.logged(None)["mixture/weight_nearest"]) - 0.2) < 1e-7  # float32: its rounding
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -201,11 +247,14 @@ def test_the_vote_is_laplaces_rule_on_the_argmax():
         ({"prior_learner": 1.0}, "prior"),
         ({"learner_temperatures": [0.5, -1.0]}, "learner_temperatures"),
         ({"pools": [0.5, 0.0]}, "pools"),
+        ({"head": FrozenLinearHead, "nearest_mean": True}, "nearest_mean"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
-    with pytest.raises(ConfigError, match=field):
-        FrozenHeadMixture(StreamingLDA, **kwargs)
+    kwargs = {"head": StreamingLDA, **kwargs}
+    with pytest.raises(ConfigError, match=field) as raised:
+        FrozenHeadMixture(**kwargs)
+    assert raised.value.field.startswith(field)
 
 
 # ------------------------------------------------------------------ the learner
@@ -322,23 +371,36 @@ def test_the_frozen_features_put_every_adapter_layer_back_even_on_an_error_and_u
     assert not any(layer.merged for layer in lora)  # peft's switch left them unmerged, as its own context does
 
 
-@pytest.mark.parametrize("pools", [[], [0.5, 1.0]])
-def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread, pools):
+def reference_nearest_logits(x, y, z):
+    """Float64 batch nearest class mean of ``(x, y)`` (zero mean for an unseen class; σ² the pooled within-class
+    variance per feature, 1 while it is 0): its logits on ``z``."""
+    means = torch.zeros(3, z.shape[-1], dtype=torch.float64)
+    for k in range(3):
+        if (y == k).any():
+            means[k] = x[y == k].mean(0)
+    variance = float((x - means[y]).square().sum()) / max(len(x), 1) / z.shape[-1]
+    variance = variance if variance > 0 else 1.0
+    return (z @ means.T - 0.5 * means.square().sum(-1)) / variance
+
+
+@pytest.mark.parametrize(("pools", "nearest"), [([], False), ([0.5, 1.0], False), ([], True)])
+def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread, pools, nearest):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
     fitted in float64 on samples 0..i-1 of the pretrained features (at each temperature, and its argmax voted with
     its hits on 0..i-1), and the weights of the float64 product of the experts' likelihoods of labels 0..i-1 (fixed
-    share), with the pools softmax(a log p + z / T) last. The network and features are float32 (d = 64 sums): a
-    probability within 1e-4 of the float64 reference,
-    as in the frozen-heads test; predicting with sample i included (LDA and the weights) moves the prediction by far
-    more (asserted, so the test can fail)."""
+    share), with the pools softmax(a log p + z / T), then nearest class mean at each temperature. The network and
+    features are float32 (d = 64 sums): a probability within 1e-4 of the float64 reference, as in the frozen-heads
+    test; predicting with sample i included (LDA and the weights) moves the prediction by far more (asserted, so the
+    test can fail)."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
     plain = learner()
     plain_scored = scored(plain, monkeypatch)
     trainer().fit(plain, loader(items))
     head = partial(StreamingLDA, shrinkage=0.1)
-    module = learner(FrozenHeadMixture(head, temperatures=list(TEMPERATURES), share=SHARE, vote=True, pools=pools))
+    mixture = FrozenHeadMixture(head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest)
+    module = learner(mixture)
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
     trainer().fit(module, loader(items))
@@ -346,11 +408,12 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     assert len(mixed) == len(plain_scored) == 14
     for name, param in plain.network.named_parameters():  # LoKO's path is its own
         torch.testing.assert_close(param, module.network.get_parameter(name), rtol=0, atol=0)
-    experts = 2 + len(TEMPERATURES) + len(pools) * len(TEMPERATURES)
+    experts = 2 + len(TEMPERATURES) + len(pools) * len(TEMPERATURES) + nearest * len(TEMPERATURES)
 
-    def reference_experts(log_learner, logits, vote):  # (K, m) in the learner's order
+    def reference_experts(log_learner, logits, vote, upto):  # (K, m) in the learner's order
         pooled = [torch.log_softmax(a * log_learner + logits / t, -1) for a in pools for t in TEMPERATURES]
-        return torch.stack([log_learner, *tempered(logits), vote.log(), *pooled])
+        means = tempered(reference_nearest_logits(features[:upto], labels[:upto], features[i])) if nearest else []
+        return torch.stack([log_learner, *tempered(logits), vote.log(), *pooled, *means])
 
     prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
     switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
@@ -360,26 +423,28 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
         c = (hits + 1) / (i + 2)
         vote = torch.full((3,), (1 - c) / 2, dtype=torch.float64)
         vote[logits.argmax()] = c
-        log_p = reference_experts(plain_scored[i][0].clamp_min(1e-300).log(), logits, vote)
+        log_p = reference_experts(plain_scored[i][0].clamp_min(1e-300).log(), logits, vote, i)
         expected = (weights[:, None] * log_p.exp()).sum(0)
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
         posterior = weights * log_p[:, labels[i]].exp()
         weights = switching @ (posterior / posterior.sum())
         hits += int(logits.argmax() == labels[i])
-        ahead = reference_experts(log_p[0], reference_lda_logits(features[: i + 1], labels[: i + 1], features[i]), vote)
+        ahead_logits = reference_lda_logits(features[: i + 1], labels[: i + 1], features[i])
+        ahead = reference_experts(log_p[0], ahead_logits, vote, i + 1)
         lookahead = (weights[:, None] * ahead.exp()).sum(0)
         lookahead_gap = max(lookahead_gap, float((mixed[i][0] - lookahead).abs().max()))
     assert lookahead_gap > 1e-2
 
 
 def mixed_learner(**kwargs):
-    mixture = FrozenHeadMixture(partial(StreamingLDA, shrinkage=0.1), temperatures=[1.0, 4.0], share=0.05)
-    return learner(mixture, **kwargs)
+    head = partial(StreamingLDA, shrinkage=0.1)
+    return learner(FrozenHeadMixture(head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True), **kwargs)
 
 
 def mixture_state(module):
     step = module.online_step
-    return {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, **step.head.state_dict()}
+    nearest = dict(zip(("nearest_weight", "nearest_bias"), step.nearest, strict=True))
+    return {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, **step.head.state_dict(), **nearest}
 
 
 def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch):
@@ -429,7 +494,7 @@ def test_predict_and_the_loaded_learner_predict_with_the_mixture(tmp_path, one_t
         step = module.online_step
         features = initial_features(learner(), items[:3])  # the pretrained network's (a fresh learner: LoRA's B = 0)
         learner_p = module.network(batch["inputs"]).float().softmax(-1)
-        experts = step.experts(learner_p, step.lda_logits(features))
+        experts = step.experts(learner_p, step.lda_logits(features), step.nearest_logits(features))
         expected = mixture_log_predictive(step.log_weights, experts).exp().float()
     torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
     assert (predicted - learner_p).abs().max() > 1e-3
@@ -461,6 +526,8 @@ def test_the_serving_learner_predicts_with_the_mixture_and_learns_it(tmp_path, o
     serving = served._serving.online_step
     torch.testing.assert_close(serving.log_weights, learning.log_weights, rtol=0, atol=0)
     torch.testing.assert_close(serving.head.weight, learning.head.weight, rtol=0, atol=0)
+    for ours, theirs in zip(serving.nearest, learning.nearest, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     # Saved and read back: the mixture's state travels with the serving checkpoint.
     served.save(tmp_path / "served.ckpt")
     again = ServingLearner.from_checkpoint(tmp_path / "served.ckpt")

@@ -78,6 +78,9 @@ POOLS = "--model.mixture.init_args.pools=[0.5, 1]"
 # The text default's mixture: the learner's prediction tempered on both sides, sharpened as on images and softened
 # (its ECE on WordNet 8.9% alone: overconfident), Bayes' weights choosing (docs/results/default_study.md); the pools.
 TEXT_MIXTURE = ("--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85, 1.25, 1.5, 2]", POOLS)
+# Nearest class mean on LDA's statistics as more experts, where it was measured to lead LDA early: many classes, a few
+# samples each (docs/results/default_study.md).
+NEAREST_MEAN = "--model.mixture.init_args.nearest_mean=true"
 
 
 # With ``shard: true`` the image default's head keeps a covariance per row (the sharded update refuses a shared one):
@@ -157,9 +160,9 @@ def decide(config: Any) -> Decision | None:
     return Decision(
         f"{name} + presets/loko_mixture_lda",
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
-        f"on the frozen features{' (with their pools)' if many else ''}; {alone}, without the mixture's extra "
-        "forward pass and LDA solve a sample",
-        args + preset("presets/loko_mixture_lda") + ((POOLS,) if many else ()),
+        f"on the frozen features{' (with their pools and nearest class mean)' if many else ''}; {alone}, without "
+        "the mixture's extra forward pass and LDA solve a sample",
+        args + preset("presets/loko_mixture_lda") + ((POOLS, NEAREST_MEAN) if many else ()),
     )
 
 

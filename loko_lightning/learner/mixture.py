@@ -142,7 +142,9 @@ class MixtureStep(OnlineStep):
         learner_temperatures: the learner's prediction also tempered at each of these ``T`` (``log p / T``,
             renormalised; ``T < 1`` sharpens it), one expert each, after the vote.
         pools: the learner's log probabilities times each of these powers ``a`` pooled with LDA's logits at each of
-            ``temperatures`` (:func:`pooled_log_probabilities`), one expert each, last.
+            ``temperatures`` (:func:`pooled_log_probabilities`), one expert each, after the tempered learner.
+        nearest_mean: add nearest class mean on the same statistics (the head's ``nearest_mean()``: the class means
+            and the pooled variance) at each of ``temperatures``, one expert each, last.
     """
 
     def __init__(
@@ -155,20 +157,24 @@ class MixtureStep(OnlineStep):
         vote: bool = True,
         learner_temperatures: Sequence[float] = (),
         pools: Sequence[float] = (),
+        nearest_mean: bool = False,
     ) -> None:
         self.inner = inner
         self.temperatures = [float(t) for t in temperatures]
         self.learner_temperatures = [float(t) for t in learner_temperatures]
         self.pools = [float(a) for a in pools]
         self.share, self.vote, self.build_head = float(share), vote, head
+        self.nearest_mean = bool(nearest_mean)
         # The experts' order (see experts()): the learner, LDA at each temperature, the vote, the tempered learner,
-        # the pools. With prior_learner, the learner's experts share it and the others (LDA's, the pools) the rest.
+        # the pools, nearest class mean. With prior_learner, the learner's experts share it and the others the rest.
         lda = len(self.temperatures) + int(vote)
         self.learner_experts = [0, *range(1 + lda, 1 + lda + len(self.learner_temperatures))]
         self.lda_temperature_experts = slice(1, 1 + len(self.temperatures))
         learners = len(self.learner_experts)
         self.pooled_experts = slice(learners + lda, learners + lda + len(self.pools) * len(self.temperatures))
-        others = lda + len(self.pools) * len(self.temperatures)
+        nearest = len(self.temperatures) if self.nearest_mean else 0
+        self.nearest_experts = slice(self.pooled_experts.stop, self.pooled_experts.stop + nearest)
+        others = lda + len(self.pools) * len(self.temperatures) + nearest
         learner = learners / (learners + others) if prior_learner is None else float(prior_learner)
         prior = torch.full((learners + others,), (1.0 - learner) / others, dtype=torch.float64)
         prior[self.learner_experts] = learner / learners
@@ -177,6 +183,7 @@ class MixtureStep(OnlineStep):
         self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
         self.lda: Any = None  # the head's optimizer (bind, step), built with the head
+        self.nearest: tuple[Tensor, Tensor] | None = None  # nearest class mean's (W, b), float64 (with nearest_mean)
         self._frozen: FrozenFeatures | None = None  # the network's frozen features, its modules found once
 
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
@@ -211,11 +218,29 @@ class MixtureStep(OnlineStep):
         assert self.head is not None
         return self.head(features.to(torch.float64))
 
-    def experts(self, learner: Tensor, lda_logits: Tensor) -> Tensor:
+    def nearest_logits(self, features: Tensor) -> Tensor | None:
+        """Nearest class mean's logits ``(B, m)``, float64, on LDA's statistics as they stand; else ``None``.
+
+        All 0 before the first sample; ``None`` without ``nearest_mean``.
+        """
+        if not self.nearest_mean:
+            return None
+        assert self.head is not None
+        if self.nearest is None:
+            return features.new_zeros(features.shape[0], self.head.out_features, dtype=torch.float64)
+        weight, bias = self.nearest
+        return torch.addmm(bias, features.to(torch.float64), weight.T)
+
+    def _refresh_nearest(self) -> None:
+        if self.nearest_mean:
+            self.nearest = self.lda.nearest_mean()
+
+    def experts(self, learner: Tensor, lda_logits: Tensor, nearest_logits: Tensor | None = None) -> Tensor:
         """The experts' log probabilities ``(K, B, m)``, float64.
 
         In order: the learner's, LDA's at each temperature, the vote, the learner's at each of its temperatures, the
-        pools (each power, then each of LDA's temperatures).
+        pools (each power, then each of LDA's temperatures), nearest class mean's at each of LDA's temperatures
+        (``nearest_logits``, :meth:`nearest_logits`: needed with ``nearest_mean``).
         """
         parts = [learner.detach().to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
         parts.append(tempered_log_probabilities(lda_logits, self.temperatures))
@@ -226,6 +251,10 @@ class MixtureStep(OnlineStep):
             parts.append(tempered_log_probabilities(parts[0][0], self.learner_temperatures))
         if self.pools:
             parts.append(pooled_log_probabilities(parts[0][0], lda_logits, self.pools, self.temperatures))
+        if self.nearest_mean:
+            if nearest_logits is None:
+                raise ValueError("nearest_logits: needed with nearest_mean (MixtureStep.nearest_logits(features))")
+            parts.append(tempered_log_probabilities(nearest_logits, self.temperatures))
         return torch.cat(parts)
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
@@ -238,7 +267,7 @@ class MixtureStep(OnlineStep):
             target = F.one_hot(own, module.num_classes).to(features.dtype)
             features, _, _ = all_gather_observations(features, target, [], timeout=collective_timeout(module))
         lda_logits = self.lda_logits(features)  # LDA's head before this sample
-        log_probabilities = self.experts(learner, lda_logits)
+        log_probabilities = self.experts(learner, lda_logits, self.nearest_logits(features))
         prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
         if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
@@ -248,6 +277,7 @@ class MixtureStep(OnlineStep):
             self.hits += (lda_logits.argmax(-1) == label).sum()
             self.seen += label.shape[0]
             self.lda.step(closure=lambda: (features, label))
+            self._refresh_nearest()
         return prediction.to(learner.dtype), label, applied & finite
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -262,6 +292,8 @@ class MixtureStep(OnlineStep):
         }
         if self.pools:
             logged["mixture/weight_pooled"] = weights[self.pooled_experts].sum().float()
+        if self.nearest_mean:
+            logged["mixture/weight_nearest"] = weights[self.nearest_experts].sum().float()
         return logged
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -302,6 +334,7 @@ class MixtureStep(OnlineStep):
         assert self.head is not None and self.lda is not None
         self.head.load_state_dict(head)
         self.lda.load_state_dict(saved["lda"])
+        self._refresh_nearest()
         self.log_weights = saved["log_weights"].to(torch.float64).clone()
         self.hits = saved["hits"].to(torch.float64).clone()
         self.seen = saved["seen"].to(torch.float64).clone()
@@ -311,7 +344,7 @@ class MixtureStep(OnlineStep):
         """The mixture's class probabilities ``(B, m)``, float32, with its weights and LDA as they stand (no update)."""
         features = self._features(module, inputs)
         learner = module.network(inputs).float().softmax(-1)
-        experts = self.experts(learner, self.lda_logits(features))
+        experts = self.experts(learner, self.lda_logits(features), self.nearest_logits(features))
         return mixture_log_predictive(self.log_weights, experts).exp().float()
 
     def follow(self, other: OnlineStep) -> None:
@@ -326,6 +359,7 @@ class MixtureStep(OnlineStep):
             self.head.weight.copy_(other.head.weight)
             self.head.bias.copy_(other.head.bias)
         self.log_weights, self.hits, self.seen = other.log_weights.clone(), other.hits.clone(), other.seen.clone()
+        self.nearest = None if other.nearest is None else (other.nearest[0].clone(), other.nearest[1].clone())
 
     def serving(self, optimizer: torch.optim.Optimizer) -> Any:
         """The inner step's parameters that predict (with an average: ``θ̄``), or ``None``."""
@@ -383,6 +417,8 @@ class FrozenHeadMixture:
             sharpens it: the learner's calibration chosen by the same Bayes weights); default none.
         pools: powers ``a > 0`` of the learner's prediction, each pooled with LDA's at every one of ``temperatures``
             (``p ∝ p_learner^a exp(z_LDA / T)``, :func:`pooled_log_probabilities`), one expert each; default none.
+        nearest_mean: add nearest class mean on the head's statistics at every one of ``temperatures``, one expert
+            each (it leads LDA while the classes have a few samples each: one covariance is hard to estimate then).
     """
 
     def __init__(
@@ -394,6 +430,7 @@ class FrozenHeadMixture:
         vote: bool = True,
         learner_temperatures: list[float] | None = None,
         pools: list[float] | None = None,
+        nearest_mean: bool = False,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         learner_temperatures = _positive(learner_temperatures, "learner_temperatures", "each > 0")
@@ -415,13 +452,20 @@ class FrozenHeadMixture:
             )
         self.head, self.temperatures, self.share = head, temperatures, float(share)
         self.prior_learner, self.vote, self.learner_temperatures = prior_learner, bool(vote), learner_temperatures
-        self.pools = pools
+        if nearest_mean and not callable(getattr(optimizer_class(head), "nearest_mean", None)):
+            raise ConfigError(
+                f"Invalid nearest_mean: True with the head {head!r}, which keeps no class means to read. To fix it: "
+                "head loko_lightning.peers.StreamingLDA, or nearest_mean: false",
+                field="nearest_mean",
+                owner=FrozenHeadMixture,
+            )
+        self.pools, self.nearest_mean = pools, bool(nearest_mean)
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
         return MixtureStep(
             inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures,
-            self.pools,
+            self.pools, self.nearest_mean,
         )  # fmt: skip
 
     def spec(self) -> dict[str, Any]:
@@ -434,6 +478,7 @@ class FrozenHeadMixture:
             "vote": self.vote,
             "learner_temperatures": list(self.learner_temperatures),
             "pools": list(self.pools),
+            "nearest_mean": self.nearest_mean,
         }
 
     @classmethod

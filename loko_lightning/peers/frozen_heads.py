@@ -253,6 +253,21 @@ class FrozenHead(torch.optim.Optimizer):
         """The head ``(W, b)`` of the statistics, float64."""
         raise NotImplementedError
 
+    def spread(self, state: dict[str, Tensor]) -> Tensor:
+        """``tr S``, the trace of the within-class scatter (0-d, float64)."""
+        raise NotImplementedError
+
+    def nearest_mean(self) -> tuple[Tensor, Tensor] | None:
+        """Nearest class mean's head (:func:`ncm_head`, ``σ² = tr S / (N d)``) on these statistics; None before any.
+
+        What :class:`NearestClassMean` would predict after the same samples, whichever head this is.
+        """
+        state = self.state.get(self._head[0]) if self._head is not None else None
+        if not state:
+            return None
+        dim = state["mean"].shape[1]
+        return ncm_head(state["mean"], self.spread(state) / (state["samples"].clamp_min(1) * dim))
+
 
 class StreamingLDA(FrozenHead):
     """Streaming linear discriminant analysis (Hayes & Kanan 2020) on the frozen features (see the module).
@@ -308,6 +323,10 @@ class StreamingLDA(FrozenHead):
             rows, self._basis = rows[:0], None
         state["recent"] = rows
 
+    def spread(self, state: dict[str, Tensor]) -> Tensor:
+        """``tr S = tr S₀ + ‖U‖²_F``."""
+        return state["scatter"].diagonal().sum() + state["recent"].square().sum()
+
     def covariance(self, state: dict[str, Tensor]) -> Tensor:
         """The shared covariance ``Σ = (S₀ + Uᵀ U) / N`` (float64)."""
         rows = state["recent"]
@@ -341,10 +360,14 @@ class NearestClassMean(FrozenHead):
         """``tr S += w ‖δ‖²``."""
         state["scatter_trace"] += weight * delta.square().sum()
 
+    def spread(self, state: dict[str, Tensor]) -> Tensor:
+        """``tr S``, kept as it goes."""
+        return state["scatter_trace"]
+
     def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """:func:`ncm_head` with ``σ² = tr S / (N d)``."""
         dim = state["mean"].shape[1]
-        return ncm_head(state["mean"], state["scatter_trace"] / (state["samples"].clamp_min(1) * dim))
+        return ncm_head(state["mean"], self.spread(state) / (state["samples"].clamp_min(1) * dim))
 
 
 class FrozenLinearHead(torch.optim.AdamW):
