@@ -252,10 +252,10 @@ STREAMS = (
         5000,
         Entry(
             "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`, "
-            "`pools: [0.5, 1]`)",
-            seeds("default_study/glyphs100_pools", 3, "loko_default"),
-            at=points(seeds("default_study/glyphs100_pools", 3, "loko_default"), *CHECKPOINTS),
-            cost=(("default_study/step_time_glyphs100_pools", "loko_default"),),
+            "`pools: [0.5, 1]`, `nearest_mean: true`)",
+            seeds("default_study/glyphs100_nearest", 3, "loko_default"),
+            at=points(seeds("default_study/glyphs100_nearest", 3, "loko_default"), *CHECKPOINTS),
+            cost=(("default_study/step_time_glyphs100_nearest", "loko_default"),),
         ),
         "image backbone, 100 classes: the natural filter with the averaged mean and the mixture",
         Entry("the paper's LoKO", seeds("filters/study5000/gl_paper", 3, "loko")),
@@ -484,7 +484,7 @@ NOTES = (
     "the study pages quote them). NLL, ECE: at the end of the longest run read (`@500`: that run ended at 500 "
     "samples). *step / AdamW*: the median step time over an AdamW run's in the same process (`compare.py`); the "
     "image default's from a 300-sample run on Fashion-MNIST at 32 px (`results/default_study/step_time_eigenbasis`; "
-    "on glyphs100 `step_time_glyphs100_pools`), its filter alone's from a 300-sample run of the same network "
+    "on glyphs100 `step_time_glyphs100_nearest`), its filter alone's from a 300-sample run of the same network "
     "(`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared head covariance and the averaged "
     "mean), the paper's LoKO's on BBC News from the text quick start's run (`results/text_quickstart`). Drifting "
     "Fashion-MNIST: its labels permuted every 1,000 samples. The image default is the filter of "
@@ -496,7 +496,8 @@ NOTES = (
     "head on the sentence embedding, with the same mixture, its learner also softened, and the mixture's pools of "
     "the learner and LDA) and its filter alone were run as `loko fit` runs them today; the rows marked *head on the "
     "pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the default is `filter: "
-    "natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture and its pools. The "
+    "natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture, its pools and nearest class mean "
+    "on LDA's statistics. The "
     "learning-rate-free peers (Prodigy, D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best "
     "fine-tuning peer on Fashion-MNIST at 32 px and MNIST-5k (2,000 samples). The runs, per cell: "
     "`benchmarks/results_table.py` (STREAMS)."
