@@ -37,6 +37,7 @@ class Checksum(pl.Callback):
         mixture = next((s for s in nested_steps(pl_module.online_step) if hasattr(s, "log_weights")), None)
         if mixture is not None and mixture.head is not None:  # the mixture's weights, LDA's hits and head
             parts += [mixture.log_weights, mixture.hits[None], mixture.seen[None], *mixture.head.parameters()]
+            parts += list(getattr(mixture, "nearest", None) or ())  # nearest class mean's head, with nearest_mean
         mine = torch.cat([part.detach().reshape(-1).double() for part in parts])
         gathered = pl_module.all_gather(mine)
         held = pl_module.all_gather(held)

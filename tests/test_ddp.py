@@ -17,6 +17,7 @@ from loko_helpers import SmallConvNet, conv_stream, variant
 from runs import outputs, trainable
 
 from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
+from loko_lightning.cli.default import NEAREST_MEAN, POOLS
 from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes
 
 # Every test here starts 2 processes (each imports torch, most run the whole CLI): tens of seconds each.
@@ -348,19 +349,23 @@ def test_the_image_default_under_ddp_scores_every_process_s_averaged_predictions
 
 
 def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resumes_exactly(tmp_path):
-    """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``) under DDP, refused
-    before (its state was one process's): every process mixes and learns from both processes' samples in rank order,
-    so the mixture's weights, LDA's hits and head are the same on both ranks (in the checksum), LDA counted each of
-    the 24 samples once, every prediction was scored once, and a run resumed under DDP from the step-6 checkpoint ends
-    bit for bit like the whole one."""
+    """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``, with the many-class
+    default's pools and nearest class mean) under DDP, refused before (its state was one process's): every process
+    mixes and learns from both processes' samples in rank order, so the mixture's weights, LDA's hits and head and the
+    nearest-mean head are the same on both ranks (in the checksum), LDA counted each of the 24 samples once, every
+    prediction was scored once, and a run resumed under DDP from the step-6 checkpoint ends bit for bit like the
+    whole one."""
     presets = []
     for name in ("loko_images", "loko_mixture_lda"):
         presets += ["--config", str(ROOT / "configs" / "presets" / f"{name}.yaml")]
+    presets += [POOLS, NEAREST_MEAN]
     full, checkpoints, _ = loko_ddp(tmp_path, "mixture", *presets)
     first, second = full["states"]
     assert torch.equal(first, second)
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert last["state_dict"]["online_acc.weight"].item() == 24  # every rank's predictions scored once
+    spec = last["hyper_parameters"]["mixture"]
+    assert spec["nearest_mean"] is True and spec["pools"] == [0.5, 1.0]
     mixture = last["loko_mixture"]
     (lda,) = mixture["lda"]["state"].values()
     assert float(mixture["seen"]) == 24 and lda["count"].sum().item() == 24 and lda["samples"].item() == 24

@@ -107,6 +107,13 @@ def test_float32_weights_follow_the_float64_product():
     torch.testing.assert_close(scores32.double(), scores64, rtol=0, atol=2e-4)
 
 
+class SilentStep:
+    """An inner step that logs nothing: the mixture's own logged values alone."""
+
+    def logged(self, optimizer):
+        return {}
+
+
 def test_tempered_experts_and_the_predictive():
     """log softmax(z / T) for each T, and log Σ_k w_k p_k against the direct sum of probabilities (float64)."""
     gen = torch.Generator().manual_seed(3)
@@ -140,11 +147,7 @@ def test_the_learners_tempered_experts_follow_the_vote_and_share_its_prior():
     expected = torch.tensor([0.3, 0.4 / 3, 0.4 / 3, 0.4 / 3, 0.3], dtype=torch.float64)
     torch.testing.assert_close(shared.log_weights.exp(), expected, rtol=1e-14, atol=0)
 
-    class Inner:
-        def logged(self, optimizer):
-            return {}
-
-    shared.inner = Inner()
+    shared.inner = SilentStep()
     assert abs(float(shared.logged(None)["mixture/weight_learner"]) - 0.6) < 1e-7  # float32: its rounding
 
 
@@ -173,13 +176,9 @@ def test_the_pools_are_the_renormalised_products_and_come_last_among_the_other_e
     expected = torch.tensor([0.6, 0.08, 0.08, 0.08, 0.08, 0.08], dtype=torch.float64)
     torch.testing.assert_close(shared.log_weights.exp(), expected, rtol=1e-14, atol=0)
 
-    class Inner:
-        def logged(self, optimizer):
-            return {}
-
-    shared.inner = Inner()
+    shared.inner = SilentStep()
     assert abs(float(shared.logged(None)["mixture/weight_pooled"]) - 0.16) < 1e-7  # float32: its rounding
-    without.inner = Inner()
+    without.inner = SilentStep()
     assert "mixture/weight_pooled" not in without.logged(None)
 
 
@@ -231,11 +230,7 @@ def test_the_nearest_mean_experts_are_nearest_class_mean_on_ldas_statistics_and_
     nearest_prior = shared.log_weights.exp()[shared.nearest_experts].sum()
     torch.testing.assert_close(nearest_prior, torch.tensor(0.2, dtype=torch.float64), rtol=1e-14, atol=0)
 
-    class Inner:
-        def logged(self, optimizer):
-            return {}
-
-    shared.inner = Inner()
+    shared.inner = SilentStep()
     assert abs(float(shared.logged(None)["mixture/weight_nearest"]) - 0.2) < 1e-7  # float32: its rounding
 
 
