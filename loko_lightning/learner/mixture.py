@@ -5,9 +5,10 @@ on the backbone's features with the adapters disabled (:class:`~loko_lightning.p
 injected: the learner layer does not import the peers), its logits tempered by each temperature :math:`T_j` of a grid
 (one expert per temperature: LDA's raw probabilities are overconfident); LDA's argmax alone, its confidence
 Laplace's rule on LDA's past hits (:func:`vote_log_probabilities`); optionally the learner's prediction tempered
-(``learner_temperatures``) and log-linear pools of the learner and LDA (``pools``, :func:`pooled_log_probabilities`:
-``p ∝ p_learner^a · exp(z_LDA / T)``, the two heads' evidence added, which neither expert alone predicts). The
-learner predicts with the mixture
+(``learner_temperatures``), log-linear pools of the learner and LDA (``pools``, :func:`pooled_log_probabilities`:
+``p ∝ p_learner^a · exp(z_LDA / T)``, the two heads' evidence added, which neither expert alone predicts) and nearest
+class mean on LDA's statistics at each temperature (``nearest_mean``: the class means and one pooled variance, ahead of
+LDA while the classes have a few samples each). The learner predicts with the mixture
 
 .. math::
 
