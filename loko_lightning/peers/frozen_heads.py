@@ -257,16 +257,18 @@ class FrozenHead(torch.optim.Optimizer):
         """``tr S``, the trace of the within-class scatter (0-d, float64)."""
         raise NotImplementedError
 
+    def nearest_head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Nearest class mean's head of the statistics: :func:`ncm_head` with ``σ² = tr S / (N d)``."""
+        dim = state["mean"].shape[1]
+        return ncm_head(state["mean"], self.spread(state) / (state["samples"].clamp_min(1) * dim))
+
     def nearest_mean(self) -> tuple[Tensor, Tensor] | None:
-        """Nearest class mean's head (:func:`ncm_head`, ``σ² = tr S / (N d)``) on these statistics; None before any.
+        """:meth:`nearest_head` of this head's statistics as they stand; None before any sample.
 
         What :class:`NearestClassMean` would predict after the same samples, whichever head this is.
         """
         state = self.state.get(self._head[0]) if self._head is not None else None
-        if not state:
-            return None
-        dim = state["mean"].shape[1]
-        return ncm_head(state["mean"], self.spread(state) / (state["samples"].clamp_min(1) * dim))
+        return self.nearest_head(state) if state else None
 
 
 class StreamingLDA(FrozenHead):
@@ -365,9 +367,8 @@ class NearestClassMean(FrozenHead):
         return state["scatter_trace"]
 
     def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """:func:`ncm_head` with ``σ² = tr S / (N d)``."""
-        dim = state["mean"].shape[1]
-        return ncm_head(state["mean"], self.spread(state) / (state["samples"].clamp_min(1) * dim))
+        """:meth:`nearest_head`: :func:`ncm_head` with ``σ² = tr S / (N d)``."""
+        return self.nearest_head(state)
 
 
 class FrozenLinearHead(torch.optim.AdamW):
