@@ -39,7 +39,7 @@ def peft_model(network: nn.Module, owner: type | None = None) -> PeftModel:
         if isinstance(module, PeftModel):
             return module
     raise ConfigError(
-        "the mixture with a frozen head needs a peft network (its adapters are disabled for the frozen features); "
+        "a head on the frozen features needs a peft network (its adapters are disabled for the frozen features); "
         "this one has none. To fix it: use TimmClassifier or TransformersClassifier",
         field="network",
         owner=owner,
@@ -129,7 +129,7 @@ class FrozenFeatures:
                 hook.remove()
         if not captured:
             raise ConfigError(
-                f"the mixture found no nn.Linear with {self.num_classes} outputs in the network's forward pass",
+                f"the frozen features: no nn.Linear with {self.num_classes} outputs ran in the network's forward pass",
                 field="network",
                 owner=self.owner,
             )
