@@ -46,6 +46,7 @@ from loko_lightning.learner.mixture import (
     mixture_log_predictive,
     pooled_log_probabilities,
     update_log_weights,
+    vote_log_probabilities,
 )
 
 PRESET = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
@@ -60,15 +61,16 @@ class ExpertRecorder(pl.Callback):
     def __init__(self) -> None:
         self.experts: list[Tensor] = []
         self.labels: list[Tensor] = []
+        self.nearest_mean = False  # whether the step's experts end with nearest class mean's at each temperature
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Wrap the mixture step's :meth:`~loko_lightning.learner.mixture.MixtureStep.experts` to record its output."""
         step = pl_module.online_step
         assert isinstance(step, MixtureStep)
-        experts = step.experts
+        experts, self.nearest_mean = step.experts, step.nearest_mean
 
-        def recording(learner: Tensor, lda_logits: Tensor) -> Tensor:
-            out = experts(learner, lda_logits)
+        def recording(learner: Tensor, lda_logits: Tensor, nearest_logits: Tensor | None = None) -> Tensor:
+            out = experts(learner, lda_logits, nearest_logits)
             self.experts.append(out.detach().cpu().transpose(0, 1))  # (B, K, m)
             return out
 
@@ -100,6 +102,7 @@ def record(args: argparse.Namespace) -> None:
                 "labels": labels,
                 "temperatures": args.temperatures,
                 "vote": True,
+                "nearest_mean": recorder.nearest_mean,
                 "command": result.command,
                 "online_acc": result.online_acc,
             },
@@ -155,16 +158,34 @@ def setting_experts(
     kept: Sequence[float],
     learner_temperatures: Sequence[float] = (),
     powers: Sequence[float] = (),
+    nearest: Sequence[Tensor] = (),
 ) -> tuple[Tensor, list[int]]:
     """A setting's experts ``(N, K, m)`` in the mixture's order, and the learner's indices among them.
 
     ``keep``: the recorded experts kept (LoKO first, the kept temperatures ``kept``, the vote); then LoKO tempered at
     ``learner_temperatures``; then the pools at ``powers`` and each kept temperature, from LoKO's and LDA's ``T = 1``
-    recorded log probabilities (LDA's logits up to a constant: the pool is the same distribution).
+    recorded log probabilities (LDA's logits up to a constant: the pool is the same distribution); then ``nearest``
+    (nearest class mean's experts, ``(N, K', m)`` each, as :func:`nearest_experts` gives them).
     """
     tempered = [torch.log_softmax(experts[:, :1] / t, -1) for t in learner_temperatures]
     pooled = [pooled_log_probabilities(experts[:, 0], experts[:, 1], powers, kept).transpose(0, 1)] if powers else []
-    return torch.cat([experts[:, list(keep)], *tempered, *pooled], 1), [0, *range(len(keep), len(keep) + len(tempered))]
+    learners = [0, *range(len(keep), len(keep) + len(tempered))]
+    return torch.cat([experts[:, list(keep)], *tempered, *pooled, *nearest], 1), learners
+
+
+def nearest_vote(nearest: Tensor, labels: Tensor) -> Tensor:
+    """Nearest class mean's argmax as an expert ``(N, 1, m)``: Laplace's rule on its past hits, as LDA's vote.
+
+    ``nearest``: its recorded log probabilities at ``T = 1`` ``(N, m)`` (the argmax of its logits); prequential: the
+    confidence at sample ``t`` counts the hits before it (:func:`~loko_lightning.learner.mixture.\
+vote_log_probabilities`).
+    """
+    predicted = nearest.argmax(-1)
+    hits = (predicted == labels).to(torch.float64)
+    before = hits.cumsum(0) - hits
+    seen = torch.arange(len(labels), dtype=torch.float64)
+    votes = zip(predicted, before, seen, strict=True)
+    return torch.stack([vote_log_probabilities(p[None], h, n, nearest.shape[-1])[0] for p, h, n in votes])[:, None]
 
 
 def replay(args: argparse.Namespace) -> None:
@@ -174,7 +195,14 @@ def replay(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict[str, float]]] = {}
     for run in runs:
         experts, labels = run["experts"], run["labels"]
+        nearest = None
+        if run.get("nearest_mean"):  # recorded last: nearest class mean at each temperature
+            experts, nearest = experts[:, : -len(temperatures)], experts[:, -len(temperatures) :]
         rows.setdefault("LoKO alone", []).append(scores(experts[:, 0].exp(), labels, args.at))
+        if nearest is not None:
+            rows.setdefault("nearest class mean alone", []).append(scores(nearest[:, 0].exp(), labels, args.at))
+            ncm_vote = nearest_vote(nearest[:, 0], labels)
+            rows.setdefault("nearest class mean's vote alone", []).append(scores(ncm_vote[:, 0].exp(), labels, args.at))
         for k, t in enumerate(temperatures, start=1):
             if t in args.show_temperatures:
                 rows.setdefault(f"LDA alone, T={t:g}", []).append(scores(experts[:, k].exp(), labels, args.at))
@@ -188,8 +216,15 @@ def replay(args: argparse.Namespace) -> None:
                 kept = [t for t in temperatures if t <= top]
                 learner_sets = ([], args.learner_temperatures) if args.learner_temperatures else ([],)
                 pool_sets = ([], args.pools) if args.pools and kept else ([],)
-                for learner_temperatures, powers in itertools.product(learner_sets, pool_sets):
-                    mixed, learners = setting_experts(experts, keep, kept, learner_temperatures, powers)
+                nearest_sets: list[tuple[str, list[Tensor]]] = [("", [])]
+                if nearest is not None:
+                    tempered = nearest[:, [k for k, t in enumerate(temperatures) if t <= top]]
+                    nearest_sets += [(" + nearest mean", [tempered])]
+                    nearest_sets += [(" + nearest mean + its vote", [tempered, ncm_vote])] if args.nearest_vote else []
+                for learner_temperatures, powers, (near, extra) in itertools.product(
+                    learner_sets, pool_sets, nearest_sets
+                ):
+                    mixed, learners = setting_experts(experts, keep, kept, learner_temperatures, powers, extra)
                     for share, prior in itertools.product(args.shares, [None, *args.prior_learner]):
                         predictions = replay_one(mixed, labels, share, learners, prior)
                         what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
@@ -197,6 +232,7 @@ def replay(args: argparse.Namespace) -> None:
                             what += f" + LoKO at T = {', '.join(f'{t:g}' for t in learner_temperatures)}"
                         if powers:
                             what += f" + pools a = {', '.join(f'{a:g}' for a in powers)}"
+                        what += near
                         if prior is not None:
                             what += f", LoKO's prior {prior:g}"
                         rows.setdefault(f"mixture, {what}, share {share:g}", []).append(
@@ -256,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep.add_argument(
         "--calibrate", type=float, nargs="*", default=[],
         help="also each setting's prediction tempered at these T (log p / T, renormalised), mixed by Bayes again",
+    )  # fmt: skip
+    rep.add_argument(
+        "--nearest-vote", action="store_true",
+        help="with recorded nearest class mean experts: also each setting with its argmax as a vote (as LDA's)",
     )  # fmt: skip
     rep.add_argument("--calibrate-share", type=float, default=0.01, help="fixed share of the --calibrate mixture")
     rep.add_argument(

@@ -754,3 +754,38 @@ def test_mixture_replay_builds_the_learners_experts_with_its_pools():
     # Without the pools, the experts before them, exactly.
     plain, _ = mixture_replay.setting_experts(recorded, [0, 1, 2, 4], [1.0, 2.0], [0.5, 0.8])
     assert torch.equal(plain, want[:, : plain.shape[1]])
+
+
+def test_mixture_replay_reads_the_nearest_mean_experts_and_their_vote():
+    """A recording with ``nearest_mean`` ends with nearest class mean's experts at each recorded temperature: the
+    replay's setting with them kept at the kept temperatures is MixtureStep's experts with ``nearest_mean`` (1e-12, as
+    the pools above), in its order; their vote is Laplace's rule on the nearest mean's hits before each sample."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    from loko_lightning.learner.mixture import MixtureStep
+    from loko_lightning.peers import StreamingLDA
+
+    torch.manual_seed(2)
+    learner = torch.softmax(torch.randn(6, 4), -1)
+    logits, nearest = 3 * torch.randn(6, 4, dtype=torch.float64), 5 * torch.randn(6, 4, dtype=torch.float64)
+    temperatures = [1.0, 2.0, 8.0]
+    recorder = MixtureStep(None, StreamingLDA, temperatures=temperatures, nearest_mean=True)
+    recorded = recorder.experts(learner, logits, nearest).transpose(0, 1)
+    experts, near = recorded[:, : -len(temperatures)], recorded[:, -len(temperatures) :]  # as replay splits them
+    step = MixtureStep(
+        None, StreamingLDA, temperatures=[1.0, 2.0], learner_temperatures=[0.5], pools=[1.0], nearest_mean=True
+    )  # fmt: skip
+    want = step.experts(learner, logits, nearest).transpose(0, 1)
+    got, learners = mixture_replay.setting_experts(experts, [0, 1, 2, 4], [1.0, 2.0], [0.5], [1.0], [near[:, :2]])
+    assert got.shape == want.shape and learners == step.learner_experts
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # The vote: predicted 0, 1, 1 against labels 0, 0, 1 (3 classes): confidence 1/2, then 2/3, then 2/4.
+    recorded_t1 = torch.tensor([[0.0, -1, -2], [-1, 0, -2], [-2, 0, -1]], dtype=torch.float64)
+    votes = mixture_replay.nearest_vote(recorded_t1, torch.tensor([0, 0, 1]))
+    by_hand = [[1 / 2, 1 / 4, 1 / 4], [1 / 6, 2 / 3, 1 / 6], [1 / 4, 2 / 4, 1 / 4]]
+    want_votes = torch.tensor(by_hand, dtype=torch.float64)
+    assert votes.shape == (3, 1, 3)
+    # exp of a float64 log: a few ulp (the log and the exp each round once).
+    torch.testing.assert_close(votes[:, 0].exp(), want_votes, rtol=1e-15, atol=0)
