@@ -172,7 +172,9 @@ LOKO_RUNS = {
     "loko_mixture": [*common.config_args([MIXTURE]), AS_CONFIGURED],
     "loko_mixture_bayes": [*common.config_args([MIXTURE]), AS_CONFIGURED, "--model.mixture.init_args.share=0"],
     "loko_mixture_sharp": [
-        *common.config_args([MIXTURE]), AS_CONFIGURED, "--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85]"
+        *common.config_args([MIXTURE]),
+        AS_CONFIGURED,
+        "--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85]",
     ],
     "loko_lda_head": [*common.config_args([LDA_HEAD]), AS_CONFIGURED],
     "loko_lda_head_frozen": [*common.config_args([LDA_HEAD]), AS_CONFIGURED, "--trainer.callbacks.features=pretrained"],

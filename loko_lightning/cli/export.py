@@ -35,4 +35,3 @@ def export_main(args: list[str]) -> None:
     code = loading_code(learner.network_factory, options.merge, read_export(out)["preprocessing"], options.out, pooling)
     print(f"loko: exported {'a merged model' if options.merge else 'a peft adapter'} to {out}; load it in Python with:")
     print(code)
-

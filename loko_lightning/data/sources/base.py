@@ -119,7 +119,6 @@ class OpenedSource:
     summary: str | None = None
 
 
-
 def stored_init_args(value: Any) -> dict[str, Any]:
     """The ``__init__`` arguments of an object that keeps each as the attribute of its name (paths as strings)."""
     names = [name for name in inspect.signature(type(value).__init__).parameters if name != "self"]
