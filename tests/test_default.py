@@ -62,7 +62,8 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     assert len(got["mixture"]["temperatures"]) == 13 and got["mixture"]["vote"]
     # and the learner's prediction also sharpened, for Bayes' weights to pick its calibration.
     assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85]
-    assert got["mixture"]["pools"] == [] and got["mixture"]["nearest_mean"] is False  # measured on many classes
+    # with the log-linear pools of the learner and LDA; nearest class mean only with many classes (measured there).
+    assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is False
     (line,) = decided_line(caplog)
     assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
     assert "--config presets/loko_images runs the filter alone" in line  # the way out of the mixture's cost

@@ -6,9 +6,10 @@ configs and every preset pin it). What the default decides from is known before 
 
 - an image backbone (:class:`~loko_lightning.models.TimmClassifier`) with at most 10 classes: the image default,
   ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller) predicting with
-  its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``);
+  its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``) and its log-linear pools of
+  the learner and LDA (``POOLS``);
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
-  predicting with the same mixture and its log-linear pools of the learner and LDA (``POOLS``);
+  predicting with the same mixture, its pools and nearest class mean on LDA's statistics (``NEAREST_MEAN``);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with the same mixture on the frozen
   sentence embedding, the learner's prediction also tempered both ways, and the pools (``TEXT_MIXTURE``);
@@ -72,8 +73,8 @@ MANY_CLASS_IMAGES = (
     "--model.optimizer.init_args.p0=0.03",
     "--model.optimizer.init_args.average=0.99",
 )
-# The mixture's log-linear pools of the learner and LDA (p_learner^a exp(z_LDA / T) at each of LDA's T), where they
-# were measured to lead: many classes and text (docs/results/default_study.md).
+# The mixture's log-linear pools of the learner and LDA (p_learner^a exp(z_LDA / T) at each of LDA's T): in every
+# default, measured to lead on images with 10 and 100 classes and on text (docs/results/default_study.md).
 POOLS = "--model.mixture.init_args.pools=[0.5, 1]"
 # The text default's mixture: the learner's prediction tempered on both sides, sharpened as on images and softened
 # (its ECE on WordNet 8.9% alone: overconfident), Bayes' weights choosing (docs/results/default_study.md); the pools.
@@ -160,9 +161,9 @@ def decide(config: Any) -> Decision | None:
     return Decision(
         f"{name} + presets/loko_mixture_lda",
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
-        f"on the frozen features{' (with their pools and nearest class mean)' if many else ''}; {alone}, without "
-        "the mixture's extra forward pass and LDA solve a sample",
-        args + preset("presets/loko_mixture_lda") + ((POOLS, NEAREST_MEAN) if many else ()),
+        f"on the frozen features, its prediction also pooled with LDA's{', nearest class mean added' if many else ''}; "
+        f"{alone}, without the mixture's extra forward pass and LDA solve a sample",
+        args + preset("presets/loko_mixture_lda") + ((POOLS, NEAREST_MEAN) if many else (POOLS,)),
     )
 
 
