@@ -75,10 +75,10 @@ class Stream:
 
 FM32, FM64, MN = "shared_rows/epyc/fm32", "shared_rows/epyc/fm64", "shared_rows/epyc/mnist5k"
 IMAGE_DEFAULT_COST: Runs = (("shared_rows/epyc/step_time/lite0_shared", "loko_avg"),)
-IMAGE_DEFAULT = "the image default (`presets/loko_images` + `presets/loko_mixture_lda`)"
+IMAGE_DEFAULT = "the image default (`presets/loko_images` + `presets/loko_mixture_lda`, `pools: [0.5, 1]`)"
 IMAGE_FILTER = "the image default's filter alone (`presets/loko_images`; then `loko_average_head_shared`)"
 # The default's step against an AdamW's, in one process (Fashion-MNIST at 32 px, 300 samples).
-IMAGE_DEFAULT_STEP: Runs = (("default_study/step_time_eigenbasis", "loko_default"),)
+IMAGE_DEFAULT_STEP: Runs = (("default_study/step_time_pools", "loko_default"),)
 
 
 def image_default(runs: Runs, cost: Runs = IMAGE_DEFAULT_STEP) -> Entry:
@@ -131,7 +131,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 32 px",
         5000,
-        image_default((("default_study/fm32_5000_sharp", "loko_default"),)),
+        image_default(seeds("default_study/fm32_pools", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -177,7 +177,7 @@ STREAMS = (
         "Fashion-MNIST 64 px",
         5000,
         # its step not measured at 64 px
-        image_default(seeds("default_study/fm64_5000_sharp", 3, "loko_default"), cost=()),
+        image_default(seeds("default_study/fm64_pools", 3, "loko_default"), cost=()),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -211,7 +211,7 @@ STREAMS = (
     Stream(
         "MNIST-5k",
         4500,
-        image_default((("default_study/mnist5k_4500_sharp", "loko_default"),)),
+        image_default(seeds("default_study/mnist5k_pools", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
         [
@@ -328,7 +328,7 @@ STREAMS = (
     Stream(
         "drifting Fashion-MNIST",
         4000,
-        Entry(IMAGE_DEFAULT, seeds("default_study/drift_sharp", 3, "loko_default")),
+        Entry(IMAGE_DEFAULT, seeds("default_study/drift_pools", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("shared_rows/epyc/drift/paper_s0", "loko"),)),
         [],
@@ -483,13 +483,14 @@ NOTES = (
     "(earlier runs logged them and the recent accuracy in `metrics.csv`, which git does not keep: `not recorded`; "
     "the study pages quote them). NLL, ECE: at the end of the longest run read (`@500`: that run ended at 500 "
     "samples). *step / AdamW*: the median step time over an AdamW run's in the same process (`compare.py`); the "
-    "image default's from a 300-sample run on Fashion-MNIST at 32 px (`results/default_study/step_time_eigenbasis`; "
+    "image default's from a 300-sample run on Fashion-MNIST at 32 px (`results/default_study/step_time_pools`; "
     "on glyphs100 `step_time_glyphs100_nearest`), its filter alone's from a 300-sample run of the same network "
     "(`results/shared_rows/epyc/step_time/lite0_shared`, `loko_avg`: the shared head covariance and the averaged "
     "mean), the paper's LoKO's on BBC News from the text quick start's run (`results/text_quickstart`). Drifting "
     "Fashion-MNIST: its labels permuted every 1,000 samples. The image default is the filter of "
-    "`presets/loko_images` predicting with its mixture with streaming LDA on the frozen features and with its own "
-    "prediction sharpened (`presets/loko_mixture_lda`), measured to the end of Fashion-MNIST at 32 and 64 px, "
+    "`presets/loko_images` predicting with its mixture with streaming LDA on the frozen features, with its own "
+    "prediction sharpened (`presets/loko_mixture_lda`) and with their pools, measured to the end of Fashion-MNIST at "
+    "32 and 64 px, "
     "MNIST-5k and the drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its "
     "filter alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: "
     "shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its "
