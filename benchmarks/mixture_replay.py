@@ -165,7 +165,7 @@ def setting_experts(
     ``keep``: the recorded experts kept (LoKO first, the kept temperatures ``kept``, the vote); then LoKO tempered at
     ``learner_temperatures``; then the pools at ``powers`` and each kept temperature, from LoKO's and LDA's ``T = 1``
     recorded log probabilities (LDA's logits up to a constant: the pool is the same distribution); then ``nearest``
-    (nearest class mean's experts, ``(N, K', m)`` each, as :func:`nearest_experts` gives them).
+    (nearest class mean's experts, ``(N, K', m)`` each: its recorded ones at the kept temperatures, its vote).
     """
     tempered = [torch.log_softmax(experts[:, :1] / t, -1) for t in learner_temperatures]
     pooled = [pooled_log_probabilities(experts[:, 0], experts[:, 1], powers, kept).transpose(0, 1)] if powers else []
