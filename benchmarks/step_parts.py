@@ -11,10 +11,13 @@ Each learner (``default``: what ``loko fit`` decides, ``--loko=default``; ``pape
 process, and every part is timed around its call (``time.perf_counter``) at every step:
 
 - ``step``: the learner's whole online step (the mixture's, or LoKO's alone);
-- ``averaged forward``: the prediction of LoKO's averaged mean (the block under ``LoKO.averaged``, ``average > 0``);
+- ``averaged forward``: the prediction of LoKO's averaged mean (the block under ``LoKO.averaged``, ``average > 0``,
+  less a joint forward pass in it);
 - ``Jacobian``: ``JacobianEngine.observe``, the forward pass and the Jacobian's rows at the mean;
 - ``filter``: ``LoKO.step`` less the Jacobian (the Kalman arithmetic and the exchange);
 - ``frozen forward``: the mixture's forward pass with the adapters off (``FrozenFeatures``);
+- ``joint forward``: the averaged mean's prediction and the frozen features in one pass of the sample twice over
+  (``FrozenFeatures.with_adapted``: the mixture's with LoKO's average);
 - ``LDA``: the frozen head's update (its optimizer's ``step``: the eigenbasis refreshed every 64 samples; timed from
   the second step, the head being built at the first);
 - ``rest``: the step less those parts (the mixture's experts and weights, the loop's bookkeeping in the step).
@@ -43,7 +46,7 @@ from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.frozen_features import FrozenFeatures
 
 LEARNERS = {"default": ["--loko=default"], "paper": ["--loko=as_configured"]}
-PARTS = ("step", "averaged forward", "Jacobian", "filter", "frozen forward", "LDA", "rest")
+PARTS = ("step", "averaged forward", "Jacobian", "filter", "frozen forward", "joint forward", "LDA", "rest")
 
 
 class PartTimes(pl.Callback):
@@ -100,15 +103,17 @@ def timed(times: PartTimes) -> Iterator[None]:
         (JacobianEngine, "observe"): times.wrap(JacobianEngine.observe, "Jacobian"),
         (LoKO, "step"): times.wrap(LoKO.step, "LoKO.step"),
         (FrozenFeatures, "__call__"): times.wrap(FrozenFeatures.__call__, "frozen forward"),
+        (FrozenFeatures, "with_adapted"): times.wrap(FrozenFeatures.with_adapted, "joint forward"),
     }
     averaged = LoKO.averaged
 
     @contextlib.contextmanager
     def averaged_timed(self: LoKO) -> Iterator[None]:
-        start = time.perf_counter()
+        current = times.current if times.current is not None else {}
+        start, joint = time.perf_counter(), current.get("joint forward", 0.0)
         with averaged(self):
             yield
-        times.add("averaged forward", time.perf_counter() - start)
+        times.add("averaged forward", time.perf_counter() - start - (current.get("joint forward", 0.0) - joint))
 
     patched[(LoKO, "averaged")] = averaged_timed
     originals = {key: key[0].__dict__[key[1]] for key in patched}

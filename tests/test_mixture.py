@@ -8,6 +8,7 @@ from functools import partial
 import lightning.pytorch as pl
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from runs import loader, stream, trainer
 
@@ -257,10 +258,10 @@ TEMPERATURES = (1.0, 4.0)
 SHARE = 0.05
 
 
-def learner(mixture=None, **kwargs):
+def learner(mixture=None, average=0.0, **kwargs):
     torch.manual_seed(0)
     factory = TimmClassifier("test_resnet", num_classes=3, pretrained=False, r=2)
-    return OnlineClassifier(factory, partial(LoKO, p0=0.1, seed=0), mixture=mixture, **kwargs)
+    return OnlineClassifier(factory, partial(LoKO, p0=0.1, seed=0, average=average), mixture=mixture, **kwargs)
 
 
 def scored(module, monkeypatch):
@@ -382,8 +383,10 @@ def reference_nearest_logits(x, y, z):
     return (z @ means.T - 0.5 * means.square().sum(-1)) / variance
 
 
-@pytest.mark.parametrize(("pools", "nearest"), [([], False), ([0.5, 1.0], False), ([], True)])
-def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread, pools, nearest):
+@pytest.mark.parametrize(
+    ("pools", "nearest", "average"), [([], False, 0.0), ([0.5, 1.0], False, 0.0), ([], True, 0.0), ([], False, 0.9)]
+)
+def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread, pools, nearest, average):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
     fitted in float64 on samples 0..i-1 of the pretrained features (at each temperature, and its argmax voted with
@@ -391,15 +394,16 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     share), with the pools softmax(a log p + z / T), then nearest class mean at each temperature. The network and
     features are float32 (d = 64 sums): a probability within 1e-4 of the float64 reference, as in the frozen-heads
     test; predicting with sample i included (LDA and the weights) moves the prediction by far more (asserted, so the
-    test can fail)."""
+    test can fail). With LoKO's average its prediction and the features come from one pass of the sample twice over
+    (``FrozenFeatures.with_adapted``): the same float32 sums in another order."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
-    plain = learner()
+    plain = learner(average=average)
     plain_scored = scored(plain, monkeypatch)
     trainer().fit(plain, loader(items))
     head = partial(StreamingLDA, shrinkage=0.1)
     mixture = FrozenHeadMixture(head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest)
-    module = learner(mixture)
+    module = learner(mixture, average=average)
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
     trainer().fit(module, loader(items))
@@ -594,3 +598,69 @@ def test_a_text_model_predicts_and_learns_with_the_mixture_on_its_sentence_embed
     torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
     assert features.shape[0] == 3 and step.head.in_features == features.shape[1]  # LDA reads the embedding
     assert (predicted - network_p).abs().max() > 1e-4  # the mixture, not the network alone (the test can fail)
+
+
+def test_the_joint_pass_is_the_adapted_and_the_frozen_pass_and_leaves_the_network_as_it_was():
+    """``with_adapted``: one forward pass of the samples twice over gives the adapted network's outputs and the frozen
+    features. In float64 the two ways differ only by the summation order of a batch of 4 against 2 (relative error
+    ~1e-16 per sum, a few hundred terms through a dozen layers: far below 1e-10), while the adapters move the outputs
+    by order 1 (asserted, so the test can fail). Every module is in place and in its mode after it. Merged adapters
+    (no passthrough) take the two passes: then exactly their values."""
+    network = TimmClassifier("test_resnet", num_classes=3, pretrained=False, r=2)().double()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in network.parameters():
+            if param.requires_grad:  # adapters and the new head that change the output
+                param.normal_()
+    for layer in network.modules():
+        if isinstance(layer, BaseTunerLayer) and hasattr(layer, "scaling"):
+            layer.scaling["default"] = 0.5  # LoRA's scale, 1 by default here, must be applied
+    inputs = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    features = FrozenFeatures(network, 3)
+    network.train()
+    modes = [m.training for m in network.modules()]
+    before = [(name, id(module)) for name, module in network.named_modules()]
+    outputs, frozen = features.with_adapted(inputs)
+    assert features.joint
+    assert [(name, id(module)) for name, module in network.named_modules()] == before
+    assert [m.training for m in network.modules()] == modes
+    network.eval()
+    with torch.no_grad():
+        adapted = network(inputs)
+        with network.disable_adapter():
+            pretrained = network(inputs)
+    torch.testing.assert_close(outputs, adapted, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(frozen, features(inputs), rtol=1e-10, atol=1e-12)
+    assert (adapted - pretrained).abs().max() > 0.1
+    for layer in network.modules():
+        if isinstance(layer, BaseTunerLayer) and hasattr(layer, "lora_A"):
+            layer.merge()
+    merged = FrozenFeatures(network, 3)
+    with torch.no_grad():
+        adapted = network(inputs)
+    outputs, frozen = merged.with_adapted(inputs)  # merged: network(inputs), then the frozen pass (which unmerges)
+    assert torch.equal(outputs, adapted) and torch.equal(frozen, merged(inputs))
+
+
+def test_the_joint_pass_reads_the_features_of_an_output_layer_that_both_halves_run():
+    """An output layer that is neither adapted nor saved by peft runs on every row of the joint pass: the frozen
+    features are its input's second half (float64, as above)."""
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 3))
+    network = get_peft_model(body.double(), LoraConfig(r=2, target_modules=["0"])).double()
+    with torch.no_grad():
+        network.base_model.model[0].lora_B["default"].weight.normal_()
+    inputs = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    features = FrozenFeatures(network, 3)
+    outputs, frozen = features.with_adapted(inputs)
+    assert features.joint
+    with torch.no_grad():
+        adapted = network(inputs)
+    torch.testing.assert_close(outputs, adapted, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(frozen, features(inputs), rtol=1e-10, atol=1e-12)
+    captured = []
+    hook = network.base_model.model[3].register_forward_hook(lambda _, a, __: captured.append(a[0]))
+    with torch.no_grad():
+        network(inputs)
+    hook.remove()
+    assert (captured[0] - frozen).abs().max() > 0.1  # the adapted features are another matter

@@ -205,14 +205,18 @@ class MixtureStep(OnlineStep):
         self.log_weights = self.log_weights.to(device)
         self.hits, self.seen = self.hits.to(device), self.seen.to(device)
 
-    def _features(self, module: pl.LightningModule, inputs: Any) -> Tensor:
-        """The frozen features of ``inputs`` (LDA's head built at the first call: its width is theirs)."""
+    def _features(self, module: pl.LightningModule, inputs: Any, adapted: bool = False) -> tuple[Tensor | None, Tensor]:
+        """The frozen features of ``inputs`` (LDA's head built at the first call: its width is theirs).
+
+        With ``adapted``, the network's outputs with its adapters too, from the same forward pass
+        (:meth:`FrozenFeatures.with_adapted`); else ``None`` for them.
+        """
         if self._frozen is None or self._frozen.network is not module.network:
             self._frozen = FrozenFeatures(module.network, module.num_classes, owner=FrozenHeadMixture)
-        features = self._frozen(inputs)
+        outputs, features = self._frozen.with_adapted(inputs) if adapted else (None, self._frozen(inputs))
         if self.head is None:
             self._build(features.shape[1], module.num_classes, features.device)
-        return features
+        return outputs, features
 
     def lda_logits(self, features: Tensor) -> Tensor:
         """LDA's logits ``(B, m)`` of the frozen features, float64, with its head as it stands."""
@@ -260,10 +264,16 @@ class MixtureStep(OnlineStep):
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
         """Both experts predict, the mixture is scored, then every part updates on the samples (see the class)."""
-        features = self._features(module, inputs)
-        assert self.lda is not None
         own = label
-        learner, label, applied = self.inner.step(module, optimizer, inputs, label)
+        apart = self.inner.predicts_apart(optimizer)
+        if apart is None:
+            _, features = self._features(module, inputs)
+            learner, label, applied = self.inner.step(module, optimizer, inputs, label)
+        else:  # the inner step's prediction and the frozen features from one forward pass
+            with apart:
+                outputs, features = self._features(module, inputs, adapted=True)
+            learner, label, applied = self.inner.step(module, optimizer, inputs, label, outputs=outputs)
+        assert self.lda is not None
         if world_size(module) > 1:  # every process's samples, in the inner step's (rank) order
             target = F.one_hot(own, module.num_classes).to(features.dtype)
             features, _, _ = all_gather_observations(features, target, [], timeout=collective_timeout(module))
@@ -343,8 +353,9 @@ class MixtureStep(OnlineStep):
     @torch.no_grad()
     def predict(self, module: pl.LightningModule, inputs: Any) -> Tensor:
         """The mixture's class probabilities ``(B, m)``, float32, with its weights and LDA as they stand (no update)."""
-        features = self._features(module, inputs)
-        learner = module.network(inputs).float().softmax(-1)
+        outputs, features = self._features(module, inputs, adapted=True)
+        assert outputs is not None
+        learner = outputs.float().softmax(-1)
         experts = self.experts(learner, self.lda_logits(features), self.nearest_logits(features))
         return mixture_log_predictive(self.log_weights, experts).exp().float()
 

@@ -52,6 +52,16 @@ class OnlineStep:
         """The optimizer's values logged every step, besides the online metrics."""
         return {}
 
+    def predicts_apart(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
+        """Where the step scores a forward pass of its own: the context in which the network's no-grad outputs are it.
+
+        ``None`` (the default) where the prediction comes out of the update's own pass. A step that returns a context
+        takes ``outputs=``, the network's outputs on the step's inputs made in that context by its caller (the
+        mixture's pass with the frozen features, :meth:`FrozenFeatures.with_adapted
+        <loko_lightning.learner.frozen_features.FrozenFeatures.with_adapted>`), in place of its own pass.
+        """
+        return None
+
     def check_trainer(self, trainer: pl.Trainer, owner: Any) -> None:
         """Refuse a trainer this strategy cannot run with (called when fitting starts).
 
@@ -207,8 +217,15 @@ class KalmanStep(ServesAnAverage):
                 owner=pl.Trainer,
             )
 
-    def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
-        """One Kalman update on the step's samples (see the class)."""
+    def predicts_apart(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
+        """With ``LoKO(average=...)``: :meth:`~loko_lightning.LoKO.averaged`, in which the scored prediction is made."""
+        loko = getattr(optimizer, "optimizer", optimizer)
+        return loko.averaged() if loko.average else None
+
+    def step(
+        self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor, outputs: Tensor | None = None
+    ) -> StepResult:
+        """One Kalman update on the step's samples (see the class); ``outputs``: see :meth:`predicts_apart`."""
         loko = getattr(optimizer, "optimizer", optimizer)
         if self._engine is None:
             self._engine = JacobianEngine(
@@ -232,8 +249,10 @@ class KalmanStep(ServesAnAverage):
 
         averaged = None
         if loko.average:  # the prediction scored (and served) is the averaged mean's, made before the update
-            with torch.no_grad(), loko.averaged():
-                averaged = loko.observation.predict(module.network(inputs).reshape(label.shape[0], -1))
+            if outputs is None:
+                with torch.no_grad(), loko.averaged():
+                    outputs = module.network(inputs)
+            averaged = loko.observation.predict(outputs.reshape(label.shape[0], -1))
         if averaged is not None and world > 1:  # every process's, in the exchange's order (rank order, as its gather)
             own = F.one_hot(label, averaged.shape[-1]).to(averaged.dtype)
             averaged, _, _ = all_gather_observations(averaged, own, [], timeout=loko.collective_timeout)
