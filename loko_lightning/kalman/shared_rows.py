@@ -14,7 +14,25 @@ from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock
 
-__all__ = ["SharedRowBlocks"]
+__all__ = ["Downdate", "SharedRowBlocks"]
+
+
+class Downdate:
+    """``Σ⁺ = Σ − t tᵀ``, kept as ``t`` until the filter commits it to ``Σ`` in place (one position, ``k = 1``).
+
+    The outer product's entries ``t_i t_j = t_j t_i`` are exactly symmetric as computed, so ``Σ⁺`` stays exactly
+    symmetric without a pass that averages it with its transpose, and writing it in place costs no new
+    ``cols x cols`` tensor (for EfficientNet-Lite0's head, 1,281², the passes over ``Σ`` were most of the shared head's
+    cost).
+    """
+
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+    def commit(self, sigma: Tensor, applied: Tensor) -> None:
+        """``Σ ← Σ − t tᵀ`` where ``applied`` (a 0-d bool on the device, no host read); else ``Σ`` exactly as it was."""
+        t = torch.where(applied, self.t, 0.0)  # a skipped step's t may not be finite: Σ − 0 is Σ
+        sigma.sub_(torch.outer(t, t))
 
 
 class SharedRowBlocks:
@@ -93,8 +111,13 @@ class SharedRowBlocks:
             self._factors.append((flat, sigma_r))
         return total
 
-    def update(self, factor: Tensor, sigmas: Sequence[Tensor], update: Tensor, posterior: Tensor) -> list[Tensor]:
+    def update(
+        self, factor: Tensor, sigmas: Sequence[Tensor], update: Tensor, posterior: Tensor
+    ) -> list[Tensor | Downdate]:
         """Write ``ΔW`` into ``update`` and ``diag(Σ⁺)`` (every row) into ``posterior``; return the ``Σ⁺``.
+
+        Where the parameter's Jacobian has one position (``k = 1``: an :class:`~loko_lightning.OuterJacobian`, one
+        sample) ``Σ⁺`` is returned as its :class:`Downdate`, which the filter commits in place.
 
         Args:
             factor: ``[Wᵀ; wᵀ]``, ``(m + 1, m)``, with ``S⁺ = W Wᵀ`` and ``w = S⁺ e``.
@@ -111,10 +134,16 @@ class SharedRowBlocks:
             torch.mm(products[m].view(rows, k), sigma_r.T, out=update[start : start + rows * cols].view(rows, cols))
             rooted = products[:m].reshape(m * rows, k)  # Wᵀ L_i stacked: N̄ = Σ_i (Wᵀ L_i)ᵀ Wᵀ L_i / rows
             mean_inner = rooted.T @ rooted / rows
+            entries = posterior[start : start + rows * cols].view(rows, cols)
+            if k == 1:  # Σ − t tᵀ, t = Σ R √N̄ (N̄ ≥ 0, 1 x 1): its diagonal Σ_ii − t_i t_i, as the commit computes it
+                t = sigma_r[:, 0] * mean_inner[0, 0].sqrt()
+                entries.copy_(torch.sub(sigma.diagonal(), t * t)[None].expand(rows, cols))
+                new.append(Downdate(t))
+                continue
             # Σ − (Σ R N̄) (Σ R)ᵀ, then made exactly symmetric: two cols x cols temporaries at most.
             sigma_new = torch.addmm(sigma, sigma_r @ mean_inner, sigma_r.T, alpha=-1.0)
             sigma_new = torch.add(sigma_new, sigma_new.T).mul_(0.5)
-            posterior[start : start + rows * cols].view(rows, cols).copy_(sigma_new.diagonal()[None].expand(rows, cols))
+            entries.copy_(sigma_new.diagonal()[None].expand(rows, cols))
             new.append(sigma_new)
         self._factors = []
         return new

@@ -81,7 +81,7 @@ class Belief:
     cov: Tensor
     R: Tensor | None
     step: Tensor
-    shared_rows: Sequence[Tensor] = ()
+    shared_rows: Sequence[Any] = ()
     entries: Mapping[str, Tensor] = field(default_factory=dict)
     hpht: Tensor | None = None
 
@@ -98,7 +98,8 @@ class Proposal:
         innovation: ``e = y − ŷ`` (stacked).
         R: the new observation noise ``R_k``, for filters that estimate it.
         cond: the condition number of the solved system's kept spectrum (``None`` where none is solved).
-        shared_rows: the new ``Σ`` of each parameter of :attr:`UpdatePlan.rows`.
+        shared_rows: the new ``Σ`` of each parameter of :attr:`UpdatePlan.rows` (or its
+            :class:`~loko_lightning.kalman.shared_rows.Downdate`, committed in place).
         entries: the new values of the filter's own per-entry state, by key (written by :meth:`Filter.commit`).
         hpht: ``H P Hᵀ`` at the step's prior, the covariance of the prediction under the belief (stacked), where the
             filter forms it (the covariance filter); what :mod:`~loko_lightning.kalman.predictive` averages over.
@@ -109,7 +110,7 @@ class Proposal:
     innovation: Tensor
     R: Tensor | None = None
     cond: Tensor | None = None
-    shared_rows: Sequence[Tensor] = ()
+    shared_rows: Sequence[Any] = ()
     entries: Mapping[str, Tensor] = field(default_factory=dict)
     hpht: Tensor | None = None
 

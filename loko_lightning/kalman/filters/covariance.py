@@ -28,6 +28,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
 from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator, observation_noise
 from loko_lightning.kalman.plan import UpdatePlan
+from loko_lightning.kalman.shared_rows import Downdate
 from loko_lightning.kalman.state import check_block
 from loko_lightning.kalman.time_update import real_number
 
@@ -190,4 +191,7 @@ class Covariance(Filter):
         """``R_k`` and the shared rows' ``Σ`` where the step was applied."""
         torch.where(applied, proposal.R, belief.R, out=belief.R)
         for new, old in zip(proposal.shared_rows, belief.shared_rows, strict=True):
-            torch.where(applied, new, old, out=old)
+            if isinstance(new, Downdate):
+                new.commit(old, applied)
+            else:
+                torch.where(applied, new, old, out=old)
