@@ -13,8 +13,9 @@ says what a benchmark run changes: no logger, checkpoints or validation; only th
   ``p0: auto`` (:mod:`loko_lightning.learner.selection`); ``loko_avg``: the same predicting with the average of the
   filter's mean (``average: 0.99``, not the paper's; ``docs/filters.md``); ``loko_mixture``,
   ``loko_mixture_bayes``, ``loko_mixture_sharp``: the same predicting with its mixture with streaming LDA on the
-  frozen features (``configs/presets/loko_mixture_lda.yaml``, the same with share 0, the same with the learner's
-  prediction also sharpened at T = 0.5, 0.7, 0.85 as three more experts; ``docs/results/mixture.md``);
+  frozen features (``configs/presets/loko_mixture_lda.yaml`` without its pools, as they were measured; the same with
+  share 0, the same with the learner's prediction also sharpened at T = 0.5, 0.7, 0.85 as three more experts;
+  ``docs/results/mixture.md``);
   ``loko_lda_head``, ``loko_lda_head_frozen``: the same on its logits plus streaming LDA's on the same (adapted)
   features or on the pretrained ones (``benchmarks/overlays/loko_lda_head.yaml``; ``docs/results/lda_head.md``);
 - ``adamw``, ``adamw_tuned``, ``adagrad`` (and every other peer: ``schedulefree``, ``ivon``, ``posteriors``, the
@@ -158,6 +159,7 @@ COLORS = {
 }
 # The mixture of the learner and streaming LDA on frozen features (loko_lightning.learner.mixture).
 MIXTURE = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
+NO_POOLS = "--model.mixture.init_args.pools=[]"
 # The learner's logits plus streaming LDA's on the same features (loko_lightning.learner.lda_head).
 LDA_HEAD = common.ROOT / "benchmarks" / "overlays" / "loko_lda_head.yaml"
 # The optimizers that are the config's own LoKO (the others are baseline overlays), and what they add to it: each
@@ -169,11 +171,18 @@ LOKO_RUNS = {
     "loko_auto": [AS_CONFIGURED, "--model.optimizer.p0=auto"],
     "loko_avg": [AS_CONFIGURED, "--model.optimizer.init_args.average=0.99"],
     "loko_posterior": [AS_CONFIGURED, "--model.predictive=posterior"],
-    "loko_mixture": [*common.config_args([MIXTURE]), AS_CONFIGURED],
-    "loko_mixture_bayes": [*common.config_args([MIXTURE]), AS_CONFIGURED, "--model.mixture.init_args.share=0"],
+    # The mixture as these names were measured: without the pools the preset now adds.
+    "loko_mixture": [*common.config_args([MIXTURE]), AS_CONFIGURED, NO_POOLS],
+    "loko_mixture_bayes": [
+        *common.config_args([MIXTURE]),
+        AS_CONFIGURED,
+        NO_POOLS,
+        "--model.mixture.init_args.share=0",
+    ],
     "loko_mixture_sharp": [
         *common.config_args([MIXTURE]),
         AS_CONFIGURED,
+        NO_POOLS,
         "--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85]",
     ],
     "loko_lda_head": [*common.config_args([LDA_HEAD]), AS_CONFIGURED],

@@ -89,6 +89,7 @@ def record(args: argparse.Namespace) -> None:
     mixture = common.config_args([PRESET])  # the preset's mixture (its head, LDA), with the recorded grid and vote
     mixture += [f"--model.mixture.init_args.temperatures=[{', '.join(str(t) for t in args.temperatures)}]"]
     mixture += ["--model.mixture.init_args.vote=true", "--model.mixture.init_args.learner_temperatures=[]"]
+    mixture += ["--model.mixture.init_args.pools=[]"]  # the replay pools the recorded experts itself (--pools)
     for seed in args.seeds:
         recorder = ExpertRecorder()
         run_args = [*common.config_args(args.config), f"--seed_everything={seed}", f"--data.seed={seed}"]

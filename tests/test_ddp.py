@@ -17,7 +17,7 @@ from loko_helpers import SmallConvNet, conv_stream, variant
 from runs import outputs, trainable
 
 from loko_lightning import FactoredJacobian, JacobianEngine, LoKO, OuterJacobian
-from loko_lightning.cli.default import NEAREST_MEAN, POOLS
+from loko_lightning.cli.default import NEAREST_MEAN
 from loko_lightning.kalman.distributed import all_gather_observations, observation_nbytes
 
 # Every test here starts 2 processes (each imports torch, most run the whole CLI): tens of seconds each.
@@ -349,8 +349,8 @@ def test_the_image_default_under_ddp_scores_every_process_s_averaged_predictions
 
 
 def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resumes_exactly(tmp_path):
-    """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``, with the many-class
-    default's pools and nearest class mean) under DDP, refused before (its state was one process's): every process
+    """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``, its pools, with the
+    many-class default's nearest class mean) under DDP, refused before (its state was one process's): every process
     mixes and learns from both processes' samples in rank order, so the mixture's weights, LDA's hits and head and the
     nearest-mean head are the same on both ranks (in the checksum), LDA counted each of the 24 samples once, every
     prediction was scored once, and a run resumed under DDP from the step-6 checkpoint ends bit for bit like the
@@ -358,7 +358,7 @@ def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resume
     presets = []
     for name in ("loko_images", "loko_mixture_lda"):
         presets += ["--config", str(ROOT / "configs" / "presets" / f"{name}.yaml")]
-    presets += [POOLS, NEAREST_MEAN]
+    presets += [NEAREST_MEAN]
     full, checkpoints, _ = loko_ddp(tmp_path, "mixture", *presets)
     first, second = full["states"]
     assert torch.equal(first, second)

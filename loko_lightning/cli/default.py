@@ -6,13 +6,12 @@ configs and every preset pin it). What the default decides from is known before 
 
 - an image backbone (:class:`~loko_lightning.models.TimmClassifier`) with at most 10 classes: the image default,
   ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller) predicting with
-  its mixture with streaming LDA on the frozen features (``presets/loko_mixture_lda``) and its log-linear pools of
-  the learner and LDA (``POOLS``);
+  its mixture with streaming LDA on the frozen features and their log-linear pools (``presets/loko_mixture_lda``);
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
-  predicting with the same mixture, its pools and nearest class mean on LDA's statistics (``NEAREST_MEAN``);
+  predicting with the same mixture and nearest class mean on LDA's statistics (``NEAREST_MEAN``);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with the same mixture on the frozen
-  sentence embedding, the learner's prediction also tempered both ways, and the pools (``TEXT_MIXTURE``);
+  sentence embedding, the learner's prediction also tempered both ways (``TEXT_MIXTURE``);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
   choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
   changed (the default does not override a choice). ``shard: true`` is how the update is computed: an image backbone
@@ -73,12 +72,9 @@ MANY_CLASS_IMAGES = (
     "--model.optimizer.init_args.p0=0.03",
     "--model.optimizer.init_args.average=0.99",
 )
-# The mixture's log-linear pools of the learner and LDA (p_learner^a exp(z_LDA / T) at each of LDA's T): in every
-# default, measured to lead on images with 10 and 100 classes and on text (docs/results/default_study.md).
-POOLS = "--model.mixture.init_args.pools=[0.5, 1]"
 # The text default's mixture: the learner's prediction tempered on both sides, sharpened as on images and softened
-# (its ECE on WordNet 8.9% alone: overconfident), Bayes' weights choosing (docs/results/default_study.md); the pools.
-TEXT_MIXTURE = ("--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85, 1.25, 1.5, 2]", POOLS)
+# (its ECE on WordNet 8.9% alone: overconfident), Bayes' weights choosing (docs/results/default_study.md).
+TEXT_MIXTURE = ("--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85, 1.25, 1.5, 2]",)
 # Nearest class mean on LDA's statistics as more experts, where it was measured to lead LDA early: many classes, a few
 # samples each (docs/results/default_study.md).
 NEAREST_MEAN = "--model.mixture.init_args.nearest_mean=true"
@@ -163,7 +159,7 @@ def decide(config: Any) -> Decision | None:
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
         f"on the frozen features, its prediction also pooled with LDA's{', nearest class mean added' if many else ''}; "
         f"{alone}, without the mixture's extra forward pass and LDA solve a sample",
-        args + preset("presets/loko_mixture_lda") + ((POOLS, NEAREST_MEAN) if many else (POOLS,)),
+        args + preset("presets/loko_mixture_lda") + ((NEAREST_MEAN,) if many else ()),
     )
 
 
