@@ -121,7 +121,8 @@ class _Halves(nn.Module):
         if adapter is not None:
             result = base(x)
             with joint.only("adapted"):
-                inputs = layer._cast_input_dtype(x[:rows], layer.lora_A[adapter].weight.dtype)
+                dtype, cast = layer.lora_A[adapter].weight.dtype, getattr(layer, "_cast_input_dtype", None)
+                inputs = cast(x[:rows], dtype) if cast is not None else x[:rows].to(dtype)  # peft < 0.15: .to
                 term = layer.lora_B[adapter](layer.lora_A[adapter](layer.lora_dropout[adapter](inputs)))
                 result[:rows] += (term * layer.scaling[adapter]).to(result.dtype)  # no gradient: in place
             return result
