@@ -26,6 +26,7 @@ from torch import Tensor
 
 from loko_lightning.jacobians.blocks import JacobianBlock
 from loko_lightning.kalman.plan import UpdatePlan
+from loko_lightning.kalman.shared_rows import Downdate
 from loko_lightning.kalman.state import check_block
 from loko_lightning.observation import Observation
 
@@ -81,7 +82,7 @@ class Belief:
     cov: Tensor
     R: Tensor | None
     step: Tensor
-    shared_rows: Sequence[Any] = ()
+    shared_rows: Sequence[Tensor] = ()
     entries: Mapping[str, Tensor] = field(default_factory=dict)
     hpht: Tensor | None = None
 
@@ -110,7 +111,7 @@ class Proposal:
     innovation: Tensor
     R: Tensor | None = None
     cond: Tensor | None = None
-    shared_rows: Sequence[Any] = ()
+    shared_rows: Sequence[Tensor | Downdate] = ()
     entries: Mapping[str, Tensor] = field(default_factory=dict)
     hpht: Tensor | None = None
 
