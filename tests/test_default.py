@@ -62,8 +62,8 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     assert len(got["mixture"]["temperatures"]) == 13 and got["mixture"]["vote"]
     # and the learner's prediction also sharpened, for Bayes' weights to pick its calibration.
     assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85]
-    # with the log-linear pools of the learner and LDA; nearest class mean only with many classes (measured there).
-    assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is False
+    # with the log-linear pools of the learner and LDA, and nearest class mean on LDA's statistics (all image defaults).
+    assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is True
     (line,) = decided_line(caplog)
     assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
     assert "--config presets/loko_images runs the filter alone" in line  # the way out of the mixture's cost
@@ -79,6 +79,7 @@ def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
         # predicting with the mixture on the frozen sentence embedding, the learner also softened and sharpened.
         assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA"), config
         assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85, 1.25, 1.5, 2.0], config
+        assert got["mixture"]["nearest_mean"] is False, config  # not measured on text
 
 
 def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean_and_the_mixture(

@@ -6,9 +6,10 @@ configs and every preset pin it). What the default decides from is known before 
 
 - an image backbone (:class:`~loko_lightning.models.TimmClassifier`) with at most 10 classes: the image default,
   ``presets/loko_images`` (the averaged mean, a shared head covariance, the head's prior 10x smaller) predicting with
-  its mixture with streaming LDA on the frozen features and their log-linear pools (``presets/loko_mixture_lda``);
+  its mixture with streaming LDA on the frozen features, their log-linear pools (``presets/loko_mixture_lda``) and
+  nearest class mean on LDA's statistics (``NEAREST_MEAN``);
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
-  predicting with the same mixture and nearest class mean on LDA's statistics (``NEAREST_MEAN``);
+  predicting with the same mixture;
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with the same mixture on the frozen
   sentence embedding, the learner's prediction also tempered both ways (``TEXT_MIXTURE``);
@@ -75,8 +76,9 @@ MANY_CLASS_IMAGES = (
 # The text default's mixture: the learner's prediction tempered on both sides, sharpened as on images and softened
 # (its ECE on WordNet 8.9% alone: overconfident), Bayes' weights choosing (docs/results/default_study.md).
 TEXT_MIXTURE = ("--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85, 1.25, 1.5, 2]",)
-# Nearest class mean on LDA's statistics as more experts, where it was measured to lead LDA early: many classes, a few
-# samples each (docs/results/default_study.md).
+# Nearest class mean on LDA's statistics as more experts, on every image backbone: measured to lead LDA early with 100
+# classes, a few samples each, and to lift the 10-class mixture from the first hundred samples (docs/results/
+# default_study.md). Not measured on text.
 NEAREST_MEAN = "--model.mixture.init_args.nearest_mean=true"
 
 
@@ -153,13 +155,12 @@ def decide(config: Any) -> Decision | None:
         name, args = "the many-class image default", MANY_CLASS_IMAGES
         settings = "the natural filter's one row, averaged mean, p0 0.03"
         alone = f"the filter's three flags given ({' '.join(MANY_CLASS_IMAGES)}) run it alone"
-    many = not (isinstance(num_classes, int) and num_classes <= MAX_CLASSES)
     return Decision(
         f"{name} + presets/loko_mixture_lda",
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
-        f"on the frozen features, its prediction also pooled with LDA's{', nearest class mean added' if many else ''}; "
+        f"and nearest class mean on the frozen features, its prediction also pooled with LDA's; "
         f"{alone}, without the mixture's extra forward pass and LDA solve a sample",
-        args + preset("presets/loko_mixture_lda") + ((NEAREST_MEAN,) if many else ()),
+        (*args, *preset("presets/loko_mixture_lda"), NEAREST_MEAN),
     )
 
 
