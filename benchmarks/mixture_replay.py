@@ -9,8 +9,8 @@ The experts of :mod:`loko_lightning.learner.mixture` do not depend on the mixtur
 learner-level test checks it bit for bit) and streaming LDA learns from the frozen features and the labels alone. So
 one run per seed with a wide temperature grid (``record``: each step's ``(K, m)`` log probabilities of the experts,
 LoKO, LDA at each temperature and LDA's vote, and the label, in ``experts_seed<s>.pt``) gives, by replaying
-:func:`~loko_lightning.learner.mixture.update_log_weights` and
-:func:`~loko_lightning.learner.mixture.mixture_log_predictive`, the prequential score the learner would make for any
+:func:`~loko_lightning.learner.mixing.update_log_weights` and
+:func:`~loko_lightning.learner.mixing.mixture_log_predictive`, the prequential score the learner would make for any
 share ``α`` and subset of the experts (uniform prior; ``replay``). A setting chosen this way is chosen on the stream
 it is scored on: a screen; confirm the chosen one with ``compare.py``.
 
@@ -18,7 +18,7 @@ it is scored on: a screen; confirm the chosen one with ``compare.py``.
 learner's definition) over the whole stream, mean over the recorded seeds; the experts alone first. With
 ``--learner-temperatures``, each setting again with LoKO's recorded prediction tempered at those temperatures as more
 experts (a screen of calibrating the learner's expert inside the mixture); with ``--pools``, each setting again with
-the log-linear pools of LoKO's recorded prediction and LDA's (:func:`~loko_lightning.learner.mixture.\
+the log-linear pools of LoKO's recorded prediction and LDA's (:func:`~loko_lightning.learner.mixing.\
 pooled_log_probabilities` at those powers and each kept temperature; LDA's logits read from its recorded ``T = 1`` log
 probabilities, equal up to a constant a pool does not see: the learner's arithmetic to float64 rounding); with
 ``--calibrate``, each setting's
@@ -41,13 +41,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from loko_lightning.learner.mixture import (
-    MixtureStep,
+from loko_lightning.learner.mixing import (
     mixture_log_predictive,
     pooled_log_probabilities,
     update_log_weights,
     vote_log_probabilities,
 )
+from loko_lightning.learner.mixture import MixtureStep
 
 PRESET = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
 

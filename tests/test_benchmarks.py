@@ -709,7 +709,8 @@ def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
         import mixture_replay
-    from loko_lightning.learner.mixture import MixtureStep, mixture_log_predictive, update_log_weights
+    from loko_lightning.learner.mixing import mixture_log_predictive, update_log_weights
+    from loko_lightning.learner.mixture import MixtureStep
     from loko_lightning.peers import StreamingLDA
 
     step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], prior_learner=0.2, learner_temperatures=[0.5, 0.8])

@@ -16,15 +16,14 @@ from loko_lightning import LoKO
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.frozen_features import FrozenFeatures, passthrough
 from loko_lightning.learner.frozen_heads import output_layer
-from loko_lightning.learner.mixture import (
-    FrozenHeadMixture,
-    MixtureStep,
+from loko_lightning.learner.mixing import (
     mixture_log_predictive,
     pooled_log_probabilities,
     tempered_log_probabilities,
     update_log_weights,
     vote_log_probabilities,
 )
+from loko_lightning.learner.mixture import FrozenHeadMixture, MixtureStep
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier
 from loko_lightning.peers import FrozenLinearHead, NearestClassMean, StreamingLDA

@@ -16,7 +16,8 @@ LDA while the classes have a few samples each). The learner predicts with the mi
     w_{k,t+1} \propto w_{k,t}\, p_k(y_t \mid x_t) \quad\text{(Bayes)}, \qquad
     w \leftarrow (1 - \alpha)\, w + \alpha / K \quad\text{(fixed share, } \alpha = \texttt{share}\text{)},
 
-the weights updated after the sample is scored (prequential). With :math:`\alpha = 0` and a uniform prior the
+the weights updated after the sample is scored (prequential; the arithmetic, pure functions:
+:mod:`loko_lightning.learner.mixing`). With :math:`\alpha = 0` and a uniform prior the
 mixture's cumulative log loss is at most the best expert's plus :math:`\log K`; fixed share (Herbster & Warmuth 1998)
 lets the weight move from LDA to the fine-tuner later, at a cost of about :math:`\log(K/\alpha)` nats a switch and
 :math:`\alpha` nats a sample. Derivation and measurements: ``docs/results/mixture.md``.
@@ -46,6 +47,13 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.distributed import all_gather_observations
 from loko_lightning.learner.checks import optimizer_class, optimizer_config, optimizer_from_config
 from loko_lightning.learner.frozen_features import FrozenFeatures
+from loko_lightning.learner.mixing import (
+    mixture_log_predictive,
+    pooled_log_probabilities,
+    tempered_log_probabilities,
+    update_log_weights,
+    vote_log_probabilities,
+)
 from loko_lightning.learner.steps import OnlineStep, StepResult, collective_timeout, world_size
 
 #: LDA's temperatures by default: a geometric grid from its own (1) to 4096x softer (its early misses cost hundreds
@@ -53,61 +61,6 @@ from loko_lightning.learner.steps import OnlineStep, StepResult, collective_time
 TEMPERATURES = tuple(float(2**k) for k in range(13))
 #: Fixed share's α by default: the weight can move from LDA to the fine-tuner within a few dozen samples.
 SHARE = 0.01
-
-
-# ------------------------------------------------------------------ the arithmetic (pure functions)
-def tempered_log_probabilities(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
-    """``log softmax(logits / T)`` for each ``T``: ``(len(temperatures), B, m)`` from logits ``(B, m)``."""
-    scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
-    return torch.log_softmax(logits[None] / scale[:, None, None], -1)
-
-
-def pooled_log_probabilities(
-    learner_log_probabilities: Tensor, logits: Tensor, powers: Sequence[float], temperatures: Sequence[float]
-) -> Tensor:
-    """Log-linear pools ``log softmax(a · log p + z / T)`` for each power ``a``, then each ``T``: ``(A·T, B, m)``.
-
-    ``log p`` ``(B, m)``: the learner's log probabilities; ``z`` ``(B, m)``: the frozen head's logits. Each pool
-    adds the two predictions' log evidence (a product of experts, renormalised): where the learner and the frozen
-    head are each unsure but in different ways, the pool can be right and confident where both are not.
-    """
-    power = torch.tensor(powers, dtype=logits.dtype, device=logits.device)[:, None, None, None]
-    scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[None, :, None, None]
-    pooled = power * learner_log_probabilities[None, None] + logits[None, None] / scale
-    return torch.log_softmax(pooled, -1).reshape(-1, *logits.shape)
-
-
-def vote_log_probabilities(predicted: Tensor, hits: Tensor, seen: Tensor, num_classes: int) -> Tensor:
-    """A classifier's argmax as a calibrated forecast: ``c`` on ``predicted`` ``(B,)``, ``(1 − c)/(m − 1)`` elsewhere.
-
-    ``c = (hits + 1) / (seen + 2)``, Laplace's rule on the classifier's past top-1 hits (prequential: from the samples
-    before). Returns ``(B, m)`` log probabilities in ``hits``' dtype.
-    """
-    confidence = (hits + 1) / (seen + 2)
-    rest = torch.log((1 - confidence) / (num_classes - 1))
-    out = rest.expand(predicted.shape[0], num_classes).clone()
-    return out.scatter_(1, predicted[:, None], torch.log(confidence).expand(predicted.shape[0], 1))
-
-
-def mixture_log_predictive(log_weights: Tensor, log_probabilities: Tensor) -> Tensor:
-    """``log Σ_k w_k p_k(y|x)`` ``(B, m)`` from normalised log weights ``(K,)`` and experts' ``(K, B, m)``."""
-    return torch.logsumexp(log_weights[:, None, None] + log_probabilities, 0)
-
-
-def update_log_weights(log_weights: Tensor, log_likelihoods: Tensor, share: float = 0.0) -> Tensor:
-    """The normalised log weights after one scored sample: Bayes' ``w_k ∝ w_k p_k(y)``, then fixed share.
-
-    Args:
-        log_weights: ``(K,)`` normalised log weights before the sample.
-        log_likelihoods: ``(K,)`` each expert's ``log p_k(y_t | x_t)``, from its prediction before the update.
-        share: fixed share's ``α`` in ``[0, 1)``: ``w ← (1 − α) w + α / K`` (0: the plain Bayesian mixture).
-    """
-    posterior = log_weights + log_likelihoods
-    posterior = posterior - torch.logsumexp(posterior, 0)
-    if share:
-        floor = torch.full_like(posterior, math.log(share / posterior.shape[0]))
-        posterior = torch.logaddexp(posterior + math.log1p(-share), floor)
-    return posterior
 
 
 # ------------------------------------------------------------------ the frozen expert

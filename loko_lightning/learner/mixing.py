@@ -1,0 +1,73 @@
+r"""The mixture's arithmetic, pure functions on log probabilities: its experts and Bayes' weights with fixed share.
+
+The experts of :class:`~loko_lightning.learner.mixture.MixtureStep` are built from two predictions, the learner's
+probabilities :math:`p` and a frozen head's logits :math:`z`: :math:`z` tempered, :math:`\log\mathrm{softmax}(z /
+T)` (:func:`tempered_log_probabilities`, the learner's :math:`\log p` the same way); the frozen head's argmax with its
+past accuracy as its confidence (:func:`vote_log_probabilities`); the log-linear pools :math:`p^a \exp(z / T)`,
+renormalised (:func:`pooled_log_probabilities`). The mixture predicts :math:`\sum_k w_k p_k(y \mid x)`
+(:func:`mixture_log_predictive`) and, once the label is known, updates :math:`w_k \propto w_k p_k(y)` then
+:math:`w \leftarrow (1 - \alpha) w + \alpha / K` (:func:`update_log_weights`). Everything in log space; the
+callers keep it in float64 (docs/results/mixture.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def tempered_log_probabilities(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
+    """``log softmax(logits / T)`` for each ``T``: ``(len(temperatures), B, m)`` from logits ``(B, m)``."""
+    scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
+    return torch.log_softmax(logits[None] / scale[:, None, None], -1)
+
+
+def pooled_log_probabilities(
+    learner_log_probabilities: Tensor, logits: Tensor, powers: Sequence[float], temperatures: Sequence[float]
+) -> Tensor:
+    """Log-linear pools ``log softmax(a · log p + z / T)`` for each power ``a``, then each ``T``: ``(A·T, B, m)``.
+
+    ``log p`` ``(B, m)``: the learner's log probabilities; ``z`` ``(B, m)``: the frozen head's logits. Each pool
+    adds the two predictions' log evidence (a product of experts, renormalised): where the learner and the frozen
+    head are each unsure but in different ways, the pool can be right and confident where both are not.
+    """
+    power = torch.tensor(powers, dtype=logits.dtype, device=logits.device)[:, None, None, None]
+    scale = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[None, :, None, None]
+    pooled = power * learner_log_probabilities[None, None] + logits[None, None] / scale
+    return torch.log_softmax(pooled, -1).reshape(-1, *logits.shape)
+
+
+def vote_log_probabilities(predicted: Tensor, hits: Tensor, seen: Tensor, num_classes: int) -> Tensor:
+    """A classifier's argmax as a calibrated forecast: ``c`` on ``predicted`` ``(B,)``, ``(1 − c)/(m − 1)`` elsewhere.
+
+    ``c = (hits + 1) / (seen + 2)``, Laplace's rule on the classifier's past top-1 hits (prequential: from the samples
+    before). Returns ``(B, m)`` log probabilities in ``hits``' dtype.
+    """
+    confidence = (hits + 1) / (seen + 2)
+    rest = torch.log((1 - confidence) / (num_classes - 1))
+    out = rest.expand(predicted.shape[0], num_classes).clone()
+    return out.scatter_(1, predicted[:, None], torch.log(confidence).expand(predicted.shape[0], 1))
+
+
+def mixture_log_predictive(log_weights: Tensor, log_probabilities: Tensor) -> Tensor:
+    """``log Σ_k w_k p_k(y|x)`` ``(B, m)`` from normalised log weights ``(K,)`` and experts' ``(K, B, m)``."""
+    return torch.logsumexp(log_weights[:, None, None] + log_probabilities, 0)
+
+
+def update_log_weights(log_weights: Tensor, log_likelihoods: Tensor, share: float = 0.0) -> Tensor:
+    """The normalised log weights after one scored sample: Bayes' ``w_k ∝ w_k p_k(y)``, then fixed share.
+
+    Args:
+        log_weights: ``(K,)`` normalised log weights before the sample.
+        log_likelihoods: ``(K,)`` each expert's ``log p_k(y_t | x_t)``, from its prediction before the update.
+        share: fixed share's ``α`` in ``[0, 1)``: ``w ← (1 − α) w + α / K`` (0: the plain Bayesian mixture).
+    """
+    posterior = log_weights + log_likelihoods
+    posterior = posterior - torch.logsumexp(posterior, 0)
+    if share:
+        floor = torch.full_like(posterior, math.log(share / posterior.shape[0]))
+        posterior = torch.logaddexp(posterior + math.log1p(-share), floor)
+    return posterior
