@@ -349,8 +349,8 @@ def test_the_image_default_under_ddp_scores_every_process_s_averaged_predictions
 
 
 def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resumes_exactly(tmp_path):
-    """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``, its pools, with the
-    many-class default's nearest class mean) under DDP, refused before (its state was one process's): every process
+    """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``, its pools and
+    nearest class mean) under DDP, refused before (its state was one process's): every process
     mixes and learns from both processes' samples in rank order, so the mixture's weights, LDA's hits and head and the
     nearest-mean head are the same on both ranks (in the checksum), LDA counted each of the 24 samples once, every
     prediction was scored once, and a run resumed under DDP from the step-6 checkpoint ends bit for bit like the
@@ -388,6 +388,7 @@ def test_the_image_default_with_the_sharded_update_stays_in_sync(tmp_path):
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert last["state_dict"]["online_acc.weight"].item() == 24 and float(last["loko_mixture"]["seen"]) == 24
     assert last["hyper_parameters"]["head_covariance"] == "diagonal"
+    assert last["hyper_parameters"]["mixture"]["nearest_mean"] is True  # as every image default
 
 
 def test_a_sharded_loko_fit_stays_in_sync_checkpoints_the_whole_state_and_resumes_exactly(tmp_path, two_processes):
