@@ -436,9 +436,9 @@ def row(results: Path, stream: Stream, entry: Entry) -> Row:
     else:
         where = "" if longest is end else f" @{longest.samples:,}"
         cells += [mean(longest.nll, 1, 3) + where, mean(longest.ece, 100, 1) + where]
-    # each cost run read alone: two timings of the same seeds are two measurements, not a seed twice
-    ratios = [r for run in entry.cost for r in read(results, (run,)).ratios]
-    if not entry.cost:
+    if entry.cost:  # each cost run read alone: two timings of the same seeds are two measurements, not a seed twice
+        ratios = [r for run in entry.cost for r in read(results, (run,)).ratios]
+    else:
         ratios = end.ratios if end else []
     if not ratios:
         cells.append(NOT_RECORDED)

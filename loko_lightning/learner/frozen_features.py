@@ -222,8 +222,9 @@ class FrozenFeatures:
 
         One forward pass of the samples twice over, in eval mode, without gradient: each adapter layer runs on the
         first copy and the module it calls disabled (:func:`passthrough`) on the second; a vanilla LoRA layer runs its
-        base layer once on both and adds its term to the first (12.4 against 15.5 ms for the two passes,
-        EfficientNet-Lite0 at 32 px with LoRA on its convs, one CPU thread). The values are those of the two passes up
+        base layer once on both and adds its term to the first (``benchmarks/step_parts.py``, EfficientNet-Lite0 at
+        32 px with LoRA on its convs, one CPU thread: 15.7 ms, the two passes 12.7 and 14.3 ms in an earlier run of
+        it; ``results/default_study/step_parts_fm32.md``). The values are those of the two passes up
         to floating-point rounding (a convolution of two samples may sum in another order than of one). Two passes
         where that cannot be split: an adapter layer without a passthrough (merged, trainable tokens), inputs other
         than a tensor or a mapping of tensors, or a layer that does not see the samples as the first dimension of its
