@@ -23,7 +23,9 @@ pooled_log_probabilities` at those powers and each kept temperature; LDA's logit
 probabilities, equal up to a constant a pool does not see: the learner's arithmetic to float64 rounding); with
 ``--calibrate``, each setting's
 prediction tempered at those temperatures and mixed again by Bayes' weights (fixed share ``--calibrate-share``): a
-calibration of the whole mixture that keeps its argmax where one temperature dominates.
+calibration of the whole mixture that keeps its argmax where one temperature dominates. With ``--share-to past``,
+each setting again with the share going to the mean of the past posteriors (mixing past posteriors) instead of to
+every expert alike.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from torch import Tensor
 
 from loko_lightning.learner.mixing import (
+    mix_past_posteriors,
     mixture_log_predictive,
     pooled_log_probabilities,
     update_log_weights,
@@ -122,12 +125,18 @@ def ece(predictions: Tensor, labels: Tensor, bins: int = 15) -> float:
 
 
 def replay_one(
-    experts: Tensor, labels: Tensor, share: float, learners: Sequence[int] = (), prior_learner: float | None = None
+    experts: Tensor,
+    labels: Tensor,
+    share: float,
+    learners: Sequence[int] = (),
+    prior_learner: float | None = None,
+    share_to: str = "uniform",
 ) -> Tensor:
-    """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, fixed share ``α``.
+    """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, share ``α`` (``share_to``).
 
     The prior is uniform, or with ``prior_learner`` the learner's experts (indices ``learners``) share that weight
-    equally and the others the rest, as :class:`~loko_lightning.learner.mixture.MixtureStep` builds it.
+    equally and the others the rest, as :class:`~loko_lightning.learner.mixture.MixtureStep` builds it. The share
+    goes to every expert alike (``"uniform"``, fixed share) or to the mean of the past posteriors (``"past"``).
     """
     count = experts.shape[1]
     prior = torch.full((count,), 1.0 / count, dtype=torch.float64)
@@ -135,10 +144,15 @@ def replay_one(
         prior.fill_((1.0 - prior_learner) / (count - len(learners)))
         prior[list(learners)] = prior_learner / len(learners)
     log_weights = prior.log()
+    past = log_weights.clone()
     predictions = []
-    for step, label in zip(experts, labels, strict=True):
+    for count, (step, label) in enumerate(zip(experts, labels, strict=True), start=1):
         predictions.append(mixture_log_predictive(log_weights, step[:, None])[0].exp())
-        log_weights = update_log_weights(log_weights, step[:, label], share)
+        if share_to == "past":
+            posterior = update_log_weights(log_weights, step[:, label])
+            log_weights, past = mix_past_posteriors(posterior, past, count, share)
+        else:
+            log_weights = update_log_weights(log_weights, step[:, label], share)
     return torch.stack(predictions)
 
 
@@ -226,8 +240,9 @@ def replay(args: argparse.Namespace) -> None:
                     learner_sets, pool_sets, nearest_sets
                 ):
                     mixed, learners = setting_experts(experts, keep, kept, learner_temperatures, powers, extra)
-                    for share, prior in itertools.product(args.shares, [None, *args.prior_learner]):
-                        predictions = replay_one(mixed, labels, share, learners, prior)
+                    settings = itertools.product(args.shares, args.share_to, [None, *args.prior_learner])
+                    for share, share_to, prior in settings:
+                        predictions = replay_one(mixed, labels, share, learners, prior, share_to)
                         what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
                         if learner_temperatures:
                             what += f" + LoKO at T = {', '.join(f'{t:g}' for t in learner_temperatures)}"
@@ -236,15 +251,14 @@ def replay(args: argparse.Namespace) -> None:
                         what += near
                         if prior is not None:
                             what += f", LoKO's prior {prior:g}"
-                        rows.setdefault(f"mixture, {what}, share {share:g}", []).append(
-                            scores(predictions, labels, args.at)
-                        )
+                        what += f", share {share:g}" + (" to the past" if share_to == "past" else "")
+                        rows.setdefault(f"mixture, {what}", []).append(scores(predictions, labels, args.at))
                         if args.calibrate:  # the mixture's prediction tempered at each T, mixed again (argmax kept)
                             log_p = predictions.clamp_min(torch.finfo(torch.float64).tiny).log()
                             again = torch.stack([torch.log_softmax(log_p / t, -1) for t in args.calibrate], 1)
                             calibrated = replay_one(again, labels, args.calibrate_share)
                             grid = ", ".join(f"{t:g}" for t in args.calibrate)
-                            rows.setdefault(f"mixture, {what}, share {share:g}, calibrated over T = {grid}", []).append(
+                            rows.setdefault(f"mixture, {what}, calibrated over T = {grid}", []).append(
                                 scores(calibrated, labels, args.at)
                             )
     keys = list(next(iter(rows.values()))[0])
@@ -277,6 +291,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep = commands.add_parser("replay")
     rep.add_argument("folder", type=Path)
     rep.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.003, 0.01, 0.03, 0.1])
+    rep.add_argument(
+        "--share-to", nargs="+", choices=["uniform", "past"], default=["uniform"],
+        help="where the share goes: every expert alike (fixed share) or the mean of the past posteriors",
+    )  # fmt: skip
     rep.add_argument("--max-temperatures", type=float, nargs="+", default=[0.0, 64.0, 4096.0], help="0: no T experts")
     rep.add_argument("--votes", type=int, nargs="+", default=[0, 1], help="with LDA's vote (1) or without (0)")
     rep.add_argument("--show-temperatures", type=float, nargs="*", default=[1.0, 16.0, 256.0])

@@ -704,7 +704,8 @@ def test_step_parts_times_each_part_of_the_default_and_the_papers_step(tmp_path)
 
 def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     """The replay of recorded experts with ``prior_learner`` is the learner's mixture arithmetic, bit for bit: the same
-    prior over the same experts' order (MixtureStep's learner indices), the same Bayes and fixed-share updates."""
+    prior over the same experts' order (MixtureStep's learner indices), the same Bayes and fixed-share updates, or
+    with the share to the past's posteriors, the step's own update."""
     pytest.importorskip("matplotlib")
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
@@ -725,6 +726,14 @@ def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     assert torch.equal(got, torch.stack(want))
     # Without prior_learner: the uniform prior, another mixture.
     assert not torch.equal(mixture_replay.replay_one(experts, labels, 0.01), got)
+    # The share to the past's posteriors: the step's own update, bit for bit, and not fixed share's.
+    past = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], share=0.01, prior_learner=0.2,
+                       learner_temperatures=[0.5, 0.8], share_to="past")  # fmt: skip
+    got_past, want = mixture_replay.replay_one(experts, labels, 0.01, step.learner_experts, 0.2, "past"), []
+    for count, (log_probabilities, label) in enumerate(zip(experts, labels, strict=True), start=1):
+        want.append(mixture_log_predictive(past.log_weights, log_probabilities[:, None])[0].exp())
+        past._update_weights(log_probabilities[:, label], torch.tensor(float(count), dtype=torch.float64))
+    assert torch.equal(got_past, torch.stack(want)) and not torch.equal(got_past, got)
 
 
 def test_mixture_replay_builds_the_learners_experts_with_its_pools():

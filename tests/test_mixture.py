@@ -17,6 +17,7 @@ from loko_lightning.errors import ConfigError
 from loko_lightning.learner.frozen_features import FrozenFeatures, passthrough
 from loko_lightning.learner.frozen_heads import output_layer
 from loko_lightning.learner.mixing import (
+    mix_past_posteriors,
     mixture_log_predictive,
     pooled_log_probabilities,
     tempered_log_probabilities,
@@ -88,6 +89,29 @@ def test_fixed_share_is_the_dense_switching_recursion():
         w = switching @ (posterior / posterior.sum())
     torch.testing.assert_close(after, w, rtol=1e-12, atol=0)
     assert after.min() >= alpha / 3 - 1e-15  # the floor: no expert's weight ever vanishes
+
+
+def test_mixing_past_posteriors_is_its_dense_recursion():
+    """Mixing past posteriors against its float64 form in probabilities, every posterior kept: v_t = w_t ⊙ p_t / Σ,
+    w_{t+1} = (1 − α) v_t + α (v_0 + … + v_{t−1}) / t, v_0 the prior; the log-space recursion keeps only the mean.
+    The two float64 paths differ by rounding, a few ulps per step: 1e-12 relative; with no share, the posterior."""
+    ll = likelihoods(steps=40, experts=3, seed=2)
+    prior = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    alpha = 0.05
+    log_weights, past = prior.log(), prior.log()
+    posteriors, w = [prior.clone()], prior.clone()
+    for t, step in enumerate(ll, start=1):
+        torch.testing.assert_close(log_weights.exp(), w, rtol=1e-12, atol=0)
+        log_weights, past = mix_past_posteriors(update_log_weights(log_weights, step), past, t, alpha)
+        posterior = w * step.exp()
+        posterior = posterior / posterior.sum()
+        w = (1 - alpha) * posterior + alpha * torch.stack(posteriors).mean(0)
+        posteriors.append(posterior)
+        torch.testing.assert_close(past.exp(), torch.stack(posteriors).mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(log_weights.exp(), w, rtol=1e-12, atol=0)
+    torch.testing.assert_close(log_weights.exp().sum(), torch.ones((), dtype=torch.float64), rtol=1e-14, atol=0)
+    no_share, _ = mix_past_posteriors(update_log_weights(prior.log(), ll[0]), prior.log(), 1, 0.0)
+    torch.testing.assert_close(no_share, update_log_weights(prior.log(), ll[0]), rtol=0, atol=0)
 
 
 def test_float32_weights_follow_the_float64_product():
@@ -243,6 +267,7 @@ def test_the_nearest_mean_experts_are_nearest_class_mean_on_ldas_statistics_and_
         ({"learner_temperatures": [0.5, -1.0]}, "learner_temperatures"),
         ({"pools": [0.5, 0.0]}, "pools"),
         ({"head": FrozenLinearHead, "nearest_mean": True}, "nearest_mean"),
+        ({"share_to": "prior"}, "share_to"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
@@ -383,9 +408,18 @@ def reference_nearest_logits(x, y, z):
 
 
 @pytest.mark.parametrize(
-    ("pools", "nearest", "average"), [([], False, 0.0), ([0.5, 1.0], False, 0.0), ([], True, 0.0), ([], False, 0.9)]
+    ("pools", "nearest", "average", "share_to"),
+    [
+        ([], False, 0.0, "uniform"),
+        ([0.5, 1.0], False, 0.0, "uniform"),
+        ([], True, 0.0, "uniform"),
+        ([], False, 0.9, "uniform"),
+        ([0.5, 1.0], True, 0.9, "past"),
+    ],
 )
-def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_thread, pools, nearest, average):
+def test_the_learner_scores_the_mixture_made_before_the_sample(
+    monkeypatch, one_thread, pools, nearest, average, share_to
+):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
     fitted in float64 on samples 0..i-1 of the pretrained features (at each temperature, and its argmax voted with
@@ -394,14 +428,17 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     features are float32 (d = 64 sums): a probability within 1e-4 of the float64 reference, as in the frozen-heads
     test; predicting with sample i included (LDA and the weights) moves the prediction by far more (asserted, so the
     test can fail). With LoKO's average its prediction and the features come from one pass of the sample twice over
-    (``FrozenFeatures.with_adapted``): the same float32 sums in another order."""
+    (``FrozenFeatures.with_adapted``): the same float32 sums in another order. With ``share_to: past`` the share
+    goes to the mean of the past posteriors, every posterior kept in the reference."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
     plain = learner(average=average)
     plain_scored = scored(plain, monkeypatch)
     trainer().fit(plain, loader(items))
     head = partial(StreamingLDA, shrinkage=0.1)
-    mixture = FrozenHeadMixture(head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest)
+    mixture = FrozenHeadMixture(
+        head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest, share_to=share_to
+    )
     module = learner(mixture, average=average)
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
@@ -419,7 +456,7 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
 
     prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
     switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
-    weights, hits, lookahead_gap = prior.clone(), 0, 0.0
+    weights, hits, lookahead_gap, posteriors = prior.clone(), 0, 0.0, [prior.clone()]
     for i in range(14):
         logits = reference_lda_logits(features[:i], labels[:i], features[i])
         c = (hits + 1) / (i + 2)
@@ -429,7 +466,12 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
         expected = (weights[:, None] * log_p.exp()).sum(0)
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
         posterior = weights * log_p[:, labels[i]].exp()
-        weights = switching @ (posterior / posterior.sum())
+        posterior = posterior / posterior.sum()
+        if share_to == "past":
+            weights = (1 - SHARE) * posterior + SHARE * torch.stack(posteriors).mean(0)
+            posteriors.append(posterior)
+        else:
+            weights = switching @ posterior
         hits += int(logits.argmax() == labels[i])
         ahead_logits = reference_lda_logits(features[: i + 1], labels[: i + 1], features[i])
         ahead = reference_experts(log_p[0], ahead_logits, vote, i + 1)
@@ -438,28 +480,33 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(monkeypatch, one_
     assert lookahead_gap > 1e-2
 
 
-def mixed_learner(**kwargs):
+def mixed_learner(share_to="uniform", **kwargs):
     head = partial(StreamingLDA, shrinkage=0.1)
-    return learner(FrozenHeadMixture(head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True), **kwargs)
+    mixture = FrozenHeadMixture(head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_to=share_to)
+    return learner(mixture, **kwargs)
 
 
 def mixture_state(module):
     step = module.online_step
     nearest = dict(zip(("nearest_weight", "nearest_bias"), step.nearest, strict=True))
-    return {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, **step.head.state_dict(), **nearest}
+    past = {} if step.past is None else {"past": step.past}
+    state = {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, **step.head.state_dict()}
+    return {**state, **nearest, **past}
 
 
-def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch):
+@pytest.mark.parametrize("share_to", ["uniform", "past"])
+def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch, share_to):
     """8 samples in one fit, or 4, a checkpoint, and 4 more resumed from it: the same predictions scored for the last
-    4 (bit for bit: the same float operations in the same order), the same mixture weights, LDA head and network."""
+    4 (bit for bit: the same float operations in the same order), the same mixture weights (and past posteriors'
+    mean), LDA head and network."""
     items = stream(8, num_classes=3, seed=5)
-    whole = mixed_learner()
+    whole = mixed_learner(share_to)
     whole_scored = scored(whole, monkeypatch)
     trainer(max_epochs=1).fit(whole, loader(items))
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = mixed_learner()
+    first = mixed_learner(share_to)
     trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(first, loader(items[:4]))
-    resumed = mixed_learner()
+    resumed = mixed_learner(share_to)
     resumed_scored = scored(resumed, monkeypatch)
     trainer(max_epochs=2).fit(resumed, loader(items[4:]), ckpt_path=str(tmp_path / "last.ckpt"))
     assert len(resumed_scored) == 4
@@ -471,6 +518,16 @@ def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, 
         torch.testing.assert_close(resumed.network.get_parameter(name), param, rtol=0, atol=0)
     # The resumed mixture is not a fresh one: its weights moved from the prior.
     assert not torch.equal(mixture_state(resumed)["log_weights"], mixed_learner().online_step.log_weights)
+    assert ("past" in mixture_state(resumed)) == (share_to == "past")
+
+
+def test_a_fixed_share_checkpoint_is_not_resumed_with_the_past_posteriors(tmp_path, one_thread):
+    items = stream(4, num_classes=3, seed=5)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(mixed_learner(), loader(items))
+    with pytest.raises(ConfigError, match="share_to: uniform") as raised:
+        trainer(max_epochs=2).fit(mixed_learner("past"), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert raised.value.field == "share_to"
 
 
 def test_a_checkpoint_fitted_without_the_mixture_is_not_resumed_with_it(tmp_path, one_thread):

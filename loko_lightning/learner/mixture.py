@@ -20,7 +20,10 @@ the weights updated after the sample is scored (prequential; the arithmetic, pur
 :mod:`loko_lightning.learner.mixing`). With :math:`\alpha = 0` and a uniform prior the
 mixture's cumulative log loss is at most the best expert's plus :math:`\log K`; fixed share (Herbster & Warmuth 1998)
 lets the weight move from LDA to the fine-tuner later, at a cost of about :math:`\log(K/\alpha)` nats a switch and
-:math:`\alpha` nats a sample. Derivation and measurements: ``docs/results/mixture.md``.
+:math:`\alpha` nats a sample. With ``share_to: past`` the share goes to the mean of the past posteriors instead of
+to every expert alike, :math:`w \leftarrow (1 - \alpha) w + \alpha \frac1t \sum_{s<t} v_s` (mixing past posteriors,
+Bousquet & Warmuth 2002): an expert that led before comes back as a switch does under fixed share, and the experts
+that never led take almost none of the prediction. Derivation and measurements: ``docs/results/mixture.md``.
 
 The learner's option ``mixture`` (:class:`FrozenHeadMixture`; ``configs/presets/loko_mixture_lda.yaml`` sets it)
 wraps its step in :class:`MixtureStep`, so every prediction the learner makes is the mixture's: the prequential score
@@ -48,6 +51,7 @@ from loko_lightning.kalman.distributed import all_gather_observations
 from loko_lightning.learner.checks import optimizer_class, optimizer_config, optimizer_from_config
 from loko_lightning.learner.frozen_features import FrozenFeatures
 from loko_lightning.learner.mixing import (
+    mix_past_posteriors,
     mixture_log_predictive,
     pooled_log_probabilities,
     tempered_log_probabilities,
@@ -61,6 +65,8 @@ from loko_lightning.learner.steps import OnlineStep, StepResult, collective_time
 TEMPERATURES = tuple(float(2**k) for k in range(13))
 #: Fixed share's α by default: the weight can move from LDA to the fine-tuner within a few dozen samples.
 SHARE = 0.01
+#: Where the share goes (``share_to``): fixed share's uniform ``α / K``, or the mean of the past posteriors.
+SHARE_TO = ("uniform", "past")
 
 
 # ------------------------------------------------------------------ the frozen expert
@@ -99,6 +105,8 @@ class MixtureStep(OnlineStep):
             ``temperatures`` (:func:`pooled_log_probabilities`), one expert each, after the tempered learner.
         nearest_mean: add nearest class mean on the same statistics (the head's ``nearest_mean()``: the class means
             and the pooled variance) at each of ``temperatures``, one expert each, last.
+        share_to: where the share goes: ``"uniform"`` (fixed share, ``α / K`` each) or ``"past"`` (the mean of the
+            past posteriors, :func:`mix_past_posteriors`).
     """
 
     def __init__(
@@ -112,6 +120,7 @@ class MixtureStep(OnlineStep):
         learner_temperatures: Sequence[float] = (),
         pools: Sequence[float] = (),
         nearest_mean: bool = False,
+        share_to: str = "uniform",
     ) -> None:
         self.inner = inner
         self.temperatures = [float(t) for t in temperatures]
@@ -133,6 +142,9 @@ class MixtureStep(OnlineStep):
         prior = torch.full((learners + others,), (1.0 - learner) / others, dtype=torch.float64)
         prior[self.learner_experts] = learner / learners
         self.log_weights = prior.log()
+        self.share_to = share_to
+        # share_to "past": the log mean of the posteriors v_0 (the prior) ... v_t, of seen + 1 of them
+        self.past = self.log_weights.clone() if share_to == "past" else None
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
@@ -156,6 +168,7 @@ class MixtureStep(OnlineStep):
         self.lda = self.build_head(self.head.parameters())
         self.lda.bind(self.head.weight, self.head.bias)
         self.log_weights = self.log_weights.to(device)
+        self.past = None if self.past is None else self.past.to(device)
         self.hits, self.seen = self.hits.to(device), self.seen.to(device)
 
     def _features(self, module: pl.LightningModule, inputs: Any, adapted: bool = False) -> tuple[Tensor | None, Tensor]:
@@ -236,13 +249,24 @@ class MixtureStep(OnlineStep):
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
         if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
             observed = log_probabilities[:, torch.arange(label.shape[0]), label]  # (K, B): log p_k(y_b | x_b)
-            for likelihoods in observed.T:  # one sample after the other
-                self.log_weights = update_log_weights(self.log_weights, likelihoods, self.share)
+            for count, likelihoods in enumerate(observed.T, start=1):  # one sample after the other
+                self._update_weights(likelihoods, self.seen + count)
             self.hits += (lda_logits.argmax(-1) == label).sum()
             self.seen += label.shape[0]
             self.lda.step(closure=lambda: (features, label))
             self._refresh_nearest()
         return prediction.to(learner.dtype), label, applied & finite
+
+    def _update_weights(self, likelihoods: Tensor, count: Tensor) -> None:
+        """Bayes' update of the weights by one sample's ``(K,)`` log-likelihoods, then the share (see the module).
+
+        ``count``: the posteriors the past's mean holds before this one (the prior and the samples before).
+        """
+        if self.past is None:
+            self.log_weights = update_log_weights(self.log_weights, likelihoods, self.share)
+            return
+        posterior = update_log_weights(self.log_weights, likelihoods)
+        self.log_weights, self.past = mix_past_posteriors(posterior, self.past, count, self.share)
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inner step's values, the weights of the learner (all its temperatures) and the pools, LDA's top T."""
@@ -271,13 +295,16 @@ class MixtureStep(OnlineStep):
                 "head": self.head.state_dict(),
                 "lda": self.lda.state_dict(),
             }
+            if self.past is not None:
+                checkpoint["loko_mixture"]["past"] = self.past.clone()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The inner step's state; the mixture's as it was saved (none in a checkpoint from before the first step).
 
         Raises:
             ConfigError: a checkpoint fitted without the mixture (``field="mixture"``): its weights and LDA's
-                statistics would start again mid-stream.
+                statistics would start again mid-stream; or with fixed share, into ``share_to: past``
+                (``field="share_to"``): the past's posteriors are not in it.
         """
         self.inner.on_load_checkpoint(checkpoint)
         saved = checkpoint.get("loko_mixture")
@@ -292,6 +319,14 @@ class MixtureStep(OnlineStep):
                     owner=FrozenHeadMixture,
                 )
             return
+        if self.past is not None and "past" not in saved:
+            raise ConfigError(
+                "this checkpoint's mixture was fitted with fixed share (share_to: uniform), so the mean of its past "
+                "posteriors that share_to: past mixes in is not in it. To fix it: resume with share_to: uniform, or "
+                "fit from the start with share_to: past",
+                field="share_to",
+                owner=FrozenHeadMixture,
+            )
         head = saved["head"]
         classes, dim = head["weight"].shape
         self._build(dim, classes, head["weight"].device)
@@ -300,6 +335,8 @@ class MixtureStep(OnlineStep):
         self.lda.load_state_dict(saved["lda"])
         self._refresh_nearest()
         self.log_weights = saved["log_weights"].to(torch.float64).clone()
+        if self.past is not None:
+            self.past = saved["past"].to(torch.float64).clone()
         self.hits = saved["hits"].to(torch.float64).clone()
         self.seen = saved["seen"].to(torch.float64).clone()
 
@@ -324,6 +361,7 @@ class MixtureStep(OnlineStep):
             self.head.weight.copy_(other.head.weight)
             self.head.bias.copy_(other.head.bias)
         self.log_weights, self.hits, self.seen = other.log_weights.clone(), other.hits.clone(), other.seen.clone()
+        self.past = None if other.past is None else other.past.clone()
         self.nearest = None if other.nearest is None else (other.nearest[0].clone(), other.nearest[1].clone())
 
     def serving(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -384,6 +422,8 @@ class FrozenHeadMixture:
             (``p ∝ p_learner^a exp(z_LDA / T)``, :func:`pooled_log_probabilities`), one expert each; default none.
         nearest_mean: add nearest class mean on the head's statistics at every one of ``temperatures``, one expert
             each (it leads LDA while the classes have a few samples each: one covariance is hard to estimate then).
+        share_to: ``"uniform"`` (fixed share: ``α / K`` to every expert) or ``"past"`` (mixing past posteriors: ``α``
+            times the mean of the past posteriors; see the module).
     """
 
     def __init__(
@@ -396,6 +436,7 @@ class FrozenHeadMixture:
         learner_temperatures: list[float] | None = None,
         pools: list[float] | None = None,
         nearest_mean: bool = False,
+        share_to: str = "uniform",
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         learner_temperatures = _positive(learner_temperatures, "learner_temperatures", "each > 0")
@@ -404,6 +445,13 @@ class FrozenHeadMixture:
             raise ConfigError(f"Invalid temperatures: {temperatures}", field="temperatures", owner=FrozenHeadMixture)
         if not 0.0 <= share < 1.0:
             raise ConfigError(f"Invalid share: {share} (in [0, 1))", field="share", owner=FrozenHeadMixture)
+        if share_to not in SHARE_TO:
+            raise ConfigError(
+                f"Invalid share_to: {share_to!r}. To fix it: 'uniform' (fixed share) or 'past' (mixing past "
+                "posteriors)",
+                field="share_to",
+                owner=FrozenHeadMixture,
+            )
         if prior_learner is not None and not 0.0 < prior_learner < 1.0:
             raise ConfigError(
                 f"Invalid prior_learner: {prior_learner} (in (0, 1))", field="prior_learner", owner=FrozenHeadMixture
@@ -424,13 +472,13 @@ class FrozenHeadMixture:
                 field="nearest_mean",
                 owner=FrozenHeadMixture,
             )
-        self.pools, self.nearest_mean = pools, bool(nearest_mean)
+        self.pools, self.nearest_mean, self.share_to = pools, bool(nearest_mean), share_to
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
         return MixtureStep(
             inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures,
-            self.pools, self.nearest_mean,
+            self.pools, self.nearest_mean, self.share_to,
         )  # fmt: skip
 
     def spec(self) -> dict[str, Any]:
@@ -444,6 +492,7 @@ class FrozenHeadMixture:
             "learner_temperatures": list(self.learner_temperatures),
             "pools": list(self.pools),
             "nearest_mean": self.nearest_mean,
+            "share_to": self.share_to,
         }
 
     @classmethod
