@@ -23,9 +23,9 @@ pooled_log_probabilities` at those powers and each kept temperature; LDA's logit
 probabilities, equal up to a constant a pool does not see: the learner's arithmetic to float64 rounding); with
 ``--calibrate``, each setting's
 prediction tempered at those temperatures and mixed again by Bayes' weights (fixed share ``--calibrate-share``): a
-calibration of the whole mixture that keeps its argmax where one temperature dominates. With ``--share-to past``,
-each setting again with the share going to the mean of the past posteriors (mixing past posteriors) instead of to
-every expert alike.
+calibration of the whole mixture that keeps its argmax where one temperature dominates. With ``--shares-past``,
+each setting again with that share going to the mean of the past posteriors (mixing past posteriors) beside fixed
+share's.
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def replay_one(
     share: float,
     learners: Sequence[int] = (),
     prior_learner: float | None = None,
-    share_to: str = "uniform",
+    share_past: float = 0.0,
 ) -> Tensor:
-    """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, share ``α`` (``share_to``).
+    """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, fixed share ``α``, ``share_past``.
 
     The prior is uniform, or with ``prior_learner`` the learner's experts (indices ``learners``) share that weight
-    equally and the others the rest, as :class:`~loko_lightning.learner.mixture.MixtureStep` builds it. The share
-    goes to every expert alike (``"uniform"``, fixed share) or to the mean of the past posteriors (``"past"``).
+    equally and the others the rest, as :class:`~loko_lightning.learner.mixture.MixtureStep` builds it. With
+    ``share_past`` ``β > 0`` a share ``β`` goes to the mean of the past posteriors too (mixing past posteriors).
     """
     count = experts.shape[1]
     prior = torch.full((count,), 1.0 / count, dtype=torch.float64)
@@ -148,9 +148,9 @@ def replay_one(
     predictions = []
     for count, (step, label) in enumerate(zip(experts, labels, strict=True), start=1):
         predictions.append(mixture_log_predictive(log_weights, step[:, None])[0].exp())
-        if share_to == "past":
+        if share_past:
             posterior = update_log_weights(log_weights, step[:, label])
-            log_weights, past = mix_past_posteriors(posterior, past, count, share)
+            log_weights, past = mix_past_posteriors(posterior, past, count, share_past, share)
         else:
             log_weights = update_log_weights(log_weights, step[:, label], share)
     return torch.stack(predictions)
@@ -240,9 +240,9 @@ def replay(args: argparse.Namespace) -> None:
                     learner_sets, pool_sets, nearest_sets
                 ):
                     mixed, learners = setting_experts(experts, keep, kept, learner_temperatures, powers, extra)
-                    settings = itertools.product(args.shares, args.share_to, [None, *args.prior_learner])
-                    for share, share_to, prior in settings:
-                        predictions = replay_one(mixed, labels, share, learners, prior, share_to)
+                    settings = itertools.product(args.shares, args.shares_past, [None, *args.prior_learner])
+                    for share, share_past, prior in settings:
+                        predictions = replay_one(mixed, labels, share, learners, prior, share_past)
                         what = (f"T in 1..{top:g}" if top >= 1 else "no T") + (" + vote" if vote else "")
                         if learner_temperatures:
                             what += f" + LoKO at T = {', '.join(f'{t:g}' for t in learner_temperatures)}"
@@ -251,7 +251,7 @@ def replay(args: argparse.Namespace) -> None:
                         what += near
                         if prior is not None:
                             what += f", LoKO's prior {prior:g}"
-                        what += f", share {share:g}" + (" to the past" if share_to == "past" else "")
+                        what += f", share {share:g}" + (f" + {share_past:g} to the past" if share_past else "")
                         rows.setdefault(f"mixture, {what}", []).append(scores(predictions, labels, args.at))
                         if args.calibrate:  # the mixture's prediction tempered at each T, mixed again (argmax kept)
                             log_p = predictions.clamp_min(torch.finfo(torch.float64).tiny).log()
@@ -292,8 +292,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep.add_argument("folder", type=Path)
     rep.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.003, 0.01, 0.03, 0.1])
     rep.add_argument(
-        "--share-to", nargs="+", choices=["uniform", "past"], default=["uniform"],
-        help="where the share goes: every expert alike (fixed share) or the mean of the past posteriors",
+        "--shares-past", type=float, nargs="+", default=[0.0],
+        help="shares to the mean of the past posteriors (mixing past posteriors), each with every --shares",
     )  # fmt: skip
     rep.add_argument("--max-temperatures", type=float, nargs="+", default=[0.0, 64.0, 4096.0], help="0: no T experts")
     rep.add_argument("--votes", type=int, nargs="+", default=[0, 1], help="with LDA's vote (1) or without (0)")

@@ -726,10 +726,10 @@ def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     assert torch.equal(got, torch.stack(want))
     # Without prior_learner: the uniform prior, another mixture.
     assert not torch.equal(mixture_replay.replay_one(experts, labels, 0.01), got)
-    # The share to the past's posteriors: the step's own update, bit for bit, and not fixed share's.
-    past = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], share=0.01, prior_learner=0.2,
-                       learner_temperatures=[0.5, 0.8], share_to="past")  # fmt: skip
-    got_past, want = mixture_replay.replay_one(experts, labels, 0.01, step.learner_experts, 0.2, "past"), []
+    # A share to the past's posteriors too: the step's own update, bit for bit, and not fixed share's alone.
+    past = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], share=0.001, prior_learner=0.2,
+                       learner_temperatures=[0.5, 0.8], share_past=0.01)  # fmt: skip
+    got_past, want = mixture_replay.replay_one(experts, labels, 0.001, step.learner_experts, 0.2, 0.01), []
     for count, (log_probabilities, label) in enumerate(zip(experts, labels, strict=True), start=1):
         want.append(mixture_log_predictive(past.log_weights, log_probabilities[:, None])[0].exp())
         past._update_weights(log_probabilities[:, label], torch.tensor(float(count), dtype=torch.float64))

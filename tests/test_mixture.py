@@ -91,21 +91,23 @@ def test_fixed_share_is_the_dense_switching_recursion():
     assert after.min() >= alpha / 3 - 1e-15  # the floor: no expert's weight ever vanishes
 
 
-def test_mixing_past_posteriors_is_its_dense_recursion():
+@pytest.mark.parametrize("alpha", [0.0, 0.002])
+def test_mixing_past_posteriors_is_its_dense_recursion(alpha):
     """Mixing past posteriors against its float64 form in probabilities, every posterior kept: v_t = w_t ⊙ p_t / Σ,
-    w_{t+1} = (1 − α) v_t + α (v_0 + … + v_{t−1}) / t, v_0 the prior; the log-space recursion keeps only the mean.
-    The two float64 paths differ by rounding, a few ulps per step: 1e-12 relative; with no share, the posterior."""
+    w_{t+1} = (1 − α − β) v_t + α / K + β (v_0 + … + v_{t−1}) / t, v_0 the prior; the log-space recursion keeps only
+    the mean. The two float64 paths differ by rounding, a few ulps per step: 1e-12 relative; with no share, the
+    posterior."""
     ll = likelihoods(steps=40, experts=3, seed=2)
     prior = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
-    alpha = 0.05
+    beta = 0.05
     log_weights, past = prior.log(), prior.log()
     posteriors, w = [prior.clone()], prior.clone()
     for t, step in enumerate(ll, start=1):
         torch.testing.assert_close(log_weights.exp(), w, rtol=1e-12, atol=0)
-        log_weights, past = mix_past_posteriors(update_log_weights(log_weights, step), past, t, alpha)
+        log_weights, past = mix_past_posteriors(update_log_weights(log_weights, step), past, t, beta, alpha)
         posterior = w * step.exp()
         posterior = posterior / posterior.sum()
-        w = (1 - alpha) * posterior + alpha * torch.stack(posteriors).mean(0)
+        w = (1 - alpha - beta) * posterior + alpha / 3 + beta * torch.stack(posteriors).mean(0)
         posteriors.append(posterior)
         torch.testing.assert_close(past.exp(), torch.stack(posteriors).mean(0), rtol=1e-12, atol=0)
     torch.testing.assert_close(log_weights.exp(), w, rtol=1e-12, atol=0)
@@ -267,7 +269,8 @@ def test_the_nearest_mean_experts_are_nearest_class_mean_on_ldas_statistics_and_
         ({"learner_temperatures": [0.5, -1.0]}, "learner_temperatures"),
         ({"pools": [0.5, 0.0]}, "pools"),
         ({"head": FrozenLinearHead, "nearest_mean": True}, "nearest_mean"),
-        ({"share_to": "prior"}, "share_to"),
+        ({"share_past": -0.01}, "share_past"),
+        ({"share": 0.5, "share_past": 0.5}, "share_past"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
@@ -408,17 +411,12 @@ def reference_nearest_logits(x, y, z):
 
 
 @pytest.mark.parametrize(
-    ("pools", "nearest", "average", "share_to"),
-    [
-        ([], False, 0.0, "uniform"),
-        ([0.5, 1.0], False, 0.0, "uniform"),
-        ([], True, 0.0, "uniform"),
-        ([], False, 0.9, "uniform"),
-        ([0.5, 1.0], True, 0.9, "past"),
-    ],
-)
+    ("pools", "nearest", "average", "share_past"),
+    [([], False, 0.0, 0.0), ([0.5, 1.0], False, 0.0, 0.0), ([], True, 0.0, 0.0), ([], False, 0.9, 0.0),
+     ([0.5, 1.0], True, 0.9, 0.1)],
+)  # fmt: skip
 def test_the_learner_scores_the_mixture_made_before_the_sample(
-    monkeypatch, one_thread, pools, nearest, average, share_to
+    monkeypatch, one_thread, pools, nearest, average, share_past
 ):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
@@ -428,8 +426,8 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     features are float32 (d = 64 sums): a probability within 1e-4 of the float64 reference, as in the frozen-heads
     test; predicting with sample i included (LDA and the weights) moves the prediction by far more (asserted, so the
     test can fail). With LoKO's average its prediction and the features come from one pass of the sample twice over
-    (``FrozenFeatures.with_adapted``): the same float32 sums in another order. With ``share_to: past`` the share
-    goes to the mean of the past posteriors, every posterior kept in the reference."""
+    (``FrozenFeatures.with_adapted``): the same float32 sums in another order. With ``share_past`` a share goes to
+    the mean of the past posteriors too, every posterior kept in the reference."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
     plain = learner(average=average)
@@ -437,7 +435,7 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     trainer().fit(plain, loader(items))
     head = partial(StreamingLDA, shrinkage=0.1)
     mixture = FrozenHeadMixture(
-        head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest, share_to=share_to
+        head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest, share_past=share_past
     )
     module = learner(mixture, average=average)
     features = initial_features(module, items)
@@ -467,8 +465,9 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
         posterior = weights * log_p[:, labels[i]].exp()
         posterior = posterior / posterior.sum()
-        if share_to == "past":
-            weights = (1 - SHARE) * posterior + SHARE * torch.stack(posteriors).mean(0)
+        if share_past:
+            mean = torch.stack(posteriors).mean(0)
+            weights = (1 - SHARE - share_past) * posterior + SHARE / experts + share_past * mean
             posteriors.append(posterior)
         else:
             weights = switching @ posterior
@@ -480,9 +479,9 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     assert lookahead_gap > 1e-2
 
 
-def mixed_learner(share_to="uniform", **kwargs):
+def mixed_learner(share_past=0.0, **kwargs):
     head = partial(StreamingLDA, shrinkage=0.1)
-    mixture = FrozenHeadMixture(head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_to=share_to)
+    mixture = FrozenHeadMixture(head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_past=share_past)
     return learner(mixture, **kwargs)
 
 
@@ -494,19 +493,19 @@ def mixture_state(module):
     return {**state, **nearest, **past}
 
 
-@pytest.mark.parametrize("share_to", ["uniform", "past"])
-def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch, share_to):
+@pytest.mark.parametrize("share_past", [0.0, 0.1])
+def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch, share_past):
     """8 samples in one fit, or 4, a checkpoint, and 4 more resumed from it: the same predictions scored for the last
     4 (bit for bit: the same float operations in the same order), the same mixture weights (and past posteriors'
     mean), LDA head and network."""
     items = stream(8, num_classes=3, seed=5)
-    whole = mixed_learner(share_to)
+    whole = mixed_learner(share_past)
     whole_scored = scored(whole, monkeypatch)
     trainer(max_epochs=1).fit(whole, loader(items))
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = mixed_learner(share_to)
+    first = mixed_learner(share_past)
     trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(first, loader(items[:4]))
-    resumed = mixed_learner(share_to)
+    resumed = mixed_learner(share_past)
     resumed_scored = scored(resumed, monkeypatch)
     trainer(max_epochs=2).fit(resumed, loader(items[4:]), ckpt_path=str(tmp_path / "last.ckpt"))
     assert len(resumed_scored) == 4
@@ -518,16 +517,16 @@ def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, 
         torch.testing.assert_close(resumed.network.get_parameter(name), param, rtol=0, atol=0)
     # The resumed mixture is not a fresh one: its weights moved from the prior.
     assert not torch.equal(mixture_state(resumed)["log_weights"], mixed_learner().online_step.log_weights)
-    assert ("past" in mixture_state(resumed)) == (share_to == "past")
+    assert ("past" in mixture_state(resumed)) == bool(share_past)
 
 
 def test_a_fixed_share_checkpoint_is_not_resumed_with_the_past_posteriors(tmp_path, one_thread):
     items = stream(4, num_classes=3, seed=5)
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(mixed_learner(), loader(items))
-    with pytest.raises(ConfigError, match="share_to: uniform") as raised:
-        trainer(max_epochs=2).fit(mixed_learner("past"), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
-    assert raised.value.field == "share_to"
+    with pytest.raises(ConfigError, match="without share_past") as raised:
+        trainer(max_epochs=2).fit(mixed_learner(0.1), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert raised.value.field == "share_past"
 
 
 def test_a_checkpoint_fitted_without_the_mixture_is_not_resumed_with_it(tmp_path, one_thread):

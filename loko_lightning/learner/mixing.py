@@ -6,8 +6,8 @@ T)` (:func:`tempered_log_probabilities`, the learner's :math:`\log p` the same w
 past accuracy as its confidence (:func:`vote_log_probabilities`); the log-linear pools :math:`p^a \exp(z / T)`,
 renormalised (:func:`pooled_log_probabilities`). The mixture predicts :math:`\sum_k w_k p_k(y \mid x)`
 (:func:`mixture_log_predictive`) and, once the label is known, updates :math:`w_k \propto w_k p_k(y)` then
-:math:`w \leftarrow (1 - \alpha) w + \alpha / K` (:func:`update_log_weights`; fixed share), or :math:`w \leftarrow (1 -
-\alpha) w + \alpha\,\bar v` with :math:`\bar v` the mean of the past posteriors (:func:`mix_past_posteriors`).
+:math:`w \leftarrow (1 - \alpha) w + \alpha / K` (:func:`update_log_weights`; fixed share), or with :math:`\beta\,\bar
+v` more, :math:`\bar v` the mean of the past posteriors (:func:`mix_past_posteriors`).
 Everything in log space; the callers keep it in float64 (docs/results/mixture.md).
 """
 
@@ -74,25 +74,32 @@ def update_log_weights(log_weights: Tensor, log_likelihoods: Tensor, share: floa
     return posterior
 
 
-def mix_past_posteriors(posterior: Tensor, past: Tensor, count: Tensor | float, share: float) -> tuple[Tensor, Tensor]:
-    """Mixing past posteriors (Bousquet & Warmuth 2002, the uniform past): the share goes to the past's weights.
+def mix_past_posteriors(
+    posterior: Tensor, past: Tensor, count: Tensor | float, share_past: float, share: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Mixing past posteriors (Bousquet & Warmuth 2002, the uniform past), with fixed share's floor beside it.
 
-    ``w_{t+1} = (1 − α) v_t + α (v_0 + … + v_{t−1}) / t``: ``v_t`` the Bayes posterior after sample ``t``
-    (:func:`update_log_weights` with no share), ``v_0`` the prior. Where fixed share gives every expert ``α / K``,
-    whatever it ever did, this gives the share to the experts that held weight before: a leader of the past can come
-    back as fast, and the experts that never led take almost none of the prediction.
+    ``w_{t+1} = (1 − α − β) v_t + α / K + β (v_0 + … + v_{t−1}) / t``: ``v_t`` the Bayes posterior after sample ``t``
+    (:func:`update_log_weights` with no share), ``v_0`` the prior, ``β`` (``share_past``) the share that goes to the
+    experts that held weight before, ``α`` (``share``) fixed share's, to every expert alike. Where fixed share alone
+    gives every expert ``α / K`` whatever it ever did, ``β`` lets a leader of the past come back as fast while the
+    experts that never led take almost none of the prediction.
 
     Args:
         posterior: ``(K,)`` the normalised log posterior ``v_t``.
         past: ``(K,)`` the log of the mean of ``v_0 … v_{t−1}`` (before the first sample: the log prior).
         count: ``t``, how many posteriors ``past`` averages (1 before the first sample).
-        share: ``α`` in ``[0, 1)`` (0: the Bayes posterior).
+        share_past: ``β ≥ 0``.
+        share: ``α ≥ 0``, with ``α + β < 1``.
 
     Returns:
         The normalised log weights ``w_{t+1}`` and the log of the mean of ``v_0 … v_t``.
     """
     count = torch.as_tensor(count, dtype=posterior.dtype, device=posterior.device)
     updated = torch.logaddexp(past + torch.log(count / (count + 1)), posterior - torch.log(count + 1))
-    if not share:
-        return posterior, updated
-    return torch.logaddexp(posterior + math.log1p(-share), past + math.log(share)), updated
+    terms = [posterior + math.log1p(-share - share_past)]
+    if share:
+        terms.append(torch.full_like(posterior, math.log(share / posterior.shape[0])))
+    if share_past:
+        terms.append(past + math.log(share_past))
+    return torch.logsumexp(torch.stack(terms), 0), updated

@@ -20,10 +20,10 @@ the weights updated after the sample is scored (prequential; the arithmetic, pur
 :mod:`loko_lightning.learner.mixing`). With :math:`\alpha = 0` and a uniform prior the
 mixture's cumulative log loss is at most the best expert's plus :math:`\log K`; fixed share (Herbster & Warmuth 1998)
 lets the weight move from LDA to the fine-tuner later, at a cost of about :math:`\log(K/\alpha)` nats a switch and
-:math:`\alpha` nats a sample. With ``share_to: past`` the share goes to the mean of the past posteriors instead of
-to every expert alike, :math:`w \leftarrow (1 - \alpha) w + \alpha \frac1t \sum_{s<t} v_s` (mixing past posteriors,
-Bousquet & Warmuth 2002): an expert that led before comes back as a switch does under fixed share, and the experts
-that never led take almost none of the prediction. Derivation and measurements: ``docs/results/mixture.md``.
+:math:`\alpha` nats a sample. With ``share_past`` :math:`\beta > 0` a share goes to the mean of the past posteriors
+too, :math:`w \leftarrow (1 - \alpha - \beta) w + \alpha / K + \beta \frac1t \sum_{s<t} v_s` (mixing past
+posteriors, Bousquet & Warmuth 2002): an expert that led before comes back as fast, with a smaller uniform floor
+under the experts that never led. Derivation and measurements: ``docs/results/mixture.md``.
 
 The learner's option ``mixture`` (:class:`FrozenHeadMixture`; ``configs/presets/loko_mixture_lda.yaml`` sets it)
 wraps its step in :class:`MixtureStep`, so every prediction the learner makes is the mixture's: the prequential score
@@ -65,8 +65,6 @@ from loko_lightning.learner.steps import OnlineStep, StepResult, collective_time
 TEMPERATURES = tuple(float(2**k) for k in range(13))
 #: Fixed share's α by default: the weight can move from LDA to the fine-tuner within a few dozen samples.
 SHARE = 0.01
-#: Where the share goes (``share_to``): fixed share's uniform ``α / K``, or the mean of the past posteriors.
-SHARE_TO = ("uniform", "past")
 
 
 # ------------------------------------------------------------------ the frozen expert
@@ -105,8 +103,7 @@ class MixtureStep(OnlineStep):
             ``temperatures`` (:func:`pooled_log_probabilities`), one expert each, after the tempered learner.
         nearest_mean: add nearest class mean on the same statistics (the head's ``nearest_mean()``: the class means
             and the pooled variance) at each of ``temperatures``, one expert each, last.
-        share_to: where the share goes: ``"uniform"`` (fixed share, ``α / K`` each) or ``"past"`` (the mean of the
-            past posteriors, :func:`mix_past_posteriors`).
+        share_past: ``β``, the share to the mean of the past posteriors (:func:`mix_past_posteriors`; 0: none).
     """
 
     def __init__(
@@ -120,7 +117,7 @@ class MixtureStep(OnlineStep):
         learner_temperatures: Sequence[float] = (),
         pools: Sequence[float] = (),
         nearest_mean: bool = False,
-        share_to: str = "uniform",
+        share_past: float = 0.0,
     ) -> None:
         self.inner = inner
         self.temperatures = [float(t) for t in temperatures]
@@ -142,9 +139,9 @@ class MixtureStep(OnlineStep):
         prior = torch.full((learners + others,), (1.0 - learner) / others, dtype=torch.float64)
         prior[self.learner_experts] = learner / learners
         self.log_weights = prior.log()
-        self.share_to = share_to
-        # share_to "past": the log mean of the posteriors v_0 (the prior) ... v_t, of seen + 1 of them
-        self.past = self.log_weights.clone() if share_to == "past" else None
+        self.share_past = float(share_past)
+        # with share_past: the log mean of the posteriors v_0 (the prior) ... v_t, of seen + 1 of them
+        self.past = self.log_weights.clone() if self.share_past else None
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
@@ -266,7 +263,7 @@ class MixtureStep(OnlineStep):
             self.log_weights = update_log_weights(self.log_weights, likelihoods, self.share)
             return
         posterior = update_log_weights(self.log_weights, likelihoods)
-        self.log_weights, self.past = mix_past_posteriors(posterior, self.past, count, self.share)
+        self.log_weights, self.past = mix_past_posteriors(posterior, self.past, count, self.share_past, self.share)
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The inner step's values, the weights of the learner (all its temperatures) and the pools, LDA's top T."""
@@ -303,8 +300,8 @@ class MixtureStep(OnlineStep):
 
         Raises:
             ConfigError: a checkpoint fitted without the mixture (``field="mixture"``): its weights and LDA's
-                statistics would start again mid-stream; or with fixed share, into ``share_to: past``
-                (``field="share_to"``): the past's posteriors are not in it.
+                statistics would start again mid-stream; or without ``share_past``, into a mixture with it
+                (``field="share_past"``): the past's posteriors are not in it.
         """
         self.inner.on_load_checkpoint(checkpoint)
         saved = checkpoint.get("loko_mixture")
@@ -321,10 +318,10 @@ class MixtureStep(OnlineStep):
             return
         if self.past is not None and "past" not in saved:
             raise ConfigError(
-                "this checkpoint's mixture was fitted with fixed share (share_to: uniform), so the mean of its past "
-                "posteriors that share_to: past mixes in is not in it. To fix it: resume with share_to: uniform, or "
-                "fit from the start with share_to: past",
-                field="share_to",
+                "this checkpoint's mixture was fitted without share_past, so the mean of its past posteriors that "
+                "share_past mixes in is not in it. To fix it: resume with share_past: 0, or fit from the start with "
+                "share_past",
+                field="share_past",
                 owner=FrozenHeadMixture,
             )
         head = saved["head"]
@@ -422,8 +419,8 @@ class FrozenHeadMixture:
             (``p ∝ p_learner^a exp(z_LDA / T)``, :func:`pooled_log_probabilities`), one expert each; default none.
         nearest_mean: add nearest class mean on the head's statistics at every one of ``temperatures``, one expert
             each (it leads LDA while the classes have a few samples each: one covariance is hard to estimate then).
-        share_to: ``"uniform"`` (fixed share: ``α / K`` to every expert) or ``"past"`` (mixing past posteriors: ``α``
-            times the mean of the past posteriors; see the module).
+        share_past: ``β ≥ 0``, the share to the mean of the past posteriors (mixing past posteriors; see the module),
+            with ``share + share_past < 1``; 0: fixed share alone.
     """
 
     def __init__(
@@ -436,7 +433,7 @@ class FrozenHeadMixture:
         learner_temperatures: list[float] | None = None,
         pools: list[float] | None = None,
         nearest_mean: bool = False,
-        share_to: str = "uniform",
+        share_past: float = 0.0,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         learner_temperatures = _positive(learner_temperatures, "learner_temperatures", "each > 0")
@@ -445,11 +442,10 @@ class FrozenHeadMixture:
             raise ConfigError(f"Invalid temperatures: {temperatures}", field="temperatures", owner=FrozenHeadMixture)
         if not 0.0 <= share < 1.0:
             raise ConfigError(f"Invalid share: {share} (in [0, 1))", field="share", owner=FrozenHeadMixture)
-        if share_to not in SHARE_TO:
+        if not (share_past >= 0.0 and share + share_past < 1.0):
             raise ConfigError(
-                f"Invalid share_to: {share_to!r}. To fix it: 'uniform' (fixed share) or 'past' (mixing past "
-                "posteriors)",
-                field="share_to",
+                f"Invalid share_past: {share_past} (>= 0, with share + share_past < 1; share is {share})",
+                field="share_past",
                 owner=FrozenHeadMixture,
             )
         if prior_learner is not None and not 0.0 < prior_learner < 1.0:
@@ -472,13 +468,13 @@ class FrozenHeadMixture:
                 field="nearest_mean",
                 owner=FrozenHeadMixture,
             )
-        self.pools, self.nearest_mean, self.share_to = pools, bool(nearest_mean), share_to
+        self.pools, self.nearest_mean, self.share_past = pools, bool(nearest_mean), float(share_past)
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
         return MixtureStep(
             inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures,
-            self.pools, self.nearest_mean, self.share_to,
+            self.pools, self.nearest_mean, self.share_past,
         )  # fmt: skip
 
     def spec(self) -> dict[str, Any]:
@@ -492,7 +488,7 @@ class FrozenHeadMixture:
             "learner_temperatures": list(self.learner_temperatures),
             "pools": list(self.pools),
             "nearest_mean": self.nearest_mean,
-            "share_to": self.share_to,
+            "share_past": self.share_past,
         }
 
     @classmethod
