@@ -236,6 +236,8 @@ def replay(args: argparse.Namespace) -> None:
                     tempered = nearest[:, [k for k, t in enumerate(temperatures) if t <= top]]
                     nearest_sets += [(" + nearest mean", [tempered])]
                     nearest_sets += [(" + nearest mean + its vote", [tempered, ncm_vote])] if args.nearest_vote else []
+                if args.all_experts_only:  # the setting with every expert asked for, not each subset
+                    learner_sets, pool_sets, nearest_sets = learner_sets[-1:], pool_sets[-1:], nearest_sets[-1:]
                 for learner_temperatures, powers, (near, extra) in itertools.product(
                     learner_sets, pool_sets, nearest_sets
                 ):
@@ -317,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with recorded nearest class mean experts: also each setting with its argmax as a vote (as LDA's)",
     )  # fmt: skip
     rep.add_argument("--calibrate-share", type=float, default=0.01, help="fixed share of the --calibrate mixture")
+    rep.add_argument(
+        "--all-experts-only", action="store_true",
+        help="only the settings with every expert asked for (--learner-temperatures, --pools, nearest mean), not also "
+        "each without some of them",
+    )  # fmt: skip
     rep.add_argument(
         "--prior-learner", type=float, nargs="*", default=[],
         help="also each setting with LoKO's experts sharing this prior weight (the mixture's prior_learner)",
