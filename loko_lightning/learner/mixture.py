@@ -246,23 +246,25 @@ class MixtureStep(OnlineStep):
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
         if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
             observed = log_probabilities[:, torch.arange(label.shape[0]), label]  # (K, B): log p_k(y_b | x_b)
-            for count, likelihoods in enumerate(observed.T, start=1):  # one sample after the other
-                self._update_weights(likelihoods, self.seen + count)
+            for index, likelihoods in enumerate(observed.T):  # one sample after the other
+                self._update_weights(likelihoods, index)
             self.hits += (lda_logits.argmax(-1) == label).sum()
             self.seen += label.shape[0]
             self.lda.step(closure=lambda: (features, label))
             self._refresh_nearest()
         return prediction.to(learner.dtype), label, applied & finite
 
-    def _update_weights(self, likelihoods: Tensor, count: Tensor) -> None:
+    def _update_weights(self, likelihoods: Tensor, index: int) -> None:
         """Bayes' update of the weights by one sample's ``(K,)`` log-likelihoods, then the share (see the module).
 
-        ``count``: the posteriors the past's mean holds before this one (the prior and the samples before).
+        ``index``: the sample's place in this step's samples (the past's mean holds the prior and ``seen + index``
+        posteriors before this one).
         """
         if self.past is None:
             self.log_weights = update_log_weights(self.log_weights, likelihoods, self.share)
             return
         posterior = update_log_weights(self.log_weights, likelihoods)
+        count = self.seen + (index + 1)
         self.log_weights, self.past = mix_past_posteriors(posterior, self.past, count, self.share_past, self.share)
 
     def logged(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
