@@ -9,7 +9,7 @@ The experts of :mod:`loko_lightning.learner.mixture` do not depend on the mixtur
 learner-level test checks it bit for bit) and streaming LDA learns from the frozen features and the labels alone. So
 one run per seed with a wide temperature grid (``record``: each step's ``(K, m)`` log probabilities of the experts,
 LoKO, LDA at each temperature and LDA's vote, and the label, in ``experts_seed<s>.pt``) gives, by replaying
-:func:`~loko_lightning.learner.mixing.update_log_weights` and
+:func:`~loko_lightning.learner.mixing.update_mixture_weights` and
 :func:`~loko_lightning.learner.mixing.mixture_log_predictive`, the prequential score the learner would make for any
 share ``α`` and subset of the experts (uniform prior; ``replay``). A setting chosen this way is chosen on the stream
 it is scored on: a screen; confirm the chosen one with ``compare.py``.
@@ -44,13 +44,12 @@ import torch
 from torch import Tensor
 
 from loko_lightning.learner.mixing import (
-    mix_past_posteriors,
     mixture_log_predictive,
     pooled_log_probabilities,
-    update_log_weights,
+    update_mixture_weights,
     vote_log_probabilities,
 )
-from loko_lightning.learner.mixture import MixtureStep
+from loko_lightning.learner.mixture_step import MixtureStep
 
 PRESET = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
 
@@ -67,7 +66,7 @@ class ExpertRecorder(pl.Callback):
         self.nearest_mean = False  # whether the step's experts end with nearest class mean's at each temperature
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Wrap the mixture step's :meth:`~loko_lightning.learner.mixture.MixtureStep.experts` to record its output."""
+        """Wrap the mixture step's :meth:`~loko_lightning.learner.mixture_step.MixtureStep.experts` to record it."""
         step = pl_module.online_step
         assert isinstance(step, MixtureStep)
         experts, self.nearest_mean = step.experts, step.nearest_mean
@@ -135,7 +134,7 @@ def replay_one(
     """The mixture's prequential predictions ``(N, m)`` of experts ``(N, K, m)``, fixed share ``α``, ``share_past``.
 
     The prior is uniform, or with ``prior_learner`` the learner's experts (indices ``learners``) share that weight
-    equally and the others the rest, as :class:`~loko_lightning.learner.mixture.MixtureStep` builds it. With
+    equally and the others the rest, as :class:`~loko_lightning.learner.mixture_step.MixtureStep` builds it. With
     ``share_past`` ``β > 0`` a share ``β`` goes to the mean of the past posteriors too (mixing past posteriors).
     """
     count = experts.shape[1]
@@ -144,15 +143,11 @@ def replay_one(
         prior.fill_((1.0 - prior_learner) / (count - len(learners)))
         prior[list(learners)] = prior_learner / len(learners)
     log_weights = prior.log()
-    past = log_weights.clone()
+    past = log_weights.clone() if share_past else None
     predictions = []
     for count, (step, label) in enumerate(zip(experts, labels, strict=True), start=1):
         predictions.append(mixture_log_predictive(log_weights, step[:, None])[0].exp())
-        if share_past:
-            posterior = update_log_weights(log_weights, step[:, label])
-            log_weights, past = mix_past_posteriors(posterior, past, count, share_past, share)
-        else:
-            log_weights = update_log_weights(log_weights, step[:, label], share)
+        log_weights, past = update_mixture_weights(log_weights, step[:, label], share, share_past, past, count)
     return torch.stack(predictions)
 
 

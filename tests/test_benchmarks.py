@@ -711,7 +711,7 @@ def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
         patch.syspath_prepend(str(BENCHMARKS))
         import mixture_replay
     from loko_lightning.learner.mixing import mixture_log_predictive, update_log_weights
-    from loko_lightning.learner.mixture import MixtureStep
+    from loko_lightning.learner.mixture_step import MixtureStep
     from loko_lightning.peers import StreamingLDA
 
     step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], prior_learner=0.2, learner_temperatures=[0.5, 0.8])
@@ -745,7 +745,7 @@ def test_mixture_replay_builds_the_learners_experts_with_its_pools():
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
         import mixture_replay
-    from loko_lightning.learner.mixture import MixtureStep
+    from loko_lightning.learner.mixture_step import MixtureStep
     from loko_lightning.peers import StreamingLDA
 
     torch.manual_seed(1)
@@ -775,7 +775,7 @@ def test_mixture_replay_reads_the_nearest_mean_experts_and_their_vote():
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
         import mixture_replay
-    from loko_lightning.learner.mixture import MixtureStep
+    from loko_lightning.learner.mixture_step import MixtureStep
     from loko_lightning.peers import StreamingLDA
 
     torch.manual_seed(2)

@@ -24,7 +24,8 @@ from loko_lightning.learner.mixing import (
     update_log_weights,
     vote_log_probabilities,
 )
-from loko_lightning.learner.mixture import FrozenHeadMixture, MixtureStep
+from loko_lightning.learner.mixture import FrozenHeadMixture
+from loko_lightning.learner.mixture_step import MixtureStep
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models import TimmClassifier
 from loko_lightning.peers import FrozenLinearHead, NearestClassMean, StreamingLDA

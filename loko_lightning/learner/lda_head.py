@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from loko_lightning.errors import ConfigError
 from loko_lightning.learner.frozen_features import frozen_features
 from loko_lightning.learner.frozen_heads import output_layer
-from loko_lightning.learner.mixture import HeadCallable
+from loko_lightning.learner.mixture_step import HeadCallable
 from loko_lightning.learner.steps import OnlineStep, StepResult
 
 #: The prior's scale σ of LDA's weight β by default: β = 1 puts LDA's standardised logits (spread 1 over the classes)

@@ -1,6 +1,6 @@
 r"""The mixture's arithmetic, pure functions on log probabilities: its experts and Bayes' weights with fixed share.
 
-The experts of :class:`~loko_lightning.learner.mixture.MixtureStep` are built from two predictions, the learner's
+The experts of :class:`~loko_lightning.learner.mixture_step.MixtureStep` are built from two predictions, the learner's
 probabilities :math:`p` and a frozen head's logits :math:`z`: :math:`z` tempered, :math:`\log\mathrm{softmax}(z /
 T)` (:func:`tempered_log_probabilities`, the learner's :math:`\log p` the same way); the frozen head's argmax with its
 past accuracy as its confidence (:func:`vote_log_probabilities`); the log-linear pools :math:`p^a \exp(z / T)`,
@@ -103,3 +103,25 @@ def mix_past_posteriors(
     if share_past:
         terms.append(past + math.log(share_past))
     return torch.logsumexp(torch.stack(terms), 0), updated
+
+
+def update_mixture_weights(
+    log_weights: Tensor,
+    log_likelihoods: Tensor,
+    share: float,
+    share_past: float = 0.0,
+    past: Tensor | None = None,
+    count: Tensor | float | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """One scored sample's update of the mixture's weights: fixed share, or with ``share_past`` the past's share too.
+
+    Without ``share_past`` (0): :func:`update_log_weights` with ``share``, and ``past`` returned as given. With it:
+    the Bayes posterior (:func:`update_log_weights`, no share), then :func:`mix_past_posteriors` with ``past`` (the log
+    mean of the ``count`` posteriors before) and ``share``. Returns the new log weights and the new ``past``.
+    """
+    if not share_past:
+        return update_log_weights(log_weights, log_likelihoods, share), past
+    if past is None or count is None:
+        raise ValueError("share_past needs past (the log mean of the posteriors before) and count (how many)")
+    posterior = update_log_weights(log_weights, log_likelihoods)
+    return mix_past_posteriors(posterior, past, count, share_past, share)
