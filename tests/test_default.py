@@ -58,7 +58,9 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
         0.2,
     )
     # Predicting with its mixture with streaming LDA on the frozen features (OAS), the preset's experts.
-    assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA") and got["mixture"]["share"] == 0.01
+    assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA")
+    # weighed by Bayes with a share to the past posteriors and a smaller fixed share (mixing past posteriors).
+    assert (got["mixture"]["share"], got["mixture"]["share_past"]) == (0.001, 0.01)
     assert len(got["mixture"]["temperatures"]) == 13 and got["mixture"]["vote"]
     # and the learner's prediction also sharpened, for Bayes' weights to pick its calibration.
     assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85]
@@ -80,6 +82,7 @@ def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
         assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA"), config
         assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85, 1.25, 1.5, 2.0], config
         assert got["mixture"]["nearest_mean"] is False, config  # not measured on text
+        assert (got["mixture"]["share"], got["mixture"]["share_past"]) == (0.001, 0.01), config
 
 
 def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean_and_the_mixture(
@@ -88,7 +91,8 @@ def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_t
     with caplog.at_level(logging.INFO):
         got = settings(build("glyphs100_lite0"))
     assert (got["filter"]["name"], got["p0"], got["average"]) == ("natural", 0.03, 0.99)
-    assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA") and got["mixture"]["share"] == 0.01
+    assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA")
+    assert (got["mixture"]["share"], got["mixture"]["share_past"]) == (0.001, 0.01)
     assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is True
     (line,) = decided_line(caplog)
     assert "the many-class image default + presets/loko_mixture_lda" in line and "100 classes" in line
