@@ -702,6 +702,47 @@ def test_step_parts_times_each_part_of_the_default_and_the_papers_step(tmp_path)
     assert {name: getattr(step_parts.LoKO, name) for name in ("step", "averaged")} == originals
 
 
+def test_step_parts_lockstep_takes_turns_a_step_each_and_survives_a_learner_that_fails(capsys):
+    """``--lockstep``: the learners' steps alternate strictly (each waits while the other steps), the paired ratio is
+    printed, and a learner whose fit raises hands the turn on for good (the other finishes alone; the error is raised
+    after both threads end, not a deadlock)."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import step_parts
+    order: list[str] = []
+
+    class Recording(step_parts.PartTimes):
+        def __init__(self, name: str, active: step_parts.Active, fail_at: int | None = None) -> None:
+            super().__init__(active)
+            self.name, self.fail_at = name, fail_at
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            order.append(self.name)
+            if batch_idx == self.fail_at:
+                raise RuntimeError("learner b fails")
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    run = [*DEBUG, "--seed_everything=0", "--data.max_samples=6", *TINY, "--loko=as_configured"]
+    active = step_parts.Active()
+    times = [Recording("a", active), Recording("b", active)]
+    with step_parts.timed(active):
+        step_parts.lockstep_fit([run, run], times)
+    assert order == ["a", "b"] * 6 and [len(t.steps) for t in times] == [6, 6]
+
+    order.clear()
+    times = [Recording("a", active), Recording("b", active, fail_at=2)]
+    with step_parts.timed(active), pytest.raises(RuntimeError, match="learner b fails"):
+        step_parts.lockstep_fit([run, run], times)
+    assert order == ["a", "b", "a", "b", "a", "b", "a", "a", "a"] and len(times[0].steps) == 6
+
+    rows, steps = step_parts.main([*DEBUG, "--samples", "8", "--warmup", "2", "--learners", "paper", "paper",
+                                   "--lockstep", "--", *TINY])  # fmt: skip
+    assert set(steps) == {"paper 1", "paper 2"} and all(len(s) == 6 for s in steps.values())
+    out = capsys.readouterr().out
+    assert "the learners in lockstep" in out and "- paper 2: " in out
+
+
 def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     """The replay of recorded experts with ``prior_learner`` is the learner's mixture arithmetic, bit for bit: the same
     prior over the same experts' order (MixtureStep's learner indices), the same Bayes and fixed-share updates, or
