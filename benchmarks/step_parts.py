@@ -26,15 +26,17 @@ It prints the median of each over the steps after ``--warmup`` (a part's median 
 add up exactly: each is a median of its own), with the mean too (the refreshes of LDA's eigenbasis show there). Ratios
 between parts measured in one process are what to read; absolute times depend on the CPU and on what else runs.
 
-``--lockstep``: the learners train at the same time in one process, one thread each, taking turns a step at a time
-(each waits, idle, while another fetches its sample and steps), so that a change in the machine's speed over the run
+``--lockstep N``: the learners train at the same time in one process, one thread each, taking turns of ``N`` steps
+(each waits, idle, while another fetches its samples and steps), so that a change in the machine's speed over the run
 (this project's VM moved a learner's median by 10-40% between runs) falls on each learner's steps alike. It prints,
 beside the table, the median over the steps of the ratio of each learner's step to the first's *at the same step*,
 with the quartiles of that ratio: a paired measurement, where two runs one after the other compare two different
-stretches of the machine's time. ::
+stretches of the machine's time. A turn of one step makes every step start with the CPU's caches holding another
+learner's tensors (on this VM both learners' steps were 30-50% slower so than one after the other); a turn of 10 keeps
+them warm but for a turn's first step. ::
 
     python benchmarks/step_parts.py --config configs/fashion_mnist_lite0.yaml --samples 300 --threads 1 \
-        --learners paper default --lockstep
+        --learners paper default --lockstep 10
 """
 
 from __future__ import annotations
@@ -137,15 +139,15 @@ class PartTimes(pl.Callback):
 
 
 class Lockstep(pl.Callback):
-    """One of ``players`` learners fitting in threads of one process, taking turns a step each (see the module).
+    """One of ``players`` learners fitting in threads of one process, taking turns of ``steps`` steps (see the module).
 
-    A learner waits for its turn before its first step and, after each step, hands the turn to the next learner that
+    A learner waits for its turn before its first step and, after each turn, hands the turn to the next learner that
     has not finished and waits for it to come back (so its next sample is fetched in its own turn); :meth:`finish`
     (called when its fit ends, even on an error) hands it on for good. Put it before the :class:`PartTimes`.
     """
 
-    def __init__(self, me: int, turns: dict[str, Any]) -> None:
-        self.me, self.turns = me, turns
+    def __init__(self, me: int, turns: dict[str, Any], steps: int = 1) -> None:
+        self.me, self.turns, self.steps, self.taken = me, turns, steps, 0
 
     def _next(self) -> int:
         players, done = self.turns["players"], self.turns["done"]
@@ -181,13 +183,15 @@ class Lockstep(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        """Hand the turn on and wait for it to come back."""
-        self.hand_on()
-        self.wait()
+        """At the end of a turn, hand it on and wait for it to come back."""
+        self.taken += 1
+        if self.taken % self.steps == 0:
+            self.hand_on()
+            self.wait()
 
 
-def lockstep_fit(runs: list[list[str]], times: list[PartTimes]) -> None:
-    """Fit the runs (``loko fit`` arguments) at once, one thread each, taking turns a step each (:class:`Lockstep`).
+def lockstep_fit(runs: list[list[str]], times: list[PartTimes], steps: int = 1) -> None:
+    """Fit the runs (``loko fit`` arguments) at once, one thread each, taking turns of ``steps`` (:class:`Lockstep`).
 
     The runs are built one after the other first (seeding is process-wide), then fitted. An error in one is raised
     here after every thread has ended.
@@ -197,8 +201,8 @@ def lockstep_fit(runs: list[list[str]], times: list[PartTimes]) -> None:
     errors: list[BaseException] = []
     try:
         clis = [
-            common.build([*run, f"--trainer.default_root_dir={root}"], callbacks=[Lockstep(me, turns), part_times])
-            for me, (run, root, part_times) in enumerate(zip(runs, scratch, times, strict=True))
+            common.build([*run, f"--trainer.default_root_dir={root}"], callbacks=[Lockstep(me, turns, steps), timer])
+            for me, (run, root, timer) in enumerate(zip(runs, scratch, times, strict=True))
         ]
 
         def fit(me: int) -> None:
@@ -273,14 +277,14 @@ def main(argv: list[str] | None = None) -> tuple[list[tuple[str, str, float, flo
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learners", nargs="+", choices=sorted(LEARNERS), default=["default", "paper"])
-    parser.add_argument("--lockstep", action="store_true", help="the learners at once, a step each in turn")
+    parser.add_argument("--lockstep", type=int, default=0, metavar="N", help="the learners at once, N steps a turn")
     argv = sys.argv[1:] if argv is None else argv
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.samples <= args.warmup:
         parser.error(f"--samples ({args.samples}) must exceed --warmup ({args.warmup})")
-    if args.lockstep and len(args.learners) < 2:
-        parser.error("--lockstep needs two learners or more (e.g. --learners paper default)")
+    if args.lockstep < 0 or (args.lockstep and len(args.learners) < 2):
+        parser.error("--lockstep N needs N > 0 and two learners or more (e.g. --learners paper default)")
     common.set_threads(args.threads)
     names = [
         learner if args.learners.count(learner) == 1 else f"{learner} {args.learners[: i + 1].count(learner)}"
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> tuple[list[tuple[str, str, float, flo
     }  # fmt: skip
     with timed(active), common.quiet(True):
         if args.lockstep:
-            lockstep_fit(list(runs.values()), list(times.values()))
+            lockstep_fit(list(runs.values()), list(times.values()), args.lockstep)
         else:
             for name in names:
                 common.fit(runs[name], callbacks=[times[name]])
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> tuple[list[tuple[str, str, float, flo
             if values:
                 median, mean = statistics.median(values), statistics.fmean(values)
                 rows.append((name, part, median * 1e3, mean * 1e3, median / whole))
-    mode = "in lockstep, a step each in turn" if args.lockstep else "one after the other"
+    mode = f"in lockstep, {args.lockstep} step(s) a turn" if args.lockstep else "one after the other"
     print(f"{len(steps)} steps after {args.warmup} warm-up steps, {args.threads} thread(s), the learners {mode}")
     print("| learner | part | median (ms) | mean (ms) | median / the step's |")
     print("|---|---|---|---|---|")

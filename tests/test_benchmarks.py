@@ -702,10 +702,10 @@ def test_step_parts_times_each_part_of_the_default_and_the_papers_step(tmp_path)
     assert {name: getattr(step_parts.LoKO, name) for name in ("step", "averaged")} == originals
 
 
-def test_step_parts_lockstep_takes_turns_a_step_each_and_survives_a_learner_that_fails(capsys):
-    """``--lockstep``: the learners' steps alternate strictly (each waits while the other steps), the paired ratio is
-    printed, and a learner whose fit raises hands the turn on for good (the other finishes alone; the error is raised
-    after both threads end, not a deadlock)."""
+def test_step_parts_lockstep_takes_turns_of_n_steps_and_survives_a_learner_that_fails(capsys):
+    """``--lockstep N``: the learners' turns of N steps alternate strictly (each waits while the other steps), the
+    paired ratio is printed, and a learner whose fit raises hands the turn on for good (the other finishes alone; the
+    error is raised after both threads end, not a deadlock)."""
     pytest.importorskip("matplotlib")
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
@@ -736,8 +736,14 @@ def test_step_parts_lockstep_takes_turns_a_step_each_and_survives_a_learner_that
         step_parts.lockstep_fit([run, run], times)
     assert order == ["a", "b", "a", "b", "a", "b", "a", "a", "a"] and len(times[0].steps) == 6
 
+    order.clear()
+    times = [Recording("a", active), Recording("b", active)]
+    with step_parts.timed(active):
+        step_parts.lockstep_fit([run, run], times, steps=4)
+    assert order == ["a"] * 4 + ["b"] * 4 + ["a"] * 2 + ["b"] * 2
+
     rows, steps = step_parts.main([*DEBUG, "--samples", "8", "--warmup", "2", "--learners", "paper", "paper",
-                                   "--lockstep", "--", *TINY])  # fmt: skip
+                                   "--lockstep", "1", "--", *TINY])  # fmt: skip
     assert set(steps) == {"paper 1", "paper 2"} and all(len(s) == 6 for s in steps.values())
     out = capsys.readouterr().out
     assert "the learners in lockstep" in out and "- paper 2: " in out
