@@ -66,6 +66,7 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85]
     # with the log-linear pools of the learner and LDA, and nearest class mean on LDA's statistics (all image defaults).
     assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is True
+    assert got["mixture"]["nearest_vote"] is False  # neutral on 10 classes: off
     (line,) = decided_line(caplog)
     assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
     assert "--config presets/loko_images runs the filter alone" in line  # the way out of the mixture's cost
@@ -94,8 +95,10 @@ def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_t
     assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA")
     assert (got["mixture"]["share"], got["mixture"]["share_past"]) == (0.001, 0.01)
     assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is True
+    assert got["mixture"]["nearest_vote"] is True  # on 100 classes only
     (line,) = decided_line(caplog)
     assert "the many-class image default + presets/loko_mixture_lda" in line and "100 classes" in line
+    assert "nearest class mean (and its vote)" in line
     # The way out of the mixture's cost: the filter's three flags, given, pin it alone.
     flags = [flag for pair in (f.split("=", 1) for f in MANY_CLASS_IMAGES) for flag in pair]
     assert all(flag in line for flag in MANY_CLASS_IMAGES)

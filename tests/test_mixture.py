@@ -261,6 +261,24 @@ def test_the_nearest_mean_experts_are_nearest_class_mean_on_ldas_statistics_and_
     assert abs(float(shared.logged(None)["mixture/weight_nearest"]) - 0.2) < 1e-7  # float32: its rounding
 
 
+def test_the_nearest_vote_is_nearest_class_means_argmax_confident_by_its_own_hits_and_comes_last():
+    """With ``nearest_vote`` the last expert is nearest class mean's argmax with Laplace's rule on its hits (not
+    LDA's: LDA's vote keeps its own), one more expert among the nearest mean's (prior and logged weight)."""
+    step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], nearest_mean=True, nearest_vote=True)
+    step.hits, step.nearest_hits, step.seen = (torch.tensor(v, dtype=torch.float64) for v in (0.0, 2.0, 3.0))
+    learner = torch.full((1, 3), 1 / 3)
+    lda_logits = torch.tensor([[2.0, 0.0, 0.0]], dtype=torch.float64)
+    nearest_logits = torch.tensor([[0.0, 0.0, 5.0]], dtype=torch.float64)
+    experts = step.experts(learner, lda_logits, nearest_logits)
+    assert experts.shape == (7, 1, 3) and step.nearest_experts == slice(4, 7)
+    # LDA's vote on class 0 with 0 hits in 3: (0 + 1) / (3 + 2); the nearest mean's on class 2 with 2 hits: 3 / 5.
+    want = {3: [1 / 5, 2 / 5, 2 / 5], 6: [1 / 5, 1 / 5, 3 / 5]}
+    for row, probabilities in want.items():
+        expected = torch.tensor(probabilities, dtype=torch.float64)
+        torch.testing.assert_close(experts[row, 0].exp(), expected, rtol=1e-15, atol=0)  # exp of a log: an ulp
+    assert len(step.log_weights) == 7 and not MixtureStep(None, StreamingLDA, nearest_vote=True).nearest_vote
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
@@ -272,6 +290,7 @@ def test_the_nearest_mean_experts_are_nearest_class_mean_on_ldas_statistics_and_
         ({"head": FrozenLinearHead, "nearest_mean": True}, "nearest_mean"),
         ({"share_past": -0.01}, "share_past"),
         ({"share": 0.5, "share_past": 0.5}, "share_past"),
+        ({"nearest_vote": True}, "nearest_vote"),  # without nearest_mean
     ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
@@ -412,12 +431,12 @@ def reference_nearest_logits(x, y, z):
 
 
 @pytest.mark.parametrize(
-    ("pools", "nearest", "average", "share_past"),
-    [([], False, 0.0, 0.0), ([0.5, 1.0], False, 0.0, 0.0), ([], True, 0.0, 0.0), ([], False, 0.9, 0.0),
-     ([0.5, 1.0], True, 0.9, 0.1)],
+    ("pools", "nearest", "average", "share_past", "nearest_vote"),
+    [([], False, 0.0, 0.0, False), ([0.5, 1.0], False, 0.0, 0.0, False), ([], True, 0.0, 0.0, False),
+     ([], False, 0.9, 0.0, False), ([0.5, 1.0], True, 0.9, 0.1, False), ([], True, 0.0, 0.1, True)],
 )  # fmt: skip
 def test_the_learner_scores_the_mixture_made_before_the_sample(
-    monkeypatch, one_thread, pools, nearest, average, share_past
+    monkeypatch, one_thread, pools, nearest, average, share_past, nearest_vote
 ):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
@@ -428,7 +447,8 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     test; predicting with sample i included (LDA and the weights) moves the prediction by far more (asserted, so the
     test can fail). With LoKO's average its prediction and the features come from one pass of the sample twice over
     (``FrozenFeatures.with_adapted``): the same float32 sums in another order. With ``share_past`` a share goes to
-    the mean of the past posteriors too, every posterior kept in the reference."""
+    the mean of the past posteriors too, every posterior kept in the reference. With ``nearest_vote`` nearest class
+    mean's argmax is the last expert, voted with its hits on 0..i-1 as LDA's."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
     plain = learner(average=average)
@@ -436,8 +456,9 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     trainer().fit(plain, loader(items))
     head = partial(StreamingLDA, shrinkage=0.1)
     mixture = FrozenHeadMixture(
-        head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest, share_past=share_past
-    )
+        head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest, share_past=share_past,
+        nearest_vote=nearest_vote,
+    )  # fmt: skip
     module = learner(mixture, average=average)
     features = initial_features(module, items)
     mixed = scored(module, monkeypatch)
@@ -446,21 +467,27 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     assert len(mixed) == len(plain_scored) == 14
     for name, param in plain.network.named_parameters():  # LoKO's path is its own
         torch.testing.assert_close(param, module.network.get_parameter(name), rtol=0, atol=0)
-    experts = 2 + len(TEMPERATURES) + len(pools) * len(TEMPERATURES) + nearest * len(TEMPERATURES)
+    experts = 2 + len(TEMPERATURES) + len(pools) * len(TEMPERATURES) + nearest * len(TEMPERATURES) + nearest_vote
+
+    def laplace_vote(logits, hits, seen):  # the argmax, confident by Laplace's rule on the past hits
+        c = (hits + 1) / (seen + 2)
+        vote = torch.full((3,), (1 - c) / 2, dtype=torch.float64)
+        vote[logits.argmax()] = c
+        return vote
 
     def reference_experts(log_learner, logits, vote, upto):  # (K, m) in the learner's order
         pooled = [torch.log_softmax(a * log_learner + logits / t, -1) for a in pools for t in TEMPERATURES]
-        means = tempered(reference_nearest_logits(features[:upto], labels[:upto], features[i])) if nearest else []
-        return torch.stack([log_learner, *tempered(logits), vote.log(), *pooled, *means])
+        near = reference_nearest_logits(features[:upto], labels[:upto], features[i])
+        means = tempered(near) if nearest else []
+        near_vote = [laplace_vote(near, near_hits, i).log()] if nearest_vote else []
+        return torch.stack([log_learner, *tempered(logits), vote.log(), *pooled, *means, *near_vote])
 
     prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
     switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
-    weights, hits, lookahead_gap, posteriors = prior.clone(), 0, 0.0, [prior.clone()]
+    weights, hits, near_hits, lookahead_gap, posteriors = prior.clone(), 0, 0, 0.0, [prior.clone()]
     for i in range(14):
         logits = reference_lda_logits(features[:i], labels[:i], features[i])
-        c = (hits + 1) / (i + 2)
-        vote = torch.full((3,), (1 - c) / 2, dtype=torch.float64)
-        vote[logits.argmax()] = c
+        vote = laplace_vote(logits, hits, i)
         log_p = reference_experts(plain_scored[i][0].clamp_min(1e-300).log(), logits, vote, i)
         expected = (weights[:, None] * log_p.exp()).sum(0)
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
@@ -473,6 +500,7 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
         else:
             weights = switching @ posterior
         hits += int(logits.argmax() == labels[i])
+        near_hits += int(reference_nearest_logits(features[:i], labels[:i], features[i]).argmax() == labels[i])
         ahead_logits = reference_lda_logits(features[: i + 1], labels[: i + 1], features[i])
         ahead = reference_experts(log_p[0], ahead_logits, vote, i + 1)
         lookahead = (weights[:, None] * ahead.exp()).sum(0)
@@ -480,9 +508,11 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     assert lookahead_gap > 1e-2
 
 
-def mixed_learner(share_past=0.0, **kwargs):
+def mixed_learner(share_past=0.0, nearest_vote=False, **kwargs):
     head = partial(StreamingLDA, shrinkage=0.1)
-    mixture = FrozenHeadMixture(head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_past=share_past)
+    mixture = FrozenHeadMixture(
+        head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_past=share_past, nearest_vote=nearest_vote
+    )
     return learner(mixture, **kwargs)
 
 
@@ -490,23 +520,24 @@ def mixture_state(module):
     step = module.online_step
     nearest = dict(zip(("nearest_weight", "nearest_bias"), step.nearest, strict=True))
     past = {} if step.past is None else {"past": step.past}
-    state = {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, **step.head.state_dict()}
+    state = {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, "nearest_hits": step.nearest_hits}
+    state.update(step.head.state_dict())
     return {**state, **nearest, **past}
 
 
-@pytest.mark.parametrize("share_past", [0.0, 0.1])
-def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch, share_past):
+@pytest.mark.parametrize(("share_past", "nearest_vote"), [(0.0, False), (0.1, False), (0.1, True)])
+def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch, share_past, nearest_vote):
     """8 samples in one fit, or 4, a checkpoint, and 4 more resumed from it: the same predictions scored for the last
     4 (bit for bit: the same float operations in the same order), the same mixture weights (and past posteriors'
-    mean), LDA head and network."""
+    mean, nearest class mean's hits), LDA head and network."""
     items = stream(8, num_classes=3, seed=5)
-    whole = mixed_learner(share_past)
+    whole = mixed_learner(share_past, nearest_vote)
     whole_scored = scored(whole, monkeypatch)
     trainer(max_epochs=1).fit(whole, loader(items))
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = mixed_learner(share_past)
+    first = mixed_learner(share_past, nearest_vote)
     trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(first, loader(items[:4]))
-    resumed = mixed_learner(share_past)
+    resumed = mixed_learner(share_past, nearest_vote)
     resumed_scored = scored(resumed, monkeypatch)
     trainer(max_epochs=2).fit(resumed, loader(items[4:]), ckpt_path=str(tmp_path / "last.ckpt"))
     assert len(resumed_scored) == 4
@@ -528,6 +559,15 @@ def test_a_fixed_share_checkpoint_is_not_resumed_with_the_past_posteriors(tmp_pa
     with pytest.raises(ConfigError, match="without share_past") as raised:
         trainer(max_epochs=2).fit(mixed_learner(0.1), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
     assert raised.value.field == "share_past"
+
+
+def test_a_checkpoint_without_the_nearest_vote_is_not_resumed_with_it(tmp_path, one_thread):
+    items = stream(4, num_classes=3, seed=5)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(mixed_learner(), loader(items))
+    with pytest.raises(ConfigError, match="without nearest_vote") as raised:
+        trainer(max_epochs=2).fit(mixed_learner(0.0, True), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert raised.value.field == "nearest_vote"
 
 
 def test_a_checkpoint_fitted_without_the_mixture_is_not_resumed_with_it(tmp_path, one_thread):

@@ -9,7 +9,7 @@ configs and every preset pin it). What the default decides from is known before 
   its mixture with streaming LDA on the frozen features, their log-linear pools (``presets/loko_mixture_lda``) and
   nearest class mean on LDA's statistics (``NEAREST_MEAN``);
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
-  predicting with the same mixture;
+  predicting with the same mixture and nearest class mean's vote as one more expert (``NEAREST_VOTE``);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
   (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with the same mixture on the frozen
   sentence embedding, the learner's prediction also tempered both ways (``TEXT_MIXTURE``);
@@ -80,6 +80,10 @@ TEXT_MIXTURE = ("--model.mixture.init_args.learner_temperatures=[0.5, 0.7, 0.85,
 # classes, a few samples each, and to lift the 10-class mixture from the first hundred samples (docs/results/
 # default_study.md). Not measured on text.
 NEAREST_MEAN = "--model.mixture.init_args.nearest_mean=true"
+# Nearest class mean's argmax as one more expert, on the many-class image backbone: with the defaults' shares it gained
+# on every glyphs100 seed (results/mixture/nearest/replay_vote_share_past.md, then the default study's runs); neutral
+# on 10 classes, where it stays off.
+NEAREST_VOTE = "--model.mixture.init_args.nearest_vote=true"
 
 
 # With ``shard: true`` the image default's head keeps a covariance per row (the sharded update refuses a shared one):
@@ -155,12 +159,13 @@ def decide(config: Any) -> Decision | None:
         name, args = "the many-class image default", MANY_CLASS_IMAGES
         settings = "the natural filter's one row, averaged mean, p0 0.03"
         alone = f"the filter's three flags given ({' '.join(MANY_CLASS_IMAGES)}) run it alone"
+    many = not (isinstance(num_classes, int) and num_classes <= MAX_CLASSES)
     return Decision(
         f"{name} + presets/loko_mixture_lda",
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
-        f"and nearest class mean on the frozen features, its prediction also pooled with LDA's; "
-        f"{alone}, without the mixture's extra forward pass and LDA solve a sample",
-        (*args, *preset("presets/loko_mixture_lda"), NEAREST_MEAN),
+        f"and nearest class mean{' (and its vote)' if many else ''} on the frozen features, its prediction also "
+        f"pooled with LDA's; {alone}, without the mixture's extra forward pass and LDA solve a sample",
+        (*args, *preset("presets/loko_mixture_lda"), NEAREST_MEAN, *((NEAREST_VOTE,) if many else ())),
     )
 
 

@@ -94,6 +94,8 @@ class FrozenHeadMixture:
             each (it leads LDA while the classes have a few samples each: one covariance is hard to estimate then).
         share_past: ``β ≥ 0``, the share to the mean of the past posteriors (mixing past posteriors; see the module),
             with ``share + share_past < 1``; 0: fixed share alone.
+        nearest_vote: with ``nearest_mean``, add nearest class mean's argmax with its past accuracy as its confidence
+            as an expert, as LDA's vote (screened on replays: ``results/mixture/nearest/replay_vote_share_past.md``).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class FrozenHeadMixture:
         pools: list[float] | None = None,
         nearest_mean: bool = False,
         share_past: float = 0.0,
+        nearest_vote: bool = False,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         learner_temperatures = _positive(learner_temperatures, "learner_temperatures", "each > 0")
@@ -141,13 +144,21 @@ class FrozenHeadMixture:
                 field="nearest_mean",
                 owner=FrozenHeadMixture,
             )
+        if nearest_vote and not nearest_mean:
+            raise ConfigError(
+                "Invalid nearest_vote: True without nearest_mean (the vote is nearest class mean's argmax). To fix "
+                "it: nearest_mean: true, or nearest_vote: false",
+                field="nearest_vote",
+                owner=FrozenHeadMixture,
+            )
         self.pools, self.nearest_mean, self.share_past = pools, bool(nearest_mean), float(share_past)
+        self.nearest_vote = bool(nearest_vote)
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
         return MixtureStep(
             inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures,
-            self.pools, self.nearest_mean, self.share_past, owner=type(self),
+            self.pools, self.nearest_mean, self.share_past, owner=type(self), nearest_vote=self.nearest_vote,
         )  # fmt: skip
 
     def spec(self) -> dict[str, Any]:
@@ -162,6 +173,7 @@ class FrozenHeadMixture:
             "pools": list(self.pools),
             "nearest_mean": self.nearest_mean,
             "share_past": self.share_past,
+            "nearest_vote": self.nearest_vote,
         }
 
     @classmethod

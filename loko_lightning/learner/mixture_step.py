@@ -71,7 +71,9 @@ class MixtureStep(OnlineStep):
         pools: the learner's log probabilities times each of these powers ``a`` pooled with LDA's logits at each of
             ``temperatures`` (:func:`pooled_log_probabilities`), one expert each, after the tempered learner.
         nearest_mean: add nearest class mean on the same statistics (the head's ``nearest_mean()``: the class means
-            and the pooled variance) at each of ``temperatures``, one expert each, last.
+            and the pooled variance) at each of ``temperatures``, one expert each, after the pools.
+        nearest_vote: add nearest class mean's argmax as an expert of its own, its past accuracy its confidence (as
+            LDA's vote), last (with ``nearest_mean``).
         share_past: ``β``, the share to the mean of the past posteriors
             (:func:`~loko_lightning.learner.mixing.mix_past_posteriors`; 0: none).
         owner: the class whose settings these are, named by the errors (``FrozenHeadMixture``, which builds this).
@@ -90,6 +92,7 @@ class MixtureStep(OnlineStep):
         nearest_mean: bool = False,
         share_past: float = 0.0,
         owner: type | None = None,
+        nearest_vote: bool = False,
     ) -> None:
         self.inner, self.owner = inner, owner
         self.temperatures = [float(t) for t in temperatures]
@@ -97,14 +100,16 @@ class MixtureStep(OnlineStep):
         self.pools = [float(a) for a in pools]
         self.share, self.vote, self.build_head = float(share), vote, head
         self.nearest_mean = bool(nearest_mean)
+        self.nearest_vote = self.nearest_mean and bool(nearest_vote)
         # The experts' order (see experts()): the learner, LDA at each temperature, the vote, the tempered learner,
-        # the pools, nearest class mean. With prior_learner, the learner's experts share it and the others the rest.
+        # the pools, nearest class mean (and its vote). With prior_learner, the learner's experts share it and the
+        # others the rest.
         lda = len(self.temperatures) + int(vote)
         self.learner_experts = [0, *range(1 + lda, 1 + lda + len(self.learner_temperatures))]
         self.lda_temperature_experts = slice(1, 1 + len(self.temperatures))
         learners = len(self.learner_experts)
         self.pooled_experts = slice(learners + lda, learners + lda + len(self.pools) * len(self.temperatures))
-        nearest = len(self.temperatures) if self.nearest_mean else 0
+        nearest = len(self.temperatures) + int(self.nearest_vote) if self.nearest_mean else 0
         self.nearest_experts = slice(self.pooled_experts.stop, self.pooled_experts.stop + nearest)
         others = lda + len(self.pools) * len(self.temperatures) + nearest
         learner = learners / (learners + others) if prior_learner is None else float(prior_learner)
@@ -116,6 +121,7 @@ class MixtureStep(OnlineStep):
         self.past = self.log_weights.clone() if self.share_past else None
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
+        self.nearest_hits = torch.zeros((), dtype=torch.float64)  # nearest class mean's (with nearest_vote)
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
         self.lda: Any = None  # the head's optimizer (bind, step), built with the head
         self.nearest: tuple[Tensor, Tensor] | None = None  # nearest class mean's (W, b), float64 (with nearest_mean)
@@ -139,6 +145,7 @@ class MixtureStep(OnlineStep):
         self.log_weights = self.log_weights.to(device)
         self.past = None if self.past is None else self.past.to(device)
         self.hits, self.seen = self.hits.to(device), self.seen.to(device)
+        self.nearest_hits = self.nearest_hits.to(device)
 
     def _features(self, module: pl.LightningModule, inputs: Any, adapted: bool = False) -> tuple[Tensor | None, Tensor]:
         """The frozen features of ``inputs`` (LDA's head built at the first call: its width is theirs).
@@ -180,7 +187,7 @@ class MixtureStep(OnlineStep):
 
         In order: the learner's, LDA's at each temperature, the vote, the learner's at each of its temperatures, the
         pools (each power, then each of LDA's temperatures), nearest class mean's at each of LDA's temperatures
-        (``nearest_logits``, :meth:`nearest_logits`: needed with ``nearest_mean``).
+        (``nearest_logits``, :meth:`nearest_logits`: needed with ``nearest_mean``), its vote.
         """
         parts = [learner.detach().to(torch.float64).clamp_min(torch.finfo(torch.float64).tiny).log()[None]]
         parts.append(tempered_log_probabilities(lda_logits, self.temperatures))
@@ -195,6 +202,11 @@ class MixtureStep(OnlineStep):
             if nearest_logits is None:
                 raise ValueError("nearest_logits: needed with nearest_mean (MixtureStep.nearest_logits(features))")
             parts.append(tempered_log_probabilities(nearest_logits, self.temperatures))
+            if self.nearest_vote:
+                votes = vote_log_probabilities(
+                    nearest_logits.argmax(-1), self.nearest_hits, self.seen, nearest_logits.shape[-1]
+                )
+                parts.append(votes[None])
         return torch.cat(parts)
 
     def step(self, module: pl.LightningModule, optimizer: Any, inputs: Any, label: Tensor) -> StepResult:
@@ -213,7 +225,8 @@ class MixtureStep(OnlineStep):
             target = F.one_hot(own, module.num_classes).to(features.dtype)
             features, _, _ = all_gather_observations(features, target, [], timeout=collective_timeout(module))
         lda_logits = self.lda_logits(features)  # LDA's head before this sample
-        log_probabilities = self.experts(learner, lda_logits, self.nearest_logits(features))
+        nearest_logits = self.nearest_logits(features)
+        log_probabilities = self.experts(learner, lda_logits, nearest_logits)
         prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
         if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
@@ -221,6 +234,8 @@ class MixtureStep(OnlineStep):
             for index, likelihoods in enumerate(observed.T):  # one sample after the other
                 self._update_weights(likelihoods, index)
             self.hits += (lda_logits.argmax(-1) == label).sum()
+            if self.nearest_vote:
+                self.nearest_hits += (nearest_logits.argmax(-1) == label).sum()
             self.seen += label.shape[0]
             self.lda.step(closure=lambda: (features, label))
             self._refresh_nearest()
@@ -266,6 +281,8 @@ class MixtureStep(OnlineStep):
             }
             if self.past is not None:
                 checkpoint["loko_mixture"]["past"] = self.past.clone()
+            if self.nearest_vote:
+                checkpoint["loko_mixture"]["nearest_hits"] = self.nearest_hits.clone()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The inner step's state; the mixture's as it was saved (none in a checkpoint from before the first step).
@@ -296,6 +313,14 @@ class MixtureStep(OnlineStep):
                 field="share_past",
                 owner=self.owner,
             )
+        if self.nearest_vote and "nearest_hits" not in saved:
+            raise ConfigError(
+                "this checkpoint's mixture was fitted without nearest_vote, so the nearest class mean's past hits its "
+                "vote is confident by are not in it. To fix it: resume with nearest_vote: false, or fit from the "
+                "start with nearest_vote",
+                field="nearest_vote",
+                owner=self.owner,
+            )
         head = saved["head"]
         classes, dim = head["weight"].shape
         self._build(dim, classes, head["weight"].device)
@@ -308,6 +333,8 @@ class MixtureStep(OnlineStep):
             self.past = saved["past"].to(torch.float64).clone()
         self.hits = saved["hits"].to(torch.float64).clone()
         self.seen = saved["seen"].to(torch.float64).clone()
+        if self.nearest_vote:
+            self.nearest_hits = saved["nearest_hits"].to(torch.float64).clone()
 
     @torch.no_grad()
     def predict(self, module: pl.LightningModule, inputs: Any) -> Tensor:
@@ -330,6 +357,7 @@ class MixtureStep(OnlineStep):
             self.head.weight.copy_(other.head.weight)
             self.head.bias.copy_(other.head.bias)
         self.log_weights, self.hits, self.seen = other.log_weights.clone(), other.hits.clone(), other.seen.clone()
+        self.nearest_hits = other.nearest_hits.clone()
         self.past = None if other.past is None else other.past.clone()
         self.nearest = None if other.nearest is None else (other.nearest[0].clone(), other.nearest[1].clone())
 
