@@ -255,9 +255,9 @@ STREAMS = (
         5000,
         Entry(
             "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`, "
-            "`pools: [0.5, 1]`, `nearest_mean: true`)",
-            seeds("default_study/glyphs100_past", 3, "loko_default"),
-            at=points(seeds("default_study/glyphs100_past", 3, "loko_default"), *CHECKPOINTS),
+            "`pools: [0.5, 1]`, `nearest_mean: true`, `nearest_vote: true`)",
+            seeds("default_study/glyphs100_vote", 3, "loko_default"),
+            at=points(seeds("default_study/glyphs100_vote", 3, "loko_default"), *CHECKPOINTS),
             cost=(("default_study/step_time_glyphs100_joint", "loko_default"),),
         ),
         "image backbone, 100 classes: the natural filter with the averaged mean and the mixture",
@@ -507,7 +507,7 @@ NOTES = (
     "the learner and LDA) and its filter alone were run as `loko fit` runs them today; the rows marked *head on the "
     "pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the default is `filter: "
     "natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture, its pools and nearest class mean "
-    "on LDA's statistics. The "
+    "on LDA's statistics with its vote. The "
     "learning-rate-free peers (Prodigy, D-Adaptation, DoG, Mechanic, package defaults) are candidates for the best "
     "fine-tuning peer on Fashion-MNIST at 32 px and MNIST-5k (2,000 samples). The runs, per cell: "
     "`benchmarks/results_table.py` (STREAMS)."
