@@ -160,7 +160,7 @@ class Lockstep(pl.Callback):
     def wait(self) -> None:
         """Until it is this learner's turn (or every other learner has finished)."""
         with self.turns["lock"]:
-            self.turns["lock"].wait_for(lambda: self.turns["turn"] in (self.me, None) or self._next() == self.me)
+            self.turns["lock"].wait_for(lambda: self.turns["turn"] == self.me or self._next() == self.me)
 
     def hand_on(self) -> None:
         """The turn to the next learner that has not finished."""

@@ -146,6 +146,7 @@ def decide(config: Any) -> Decision | None:
             "extra forward pass",
             preset("presets/loko_text") + preset("presets/loko_mixture_lda") + TEXT_MIXTURE,
         )
+    vote: tuple[str, ...] = ()  # nearest class mean's vote: on for more classes than MAX_CLASSES only
     if isinstance(num_classes, int) and num_classes <= MAX_CLASSES and sharded:
         name = "presets/loko_images with a covariance per head row"
         args = (*preset("presets/loko_images"), SHARDED_HEAD)
@@ -159,13 +160,13 @@ def decide(config: Any) -> Decision | None:
         name, args = "the many-class image default", MANY_CLASS_IMAGES
         settings = "the natural filter's one row, averaged mean, p0 0.03"
         alone = f"the filter's three flags given ({' '.join(MANY_CLASS_IMAGES)}) run it alone"
-    many = not (isinstance(num_classes, int) and num_classes <= MAX_CLASSES)
+        vote = (NEAREST_VOTE,)
     return Decision(
         f"{name} + presets/loko_mixture_lda",
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
-        f"and nearest class mean{' (and its vote)' if many else ''} on the frozen features, its prediction also "
+        f"and nearest class mean{' (and its vote)' if vote else ''} on the frozen features, its prediction also "
         f"pooled with LDA's; {alone}, without the mixture's extra forward pass and LDA solve a sample",
-        (*args, *preset("presets/loko_mixture_lda"), NEAREST_MEAN, *((NEAREST_VOTE,) if many else ())),
+        (*args, *preset("presets/loko_mixture_lda"), NEAREST_MEAN, *vote),
     )
 
 
