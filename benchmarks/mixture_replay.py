@@ -25,12 +25,14 @@ probabilities, equal up to a constant a pool does not see: the learner's arithme
 prediction tempered at those temperatures and mixed again by Bayes' weights (fixed share ``--calibrate-share``): a
 calibration of the whole mixture that keeps its argmax where one temperature dominates. With ``--shares-past``,
 each setting again with that share going to the mean of the past posteriors (mixing past posteriors) beside fixed
-share's.
+share's. With ``--bootstrap B``, one more column: the standard deviation of each row's ECE over ``B`` resamples of its
+predictions (:func:`scores`), the resolution of an ECE from one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import sys
@@ -151,15 +153,25 @@ def replay_one(
     return torch.stack(predictions)
 
 
-def scores(predictions: Tensor, labels: Tensor, at: Sequence[int]) -> dict[str, float]:
-    """Online accuracy after each of ``at``, prequential NLL and ECE of the whole stream."""
+def scores(predictions: Tensor, labels: Tensor, at: Sequence[int], bootstrap: int = 0) -> dict[str, float]:
+    """Online accuracy after each of ``at``, prequential NLL and ECE of the whole stream.
+
+    With ``bootstrap`` ``B > 0`` also ``ece sd``: the standard deviation of the ECE over ``B`` resamples of the
+    predictions with replacement (a fixed generator: the same resamples for every setting), how far one run's ECE moves
+    with the samples it happened to score.
+    """
     hits = (predictions.argmax(-1) == labels).double().cumsum(0)
     nll = -predictions[torch.arange(len(labels)), labels].clamp_min(torch.finfo(torch.float64).tiny).log()
-    return {
+    out = {
         **{f"acc@{n}": float(hits[n - 1] / n) for n in at if n <= len(labels)},
         "nll": float(nll.mean()),
         "ece": ece(predictions, labels),
     }
+    if bootstrap:
+        generator = torch.Generator().manual_seed(0)
+        draws = [torch.randint(len(labels), (len(labels),), generator=generator) for _ in range(bootstrap)]
+        out["ece sd"] = statistics.stdev(ece(predictions[i], labels[i]) for i in draws)
+    return out
 
 
 def setting_experts(
@@ -205,18 +217,19 @@ def replay(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict[str, float]]] = {}
     for run in runs:
         experts, labels = run["experts"], run["labels"]
+        score = functools.partial(scores, labels=labels, at=args.at, bootstrap=args.bootstrap)
         nearest = None
         if run.get("nearest_mean"):  # recorded last: nearest class mean at each temperature
             experts, nearest = experts[:, : -len(temperatures)], experts[:, -len(temperatures) :]
-        rows.setdefault("LoKO alone", []).append(scores(experts[:, 0].exp(), labels, args.at))
+        rows.setdefault("LoKO alone", []).append(score(experts[:, 0].exp()))
         if nearest is not None:
-            rows.setdefault("nearest class mean alone", []).append(scores(nearest[:, 0].exp(), labels, args.at))
+            rows.setdefault("nearest class mean alone", []).append(score(nearest[:, 0].exp()))
             ncm_vote = nearest_vote(nearest[:, 0], labels)
-            rows.setdefault("nearest class mean's vote alone", []).append(scores(ncm_vote[:, 0].exp(), labels, args.at))
+            rows.setdefault("nearest class mean's vote alone", []).append(score(ncm_vote[:, 0].exp()))
         for k, t in enumerate(temperatures, start=1):
             if t in args.show_temperatures:
-                rows.setdefault(f"LDA alone, T={t:g}", []).append(scores(experts[:, k].exp(), labels, args.at))
-        rows.setdefault("LDA's vote alone", []).append(scores(experts[:, -1].exp(), labels, args.at))
+                rows.setdefault(f"LDA alone, T={t:g}", []).append(score(experts[:, k].exp()))
+        rows.setdefault("LDA's vote alone", []).append(score(experts[:, -1].exp()))
         for top in args.max_temperatures:
             for vote in args.votes:
                 keep = [0] + [k for k, t in enumerate(temperatures, start=1) if t <= top]
@@ -249,14 +262,14 @@ def replay(args: argparse.Namespace) -> None:
                         if prior is not None:
                             what += f", LoKO's prior {prior:g}"
                         what += f", share {share:g}" + (f" + {share_past:g} to the past" if share_past else "")
-                        rows.setdefault(f"mixture, {what}", []).append(scores(predictions, labels, args.at))
+                        rows.setdefault(f"mixture, {what}", []).append(score(predictions))
                         if args.calibrate:  # the mixture's prediction tempered at each T, mixed again (argmax kept)
                             log_p = predictions.clamp_min(torch.finfo(torch.float64).tiny).log()
                             again = torch.stack([torch.log_softmax(log_p / t, -1) for t in args.calibrate], 1)
                             calibrated = replay_one(again, labels, args.calibrate_share)
                             grid = ", ".join(f"{t:g}" for t in args.calibrate)
                             rows.setdefault(f"mixture, {what}, calibrated over T = {grid}", []).append(
-                                scores(calibrated, labels, args.at)
+                                score(calibrated)
                             )
     keys = list(next(iter(rows.values()))[0])
     seeds = [path.stem.removeprefix("experts_seed") for path in sorted(args.folder.glob("experts_seed*.pt"))]
@@ -314,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with recorded nearest class mean experts: also each setting with its argmax as a vote (as LDA's)",
     )  # fmt: skip
     rep.add_argument("--calibrate-share", type=float, default=0.01, help="fixed share of the --calibrate mixture")
+    rep.add_argument(
+        "--bootstrap", type=int, default=0,
+        help="also each row's ECE's standard deviation over this many resamples of its predictions (ece sd)",
+    )  # fmt: skip
     rep.add_argument(
         "--all-experts-only", action="store_true",
         help="only the settings with every expert asked for (--learner-temperatures, --pools, nearest mean), not also "

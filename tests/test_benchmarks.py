@@ -847,3 +847,102 @@ def test_mixture_replay_reads_the_nearest_mean_experts_and_their_vote():
     assert votes.shape == (3, 1, 3)
     # exp of a float64 log: a few ulp (the log and the exp each round once).
     torch.testing.assert_close(votes[:, 0].exp(), want_votes, rtol=1e-15, atol=0)
+
+
+def _expert_bound():
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import expert_bound
+    return expert_bound
+
+
+def test_expert_bound_records_what_the_learner_scores(tmp_path):
+    """``record`` keeps each step's prediction as the learner scored it: a distribution per sample whose argmaxes give
+    the run's own online accuracy."""
+    pytest.importorskip("mlxtend")
+    expert_bound = _expert_bound()
+    expert_bound.main(["record", *DEBUG, "--samples", "12", "--threads", "1", "--optimizers", "adamw", "--seeds", "0",
+                       "--out", str(tmp_path), "--", *TINY])  # fmt: skip
+    saved = torch.load(tmp_path / "adamw_seed0.pt")
+    predictions, labels = saved["predictions"], saved["labels"]
+    assert predictions.dtype == torch.float64 and predictions.shape[0] == labels.shape[0] == 12
+    assert torch.allclose(predictions.sum(-1), torch.ones(12, dtype=torch.float64), atol=1e-6)  # float32 softmax
+    online = next(token for token in saved["command"] if token.startswith("--data.max_samples"))
+    assert online.endswith("12")
+    hits = (predictions.argmax(-1) == labels).double().mean()
+    assert float(hits) == pytest.approx(saved["online_acc"], abs=1e-6)  # the run's own metric (float32)
+
+
+def test_expert_bound_hindsight_mixture_is_the_best_fixed_weighting():
+    """EM's weights reach the best likelihood of any fixed weighting of two experts (a grid of 201 weights: EM is at
+    least as good, to its convergence, 1e-9)."""
+    expert_bound = _expert_bound()
+    torch.manual_seed(0)
+    likelihoods = torch.rand(200, 2, dtype=torch.float64)
+    weights = expert_bound.hindsight_mixture(likelihoods)
+    best = max(float((likelihoods @ torch.tensor([w, 1 - w], dtype=torch.float64)).log().sum())
+               for w in torch.linspace(0, 1, 201).tolist())  # fmt: skip
+    assert float(weights.sum()) == pytest.approx(1.0) and float((likelihoods @ weights).log().sum()) >= best - 1e-9
+    # One expert always right with certainty, the other never: all the weight on the first.
+    certain = torch.tensor([[1.0, 0.0]] * 5, dtype=torch.float64)
+    assert expert_bound.hindsight_mixture(certain).tolist() == [1.0, 0.0]
+
+
+def test_expert_bound_scores_the_replayed_mixture_and_the_peer_as_an_expert(tmp_path, capsys):
+    """``bound``'s rows are the replayed mixture's NLL per stretch, the peer's, and the mixture with the peer's
+    prediction as one more expert (each the replay's arithmetic); a peer of another stream is refused."""
+    expert_bound = _expert_bound()
+    import mixture_replay  # on the path: expert_bound imports it
+
+    torch.manual_seed(3)
+    n, m, temperatures = 40, 4, [1.0, 4.0]
+    lda = torch.randn(n, m, dtype=torch.float64)
+    experts = torch.cat([torch.randn(n, 1, m, dtype=torch.float64).log_softmax(-1),
+                         torch.stack([(lda / t).log_softmax(-1) for t in temperatures], 1),
+                         torch.randn(n, 1, m, dtype=torch.float64).log_softmax(-1)], 1)  # fmt: skip
+    labels = torch.randint(m, (n,))
+    experts_dir, peers_dir = tmp_path / "experts", tmp_path / "peers"
+    experts_dir.mkdir(), peers_dir.mkdir()
+    torch.save({"experts": experts, "labels": labels, "temperatures": temperatures, "nearest_mean": False},
+               experts_dir / "experts_seed0.pt")  # fmt: skip
+    peer = torch.softmax(2 * torch.randn(n, m, dtype=torch.float64), -1)
+    torch.save({"predictions": peer, "labels": labels}, peers_dir / "adamw_seed0.pt")
+    argv = ["bound", str(experts_dir), str(peers_dir), "--optimizers", "adamw", "--stretches", "0", "10", "40",
+            "--pools", "1", "--learner-temperatures", "0.5"]  # fmt: skip
+    expert_bound.main(argv)
+    stretches, last = capsys.readouterr().out.split("\nSamples 10-40")
+    rows = {line.split(" | ")[0][2:]: line for line in stretches.splitlines() if line.startswith("| ")}
+    setting, learners = mixture_replay.setting_experts(experts, [0, 1, 2, 3], temperatures, [0.5], [1.0])
+    mixture = mixture_replay.replay_one(setting, labels, 0.001, learners, None, 0.01)
+    with_peer = torch.cat([setting, peer.log()[:, None]], 1)
+    mixed = mixture_replay.replay_one(with_peer, labels, 0.001, learners, None, 0.01)
+    for name, predictions in [("the mixture", mixture), ("adamw alone", peer),
+                              ("the mixture + adamw as an expert", mixed)]:  # fmt: skip
+        nll = -predictions[torch.arange(n), labels].log()
+        want = [f"{float(nll[a:b].mean()):.3f}" for a, b in [(0, 10), (10, 40), (0, 40)]]
+        assert rows[name] == f"| {name} | {' | '.join(want)} |"
+        right = predictions[10:].argmax(-1) == labels[10:]
+        assert f"| {name} | {100 * float(right.double().mean()):.1f} | {float(nll[10:][right].mean()):.3f} |" in last
+    assert "its experts' best constant mixture, in hindsight per stretch" in rows
+    torch.save({"predictions": peer, "labels": (labels + 1) % m}, peers_dir / "adamw_seed0.pt")
+    with pytest.raises(SystemExit, match="another stream"):
+        expert_bound.main(argv)
+
+
+def test_mixture_replay_bootstrap_gives_the_ece_its_resolution():
+    """``scores(..., bootstrap=B)``: an ECE every resample shares has no spread (every sample right at confidence 0.7:
+    ECE 0.3 in each); a mixed stream has one, the same on every call (a fixed generator), and none without ``B``."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    same = torch.tensor([[0.7, 0.3]] * 50, dtype=torch.float64)
+    got = mixture_replay.scores(same, torch.zeros(50, dtype=torch.long), [50], bootstrap=20)
+    assert got["ece"] == pytest.approx(0.3) and got["ece sd"] == pytest.approx(0.0, abs=1e-15)
+    torch.manual_seed(0)
+    mixed = torch.softmax(torch.randn(200, 3, dtype=torch.float64), -1)
+    labels = torch.randint(3, (200,))
+    first = mixture_replay.scores(mixed, labels, [100], bootstrap=30)
+    assert first["ece sd"] > 0 and first == mixture_replay.scores(mixed, labels, [100], bootstrap=30)
+    assert "ece sd" not in mixture_replay.scores(mixed, labels, [100])
