@@ -267,7 +267,11 @@ STREAMS = (
             Entry("nearest class mean, frozen", at=points(tuple((f, "ncm") for f in GLYPHS), 500, 1000, 2000)),
         ],
         [
-            Entry("AdamW, lr chosen online", seeds("filters/study5000/gl_adamw", 3, "adamw_tuned")),
+            Entry(
+                "AdamW, lr chosen online",
+                seeds("default_study/glyphs100_adamw_tuned", 3, "adamw_tuned"),
+                at=points(seeds("default_study/glyphs100_adamw_tuned", 3, "adamw_tuned"), *CHECKPOINTS),
+            ),
             Entry("AdamW, lr chosen online, constant", seeds("peers/images/glyphs100/adamw_const", 3, "adamw_const")),
             Entry("schedule-free AdamW", seeds("peers/images/glyphs100/schedulefree", 3, "schedulefree")),
             Entry("posteriors EKF", seeds("peers/images/glyphs100/posteriors", 3, "posteriors")),
