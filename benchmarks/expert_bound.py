@@ -13,7 +13,7 @@ folder of the mixture's recorded experts (``mixture_replay.py record``, the same
 stretch of the stream, the mean prequential NLL (mean over the seeds) of:
 
 - the mixture, replayed with the given setting (:func:`mixture_replay.replay_one`; the default's is its shares, the
-  learner's temperatures and the pools given here);
+  learner's temperatures and the pools given here), and its learner alone (the recorded first expert);
 - the best constant linear mixture of the same experts chosen in hindsight on that stretch (EM on the weights): the
   lowest NLL any fixed weighting of these experts reaches there (weights that move within the stretch can do better);
 - each peer alone;
@@ -140,8 +140,12 @@ def bound_rows(args: argparse.Namespace) -> tuple[dict[str, list[list[float]]], 
         hindsight = torch.cat([likelihoods[a:b] @ hindsight_mixture(likelihoods[a:b])
                                for a, b in zip(edges, edges[1:], strict=False)])  # fmt: skip
         window = slice(edges[-2], edges[-1])
-        rows = {"the mixture": (nll_of(mixture, labels), mixture),
-                "its experts' best constant mixture, in hindsight per stretch": (-hindsight.log(), None)}  # fmt: skip
+        learner = run["experts"][:, 0].exp()  # the recorded learner's own prediction, the mixture's first expert
+        rows = {
+            "the mixture": (nll_of(mixture, labels), mixture),
+            "its learner alone": (nll_of(learner, labels), learner),
+            "its experts' best constant mixture, in hindsight per stretch": (-hindsight.log(), None),
+        }
         for optimizer in args.optimizers:
             peer = torch.load(args.peers / f"{optimizer}_seed{seed}.pt")
             if not torch.equal(peer["labels"], labels):
