@@ -94,11 +94,6 @@ def hindsight_mixture(likelihoods: Tensor, iterations: int = 1000) -> Tensor:
     return weights
 
 
-def nll_of(predictions: Tensor, labels: Tensor) -> Tensor:
-    """Each prediction's ``−log p(y)`` ``(N,)``."""
-    return -predictions[torch.arange(len(labels)), labels].clamp_min(TINY).log()
-
-
 def stretch_means(values: Tensor, edges: Sequence[int]) -> list[float]:
     """The mean of ``values`` over each stretch ``[edges[i], edges[i+1])``."""
     return [float(values[a:b].mean()) for a, b in zip(edges, edges[1:], strict=False)]
@@ -106,7 +101,7 @@ def stretch_means(values: Tensor, edges: Sequence[int]) -> list[float]:
 
 def split(predictions: Tensor, labels: Tensor) -> list[float]:
     """Accuracy, and the mean NLL of the right and of the wrong predictions (NaN where there are none)."""
-    nll, right = nll_of(predictions, labels), predictions.argmax(-1) == labels
+    nll, right = mixture_replay.nll_of(predictions, labels), predictions.argmax(-1) == labels
     return [float(right.double().mean()), float(nll[right].mean()), float(nll[~right].mean())]
 
 
@@ -142,8 +137,8 @@ def bound_rows(args: argparse.Namespace) -> tuple[dict[str, list[list[float]]], 
         window = slice(edges[-2], edges[-1])
         learner = run["experts"][:, 0].exp()  # the recorded learner's own prediction, the mixture's first expert
         rows = {
-            "the mixture": (nll_of(mixture, labels), mixture),
-            "its learner alone": (nll_of(learner, labels), learner),
+            "the mixture": (mixture_replay.nll_of(mixture, labels), mixture),
+            "its learner alone": (mixture_replay.nll_of(learner, labels), learner),
             "its experts' best constant mixture, in hindsight per stretch": (-hindsight.log(), None),
         }
         for optimizer in args.optimizers:
@@ -152,8 +147,8 @@ def bound_rows(args: argparse.Namespace) -> tuple[dict[str, list[list[float]]], 
                 raise SystemExit(f"{optimizer} seed {seed}: another stream than {path}'s (the labels differ)")
             with_peer = torch.cat([experts, peer["predictions"].clamp_min(TINY).log()[:, None]], 1)
             mixed = mixture_replay.replay_one(with_peer, labels, args.share, learners, None, args.share_past)
-            rows[f"{optimizer} alone"] = (nll_of(peer["predictions"], labels), peer["predictions"])
-            rows[f"the mixture + {optimizer} as an expert"] = (nll_of(mixed, labels), mixed)
+            rows[f"{optimizer} alone"] = (mixture_replay.nll_of(peer["predictions"], labels), peer["predictions"])
+            rows[f"the mixture + {optimizer} as an expert"] = (mixture_replay.nll_of(mixed, labels), mixed)
         for name, (nll, predictions) in rows.items():
             stretches.setdefault(name, []).append([*stretch_means(nll, edges), float(nll[: edges[-1]].mean())])
             if predictions is not None:
@@ -182,11 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     own, overrides = common.split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    rec = commands.add_parser("record")
-    rec.add_argument("--config", type=Path, nargs="+", required=True)
-    rec.add_argument("--samples", type=int, required=True)
-    rec.add_argument("--seeds", type=int, nargs="+", default=[0])
-    rec.add_argument("--threads", type=int, default=None)
+    rec = mixture_replay.run_arguments(commands.add_parser("record"))
     rec.add_argument("--optimizers", nargs="+", required=True, help="compare.py's learner names")
     rec.add_argument("--out", type=Path, required=True)
     bnd = commands.add_parser("bound")

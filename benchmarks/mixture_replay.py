@@ -153,6 +153,11 @@ def replay_one(
     return torch.stack(predictions)
 
 
+def nll_of(predictions: Tensor, labels: Tensor) -> Tensor:
+    """Each prediction's ``−log p(y)`` ``(N,)`` (``p`` floored at float64's smallest normal: no infinity)."""
+    return -predictions[torch.arange(len(labels)), labels].clamp_min(torch.finfo(torch.float64).tiny).log()
+
+
 def scores(predictions: Tensor, labels: Tensor, at: Sequence[int], bootstrap: int = 0) -> dict[str, float]:
     """Online accuracy after each of ``at``, prequential NLL and ECE of the whole stream.
 
@@ -161,7 +166,7 @@ def scores(predictions: Tensor, labels: Tensor, at: Sequence[int], bootstrap: in
     with the samples it happened to score.
     """
     hits = (predictions.argmax(-1) == labels).double().cumsum(0)
-    nll = -predictions[torch.arange(len(labels)), labels].clamp_min(torch.finfo(torch.float64).tiny).log()
+    nll = nll_of(predictions, labels)
     out = {
         **{f"acc@{n}": float(hits[n - 1] / n) for n in at if n <= len(labels)},
         "nll": float(nll.mean()),
@@ -286,16 +291,21 @@ def replay(args: argparse.Namespace) -> None:
             print(f"| {name}{suffix} | " + " | ".join(cells) + " |")
 
 
+def run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A ``record`` command's options for the runs it makes: their configs, length, seeds and torch threads."""
+    parser.add_argument("--config", type=Path, nargs="+", required=True)
+    parser.add_argument("--samples", type=int, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--threads", type=int, default=None)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``record`` or ``replay`` (see the module)."""
     argv, overrides = common.split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    rec = commands.add_parser("record")
-    rec.add_argument("--config", type=Path, nargs="+", required=True)
-    rec.add_argument("--samples", type=int, required=True)
-    rec.add_argument("--seeds", type=int, nargs="+", default=[0])
-    rec.add_argument("--threads", type=int, default=None)
+    rec = run_arguments(commands.add_parser("record"))
     rec.add_argument("--temperatures", type=float, nargs="+", default=WIDE)
     rec.add_argument("--out", type=Path, required=True)
     rep = commands.add_parser("replay")
