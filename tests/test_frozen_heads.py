@@ -117,6 +117,65 @@ def test_streaming_lda_resumed_between_refreshes_writes_the_same_heads():
         assert torch.equal(layer.weight, whole.weight) and torch.equal(layer.bias, whole.bias), n
 
 
+def deferred_lda(d, m, **kwargs):
+    layer = torch.nn.Linear(d, m).double()
+    lda = StreamingLDA(layer.parameters(), **kwargs)
+    lda.bind(layer.weight, layer.bias)
+    lda.defer()
+    return layer, lda
+
+
+@pytest.mark.parametrize("shrinkage", ["oas", 1e-2])
+def test_a_deferred_streaming_lda_scores_the_batch_head_and_writes_it_only_when_asked(shrinkage):
+    """Deferred (the mixture's LDA), the head is never multiplied out in a step: its layer keeps its initial weights,
+    and its logits of the next samples, scored in the eigenbasis, equal those of the batch float64 head before,
+    at and after refreshes; :meth:`write` puts that head into the layer. Both are float64 computations of the same
+    algebra in other orders (as in the test above): each logit within 1e-9 of the magnitudes it sums,
+    ``Σ_j |W_kj z_j| + |b_k|``."""
+    x, y = labelled(n=2 * REFRESH + 40, d=24, m=4)
+    layer, lda = deferred_lda(24, 4, shrinkage=shrinkage)
+    initial = layer.weight.detach().clone(), layer.bias.detach().clone()
+    assert lda.current() is None
+    torch.testing.assert_close(lda.logits(x[:3]), torch.nn.functional.linear(x[:3], *initial), rtol=0, atol=0)
+    checks = {1, 2, REFRESH - 1, REFRESH, REFRESH + 5, 2 * REFRESH + 7, len(x) - 3}
+    for n in range(1, len(x) - 2):
+        assert bool(lda.step(lambda n=n: (x[n - 1 : n], y[n - 1 : n])))
+        if n in checks:
+            _, _, weight, bias = reference_lda(x[:n], y[:n], 4, shrinkage)
+            probe = x[n : n + 3]
+            error = (lda.logits(probe) - (probe @ weight.T + bias)).abs()
+            assert bool((error <= 1e-9 * (probe.abs() @ weight.abs().T + bias.abs())).all()), n
+            assert torch.equal(layer.weight, initial[0]) and torch.equal(layer.bias, initial[1]), n
+    lda.write()
+    _, _, weight, bias = reference_lda(x[: len(x) - 3], y[: len(x) - 3], 4, shrinkage)
+    torch.testing.assert_close(layer.weight.detach(), weight, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(layer.bias.detach(), bias, rtol=1e-9, atol=1e-12)
+
+
+def test_a_deferred_streaming_lda_resumed_or_followed_scores_the_same_logits_bit_for_bit():
+    """Loaded between two refreshes, a deferred LDA computes its head from the loaded statistics alone and scores
+    every next sample as the one that went on, bit for bit (the same products: see the resumed test above), through
+    the next refresh; a follower scores as the LDA it followed did then, and keeps that head while the other learns
+    on."""
+    x, y = labelled(n=2 * REFRESH + 10, d=24, m=4)
+    _, lda = deferred_lda(24, 4)
+    for n in range(REFRESH + 20):
+        lda.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+    _, resumed = deferred_lda(24, 4)
+    resumed.step(lambda: (x[-1:], y[-1:]))  # a head of its own before the load, which the load replaces
+    resumed.load_state_dict(copy.deepcopy(lda.state_dict()))
+    _, follower = deferred_lda(24, 4)
+    follower.follow(lda)
+    followed = lda.logits(x[REFRESH + 20 :])
+    assert torch.equal(follower.logits(x[REFRESH + 20 :]), followed)
+    for n in range(REFRESH + 20, len(x)):
+        assert torch.equal(resumed.logits(x[n : n + 1]), lda.logits(x[n : n + 1])), n
+        lda.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+        resumed.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+    assert torch.equal(follower.logits(x[REFRESH + 20 :]), followed)
+    assert not torch.equal(lda.logits(x[REFRESH + 20 :]), followed)  # it learned on (the test can fail)
+
+
 def test_streaming_lda_loads_a_state_saved_before_the_recent_rows_were_kept():
     """A state whose scatter is all of S (no ``"recent"`` rows: saved before they were kept) loads, and the heads
     after the next samples equal those of the state that kept its rows (the same S: float64 rounding only, as in the

@@ -521,7 +521,7 @@ def mixture_state(module):
     nearest = dict(zip(("nearest_weight", "nearest_bias"), step.nearest, strict=True))
     past = {} if step.past is None else {"past": step.past}
     state = {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, "nearest_hits": step.nearest_hits}
-    state.update(step.head.state_dict())
+    state.update(zip(("lda_weight", "lda_bias"), step.lda.current().dense(), strict=True))  # LDA's head as it stands
     return {**state, **nearest, **past}
 
 
@@ -624,7 +624,8 @@ def test_the_serving_learner_predicts_with_the_mixture_and_learns_it(tmp_path, o
     assert not torch.equal(learning.log_weights, before) and int(learning.seen) == 7
     serving = served._serving.online_step
     torch.testing.assert_close(serving.log_weights, learning.log_weights, rtol=0, atol=0)
-    torch.testing.assert_close(serving.head.weight, learning.head.weight, rtol=0, atol=0)
+    for ours, theirs in zip(serving.lda.current(), learning.lda.current(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     for ours, theirs in zip(serving.nearest, learning.nearest, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     # Saved and read back: the mixture's state travels with the serving checkpoint.

@@ -142,6 +142,7 @@ class MixtureStep(OnlineStep):
         self.head.requires_grad_(False)  # written by LDA in closed form: no autograd graph through the weights
         self.lda = self.build_head(self.head.parameters())
         self.lda.bind(self.head.weight, self.head.bias)
+        self.lda.defer()  # scored here (lda_logits), its head written only into a checkpoint
         self.log_weights = self.log_weights.to(device)
         self.past = None if self.past is None else self.past.to(device)
         self.hits, self.seen = self.hits.to(device), self.seen.to(device)
@@ -162,8 +163,8 @@ class MixtureStep(OnlineStep):
 
     def lda_logits(self, features: Tensor) -> Tensor:
         """LDA's logits ``(B, m)`` of the frozen features, float64, with its head as it stands."""
-        assert self.head is not None
-        return self.head(features.to(torch.float64))
+        assert self.lda is not None
+        return self.lda.logits(features.to(torch.float64))
 
     def nearest_logits(self, features: Tensor) -> Tensor | None:
         """Nearest class mean's logits ``(B, m)``, float64, on LDA's statistics as they stand; else ``None``.
@@ -272,6 +273,7 @@ class MixtureStep(OnlineStep):
         """The inner step's state; the mixture's weights and LDA's head and statistics as ``"loko_mixture"``."""
         self.inner.on_save_checkpoint(checkpoint)
         if self.head is not None and self.lda is not None:
+            self.lda.write()
             checkpoint["loko_mixture"] = {
                 "log_weights": self.log_weights.clone(),
                 "hits": self.hits.clone(),
@@ -346,16 +348,14 @@ class MixtureStep(OnlineStep):
         return mixture_log_predictive(self.log_weights, experts).exp().float()
 
     def follow(self, other: OnlineStep) -> None:
-        """Predict as ``other`` (the learning copy's mixture) now does: its weights, hits and LDA's head."""
+        """Predict as ``other`` (the learning copy's mixture) now does: its weights, hits, LDA's head as it stands."""
         assert isinstance(other, MixtureStep)
         if other.head is None:
             return
         if self.head is None:
             self._build(other.head.in_features, other.head.out_features, other.head.weight.device)
-        assert self.head is not None
-        with torch.no_grad():
-            self.head.weight.copy_(other.head.weight)
-            self.head.bias.copy_(other.head.bias)
+        assert self.lda is not None
+        self.lda.follow(other.lda)
         self.log_weights, self.hits, self.seen = other.log_weights.clone(), other.hits.clone(), other.seen.clone()
         self.nearest_hits = other.nearest_hits.clone()
         self.past = None if other.past is None else other.past.clone()
