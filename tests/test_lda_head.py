@@ -116,11 +116,11 @@ def scored(module, monkeypatch):
 
 def reference_lda_logits(x, y, z, classes=3, shrinkage=SHRINKAGE):
     """Float64 batch LDA of ``(x, y)`` ((1 − ε)Σ + εI, Σ the pooled within-class covariance) on ``z``; a class not in
-    ``y`` gets the mean of the seen classes' logits, all zero before any sample; divided by their standard deviation
-    over the classes."""
-    if len(x) == 0:
-        return torch.zeros(classes, dtype=torch.float64)
+    ``y`` gets the mean of the seen classes' logits, all zero before two classes are seen; divided by their standard
+    deviation over the classes."""
     seen = torch.tensor([bool((y == k).any()) for k in range(classes)])
+    if int(seen.sum()) < 2:  # LDA says nothing yet
+        return torch.zeros(classes, dtype=torch.float64)
     means = torch.zeros(classes, x.shape[1], dtype=torch.float64)
     for k in range(classes):
         if seen[k]:

@@ -204,7 +204,8 @@ class LDAHeadStep(OnlineStep):
         The baseline's unseen class has a zero mean: the origin of (post-ReLU) features, hundreds of nats behind the
         seen classes on every sample, so that every first sample of a class would cost ``β`` times that. The mean row
         gives it the seen classes' mean logit ``(1/|seen|) Σ_{k seen} g_k(z)`` instead: LDA says nothing for or against
-        it. No class seen: zeros.
+        it. Fewer than two classes seen: zeros (every class's logit is then the same: standardising their rounding
+        differences, ``s`` a few ulps, would give LDA's logits spread 1 of noise).
         """
         assert self.head is not None
         weight, bias = self.head.weight.detach().clone(), self.head.bias.detach().clone()
@@ -212,8 +213,11 @@ class LDAHeadStep(OnlineStep):
         if not state:
             return weight.zero_(), bias.zero_()
         seen = state["count"] > 0
-        if bool(seen.all()):  # one host read a step
+        classes = int(seen.sum())  # one host read a step
+        if classes == seen.numel():
             return weight, bias
+        if classes < 2:
+            return weight.zero_(), bias.zero_()
         weight[~seen] = weight[seen].mean(0)
         bias[~seen] = bias[seen].mean(0)
         return weight, bias
