@@ -176,6 +176,32 @@ def test_a_deferred_streaming_lda_resumed_or_followed_scores_the_same_logits_bit
     assert not torch.equal(lda.logits(x[REFRESH + 20 :]), followed)  # it learned on (the test can fail)
 
 
+def test_a_deferred_streaming_lda_keeps_its_rotated_vectors_and_rotates_afresh_in_another_basis():
+    """Deferred, the class means and rows in the eigenbasis are kept in the state, updated from each sample's
+    ``Vᵀ z``: they equal the fresh rotations of the raw ones within float64 rounding (relative 1e-9, as above). A state
+    whose basis check is not the loading machine's (its eigendecomposition gave another ``V``: another machine's, here
+    a changed check) is rotated afresh: the next logits equal the uninterrupted LDA's within the same rounding."""
+    x, y = labelled(n=REFRESH + 40, d=24, m=4)
+    _, lda = deferred_lda(24, 4)
+    for n in range(REFRESH + 20):
+        lda.logits(x[n : n + 1])
+        lda.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+    state = lda.state[next(iter(lda.state))]
+    vectors = lda.eigenbasis(state).vectors
+    torch.testing.assert_close(state["rotated_mean"], state["mean"] @ vectors, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(state["rotated_recent"], state["recent"] @ vectors, rtol=1e-9, atol=1e-12)
+    assert state["rotated_recent"].shape[0] == state["recent"].shape[0] > 0
+    saved = copy.deepcopy(lda.state_dict())
+    saved["state"][0]["basis_check"] += 1
+    saved["state"][0]["rotated_mean"].zero_()  # would be read as it is, were the check the loading machine's
+    _, elsewhere = deferred_lda(24, 4)
+    elsewhere.load_state_dict(saved)
+    probe = x[REFRESH + 20 :]
+    ours, theirs = elsewhere.logits(probe), lda.logits(probe)
+    _, _, weight, bias = reference_lda(x[: REFRESH + 20], y[: REFRESH + 20], 4, "oas")
+    assert bool(((ours - theirs).abs() <= 1e-9 * (probe.abs() @ weight.abs().T + bias.abs())).all())
+
+
 def test_streaming_lda_loads_a_state_saved_before_the_recent_rows_were_kept():
     """A state whose scatter is all of S (no ``"recent"`` rows: saved before they were kept) loads, and the heads
     after the next samples equal those of the state that kept its rows (the same S: float64 rounding only, as in the

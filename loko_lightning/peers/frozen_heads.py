@@ -49,7 +49,10 @@ with ``c = (1 − ρ)/N`` and ``e = ρν`` (OAS's ``tr`` and ``‖Σ‖²_F`` fr
 The same head as the Cholesky solve up to float64 rounding, for ``m d²`` a sample (``W = W̃ Vᵀ``) plus one
 eigendecomposition every :data:`REFRESH` samples; nearest class mean costs ``m d``. The statistics are float64. An
 owner that scores the features itself (the mixture's LDA) keeps the head as ``W̃`` and ``V`` (:meth:`FrozenHead.defer`,
-:class:`HeadFactors`) and scores ``W̃ (Vᵀ z) + b``: ``d²`` a sample instead of ``m d²``.
+:class:`HeadFactors`) and scores ``W̃ (Vᵀ z) + b``: ``d²`` a sample instead of ``m d²``. Deferred, the means and rows in
+``V``'s basis are kept in the state and moved by the sample's ``Vᵀ z`` (the one product with ``V`` a sample); a
+checkpoint resumed where its ``V`` is computed again bit for bit (:func:`basis_check`) continues exactly, elsewhere
+they are rotated afresh.
 """
 
 from __future__ import annotations
@@ -84,6 +87,20 @@ def oas_shrinkage(alpha: Tensor, nu: Tensor, dim: int, samples: float) -> Tensor
     if float(denominator) == 0.0:  # one host read per head
         return torch.ones((), dtype=alpha.dtype, device=alpha.device)
     return torch.clamp(numerator / denominator, max=1.0)
+
+
+#: Deferred streaming LDA's state in the eigenbasis of its last refresh: the rotated class means and rows, and the
+#: :func:`basis_check` of the basis they are in.
+ROTATED = ("rotated_mean", "rotated_recent", "basis_check")
+
+
+def basis_check(vectors: Tensor) -> Tensor:
+    """A check of a float64 matrix's bits: equal for the same matrix, and in practice not for another.
+
+    ``(2,)`` int64: the sums of the entries' low and high 32 bits (no overflow below 2³¹ entries).
+    """
+    bits = vectors.contiguous().view(torch.int64)
+    return torch.stack([(bits & 0xFFFFFFFF).sum(), (bits >> 32).sum()])
 
 
 class Eigenbasis:
@@ -132,9 +149,19 @@ class HeadFactors(NamedTuple):
     basis: Tensor | None = None
 
     def logits(self, features: Tensor) -> Tensor:
-        """``W z + b`` of features ``(B, d)``, float64, scored through the basis: ``(B, m)``."""
-        rotated = features if self.basis is None else features @ self.basis
-        return torch.addmm(self.bias, rotated, self.weight.T)
+        """``W z + b`` of features ``(B, d)``, float64, scored through the basis: ``(B, m)``.
+
+        One sample is rotated as :meth:`Eigenbasis.rotate` rotates it (the same product, so the same bits).
+        """
+        return torch.addmm(self.bias, self.rotate(features), self.weight.T)
+
+    def rotate(self, features: Tensor) -> Tensor:
+        """``Bᵀ z`` of features ``(B, d)``: ``(B, k)`` (the features themselves without a basis)."""
+        if self.basis is None:
+            return features
+        if features.shape[0] == 1:
+            return torch.mv(self.basis.T, features[0])[None]
+        return features @ self.basis
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """``(W, b)``, ``W`` multiplied out."""
@@ -324,12 +351,7 @@ class FrozenHead(torch.optim.Optimizer):
         if not state:
             state.update(self.initial_state(*weight.shape, device=weight.device))
         for z, label in zip(features.to(STATISTICS_DTYPE), labels.tolist(), strict=True):
-            count = state["count"][label]
-            delta = z - state["mean"][label]
-            state["mean"][label] += delta / (count + 1)
-            self.accumulate(state, delta, count / (count + 1))
-            state["count"][label] += 1
-            state["samples"] += 1
+            self.observe(state, z, label)
         if self._deferred:
             self._factors = self.factors(state)
             return finite
@@ -337,6 +359,15 @@ class FrozenHead(torch.optim.Optimizer):
         weight.copy_(head_weight.to(weight.dtype))
         bias.copy_(head_bias.to(bias.dtype))
         return finite
+
+    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> None:
+        """One sample's update: its class's mean and count (Welford's), the sample count, the spread."""
+        count = state["count"][label]
+        delta = z - state["mean"][label]
+        state["mean"][label] += delta / (count + 1)
+        self.accumulate(state, delta, count / (count + 1))
+        state["count"][label] += 1
+        state["samples"] += 1
 
     def initial_state(self, classes: int, dim: int, device: torch.device) -> dict[str, Tensor]:
         """The statistics before any sample: no count, the paper's zero means."""
@@ -398,6 +429,7 @@ class StreamingLDA(FrozenHead):
             )
         super().__init__(params, {"shrinkage": shrinkage if shrinkage == "oas" else float(shrinkage)})
         self._basis: Eigenbasis | None = None  # of the scatter's last refresh: built at the next head
+        self._scored: tuple[Tensor, Tensor, Tensor] | None = None  # deferred: (z, V, Vᵀ z) of the last sample scored
 
     def initial_state(self, classes: int, dim: int, device: torch.device) -> dict[str, Tensor]:
         """The common statistics, the scatter folded at the last refresh ``S₀`` ``(d, d)`` and the rows since."""
@@ -434,11 +466,69 @@ class StreamingLDA(FrozenHead):
         return (state["scatter"] + rows.T @ rows) / state["samples"].clamp_min(1)
 
     def eigenbasis(self, state: dict[str, Tensor]) -> Eigenbasis:
-        """The eigenbasis of the last refresh (computed here when missing), up to date with the statistics."""
+        """The eigenbasis of the last refresh (computed here when missing), up to date with the statistics.
+
+        Deferred, the rotated means and rows are kept in the state (:data:`ROTATED`) and updated by :meth:`observe`
+        from ``Vᵀ z``; a new basis takes them from the state when they are of it (the same ``V``, bit for bit, as
+        :func:`basis_check` says: a checkpoint resumed on the machine that saved it), else rotates them afresh.
+        """
         if self._basis is None:
             self._basis = Eigenbasis(state["scatter"], state["mean"].shape[0])
-        self._basis.update(state)
+            if self._deferred:
+                self._adopt(state)
+        if not self._deferred:
+            for key in ROTATED:  # kept only while deferred: stale once the statistics move without them
+                state.pop(key, None)
+            self._basis.update(state)
         return self._basis
+
+    def _adopt(self, state: dict[str, Tensor]) -> None:
+        """Give the new basis the state's rotated vectors when they are of it; else rotate afresh, into the state."""
+        basis = self._basis
+        assert basis is not None
+        check = basis_check(basis.vectors)
+        saved = state.get("basis_check")
+        if saved is not None and torch.equal(saved, check) and state["rotated_recent"].shape == state["recent"].shape:
+            basis.means, basis.recent = state["rotated_mean"], state["rotated_recent"]
+            return
+        basis.update(state)
+        state["rotated_mean"], state["rotated_recent"], state["basis_check"] = basis.means, basis.recent, check
+
+    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> None:
+        """The sample's update; deferred, with a basis, also its rotated mean and row, from ``Vᵀ z``.
+
+        No product with ``V`` when the sample was just scored (:meth:`logits` kept its ``Vᵀ z``).
+        """
+        basis = self._basis if self._deferred else None
+        if basis is None or "rotated_mean" not in state:
+            super().observe(state, z, label)
+            return
+        count = state["count"][label].clone()
+        scored = self._scored
+        if scored is not None and scored[1] is basis.vectors and torch.equal(scored[0], z):
+            rotated = scored[2]
+        else:
+            rotated = basis.rotate(z)
+        delta = rotated - state["rotated_mean"][label]  # Vᵀ (z − μ_y)
+        super().observe(state, z, label)
+        if self._basis is not basis:  # the rows were folded into a new S₀: its basis rotates everything afresh
+            for key in ROTATED:
+                state.pop(key)
+            return
+        state["rotated_mean"][label] += delta / (count + 1)
+        weight = count / (count + 1)
+        if float(weight):  # the same row accumulate added, rotated
+            state["rotated_recent"] = torch.cat([state["rotated_recent"], (delta * weight.sqrt())[None]])
+            basis.recent = state["rotated_recent"]
+
+    def logits(self, features: Tensor) -> Tensor:
+        """:meth:`FrozenHead.logits`; deferred, one sample's ``Vᵀ z`` is kept for :meth:`observe`."""
+        factors = self.current()
+        if factors is None or factors.basis is None or features.shape[0] != 1:
+            return super().logits(features)
+        rotated = factors.rotate(features)
+        self._scored = (features[0], factors.basis, rotated[0])
+        return torch.addmm(factors.bias, rotated, factors.weight.T)
 
     def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """:func:`lda_head` of the statistics, in the eigenbasis of the last refresh."""
