@@ -34,37 +34,27 @@ Nearest class mean is the same class model with the covariance :math:`\sigma^2 I
 \Sigma / d` (the pooled within-class variance per feature): its argmax is the nearest mean in Euclidean distance, and
 :math:`\sigma^2` only sets how sure its probabilities are.
 
-The head is solved without factorising the ``d x d`` shrunk covariance each sample (``d³/3``: 35-60 ms for ``d`` =
-1,280 on one CPU core): the scatter is kept as ``S = S₀ + Uᵀ U``, ``S₀`` folded every :data:`REFRESH` samples and
-eigendecomposed then (``S₀ = V diag(λ) Vᵀ``), ``U`` the rows ``√w δ`` since. In ``V``'s basis the shrunk covariance
-of the last refresh is diagonal for any ``ρ`` and ``ν``, and the rows since are a Woodbury correction of rank ``r <``
-:data:`REFRESH`:
-
-.. math::
-
-    A = c\,S + e\,I, \quad B = V \mathrm{diag}(c\lambda + e) V^\top, \qquad
-    A^{-1} = B^{-1} - c\,B^{-1}U^\top (I_r + c\,U B^{-1} U^\top)^{-1} U B^{-1},
-
-with ``c = (1 − ρ)/N`` and ``e = ρν`` (OAS's ``tr`` and ``‖Σ‖²_F`` from ``λ``, ``VᵀUᵀ`` and ``U Uᵀ`` the same way).
-The same head as the Cholesky solve up to float64 rounding, for ``m d²`` a sample (``W = W̃ Vᵀ``) plus one
-eigendecomposition every :data:`REFRESH` samples; nearest class mean costs ``m d``. The statistics are float64. An
-owner that scores the features itself (the mixture's LDA) keeps the head as ``W̃`` and ``V`` (:meth:`FrozenHead.defer`,
-:class:`HeadFactors`) and scores ``W̃ (Vᵀ z) + b``: ``d²`` a sample instead of ``m d²``. Deferred, the means and rows in
-``V``'s basis are kept in the state and moved by the sample's ``Vᵀ z`` (the one product with ``V`` a sample); a
-checkpoint resumed where its ``V`` is computed again bit for bit (:func:`basis_check`) continues exactly, elsewhere
-they are rotated afresh.
+The head is solved without factorising the ``d x d`` shrunk covariance each sample: the scatter is kept as the
+eigendecomposition of its last refresh, every :data:`REFRESH` samples, and a Woodbury correction of the rows since
+(:mod:`loko_lightning.peers.lda_basis`): ``m d²`` a sample plus one eigendecomposition per refresh, the same head up to
+float64 rounding; nearest class mean costs ``m d``. The statistics are float64. An owner that scores the features
+itself (the mixture's LDA) keeps the head in that basis (:meth:`FrozenHead.defer`): ``d²`` a sample. Deferred, the
+means and rows in the basis are kept in the state and moved by the sample's rotation (the one product with the basis a
+sample); a checkpoint resumed where the basis is computed again bit for bit continues exactly, elsewhere they are
+rotated afresh.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from loko_lightning.errors import ConfigError
+from loko_lightning.peers.lda_basis import ROTATED, Eigenbasis, HeadFactors, basis_check, lda_factors, lda_head
 
 #: The dtype of the running statistics: sums over thousands of samples lose digits in float32.
 STATISTICS_DTYPE = torch.float64
@@ -73,145 +63,6 @@ STATISTICS_DTYPE = torch.float64
 #: Samples between two eigendecompositions of streaming LDA's scatter (see the module): the rows since are a
 #: Woodbury correction of at most this rank.
 REFRESH = 64
-
-
-def oas_shrinkage(alpha: Tensor, nu: Tensor, dim: int, samples: float) -> Tensor:
-    """OAS's shrinkage ``ρ`` of an empirical covariance ``(d, d)`` estimated from ``samples`` samples.
-
-    The closed form of Chen et al. (2010) as scikit-learn's ``sklearn.covariance.oas`` computes it:
-    ``ρ = min(1, (a + ν²) / ((n + 1)(a − ν²/d)))`` with ``a`` (``alpha``) the mean of the covariance's squared entries
-    and ``ν = tr Σ / d``; ``ρ = 1`` where the denominator is 0 (a covariance proportional to the identity, or zero).
-    """
-    numerator = alpha + nu.square()
-    denominator = (samples + 1.0) * (alpha - nu.square() / dim)
-    if float(denominator) == 0.0:  # one host read per head
-        return torch.ones((), dtype=alpha.dtype, device=alpha.device)
-    return torch.clamp(numerator / denominator, max=1.0)
-
-
-#: Deferred streaming LDA's state in the eigenbasis of its last refresh: the rotated class means and rows, and the
-#: :func:`basis_check` of the basis they are in.
-ROTATED = ("rotated_mean", "rotated_recent", "basis_check")
-
-
-def basis_check(vectors: Tensor) -> Tensor:
-    """A check of a float64 matrix's bits: equal for the same matrix, and in practice not for another.
-
-    ``(2,)`` int64: the sums of the entries' low and high 32 bits (no overflow below 2³¹ entries).
-    """
-    bits = vectors.contiguous().view(torch.int64)
-    return torch.stack([(bits & 0xFFFFFFFF).sum(), (bits >> 32).sum()])
-
-
-class Eigenbasis:
-    """Streaming LDA's scatter of the last refresh ``S₀ = V diag(λ) Vᵀ`` and the vectors the head reads, rotated.
-
-    In ``V``'s basis: the rows ``U`` since (``U V``) and the class means (``M V``), each rotated once, when it is new.
-    Rebuilt from the optimizer's state alone (after a refresh, or a checkpoint loaded), every vector rotated by the
-    same matrix-vector product either way: a resumed fit computes the same head, bit for bit.
-    """
-
-    def __init__(self, scatter: Tensor, classes: int) -> None:
-        values, self.vectors = torch.linalg.eigh(scatter)
-        self.values = values.clamp_min(0)  # S₀ is positive semi-definite: a negative eigenvalue is rounding
-        self.recent = scatter.new_zeros(0, scatter.shape[0])
-        self.means = scatter.new_zeros(classes, scatter.shape[0])
-        self.counts: Tensor | None = None  # the class counts the rotated means are of
-
-    def rotate(self, vector: Tensor) -> Tensor:
-        """``Vᵀ x`` of one vector ``(d,)``."""
-        return torch.mv(self.vectors.T, vector)
-
-    def update(self, state: dict[str, Tensor]) -> None:
-        """Rotate the rows added since the last call and the means of the classes whose count changed."""
-        rows = state["recent"]
-        if rows.shape[0] > self.recent.shape[0]:
-            new = [self.rotate(row) for row in rows[self.recent.shape[0] :]]
-            self.recent = torch.cat([self.recent, torch.stack(new)])
-        counts = state["count"]
-        changed = range(counts.shape[0]) if self.counts is None else (counts != self.counts).nonzero()[:, 0].tolist()
-        for k in changed:
-            self.means[k] = self.rotate(state["mean"][k])
-        self.counts = counts.clone()
-
-
-class HeadFactors(NamedTuple):
-    """A linear head kept as factors: streaming LDA's in the eigenbasis of its last refresh, not multiplied out.
-
-    ``W = F Bᵀ`` (``F`` ``weight``, ``(m, k)``; ``B`` ``basis``, ``(d, k)``, or ``None``: ``W = F``) and the bias
-    ``(m,)``, float64. Scoring ``z`` through the basis (``F (Bᵀ z) + b``) costs ``d k + m k`` a sample where forming
-    ``W`` costs ``m d k`` (``d = k`` = 1,280, ``m`` = 10: 1.6 M against 16.4 M multiply-adds); the logits are
-    ``W z + b``'s up to float64 rounding.
-    """
-
-    weight: Tensor
-    bias: Tensor
-    basis: Tensor | None = None
-
-    def logits(self, features: Tensor) -> Tensor:
-        """``W z + b`` of features ``(B, d)``, float64, scored through the basis: ``(B, m)``.
-
-        One sample is rotated as :meth:`Eigenbasis.rotate` rotates it (the same product, so the same bits).
-        """
-        return torch.addmm(self.bias, self.rotate(features), self.weight.T)
-
-    def rotate(self, features: Tensor) -> Tensor:
-        """``Bᵀ z`` of features ``(B, d)``: ``(B, k)`` (the features themselves without a basis)."""
-        if self.basis is None:
-            return features
-        if features.shape[0] == 1:
-            return torch.mv(self.basis.T, features[0])[None]
-        return features @ self.basis
-
-    def dense(self) -> tuple[Tensor, Tensor]:
-        """``(W, b)``, ``W`` multiplied out."""
-        return (self.weight if self.basis is None else self.weight @ self.basis.T), self.bias
-
-
-def lda_factors(state: dict[str, Tensor], basis: Eigenbasis, shrinkage: float | str) -> HeadFactors:
-    """Streaming LDA's head (:func:`lda_head`) in ``basis``: ``F_k = Vᵀ Λ μ_k``, ``b_k = −½ F_kᵀ (Vᵀ μ_k)``.
-
-    ``Λ = A⁻¹``, ``A = (1 − ρ) Σ + ρ ν I`` (OAS's ``ρ`` and ``ν = tr Σ / d``, or ``ρ = shrinkage`` and ``ν = 1``),
-    applied in ``basis`` (:class:`Eigenbasis`, up to date with ``state``) with the Woodbury correction of the module.
-    A zero covariance under OAS (no sample yet differs from its class mean) is the identity: nearest class mean, with
-    no basis.
-    """
-    means, rows = state["mean"], state["recent"]
-    dim = means.shape[1]
-    count = float(state["samples"].clamp_min(1))
-    trace = basis.values.sum() + rows.square().sum()  # tr S
-    if shrinkage == "oas":
-        nu = trace / (count * dim)
-        if float(nu) == 0.0:
-            return HeadFactors(means.clone(), -0.5 * means.square().sum(-1))
-        # ‖S‖²_F = Σ λ² + 2 Σ_i λ_i ‖(U V)_{:, i}‖² + ‖U Uᵀ‖²_F
-        frobenius = basis.values.square().sum() + 2 * (basis.recent.square().sum(0) * basis.values).sum()
-        frobenius = frobenius + (rows @ rows.T).square().sum()
-        rho = oas_shrinkage(frobenius / (count * dim) ** 2, nu, dim, float(state["samples"]))
-        scale, ridge = (1.0 - rho) / count, rho * nu
-    else:
-        scale, ridge = (1.0 - shrinkage) / count, means.new_tensor(float(shrinkage))
-    inverse = 1.0 / (scale * basis.values + ridge)  # B⁻¹ in V's basis
-    rotated = basis.means * inverse  # rows B⁻¹ μ_k
-    if rows.shape[0]:
-        spread = basis.recent * inverse  # rows B⁻¹ u_i
-        capacitance = torch.eye(rows.shape[0], dtype=means.dtype, device=means.device)
-        capacitance = capacitance + scale * (basis.recent @ spread.T)
-        solved = torch.cholesky_solve(basis.recent @ rotated.T, torch.linalg.cholesky(capacitance))
-        rotated = rotated - scale * (solved.T @ spread)
-    return HeadFactors(rotated, -0.5 * (rotated * basis.means).sum(-1), basis.vectors)
-
-
-def lda_head(state: dict[str, Tensor], basis: Eigenbasis, shrinkage: float | str) -> tuple[Tensor, Tensor]:
-    """Streaming LDA's head ``(W, b)`` (``(m, d)``, ``(m,)``): ``W_k = Λ μ_k``, ``b_k = −½ μ_kᵀ Λ μ_k``.
-
-    :func:`lda_factors` multiplied out, the bias from ``W`` and the means.
-    """
-    factors = lda_factors(state, basis, shrinkage)
-    if factors.basis is None:
-        return factors.weight, factors.bias
-    weight = factors.weight @ factors.basis.T
-    return weight, -0.5 * (weight * state["mean"]).sum(-1)
 
 
 def ncm_head(means: Tensor, variance: Tensor) -> tuple[Tensor, Tensor]:
@@ -528,7 +379,7 @@ class StreamingLDA(FrozenHead):
             return super().logits(features)
         rotated = factors.rotate(features)
         self._scored = (features[0], factors.basis, rotated[0])
-        return torch.addmm(factors.bias, rotated, factors.weight.T)
+        return factors.score(rotated)
 
     def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """:func:`lda_head` of the statistics, in the eigenbasis of the last refresh."""
