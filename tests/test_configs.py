@@ -191,6 +191,7 @@ def test_the_text_selection_preset_chooses_p0_from_its_grid():
     """presets/loko_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10, 30 on 500 samples."""
     extra = ["--trainer.logger", "false"]
     cli = build(CONFIGS / "text_quickstart.yaml", *extra, "--config", str(CONFIGS / "presets" / "loko_text.yaml"))
+    assert cli.model.head_covariance == "shared"  # one covariance over the sentence embedding for the head's rows
     assert (cli.model.select.name, cli.model.select.values, cli.model.select.samples) == (
         "p0",
         (0.3, 1.0, 3.0, 10.0, 30.0),

@@ -223,11 +223,13 @@ def test_loko_itself_refuses_p0_auto_and_says_where_it_works():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")  # bit for bit: the bits depend on the intra-op threads
-def test_a_run_stopped_mid_selection_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("head_covariance", ["diagonal", "shared"])  # shared: the text default's
+def test_a_run_stopped_mid_selection_resumes_exactly(tmp_path, head_covariance):
     """Stop after sample 12 of 24 (checkpoint at 6, mid-selection of 16 samples) and resume: same parameters,
     filter state, scores, choice and online metrics as one uninterrupted run, bit for bit on the CPU."""
     common = ["--config", DEBUG, "--data.max_samples", "24", "--data.eval_max_samples", "8"]
     common += ["--model.select.values", "[0.01, 0.1]", "--model.select.samples", "16"]
+    common += ["--model.head_covariance", head_covariance]
 
     def check_part(saved):
         assert saved["loko_selection"]["seen"] == 6 and saved["loko_selection"]["chosen"] is None

@@ -11,8 +11,9 @@ configs and every preset pin it). What the default decides from is known before 
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
   predicting with the same mixture and nearest class mean's vote as one more expert (``NEAREST_VOTE``);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
-  (``p0`` chosen online from 0.3-30; measured with 5 and 25 classes) predicting with the same mixture on the frozen
-  sentence embedding, the learner's prediction also tempered both ways (``TEXT_MIXTURE``);
+  (``p0`` chosen online from 0.3-30, one covariance shared by the head's rows; measured with 5 and 25 classes)
+  predicting with the same mixture on the frozen sentence embedding, the learner's prediction also tempered both ways
+  (``TEXT_MIXTURE``);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
   choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
   changed (the default does not override a choice). ``shard: true`` is how the update is computed: an image backbone
@@ -140,10 +141,10 @@ def decide(config: Any) -> Decision | None:
     if text:
         return Decision(
             "presets/loko_text + presets/loko_mixture_lda",
-            f"a text backbone, {num_classes} classes: p0 chosen online, predicting with its mixture with streaming LDA "
-            "on the frozen sentence embedding, the learner's prediction also tempered both ways (its confidence too "
-            "high on WordNet) and pooled with LDA's; --config presets/loko_text runs it alone, without the mixture's "
-            "extra forward pass",
+            f"a text backbone, {num_classes} classes: p0 chosen online, the head's covariance shared by its rows, "
+            "predicting with its mixture with streaming LDA on the frozen sentence embedding, the learner's prediction "
+            "also tempered both ways (its confidence too high on WordNet) and pooled with LDA's; --config "
+            "presets/loko_text runs it alone, without the mixture's extra forward pass",
             preset("presets/loko_text") + preset("presets/loko_mixture_lda") + TEXT_MIXTURE,
         )
     vote: tuple[str, ...] = ()  # nearest class mean's vote: on for more classes than MAX_CLASSES only
