@@ -120,7 +120,7 @@ WORDNET_FILTER: Runs = (
     ("default_study/wordnet_default_s2", "loko_default"),
 )
 TEXT_DEFAULT = "the text default (`presets/loko_text` + `presets/loko_mixture_lda`)"
-TEXT_FILTER = "the text default's filter alone (`presets/loko_text`)"
+TEXT_FILTER = "the text default's filter alone, its head covariance diagonal then (`presets/loko_text`)"
 
 
 def fm64_500(optimizer: str) -> Runs:
@@ -286,7 +286,7 @@ STREAMS = (
     Stream(
         "BBC News",
         1000,
-        Entry(TEXT_DEFAULT, (("default_study/bbc_past", "loko_default"),)),
+        Entry(TEXT_DEFAULT, (("default_study/bbc_shared", "loko_default"),)),
         "text backbone, 5 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry(
             "the paper's LoKO (head on the pooler then)",
@@ -308,7 +308,7 @@ STREAMS = (
     Stream(
         "WordNet",
         2000,
-        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_past", 3, "loko_default")),
+        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_shared", 3, "loko_default")),
         "text backbone, 25 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry("the paper's LoKO (head on the pooler then)", (("wordnet/paper_s0", "loko"),)),
         [
@@ -505,8 +505,9 @@ NOTES = (
     "MNIST-5k and the drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its "
     "filter alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: "
     "shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its "
-    "head on the sentence embedding, with the same mixture, its learner also softened, and the mixture's pools of "
-    "the learner and LDA) and its filter alone were run as `loko fit` runs them today; the rows marked *head on the "
+    "head on the sentence embedding, one covariance shared by the head's rows, with the same mixture, its learner "
+    "also softened, and the mixture's pools of the learner and LDA) was run as `loko fit` runs it today; its filter "
+    "alone when the head's covariance was diagonal (`head_covariance: diagonal`); the rows marked *head on the "
     "pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the default is `filter: "
     "natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture, its pools and nearest class mean "
     "on LDA's statistics with its vote. The "
