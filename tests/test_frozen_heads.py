@@ -2,6 +2,8 @@
 prequential contract at the learner level, checkpoints, and their configuration errors."""
 
 import copy
+import gc
+import weakref
 from functools import partial
 from pathlib import Path
 
@@ -200,6 +202,26 @@ def test_a_deferred_streaming_lda_keeps_its_rotated_vectors_and_rotates_afresh_i
     ours, theirs = elsewhere.logits(probe), lda.logits(probe)
     _, _, weight, bias = reference_lda(x[: REFRESH + 20], y[: REFRESH + 20], 4, "oas")
     assert bool(((ours - theirs).abs() <= 1e-9 * (probe.abs() @ weight.abs().T + bias.abs())).all())
+
+
+def test_a_deferred_streaming_lda_lets_the_old_basis_go_at_a_refresh():
+    """A refresh's eigenbasis ``V`` (``d²`` floats: 13 MB at d = 1,280) is freed once the next refresh replaces it:
+    the last sample scored, whose ``Vᵀ z`` its update reuses, keeps no reference to it after that update."""
+    x, y = labelled(n=REFRESH + 60, d=24, m=4)
+    _, lda = deferred_lda(24, 4)
+    old = None
+    for n in range(len(x)):
+        lda.logits(x[n : n + 1])
+        lda.step(lambda n=n: (x[n : n + 1], y[n : n + 1]))
+        basis = lda.current().basis
+        if old is not None and old() is not basis:
+            break
+        old = None if basis is None else weakref.ref(basis)
+    else:
+        pytest.fail("no refresh in the stream")
+    del basis
+    gc.collect()
+    assert old() is None
 
 
 def test_streaming_lda_loads_a_state_saved_before_the_recent_rows_were_kept():

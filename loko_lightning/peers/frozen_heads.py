@@ -65,6 +65,21 @@ STATISTICS_DTYPE = torch.float64
 REFRESH = 64
 
 
+def welford(count: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+    """Welford's terms of one sample for its class: the mean's step ``δ / (n + 1)`` and the scatter's weight ``w``.
+
+    The sample adds ``w δδᵀ``, ``w = n / (n + 1)``, to the within-class scatter; ``n`` is the class's count and
+    ``δ = z − μ`` its mean's distance before the sample. The same terms for the raw features and for their rotation
+    ``Vᵀ z`` (a rotation commutes with both).
+    """
+    return delta / (count + 1), count / (count + 1)
+
+
+def scatter_row(delta: Tensor, weight: Tensor) -> Tensor:
+    """The row ``√w δ`` ``(1, d)`` whose outer product is the sample's ``w δδᵀ`` in the scatter."""
+    return (delta * weight.sqrt())[None]
+
+
 def ncm_head(means: Tensor, variance: Tensor) -> tuple[Tensor, Tensor]:
     """Nearest class mean's head: ``W_k = μ_k / σ²``, ``b_k = −½ ‖μ_k‖² / σ²`` (σ² = 1 where it is 0)."""
     scale = torch.where(variance > 0, variance, torch.ones_like(variance))
@@ -211,14 +226,21 @@ class FrozenHead(torch.optim.Optimizer):
         bias.copy_(head_bias.to(bias.dtype))
         return finite
 
-    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> None:
-        """One sample's update: its class's mean and count (Welford's), the sample count, the spread."""
+    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> bool:
+        """One sample's update: its class's mean and count (Welford's), the sample count, the spread.
+
+        Returns whether the spread grew (False on a class's first sample): the one host read of the update.
+        """
         count = state["count"][label]
         delta = z - state["mean"][label]
-        state["mean"][label] += delta / (count + 1)
-        self.accumulate(state, delta, count / (count + 1))
+        step, weight = welford(count, delta)
+        state["mean"][label] += step
+        spread = bool(weight)
+        if spread:
+            self.accumulate(state, delta, weight)
         state["count"][label] += 1
         state["samples"] += 1
+        return spread
 
     def initial_state(self, classes: int, dim: int, device: torch.device) -> dict[str, Tensor]:
         """The statistics before any sample: no count, the paper's zero means."""
@@ -227,7 +249,7 @@ class FrozenHead(torch.optim.Optimizer):
                 "samples": torch.zeros((), **zeros)}  # fmt: skip
 
     def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
-        """Add one sample's ``weight · δδᵀ`` (``δ`` from its class's mean before the update) to the spread."""
+        """Add one sample's ``weight · δδᵀ`` (``weight`` > 0, ``δ`` from its class's mean before it) to the spread."""
         raise NotImplementedError
 
     def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -299,9 +321,7 @@ class StreamingLDA(FrozenHead):
 
     def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
         """``S += w δδᵀ``: the row ``√w δ`` joins ``U``; every :data:`REFRESH` rows ``S₀ += Uᵀ U`` (see the module)."""
-        if not float(weight):  # a class's first sample: no spread yet
-            return
-        rows = torch.cat([state["recent"], (delta * weight.sqrt())[None]])
+        rows = torch.cat([state["recent"], scatter_row(delta, weight)])
         if rows.shape[0] == REFRESH:
             state["scatter"].addmm_(rows.T, rows)
             rows, self._basis = rows[:0], None
@@ -345,32 +365,32 @@ class StreamingLDA(FrozenHead):
         basis.update(state)
         state["rotated_mean"], state["rotated_recent"], state["basis_check"] = basis.means, basis.recent, check
 
-    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> None:
+    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> bool:
         """The sample's update; deferred, with a basis, also its rotated mean and row, from ``Vᵀ z``.
 
-        No product with ``V`` when the sample was just scored (:meth:`logits` kept its ``Vᵀ z``).
+        No product with ``V`` when the sample was just scored (:meth:`logits` kept its ``Vᵀ z``, let go here).
         """
+        scored, self._scored = self._scored, None
         basis = self._basis if self._deferred else None
         if basis is None or "rotated_mean" not in state:
-            super().observe(state, z, label)
-            return
+            return super().observe(state, z, label)
         count = state["count"][label].clone()
-        scored = self._scored
         if scored is not None and scored[1] is basis.vectors and torch.equal(scored[0], z):
             rotated = scored[2]
         else:
             rotated = basis.rotate(z)
         delta = rotated - state["rotated_mean"][label]  # Vᵀ (z − μ_y)
-        super().observe(state, z, label)
+        spread = super().observe(state, z, label)
         if self._basis is not basis:  # the rows were folded into a new S₀: its basis rotates everything afresh
             for key in ROTATED:
                 state.pop(key)
-            return
-        state["rotated_mean"][label] += delta / (count + 1)
-        weight = count / (count + 1)
-        if float(weight):  # the same row accumulate added, rotated
-            state["rotated_recent"] = torch.cat([state["rotated_recent"], (delta * weight.sqrt())[None]])
+            return spread
+        step, weight = welford(count, delta)  # the same terms as the update's, rotated
+        state["rotated_mean"][label] += step
+        if spread:
+            state["rotated_recent"] = torch.cat([state["rotated_recent"], scatter_row(delta, weight)])
             basis.recent = state["rotated_recent"]
+        return spread
 
     def logits(self, features: Tensor) -> Tensor:
         """:meth:`FrozenHead.logits`; deferred, one sample's ``Vᵀ z`` is kept for :meth:`observe`."""
