@@ -114,13 +114,8 @@ def lr_free(folder: str) -> list[Entry]:
 
 
 GLYPHS = tuple(f"default_study/glyphs100_2000_s{seed}" for seed in range(3))
-WORDNET_FILTER: Runs = (
-    ("default_study/wordnet_default_s0", "loko_default"),
-    ("default_study/wordnet_default_s1", "loko_default"),
-    ("default_study/wordnet_default_s2", "loko_default"),
-)
 TEXT_DEFAULT = "the text default (`presets/loko_text` + `presets/loko_mixture_lda`)"
-TEXT_FILTER = "the text default's filter alone, its head covariance diagonal then (`presets/loko_text`)"
+TEXT_FILTER = "the text default's filter alone (`presets/loko_text`)"
 
 
 def fm64_500(optimizer: str) -> Runs:
@@ -303,7 +298,7 @@ STREAMS = (
             Entry("schedule-free AdamW (head on the pooler then)", seeds("peers/bbc/schedulefree", 3, "schedulefree")),
             Entry("AdamW, constant (head on the pooler then)", seeds("peers/bbc/adamw_const", 3, "adamw_const")),
         ],
-        also=[Entry(TEXT_FILTER, (("default_study/bbc", "loko_default"),))],
+        also=[Entry(TEXT_FILTER, (("default_study/bbc_filter", "loko"),))],
     ),
     Stream(
         "WordNet",
@@ -328,7 +323,7 @@ STREAMS = (
             Entry("schedule-free AdamW (head on the pooler then)", (("wordnet/schedulefree_s0", "schedulefree"),)),
             Entry("IVON (head on the pooler then)", (("shared_rows/epyc/wordnet/ivon_s0", "ivon"),)),
         ],
-        also=[Entry(TEXT_FILTER, WORDNET_FILTER)],
+        also=[Entry(TEXT_FILTER, seeds("default_study/wordnet_filter", 3, "loko"))],
     ),
     Stream(
         "drifting Fashion-MNIST",
@@ -506,8 +501,8 @@ NOTES = (
     "filter alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: "
     "shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its "
     "head on the sentence embedding, one covariance shared by the head's rows, with the same mixture, its learner "
-    "also softened, and the mixture's pools of the learner and LDA) was run as `loko fit` runs it today; its filter "
-    "alone when the head's covariance was diagonal (`head_covariance: diagonal`); the rows marked *head on the "
+    "also softened, and the mixture's pools of the learner and LDA) and its filter alone (`--config "
+    "presets/loko_text`) were run as `loko fit` runs them today (on the AMD EPYC); the rows marked *head on the "
     "pooler then* were run when the new head read BERT's pooler. On glyphs100 (100 classes) the default is `filter: "
     "natural` with `p0` 0.03 and `average: 0.99` predicting with the same mixture, its pools and nearest class mean "
     "on LDA's statistics with its vote. The "
