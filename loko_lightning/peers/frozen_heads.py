@@ -226,21 +226,15 @@ class FrozenHead(torch.optim.Optimizer):
         bias.copy_(head_bias.to(bias.dtype))
         return finite
 
-    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> bool:
-        """One sample's update: its class's mean and count (Welford's), the sample count, the spread.
-
-        Returns whether the spread grew (False on a class's first sample): the one host read of the update.
-        """
+    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> None:
+        """One sample's update: its class's mean and count (Welford's), the sample count, the spread."""
         count = state["count"][label]
         delta = z - state["mean"][label]
         step, weight = welford(count, delta)
         state["mean"][label] += step
-        spread = bool(weight)
-        if spread:
-            self.accumulate(state, delta, weight)
+        self.accumulate(state, delta, weight)
         state["count"][label] += 1
         state["samples"] += 1
-        return spread
 
     def initial_state(self, classes: int, dim: int, device: torch.device) -> dict[str, Tensor]:
         """The statistics before any sample: no count, the paper's zero means."""
@@ -249,7 +243,7 @@ class FrozenHead(torch.optim.Optimizer):
                 "samples": torch.zeros((), **zeros)}  # fmt: skip
 
     def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
-        """Add one sample's ``weight · δδᵀ`` (``weight`` > 0, ``δ`` from its class's mean before it) to the spread."""
+        """Add one sample's ``weight · δδᵀ`` (``δ`` from its class's mean before the update) to the spread."""
         raise NotImplementedError
 
     def head(self, state: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -321,6 +315,8 @@ class StreamingLDA(FrozenHead):
 
     def accumulate(self, state: dict[str, Tensor], delta: Tensor, weight: Tensor) -> None:
         """``S += w δδᵀ``: the row ``√w δ`` joins ``U``; every :data:`REFRESH` rows ``S₀ += Uᵀ U`` (see the module)."""
+        if not float(weight):  # a class's first sample: no spread yet
+            return
         rows = torch.cat([state["recent"], scatter_row(delta, weight)])
         if rows.shape[0] == REFRESH:
             state["scatter"].addmm_(rows.T, rows)
@@ -365,7 +361,7 @@ class StreamingLDA(FrozenHead):
         basis.update(state)
         state["rotated_mean"], state["rotated_recent"], state["basis_check"] = basis.means, basis.recent, check
 
-    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> bool:
+    def observe(self, state: dict[str, Tensor], z: Tensor, label: int) -> None:
         """The sample's update; deferred, with a basis, also its rotated mean and row, from ``Vᵀ z``.
 
         No product with ``V`` when the sample was just scored (:meth:`logits` kept its ``Vᵀ z``, let go here).
@@ -373,24 +369,24 @@ class StreamingLDA(FrozenHead):
         scored, self._scored = self._scored, None
         basis = self._basis if self._deferred else None
         if basis is None or "rotated_mean" not in state:
-            return super().observe(state, z, label)
-        count = state["count"][label].clone()
+            super().observe(state, z, label)
+            return
+        count, rows = state["count"][label].clone(), state["recent"].shape[0]
         if scored is not None and scored[1] is basis.vectors and torch.equal(scored[0], z):
             rotated = scored[2]
         else:
             rotated = basis.rotate(z)
         delta = rotated - state["rotated_mean"][label]  # Vᵀ (z − μ_y)
-        spread = super().observe(state, z, label)
+        super().observe(state, z, label)
         if self._basis is not basis:  # the rows were folded into a new S₀: its basis rotates everything afresh
             for key in ROTATED:
                 state.pop(key)
-            return spread
+            return
         step, weight = welford(count, delta)  # the same terms as the update's, rotated
         state["rotated_mean"][label] += step
-        if spread:
+        if state["recent"].shape[0] > rows:  # accumulate added the sample's row: the same row, rotated
             state["rotated_recent"] = torch.cat([state["rotated_recent"], scatter_row(delta, weight)])
             basis.recent = state["rotated_recent"]
-        return spread
 
     def logits(self, features: Tensor) -> Tensor:
         """:meth:`FrozenHead.logits`; deferred, one sample's ``Vᵀ z`` is kept for :meth:`observe`."""
