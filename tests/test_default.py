@@ -10,7 +10,7 @@ from jsonargparse import Namespace
 
 from loko_lightning import LoKO
 from loko_lightning.cli import LoKOCLI, main
-from loko_lightning.cli.default import MANY_CLASS_IMAGES, decide, default_arguments, distributed
+from loko_lightning.cli.default import LEARNER_DEFAULTS, MANY_CLASS_IMAGES, decide, default_arguments, distributed
 from loko_lightning.data import StreamDataModule
 from loko_lightning.learner.module import OnlineClassifier
 
@@ -114,7 +114,11 @@ def test_the_paper_configs_pin_the_papers_filter(name, caplog):
     assert {key: got[key] for key in ("p0", "average")} == {"p0": 0.2, "average": 0.0}
     assert got["filter"]["name"] == "covariance" and got["filter"]["beta"] == 0.95
     assert (got["head_covariance"], got["step_scales"], got["mixture"]) == ("diagonal", None, None)
-    assert decided_line(caplog) == []  # pinned: nothing decided, nothing printed
+    # Pinned: nothing decided, one line saying so.
+    assert decided_line(caplog) == [
+        "LoKO as configured: the configuration pins it (loko: as_configured); the paper's filter, every LoKO setting "
+        "at its default"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -233,7 +237,24 @@ def settings_free(cli):
 
 
 def test_decide_reads_the_top_level_key():
-    assert decide(Namespace(loko="as_configured")) is None
+    loko = Namespace(class_path="loko_lightning.LoKO", init_args=Namespace())
+    adamw = Namespace(class_path="torch.optim.AdamW", init_args=Namespace())
+    pinned = decide(Namespace(loko="as_configured", model=Namespace(optimizer=loko, **LEARNER_DEFAULTS)))
+    assert (pinned.name, pinned.args) == (None, ())  # nothing decided, nothing applied
+    assert decide(Namespace(loko="as_configured", model=Namespace(optimizer=adamw))) is None  # not a LoKO: no line
+
+
+def test_a_pinned_configuration_still_says_which_loko_runs(caplog):
+    """``loko: as_configured`` (a preset, the paper's configs, a saved config.yaml): one line naming what it sets."""
+    with caplog.at_level(logging.INFO):
+        build("text_quickstart", "--config", str(CONFIGS / "presets" / "loko_text.yaml"))
+        build("cifar10_resnet18")
+    text, paper = decided_line(caplog)
+    assert text == (
+        "LoKO as configured: the configuration pins it (loko: as_configured); it sets p0 auto, head_covariance shared, "
+        "select"
+    )
+    assert paper.endswith("(loko: as_configured); the paper's filter, every LoKO setting at its default")
 
 
 def test_print_config_prints_what_was_decided(capsys):

@@ -116,13 +116,17 @@ def preset(name: str) -> tuple[str, ...]:
 
 
 def decide(config: Any) -> Decision | None:
-    """The decision for a parsed ``fit`` configuration, or ``None`` (``loko: as_configured``, or not a LoKO)."""
-    if config.get("loko", "default") != "default":
-        return None
+    """The decision for a parsed ``fit`` configuration, or ``None`` (not a LoKO).
+
+    With ``loko: as_configured`` (the paper's configs, every preset, a saved ``config.yaml``) nothing is decided, and
+    the line names what the configuration sets away from LoKO's defaults, so a run never says nothing of its LoKO.
+    """
     optimizer = config.get("model.optimizer")
     if _class_path(optimizer).rsplit(".", 1)[-1] != "LoKO":
         return None
     changed = _changed_settings(optimizer, config)
+    if config.get("loko", "default") != "default":
+        return Decision(None, f"the configuration pins it (loko: as_configured); {_summary(changed)}")
     network_class = class_of(config.get("model.network"))
     text = network_class is not None and issubclass(network_class, TransformersClassifier)
     sharded = _as_dict(getattr(optimizer, "init_args", None) or {}).get("shard") is True
@@ -242,6 +246,17 @@ def _changed_settings(optimizer: Any, config: Any) -> list[str]:
         if _as_dict(value) != (default if default is None or isinstance(default, str) else _as_dict(default)):
             changed.append(f"--model.{name} {_shown(value)}")
     return changed
+
+
+def _summary(changed: list[str]) -> str:
+    """What ``changed`` (``_changed_settings``) sets, a scalar with its value and a mapping by its name only."""
+    if not changed:
+        return "the paper's filter, every LoKO setting at its default"
+    shown = []
+    for flag in changed:
+        name, _, value = flag.removeprefix("--model.").removeprefix("optimizer.").partition(" ")
+        shown.append(name if value.startswith(("{", "[")) else f"{name} {value}")
+    return "it sets " + ", ".join(shown)
 
 
 def _is_default(name: str, value: Any) -> bool:
