@@ -24,7 +24,7 @@ class DenseModelFilter:
     :func:`~loko_lightning.kalman.reference.loko_step_reference`. Shares no code with the fast path but the
     reference."""
 
-    def __init__(self, model, p0, *, beta, r_estimator, output="softmax", **time_update):
+    def __init__(self, model, p0, *, beta, r_estimator, output="softmax", debias=False, **time_update):
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
@@ -33,7 +33,7 @@ class DenseModelFilter:
         self.p = p0.double().clone()
         self.R = None
         self.k = 0
-        self.beta, self.r_estimator, self.output = beta, r_estimator, output
+        self.beta, self.r_estimator, self.output, self.debias = beta, r_estimator, output, debias
         self.time_update = TimeUpdate(**time_update)
 
     def unflatten(self, theta):
@@ -60,9 +60,10 @@ class DenseModelFilter:
         p_prior = self.p + self.time_update.process_noise
         self.theta, self.p, self.R = loko_step_reference(
             self.theta, self.p, self.R, H, y_hat, y, self.k, beta=self.beta, r_estimator=self.r_estimator, rcond=RTOL,
-            time_update=self.time_update,
+            time_update=self.time_update, debias=self.debias,
         )  # fmt: skip
-        eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + self.R)  # S
+        noise = self.R / (1 - self.beta**self.k) if self.debias else self.R
+        eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + noise)  # S
         rel = eig.abs() / eig.abs().max()
         assert not ((rel > 1e-13) & (rel < 1e-7)).any(), f"no clean spectral gap: {rel}"
         return y_hat

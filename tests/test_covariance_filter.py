@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loko_lightning import LoKO, OuterJacobian, jacobian
+from loko_lightning.errors import ConfigError
 from loko_lightning.jacobians.blocks import FactoredJacobian
 from loko_lightning.kalman.filters import Covariance, psd_pinv
 from loko_lightning.kalman.noise import R_ESTIMATORS
@@ -64,6 +65,40 @@ def test_matches_float64_reference(r_estimator, p0_init):
     torch.testing.assert_close(opt.state[next(model.parameters())]["R"], reference.R, rtol=1e-9, atol=1e-15)
     assert (cov > 0).all()
     assert (cov < 0.3 + 120 * 1e-4).all()
+
+
+@pytest.mark.parametrize("r_estimator", ["taylor", "residual"])
+def test_debiased_noise_matches_float64_reference(r_estimator):
+    """``debias``: the noise in ``S`` is ``R_k / (1 - β^k)``, the state's ``R_k`` the EMA: as the dense reference."""
+    model = mlp()
+    settings = {"name": "covariance", "beta": 0.9, "r_estimator": r_estimator, "debias": True}
+    opt = LoKO(model.parameters(), p0=0.3, seed=3, filter=settings, time_update={"process_noise": 1e-4})
+    p0 = flat_cov(opt, model.parameters())
+    reference = DenseModelFilter(
+        copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, debias=True, process_noise=1e-4
+    )
+    paper = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, process_noise=1e-4)
+    for x, y in teacher_stream(120):
+        y_ref = reference.step(x, y)
+        paper.step(x, y)
+        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # The same float64 arithmetic in another order, as in test_matches_float64_reference.
+    torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
+    torch.testing.assert_close(opt.state[next(model.parameters())]["R"], reference.R, rtol=1e-9, atol=1e-15)
+    # Not the paper's filter: its first steps, with R_k scaled down by 1 - 0.9^k, take it elsewhere.
+    assert (theta - paper.theta).abs().max() > 1e-3
+    assert opt.filter.config()["debias"] is True
+
+
+def test_debias_is_refused_where_r_is_no_ema():
+    """``identity``, ``decay`` and ``softmax`` are not an EMA: nothing to debias, said with the fix."""
+    with pytest.raises(ConfigError, match=r"Invalid debias: r_estimator 'identity' is not an EMA.*set debias: false"):
+        LoKO(mlp().parameters(), filter={"name": "covariance", "r_estimator": "identity", "debias": True})
+    with pytest.raises(ConfigError, match=r"Invalid debias: 'yes' \(must be true or false\)"):
+        LoKO(mlp().parameters(), filter={"name": "covariance", "debias": "yes"})
 
 
 @pytest.mark.parametrize("per_group", [False, True], ids=["one floor", "a floor per group"])

@@ -54,7 +54,7 @@ class SharedRowsReference:
             start += shape.numel()
         return torch.softmax(functional_call(self.model, values, (x,)).reshape(-1), 0)
 
-    def step(self, xs, ys, beta):
+    def step(self, xs, ys, beta, debias=False):
         self.k += 1
         y_hat = torch.stack([self.predict(self.theta, x) for x in xs])
         H = torch.stack([jacrev(self.predict)(self.theta, x) for x in xs])
@@ -62,7 +62,7 @@ class SharedRowsReference:
             self.R = torch.zeros(y_hat.shape[1], y_hat.shape[1], dtype=torch.float64)
         self.theta, self.p, self.sigmas, self.R = shared_rows_step_reference(
             self.theta, self.p, self.sigmas, self.R, H, y_hat, torch.stack(ys), self.k,
-            spans=self.spans, beta=beta, r_estimator="taylor",
+            spans=self.spans, beta=beta, r_estimator="taylor", debias=debias,
         )  # fmt: skip
         return y_hat
 
@@ -100,13 +100,15 @@ def test_single_sample_steps_match_the_dense_float64_reference(factorize):
     assert opt.diagnostics["step"].item() == 40
 
 
-def test_joint_steps_match_the_dense_float64_reference():
-    """B = 3: the stacked observation's factored block (B positions) in the shared covariance."""
+@pytest.mark.parametrize("debias", [False, True])
+def test_joint_steps_match_the_dense_float64_reference(debias):
+    """B = 3: the stacked observation's factored block (B positions) in the shared covariance; debiased, each
+    sample's block of ``S`` holds ``R_k / (1 - β^k)`` (the text default's head)."""
     model = mlp()
-    opt = mlp_optimizer(model)
+    opt = mlp_optimizer(model, filter={"name": "covariance", "beta": 0.9, "debias": debias})
     reference = SharedRowsReference(model, opt, shared=[2])
     for xs, ys in batches(teacher_stream(60), 3):
-        y_ref = reference.step(xs, ys, beta=0.9)
+        y_ref = reference.step(xs, ys, beta=0.9, debias=debias)
         y_fast, _, _ = opt.step(batch_closure(model, xs, ys, factorize=True))
         torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
     assert_matches(model, opt, reference, shared=[2])

@@ -12,14 +12,14 @@ from loko_lightning.kalman.reference import topk_step_reference
 from loko_lightning.observation import TopK, get_observation
 
 
-def _run(model, stream, k, factorize, batch=1, r_estimator="taylor"):
+def _run(model, stream, k, factorize, batch=1, r_estimator="taylor", debias=False):
     reference_model = copy.deepcopy(model)
     opt = LoKO(
         model.parameters(),
         p0=0.3,
         seed=4,
         observation=TopK(k),
-        filter={"name": "covariance", "beta": 0.9, "r_estimator": r_estimator},
+        filter={"name": "covariance", "beta": 0.9, "r_estimator": r_estimator, "debias": debias},
     )
     theta, p = flat(model.parameters()).detach().clone(), flat(opt.state[q]["cov"] for q in model.parameters())
     R = None
@@ -34,7 +34,7 @@ def _run(model, stream, k, factorize, batch=1, r_estimator="taylor"):
         m = targets.shape[1]
         R = torch.zeros(m, m, dtype=torch.float64) if R is None else R
         theta, p, R = topk_step_reference(theta, p, R, torch.stack(H), torch.stack(y_hat), targets, step, top=k,
-                                          beta=0.9, r_estimator=r_estimator)  # fmt: skip
+                                          beta=0.9, r_estimator=r_estimator, debias=debias)  # fmt: skip
         torch.nn.utils.vector_to_parameters(theta, reference_model.parameters())
         observed = engine.observe(x, label, batched=batch > 1)
         opt.step(lambda observed=observed: observed)
@@ -56,6 +56,12 @@ def test_topk_matches_the_float64_reference_on_dense_blocks(k):
 def test_topk_matches_the_float64_reference_on_factored_blocks(r_estimator):
     torch.manual_seed(0)
     _run(SmallConvNet().double(), conv_stream(25), 1, factorize=True, r_estimator=r_estimator)
+
+
+def test_topk_debiased_matches_the_reference():
+    """``debias``: each sample's block ``A_b R_k A_bᵀ`` divided by ``1 - β^k``, joint steps of 3."""
+    torch.manual_seed(0)
+    _run(SmallConvNet().double(), conv_stream(24), 1, factorize=True, batch=3, debias=True)
 
 
 def test_topk_joint_step_of_several_samples_matches_the_reference():

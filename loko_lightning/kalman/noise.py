@@ -7,8 +7,14 @@ Each estimator is one small function of the step's per-sample quantities that re
 
 with :math:`R_k` on every sample's block of :math:`S`, or used *as is*, each sample's :math:`\hat R_b` on its own
 block (the filter state then keeps their mean, which is not read back). ``B = 1`` is the paper's single observation.
+
 :func:`observation_noise` applies that rule, written once, for every estimator; the float64 reference
 (:mod:`loko_lightning.kalman.reference`) writes the estimators again, separately.
+
+The EMA starts at :math:`R_0 = 0` (the paper), so early on :math:`R_k` is the weighted mean of the estimates so far
+scaled down by :math:`1 - \beta^k`: the noise is small and the first gains large. *Debiased* (not the paper), the
+noise that enters :math:`S` is :math:`R_k / (1 - \beta^k)`, the weighted mean itself (Adam's correction of its
+moments); the state keeps :math:`R_k`, so the EMA runs as before.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ def observation_noise(
     beta: float,
     samples: int = 1,
     aggregation: tuple[Tensor, Tensor] | None = None,
+    debias: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``R_k`` (``m x m``, the filter's state) and the noise that enters ``S`` (``B·m x B·m``, block-diagonal).
 
@@ -112,9 +119,10 @@ def observation_noise(
         aggregation: ``(A, G)`` (each ``(B, rows, m)``) when each sample observes an aggregation ``A ŷ`` of the outputs
             (:class:`~loko_lightning.observation.TopK`): ``previous`` is then the ``m x m`` ``R`` of the outputs and
             the other arguments are in the observed coordinates (see :func:`_aggregated`).
+        debias: the noise of a smoothed estimator divided by ``1 - β^k`` (the state's ``R_k`` is not).
 
     Returns:
-        ``(R_k, noise)``; for ``B = 1`` the noise is ``R_k`` itself.
+        ``(R_k, noise)``; for ``B = 1`` and not debiased the noise is ``R_k`` itself.
     """
     estimator = R_ESTIMATORS.get(r_estimator)
     if estimator is None:
@@ -123,16 +131,21 @@ def observation_noise(
     blocks = hpht.view(samples, m, samples, m).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (B, m, m)
     estimates = estimator.estimate(innovation.view(samples, m), blocks, prediction.view(samples, m), step)
     if aggregation is not None:
-        return _aggregated(estimator, previous, estimates, aggregation, beta)
+        R_k, noise = _aggregated(estimator, previous, estimates, aggregation, beta)
+        return R_k, _debiased(noise, beta, step) if debias else noise
     mean = estimates[0] if samples == 1 else estimates.mean(0)
     if estimator.smoothed:
         R_k = beta * previous + (1.0 - beta) * mean
-        if samples == 1:
-            return R_k, R_k
-        return R_k, torch.block_diag(*R_k.expand(samples, m, m).unbind(0))
+        noise = R_k if samples == 1 else torch.block_diag(*R_k.expand(samples, m, m).unbind(0))
+        return R_k, _debiased(noise, beta, step) if debias else noise
     if samples == 1:
         return mean, mean
     return mean, torch.block_diag(*estimates.unbind(0))
+
+
+def _debiased(noise: Tensor, beta: float, step: Tensor) -> Tensor:
+    """``noise / (1 - β^k)``: the EMA started at 0, divided by the weight its ``k`` estimates have."""
+    return noise / (1.0 - torch.as_tensor(beta, dtype=noise.dtype, device=noise.device) ** step.to(noise.dtype))
 
 
 def _aggregated(

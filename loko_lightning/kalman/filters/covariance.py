@@ -89,6 +89,8 @@ class Covariance(Filter):
         beta: the forgetting factor of the ``R`` EMA, in ``(0, 1)`` (paper: 0.95).
         r_estimator: a name in :data:`~loko_lightning.kalman.noise.R_ESTIMATORS` (paper: ``"taylor"``).
         rcond: the relative eigenvalue cut-off of the ``S`` pseudo-inverse (default ``10 · m · eps``).
+        debias: the noise in ``S`` is ``R_k / (1 - β^k)``, the EMA corrected for its start at 0 (not the paper;
+            :mod:`~loko_lightning.kalman.noise`); a smoothed ``r_estimator`` only.
     """
 
     name: ClassVar[str] = "covariance"
@@ -98,6 +100,7 @@ class Covariance(Filter):
     beta: float = 0.95
     r_estimator: REstimator = "taylor"
     rcond: float | None = None
+    debias: bool = False
 
     def __post_init__(self) -> None:
         """Refuse a setting outside its range, naming it."""
@@ -116,6 +119,17 @@ class Covariance(Filter):
             )
         if self.rcond is not None and not (real_number(self.rcond) and 0.0 <= self.rcond < 1.0):
             raise ConfigError(f"Invalid rcond: {self.rcond} (must lie in [0, 1))", field="rcond", owner=Covariance)
+        if not isinstance(self.debias, bool):
+            raise ConfigError(
+                f"Invalid debias: {self.debias!r} (must be true or false)", field="debias", owner=Covariance
+            )
+        if self.debias and not R_ESTIMATORS[self.r_estimator].smoothed:
+            raise ConfigError(
+                f"Invalid debias: r_estimator {self.r_estimator!r} is not an EMA, there is nothing to debias (set "
+                "debias: false, or r_estimator: taylor or residual)",
+                field="debias",
+                owner=Covariance,
+            )
 
     def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """Steps 1-6 of Algorithm 1 without writing any state; ``reduce`` sums ``H P Hᵀ`` over the shards."""
@@ -133,7 +147,7 @@ class Covariance(Filter):
         # 4. Observation noise R_k (B samples: one EMA step with the mean of their estimates, block-diagonal in S).
         R_k, noise = observation_noise(
             self.r_estimator, belief.R, innovation, hpht, prediction, belief.step + 1, self.beta, plan.samples,
-            evidence.aggregation,
+            evidence.aggregation, self.debias,
         )  # fmt: skip
         S = hpht + noise
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with

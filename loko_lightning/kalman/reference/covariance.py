@@ -95,6 +95,7 @@ def loko_step_reference(
     r_estimator: REstimator,
     rcond: float | None = None,
     time_update: TimeUpdate | None = None,
+    debias: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One LoKO step (Algorithm 1), dense and in float64.
 
@@ -112,13 +113,14 @@ def loko_step_reference(
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S`` (see :func:`pinv_reference`).
         time_update: the process model (:class:`~loko_lightning.kalman.time_update.TimeUpdate`, its values one or
             one per entry of ``θ̃``; default: the paper's identity model).
+        debias: the noise in ``S`` is ``R_k / (1 - β^k)`` (not the paper; a smoothed ``r_estimator`` only).
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
     """
     return loko_step_reference_batch(
         theta, p, R, H[None], prediction[None], target[None], k, beta=beta, r_estimator=r_estimator, rcond=rcond,
-        time_update=time_update,
+        time_update=time_update, debias=debias,
     )  # fmt: skip
 
 
@@ -135,6 +137,7 @@ def loko_step_reference_batch(
     r_estimator: REstimator,
     rcond: float | None = None,
     time_update: TimeUpdate | None = None,
+    debias: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One joint LoKO step on ``B`` samples (the multistream EKF), dense and in float64.
 
@@ -154,6 +157,7 @@ def loko_step_reference_batch(
         beta: forgetting factor of the ``R`` EMA.
         r_estimator: as in :func:`loko_step_reference`.
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
+        debias: as in :func:`loko_step_reference`.
         time_update: the process model, as in :func:`loko_step_reference`.
 
     Returns:
@@ -175,7 +179,7 @@ def loko_step_reference_batch(
     PHt = p[:, None] * Hs.T
     HPHt = Hs @ PHt
     # 4. Observation noise.
-    R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator)
+    R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator, debias)
     # 5. Gain.
     S = HPHt + noise
     K = PHt @ pinv_reference(S, rcond)
@@ -188,13 +192,13 @@ def loko_step_reference_batch(
 
 
 def _observation_noise(
-    R: Tensor, e: Tensor, HPHt: Tensor, y_hat: Tensor, k: int, beta: float, r_estimator: REstimator
+    R: Tensor, e: Tensor, HPHt: Tensor, y_hat: Tensor, k: int, beta: float, r_estimator: REstimator, debias: bool
 ) -> tuple[Tensor, Tensor]:
     """``R_k`` and the block-diagonal noise of ``S`` for the ``B`` samples stacked in ``e``.
 
     Sample ``b`` has rows ``b·m … b·m + m − 1``. A smoothed estimator (``"taylor"``, ``"residual"``) takes one EMA
     step with the mean of the per-sample estimates ``R̂_b`` and puts ``R_k`` on every block; the others put each
-    sample's own ``R̂_b`` on its block and return their mean as ``R_k``.
+    sample's own ``R̂_b`` on its block and return their mean as ``R_k``. Debiased, the blocks are ``R_k / (1 − β^k)``.
     """
     B, m = y_hat.shape
     estimate, smoothed = REFERENCE_R_ESTIMATORS[r_estimator]
@@ -202,7 +206,9 @@ def _observation_noise(
     estimates = [estimate(e[r], HPHt[r, r], y_hat[b], k) for b, r in enumerate(rows)]
     if smoothed:
         R = beta * R + (1 - beta) * sum(estimates) / B
-        return R, torch.block_diag(*([R] * B))
+        return R, torch.block_diag(*([R / (1 - beta**k) if debias else R] * B))
+    if debias:
+        raise ValueError(f"debias needs an EMA of R; {r_estimator!r} is not one")
     return sum(estimates) / B, torch.block_diag(*estimates)
 
 
@@ -220,6 +226,7 @@ def shared_rows_step_reference(
     beta: float,
     r_estimator: REstimator,
     rcond: float | None = None,
+    debias: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     """One joint step of the covariance filter where some weights' rows share a full covariance, dense, float64.
 
@@ -242,6 +249,7 @@ def shared_rows_step_reference(
         beta: forgetting factor of the ``R`` EMA.
         r_estimator: as in :func:`loko_step_reference`.
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
+        debias: as in :func:`loko_step_reference`.
 
     Returns:
         ``(θ̃_k, p̂_k, [Σ_k], R_k)``, float64.
@@ -257,7 +265,7 @@ def shared_rows_step_reference(
     e = (y - y_hat).reshape(B * m)
     PHt = P @ Hs.T
     HPHt = Hs @ PHt
-    R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator)
+    R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator, debias)
     S = HPHt + noise
     K = PHt @ pinv_reference(S, rcond)
     theta = theta + K @ e
@@ -284,6 +292,7 @@ def topk_step_reference(
     top: int,
     beta: float,
     r_estimator: REstimator,
+    debias: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One LoKO step observing the label, the most probable classes and the rest: dense, float64, by definition.
 
@@ -307,6 +316,7 @@ def topk_step_reference(
         top: how many classes besides the label.
         beta: the EMA's forgetting factor.
         r_estimator: ``"taylor"`` or ``"residual"``.
+        debias: each block ``A_b R_k A_bᵀ`` divided by ``1 - β^k`` (as in :func:`loko_step_reference`).
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -340,6 +350,7 @@ def topk_step_reference(
     new_R = beta * R + (1 - beta) * sum(lifted) / B
     Hs, e = torch.cat(rows_H), torch.cat(rows_e)
     PHt = p[:, None] * Hs.T
-    S = Hs @ PHt + torch.block_diag(*(A @ new_R @ A.T for A in aggregations))
+    noise = new_R / (1 - beta**k) if debias else new_R
+    S = Hs @ PHt + torch.block_diag(*(A @ noise @ A.T for A in aggregations))
     K = PHt @ pinv_reference(S)
     return theta + K @ e, p - (K * Hs.T).sum(1) * p, new_R
