@@ -82,8 +82,8 @@ PAPER_LOKO = {
     "p0_init": "uniform",
     "process_noise": 0.0,
     "observation": "softmax",
-    # The filter owns its settings: the paper's beta and Taylor R.
-    "filter": {"name": "covariance", "beta": 0.95, "r_estimator": "taylor", "rcond": None},
+    # The filter owns its settings: the paper's beta and Taylor R, the EMA of R not debiased.
+    "filter": {"name": "covariance", "beta": 0.95, "r_estimator": "taylor", "rcond": None, "debias": False},
 }
 
 

@@ -251,8 +251,8 @@ def test_a_pinned_configuration_still_says_which_loko_runs(caplog):
         build("cifar10_resnet18")
     text, paper = decided_line(caplog)
     assert text == (
-        "LoKO as configured: the configuration pins it (loko: as_configured); it sets p0 auto, head_covariance shared, "
-        "select"
+        "LoKO as configured: the configuration pins it (loko: as_configured); it sets p0 auto, filter, head_covariance "
+        "shared, select"
     )
     assert paper.endswith("(loko: as_configured); the paper's filter, every LoKO setting at its default")
 

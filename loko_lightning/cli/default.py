@@ -11,7 +11,8 @@ configs and every preset pin it). What the default decides from is known before 
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
   predicting with the same mixture and nearest class mean's vote as one more expert (``NEAREST_VOTE``);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
-  (``p0`` chosen online from 0.3-30, one covariance shared by the head's rows; measured with 5 and 25 classes)
+  (``p0`` chosen online from 0.3-30, one covariance shared by the head's rows, the noise estimate debiased; measured
+  with 5 and 25 classes)
   predicting with the same mixture on the frozen sentence embedding, the learner's prediction also tempered both ways
   (``TEXT_MIXTURE``);
 - anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
@@ -145,7 +146,8 @@ def decide(config: Any) -> Decision | None:
     if text:
         return Decision(
             "presets/loko_text + presets/loko_mixture_lda",
-            f"a text backbone, {num_classes} classes: p0 chosen online, the head's covariance shared by its rows, "
+            f"a text backbone, {num_classes} classes: p0 chosen online, the head's covariance shared by its rows, the "
+            "noise estimate corrected for its start at 0, "
             "predicting with its mixture with streaming LDA on the frozen sentence embedding, the learner's prediction "
             "also tempered both ways (its confidence too high on WordNet) and pooled with LDA's; --config "
             "presets/loko_text runs it alone, without the mixture's extra forward pass",
