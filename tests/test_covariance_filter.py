@@ -67,6 +67,15 @@ def test_matches_float64_reference(r_estimator, p0_init):
     assert (cov < 0.3 + 120 * 1e-4).all()
 
 
+def step_beside(model, opt, reference, other, steps=120):
+    """``steps`` samples through the fast path, ``reference`` (whose predictions it must give) and ``other`` beside."""
+    for x, y in teacher_stream(steps):
+        y_ref = reference.step(x, y)
+        other.step(x, y)
+        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("r_estimator", ["taylor", "residual"])
 def test_debiased_noise_matches_float64_reference(r_estimator):
     """``debias``: the noise in ``S`` is ``R_k / (1 - β^k)``, the state's ``R_k`` the EMA: as the dense reference."""
@@ -78,11 +87,7 @@ def test_debiased_noise_matches_float64_reference(r_estimator):
         copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, debias=True, process_noise=1e-4
     )
     paper = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, process_noise=1e-4)
-    for x, y in teacher_stream(120):
-        y_ref = reference.step(x, y)
-        paper.step(x, y)
-        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
-        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    step_beside(model, opt, reference, paper)
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # The same float64 arithmetic in another order, as in test_matches_float64_reference.
     torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
@@ -116,11 +121,7 @@ def test_p_floor_matches_float64_reference(per_group):
     p0 = flat_cov(opt, model.parameters())
     reference = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor", p_floor=floor)
     unfloored = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor")
-    for x, y in teacher_stream(120):
-        y_ref = reference.step(x, y)
-        unfloored.step(x, y)
-        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=True))
-        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    step_beside(model, opt, reference, unfloored)
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     cov = torch.cat([opt.state[p]["cov"].reshape(-1) for p in model.parameters()])
     # The same float64 arithmetic in another order, as in test_matches_float64_reference.
