@@ -115,7 +115,8 @@ class LoKO(torch.optim.Optimizer):
             LoFi's low-rank plus diagonal precision of rank ``L``). With its settings: a config
             ``{"name": "covariance", "beta": 0.9, "r_estimator": "residual"}`` (the covariance filter's ``beta``,
             the ``R`` EMA's forgetting factor, paper 0.95; ``r_estimator``, paper ``"taylor"``,
-            :mod:`~loko_lightning.kalman.noise`; ``rcond``, the cut-off of the :math:`S` pseudo-inverse) or a
+            :mod:`~loko_lightning.kalman.noise`; ``rcond``, the cut-off of the :math:`S` pseudo-inverse; ``debias``,
+            not the paper: :math:`R_k / (1 - \beta^k)` in :math:`S`) or a
             :class:`~loko_lightning.kalman.filters.Filter` instance. The param groups save the filter's config:
             :meth:`arguments` builds the same optimizer from a state dict.
         time_update: the process model (:mod:`~loko_lightning.kalman.time_update`), a mapping of its fields, each 0
