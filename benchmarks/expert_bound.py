@@ -6,6 +6,8 @@ Usage:
     python benchmarks/expert_bound.py bound <experts folder> <peers folder> \
         --optimizers adamw_tuned frozen_linear_head --learner-temperatures 0.5 0.7 0.85 1.25 1.5 2 --pools 0.5 1 \
         --stretches 0 100 500 1000 2000
+    python benchmarks/expert_bound.py scores <peers folder> --optimizers adamw_tuned --at 500 1000 2000 \
+        --bootstrap 200 --confidence-gap --ece-floor 200
 
 ``record`` runs ``compare.py``'s learners (the same arguments, ``--optimizers`` its names) and keeps each step's
 prequential prediction ``(N, m)`` (float64) and labels in ``<optimizer>_seed<s>.pt``. ``bound`` reads those and a
@@ -20,7 +22,9 @@ stretch of the stream, the mean prequential NLL (mean over the seeds) of:
 - the mixture with the peer's prediction as one more expert (what a better expert would give).
 
 Then, on the last stretch, the accuracy and the mean NLL of the right and of the wrong predictions of each. A screen of
-the streams it is scored on, from the recordings, not a run of the learner.
+the streams it is scored on, from the recordings, not a run of the learner. ``scores`` prints each recorded peer's
+row per seed with the columns of ``mixture_replay.py replay`` (:func:`mixture_replay.scores`: its ECE's resolution,
+its confidence gap, its ECE floor), so a peer's calibration reads as the mixture's.
 """
 
 from __future__ import annotations
@@ -172,8 +176,27 @@ def bound(args: argparse.Namespace) -> None:
         print(f"| {name} | {100 * accuracy:.1f} | {right:.3f} | {wrong:.3f} |")
 
 
+def scores(args: argparse.Namespace) -> None:
+    """Print each recorded peer's :func:`mixture_replay.scores` per seed."""
+    rows = []
+    for optimizer in args.optimizers:
+        paths = sorted(args.peers.glob(f"{optimizer}_seed*.pt"))
+        if not paths:
+            raise SystemExit(f"No {optimizer}_seed*.pt in {args.peers}: record them with expert_bound.py record")
+        for path in paths:
+            run = torch.load(path)
+            score = mixture_replay.scores(run["predictions"], run["labels"], args.at, args.bootstrap,
+                                          args.confidence_gap, args.ece_floor)  # fmt: skip
+            rows.append((f"{optimizer}, seed {path.stem.rsplit('_seed', 1)[1]}", score))
+    keys = list(rows[0][1])
+    print(f"| peer | {' | '.join(keys)} |\n|---|{'---|' * len(keys)}")
+    for name, score in rows:
+        cells = [f"{100 * v:.1f}" if k.startswith(("acc", "ece", "conf")) else f"{v:.3f}" for k, v in score.items()]
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse ``record`` or ``bound`` (arguments after ``--`` go to every recorded run)."""
+    """Parse ``record``, ``bound`` or ``scores`` (arguments after ``--`` go to every recorded run)."""
     own, overrides = common.split_overrides(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -190,11 +213,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     bnd.add_argument("--learner-temperatures", type=float, nargs="*", default=[])
     bnd.add_argument("--pools", type=float, nargs="*", default=[])
     bnd.add_argument("--nearest-vote", action="store_true", help="with recorded nearest class mean: its vote too")
+    scr = commands.add_parser("scores")
+    scr.add_argument("peers", type=Path, help="this script's record folder")
+    scr.add_argument("--optimizers", nargs="+", required=True)
+    scr.add_argument("--at", type=int, nargs="+", default=[])
+    scr.add_argument("--bootstrap", type=int, default=0, help="as mixture_replay.py replay's")
+    scr.add_argument("--confidence-gap", action="store_true", help="as mixture_replay.py replay's")
+    scr.add_argument("--ece-floor", type=int, default=0, help="as mixture_replay.py replay's")
     args = parser.parse_args(own)
     args.overrides = overrides
     if args.command == "bound" and (len(args.stretches) < 2 or args.stretches != sorted(set(args.stretches))):
         parser.error("--stretches: at least two edges, increasing")
-    record(args) if args.command == "record" else bound(args)
+    {"record": record, "bound": bound, "scores": scores}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,11 @@ prediction tempered at those temperatures and mixed again by Bayes' weights (fix
 calibration of the whole mixture that keeps its argmax where one temperature dominates. With ``--shares-past``,
 each setting again with that share going to the mean of the past posteriors (mixing past posteriors) beside fixed
 share's. With ``--bootstrap B``, one more column: the standard deviation of each row's ECE over ``B`` resamples of its
-predictions (:func:`scores`), the resolution of an ECE from one run.
+predictions (:func:`scores`), the resolution of an ECE from one run. With ``--confidence-gap``, one more column: the
+mean top-1 confidence minus the accuracy over the whole stream (points; below 0: underconfident), the sign the ECE
+does not show. With ``--ece-floor B``, one more: the mean ECE of the same predictions over ``B`` streams of labels drawn
+from them (each label from its prediction's own distribution: perfectly calibrated by construction), the ECE that
+sampling alone gives a calibrated learner with these confidences on a stream this long.
 """
 
 from __future__ import annotations
@@ -158,12 +162,17 @@ def nll_of(predictions: Tensor, labels: Tensor) -> Tensor:
     return -predictions[torch.arange(len(labels)), labels].clamp_min(torch.finfo(torch.float64).tiny).log()
 
 
-def scores(predictions: Tensor, labels: Tensor, at: Sequence[int], bootstrap: int = 0) -> dict[str, float]:
+def scores(
+    predictions: Tensor, labels: Tensor, at: Sequence[int], bootstrap: int = 0, gap: bool = False, floor: int = 0
+) -> dict[str, float]:
     """Online accuracy after each of ``at``, prequential NLL and ECE of the whole stream.
 
     With ``bootstrap`` ``B > 0`` also ``ece sd``: the standard deviation of the ECE over ``B`` resamples of the
     predictions with replacement (a fixed generator: the same resamples for every setting), how far one run's ECE moves
-    with the samples it happened to score.
+    with the samples it happened to score. With ``gap`` also ``conf - acc``: the mean top-1 confidence minus the
+    accuracy (below 0: the predictions are underconfident on the whole). With ``floor`` ``F > 0`` also ``ece floor``:
+    the mean ECE of the predictions over ``F`` label streams drawn from them (a fixed generator), the calibrated
+    learner's ECE from sampling alone.
     """
     hits = (predictions.argmax(-1) == labels).double().cumsum(0)
     nll = nll_of(predictions, labels)
@@ -176,6 +185,12 @@ def scores(predictions: Tensor, labels: Tensor, at: Sequence[int], bootstrap: in
         generator = torch.Generator().manual_seed(0)
         draws = [torch.randint(len(labels), (len(labels),), generator=generator) for _ in range(bootstrap)]
         out["ece sd"] = statistics.stdev(ece(predictions[i], labels[i]) for i in draws)
+    if gap:
+        out["conf - acc"] = float(predictions.max(-1).values.mean() - hits[-1] / len(labels))
+    if floor:
+        generator = torch.Generator().manual_seed(0)
+        draws = [torch.multinomial(predictions, 1, generator=generator)[:, 0] for _ in range(floor)]
+        out["ece floor"] = statistics.fmean(ece(predictions, drawn) for drawn in draws)
     return out
 
 
@@ -222,7 +237,8 @@ def replay(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict[str, float]]] = {}
     for run in runs:
         experts, labels = run["experts"], run["labels"]
-        score = functools.partial(scores, labels=labels, at=args.at, bootstrap=args.bootstrap)
+        options = {"bootstrap": args.bootstrap, "gap": args.confidence_gap, "floor": args.ece_floor}
+        score = functools.partial(scores, labels=labels, at=args.at, **options)
         nearest = None
         if run.get("nearest_mean"):  # recorded last: nearest class mean at each temperature
             experts, nearest = experts[:, : -len(temperatures)], experts[:, -len(temperatures) :]
@@ -285,7 +301,7 @@ def replay(args: argparse.Namespace) -> None:
         for suffix, group in groups:
             means = [statistics.fmean(v[key] for v in group) for key in keys]
             cells = [
-                f"{100 * m:.1f}" if key.startswith(("acc", "ece")) else f"{m:.3f}"
+                f"{100 * m:.1f}" if key.startswith(("acc", "ece", "conf")) else f"{m:.3f}"
                 for key, m in zip(keys, means, strict=True)
             ]
             print(f"| {name}{suffix} | " + " | ".join(cells) + " |")
@@ -340,6 +356,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     rep.add_argument(
         "--bootstrap", type=int, default=0,
         help="also each row's ECE's standard deviation over this many resamples of its predictions (ece sd)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--confidence-gap", action="store_true",
+        help="also each row's mean top-1 confidence minus its accuracy (points; below 0: underconfident)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--ece-floor", type=int, default=0,
+        help="also each row's mean ECE over this many label streams drawn from its own predictions (calibrated by "
+        "construction): the ECE sampling alone gives",
     )  # fmt: skip
     rep.add_argument(
         "--all-experts-only", action="store_true",

@@ -946,3 +946,58 @@ def test_mixture_replay_bootstrap_gives_the_ece_its_resolution():
     first = mixture_replay.scores(mixed, labels, [100], bootstrap=30)
     assert first["ece sd"] > 0 and first == mixture_replay.scores(mixed, labels, [100], bootstrap=30)
     assert "ece sd" not in mixture_replay.scores(mixed, labels, [100])
+
+
+def test_mixture_replay_confidence_gap_has_the_sign_the_ece_hides():
+    """``scores(..., gap=True)``: confidence 0.7 on every sample, right on 90% (underconfident) or on 50%
+    (overconfident): the same-sized ECE, 0.2, and a gap of −0.2 and +0.2; no column without ``gap``."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    same = torch.tensor([[0.7, 0.3]] * 10, dtype=torch.float64)
+    under = mixture_replay.scores(same, torch.tensor([0] * 9 + [1]), [10], gap=True)
+    over = mixture_replay.scores(same, torch.tensor([0] * 5 + [1] * 5), [10], gap=True)
+    assert under["ece"] == pytest.approx(0.2) and under["conf - acc"] == pytest.approx(-0.2)
+    assert over["ece"] == pytest.approx(0.2) and over["conf - acc"] == pytest.approx(0.2)
+    assert "conf - acc" not in mixture_replay.scores(same, torch.zeros(10, dtype=torch.long), [10])
+
+
+def test_mixture_replay_ece_floor_is_what_sampling_gives_a_calibrated_learner():
+    """``scores(..., floor=F)``: certain predictions (probability 1) draw their own argmax, ECE 0 on every stream; the
+    uncertain ones have a floor above 0 that falls with the stream's length (sampling noise, about 1/√n), the same on
+    every call (a fixed generator), whatever the true labels; no column without ``F``."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    certain = torch.eye(3, dtype=torch.float64)[torch.arange(30) % 3]
+    assert mixture_replay.scores(certain, torch.zeros(30, dtype=torch.long), [30], floor=5)["ece floor"] == 0.0
+    torch.manual_seed(0)
+    uncertain = torch.softmax(torch.randn(4000, 3, dtype=torch.float64), -1)
+    labels = torch.randint(3, (4000,))
+    short = mixture_replay.scores(uncertain[:250], labels[:250], [250], floor=40)["ece floor"]
+    long = mixture_replay.scores(uncertain, labels, [4000], floor=40)["ece floor"]
+    assert 0 < long < short / 2  # 16x the samples: a quarter of the noise, up to the draws' own spread
+    again = mixture_replay.scores(uncertain, (labels + 1) % 3, [4000], floor=40)["ece floor"]
+    assert again == long and "ece floor" not in mixture_replay.scores(uncertain, labels, [4000])
+
+
+def test_expert_bound_scores_prints_a_peers_row_as_the_replay_scores_it(tmp_path, capsys):
+    """``scores``: each recorded peer's row per seed, its cells :func:`mixture_replay.scores`' values; a peer not
+    recorded is refused, naming the command that records it."""
+    expert_bound = _expert_bound()
+    import mixture_replay  # on the path: expert_bound imports it
+
+    torch.manual_seed(4)
+    predictions = torch.softmax(torch.randn(60, 3, dtype=torch.float64), -1)
+    labels = torch.randint(3, (60,))
+    torch.save({"predictions": predictions, "labels": labels}, tmp_path / "adamw_seed2.pt")
+    expert_bound.main(["scores", str(tmp_path), "--optimizers", "adamw", "--at", "30", "--confidence-gap",
+                       "--ece-floor", "5"])  # fmt: skip
+    want = mixture_replay.scores(predictions, labels, [30], gap=True, floor=5)
+    cells = " | ".join(f"{100 * v:.1f}" if k != "nll" else f"{v:.3f}" for k, v in want.items())
+    out = capsys.readouterr().out
+    assert "| peer | acc@30 | nll | ece | conf - acc | ece floor |" in out and f"| adamw, seed 2 | {cells} |" in out
+    with pytest.raises(SystemExit, match="expert_bound.py record"):
+        expert_bound.main(["scores", str(tmp_path), "--optimizers", "sgd"])
