@@ -23,8 +23,8 @@ stretch of the stream, the mean prequential NLL (mean over the seeds) of:
 
 Then, on the last stretch, the accuracy and the mean NLL of the right and of the wrong predictions of each. A screen of
 the streams it is scored on, from the recordings, not a run of the learner. ``scores`` prints each recorded peer's
-row per seed with the columns of ``mixture_replay.py replay`` (:func:`mixture_replay.scores`: its ECE's resolution,
-its confidence gap, its ECE floor), so a peer's calibration reads as the mixture's.
+row per seed and their mean with the columns of ``mixture_replay.py replay`` (:func:`mixture_replay.scores`: its
+ECE's resolution, its confidence gap, its ECE floor), so a peer's calibration reads as the mixture's.
 """
 
 from __future__ import annotations
@@ -177,17 +177,22 @@ def bound(args: argparse.Namespace) -> None:
 
 
 def scores(args: argparse.Namespace) -> None:
-    """Print each recorded peer's :func:`mixture_replay.scores` per seed."""
+    """Print each recorded peer's :func:`mixture_replay.scores` per seed, and their mean."""
     rows = []
     for optimizer in args.optimizers:
         paths = sorted(args.peers.glob(f"{optimizer}_seed*.pt"))
         if not paths:
             raise SystemExit(f"No {optimizer}_seed*.pt in {args.peers}: record them with expert_bound.py record")
+        seeds = []
         for path in paths:
             run = torch.load(path)
             score = mixture_replay.scores(run["predictions"], run["labels"], args.at, args.bootstrap,
                                           args.confidence_gap, args.ece_floor)  # fmt: skip
-            rows.append((f"{optimizer}, seed {path.stem.rsplit('_seed', 1)[1]}", score))
+            seeds.append((f"{optimizer}, seed {path.stem.rsplit('_seed', 1)[1]}", score))
+        rows += seeds
+        if len(seeds) > 1:  # the mean over the seeds, as mixture_replay.py replay prints it without --per-seed
+            rows.append((f"{optimizer}, mean of {len(seeds)}", {k: statistics.fmean(s[k] for _, s in seeds)
+                                                                for k in seeds[0][1]}))  # fmt: skip
     keys = list(rows[0][1])
     print(f"| peer | {' | '.join(keys)} |\n|---|{'---|' * len(keys)}")
     for name, score in rows:

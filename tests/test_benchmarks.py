@@ -999,5 +999,13 @@ def test_expert_bound_scores_prints_a_peers_row_as_the_replay_scores_it(tmp_path
     cells = " | ".join(f"{100 * v:.1f}" if k != "nll" else f"{v:.3f}" for k, v in want.items())
     out = capsys.readouterr().out
     assert "| peer | acc@30 | nll | ece | conf - acc | ece floor |" in out and f"| adamw, seed 2 | {cells} |" in out
+    assert "mean of" not in out  # one seed: no mean row
+    torch.save({"predictions": predictions.flip(0), "labels": labels.flip(0)}, tmp_path / "adamw_seed3.pt")
+    expert_bound.main(["scores", str(tmp_path), "--optimizers", "adamw", "--at", "30"])
+    other = mixture_replay.scores(predictions.flip(0), labels.flip(0), [30])
+    first = mixture_replay.scores(predictions, labels, [30])
+    mean = " | ".join(f"{100 * (first[k] + other[k]) / 2:.1f}" if k != "nll" else f"{(first[k] + other[k]) / 2:.3f}"
+                      for k in first)  # fmt: skip
+    assert f"| adamw, mean of 2 | {mean} |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="expert_bound.py record"):
         expert_bound.main(["scores", str(tmp_path), "--optimizers", "sgd"])
