@@ -783,37 +783,6 @@ def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     assert torch.equal(got_past, torch.stack(want)) and not torch.equal(got_past, got)
 
 
-def test_mixture_replay_calibrates_as_the_learners_calibrate_option():
-    """``replay --calibrate``'s arithmetic (the mixture's predictions tempered at each T, mixed again by Bayes with
-    fixed share ``--calibrate-share`` 0.01) is the learner's ``calibrate`` (``MixtureStep.calibrated`` and its weights'
-    update): equal to float64 rounding (the replay tempers ``log`` of the probabilities it returned, the learner their
-    log directly: 1e-12 over 40 samples), and not the mixture's own prediction."""
-    pytest.importorskip("matplotlib")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(BENCHMARKS))
-        import mixture_replay
-    from loko_lightning.learner.mixing import mixture_log_predictive
-    from loko_lightning.learner.mixture_step import MixtureStep
-    from loko_lightning.peers import StreamingLDA
-
-    step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], share=0.001, share_past=0.01, calibrate=[0.8, 1.0])
-    torch.manual_seed(1)
-    experts = (2 * torch.randn(40, len(step.log_weights), 4, dtype=torch.float64)).log_softmax(-1)
-    labels = torch.randint(4, (40,))
-    mixed = mixture_replay.replay_one(experts, labels, 0.001, share_past=0.01)
-    log_p = mixed.clamp_min(torch.finfo(torch.float64).tiny).log()
-    again = torch.stack([torch.log_softmax(log_p / t, -1) for t in (0.8, 1.0)], 1)
-    got = mixture_replay.replay_one(again, labels, 0.01)
-    want = []
-    for log_probabilities, label in zip(experts[:, :, None], labels[:, None], strict=True):
-        log_mixture, copies = step.calibrated(mixture_log_predictive(step.log_weights, log_probabilities))
-        want.append(log_mixture[0].exp())
-        step.learn_weights(log_probabilities, copies, label)
-        step.seen += 1  # as the step counts its samples (the past posteriors' mean)
-    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-12)
-    assert (got - mixed).abs().max() > 1e-3
-
-
 def test_mixture_replay_builds_the_learners_experts_with_its_pools():
     """The replay's experts of a setting from a recording (LoKO, LDA at each temperature, the vote) with the learner's
     tempered experts and the pools are MixtureStep's experts with those settings, in its order (float64: LDA's logits

@@ -14,7 +14,6 @@ from runs import loader, stream, trainer
 
 from loko_lightning import LoKO
 from loko_lightning.errors import ConfigError
-from loko_lightning.learner import mixture_step
 from loko_lightning.learner.frozen_features import FrozenFeatures, passthrough
 from loko_lightning.learner.frozen_heads import output_layer
 from loko_lightning.learner.mixing import (
@@ -292,7 +291,6 @@ def test_the_nearest_vote_is_nearest_class_means_argmax_confident_by_its_own_hit
         ({"share_past": -0.01}, "share_past"),
         ({"share": 0.5, "share_past": 0.5}, "share_past"),
         ({"nearest_vote": True}, "nearest_vote"),  # without nearest_mean
-        ({"calibrate": [0.9, 0.0]}, "calibrate"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
@@ -433,13 +431,12 @@ def reference_nearest_logits(x, y, z):
 
 
 @pytest.mark.parametrize(
-    ("pools", "nearest", "average", "share_past", "nearest_vote", "calibrate"),
-    [([], False, 0.0, 0.0, False, []), ([0.5, 1.0], False, 0.0, 0.0, False, []), ([], True, 0.0, 0.0, False, []),
-     ([], False, 0.9, 0.0, False, []), ([0.5, 1.0], True, 0.9, 0.1, False, []), ([], True, 0.0, 0.1, True, []),
-     ([0.5, 1.0], True, 0.0, 0.1, False, [0.5, 0.8, 1.0])],
+    ("pools", "nearest", "average", "share_past", "nearest_vote"),
+    [([], False, 0.0, 0.0, False), ([0.5, 1.0], False, 0.0, 0.0, False), ([], True, 0.0, 0.0, False),
+     ([], False, 0.9, 0.0, False), ([0.5, 1.0], True, 0.9, 0.1, False), ([], True, 0.0, 0.1, True)],
 )  # fmt: skip
 def test_the_learner_scores_the_mixture_made_before_the_sample(
-    monkeypatch, one_thread, pools, nearest, average, share_past, nearest_vote, calibrate
+    monkeypatch, one_thread, pools, nearest, average, share_past, nearest_vote
 ):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
@@ -451,9 +448,7 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     test can fail). With LoKO's average its prediction and the features come from one pass of the sample twice over
     (``FrozenFeatures.with_adapted``): the same float32 sums in another order. With ``share_past`` a share goes to
     the mean of the past posteriors too, every posterior kept in the reference. With ``nearest_vote`` nearest class
-    mean's argmax is the last expert, voted with its hits on 0..i-1 as LDA's. With ``calibrate`` the score is the
-    mixture's prediction tempered at each T, those copies weighted by the float64 product of their likelihoods of labels
-    0..i-1 (fixed share)."""
+    mean's argmax is the last expert, voted with its hits on 0..i-1 as LDA's."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
     plain = learner(average=average)
@@ -462,7 +457,7 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     head = partial(StreamingLDA, shrinkage=0.1)
     mixture = FrozenHeadMixture(
         head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest, share_past=share_past,
-        nearest_vote=nearest_vote, calibrate=calibrate,
+        nearest_vote=nearest_vote,
     )  # fmt: skip
     module = learner(mixture, average=average)
     features = initial_features(module, items)
@@ -490,24 +485,12 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
     switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
     weights, hits, near_hits, lookahead_gap, posteriors = prior.clone(), 0, 0, 0.0, [prior.clone()]
-    copies_weights = torch.full((len(calibrate),), 1 / max(len(calibrate), 1), dtype=torch.float64)
-
-    def calibrated(mixture):  # the score, and the mixture's tempered copies (C, m) with calibrate
-        if not calibrate:
-            return mixture, None
-        copies = torch.stack([torch.softmax(mixture.log() / t, -1) for t in calibrate])
-        return (copies_weights[:, None] * copies).sum(0), copies
-
     for i in range(14):
         logits = reference_lda_logits(features[:i], labels[:i], features[i])
         vote = laplace_vote(logits, hits, i)
         log_p = reference_experts(plain_scored[i][0].clamp_min(1e-300).log(), logits, vote, i)
-        expected, copies = calibrated((weights[:, None] * log_p.exp()).sum(0))
+        expected = (weights[:, None] * log_p.exp()).sum(0)
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
-        if copies is not None:
-            posterior = copies_weights * copies[:, labels[i]]
-            share = mixture_step.SHARE  # the calibration's fixed share (the mixture's here is SHARE)
-            copies_weights = (1 - share) * posterior / posterior.sum() + share / len(calibrate)
         posterior = weights * log_p[:, labels[i]].exp()
         posterior = posterior / posterior.sum()
         if share_past:
@@ -520,19 +503,16 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
         near_hits += int(reference_nearest_logits(features[:i], labels[:i], features[i]).argmax() == labels[i])
         ahead_logits = reference_lda_logits(features[: i + 1], labels[: i + 1], features[i])
         ahead = reference_experts(log_p[0], ahead_logits, vote, i + 1)
-        lookahead, _ = calibrated((weights[:, None] * ahead.exp()).sum(0))
+        lookahead = (weights[:, None] * ahead.exp()).sum(0)
         lookahead_gap = max(lookahead_gap, float((mixed[i][0] - lookahead).abs().max()))
     assert lookahead_gap > 1e-2
-    if calibrate:  # the calibration moved its weights from the uniform prior (else the test above could not fail)
-        assert not torch.allclose(module.online_step.calibration.exp(), torch.full((3,), 1 / 3, dtype=torch.float64))
 
 
-def mixed_learner(share_past=0.0, nearest_vote=False, calibrate=None, **kwargs):
+def mixed_learner(share_past=0.0, nearest_vote=False, **kwargs):
     head = partial(StreamingLDA, shrinkage=0.1)
     mixture = FrozenHeadMixture(
-        head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_past=share_past, nearest_vote=nearest_vote,
-        calibrate=calibrate,
-    )  # fmt: skip
+        head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_past=share_past, nearest_vote=nearest_vote
+    )
     return learner(mixture, **kwargs)
 
 
@@ -540,30 +520,24 @@ def mixture_state(module):
     step = module.online_step
     nearest = dict(zip(("nearest_weight", "nearest_bias"), step.nearest, strict=True))
     past = {} if step.past is None else {"past": step.past}
-    calibration = {} if step.calibration is None else {"calibration": step.calibration}
     state = {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, "nearest_hits": step.nearest_hits}
     state.update(zip(("lda_weight", "lda_bias"), step.lda.current().dense(), strict=True))  # LDA's head as it stands
-    return {**state, **nearest, **past, **calibration}
+    return {**state, **nearest, **past}
 
 
-@pytest.mark.parametrize(
-    ("share_past", "nearest_vote", "calibrate"),
-    [(0.0, False, None), (0.1, False, None), (0.1, True, None), (0.0, False, [0.8, 0.9, 1.0])],
-)
-def test_a_fit_resumed_with_the_mixture_continues_exactly(
-    tmp_path, one_thread, monkeypatch, share_past, nearest_vote, calibrate
-):
+@pytest.mark.parametrize(("share_past", "nearest_vote"), [(0.0, False), (0.1, False), (0.1, True)])
+def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch, share_past, nearest_vote):
     """8 samples in one fit, or 4, a checkpoint, and 4 more resumed from it: the same predictions scored for the last
     4 (bit for bit: the same float operations in the same order), the same mixture weights (and past posteriors'
-    mean, nearest class mean's hits, the calibration's weights), LDA head and network."""
+    mean, nearest class mean's hits), LDA head and network."""
     items = stream(8, num_classes=3, seed=5)
-    whole = mixed_learner(share_past, nearest_vote, calibrate)
+    whole = mixed_learner(share_past, nearest_vote)
     whole_scored = scored(whole, monkeypatch)
     trainer(max_epochs=1).fit(whole, loader(items))
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = mixed_learner(share_past, nearest_vote, calibrate)
+    first = mixed_learner(share_past, nearest_vote)
     trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(first, loader(items[:4]))
-    resumed = mixed_learner(share_past, nearest_vote, calibrate)
+    resumed = mixed_learner(share_past, nearest_vote)
     resumed_scored = scored(resumed, monkeypatch)
     trainer(max_epochs=2).fit(resumed, loader(items[4:]), ckpt_path=str(tmp_path / "last.ckpt"))
     assert len(resumed_scored) == 4
@@ -576,7 +550,6 @@ def test_a_fit_resumed_with_the_mixture_continues_exactly(
     # The resumed mixture is not a fresh one: its weights moved from the prior.
     assert not torch.equal(mixture_state(resumed)["log_weights"], mixed_learner().online_step.log_weights)
     assert ("past" in mixture_state(resumed)) == bool(share_past)
-    assert ("calibration" in mixture_state(resumed)) == bool(calibrate)
 
 
 def test_a_fixed_share_checkpoint_is_not_resumed_with_the_past_posteriors(tmp_path, one_thread):
@@ -595,17 +568,6 @@ def test_a_checkpoint_without_the_nearest_vote_is_not_resumed_with_it(tmp_path, 
     with pytest.raises(ConfigError, match="without nearest_vote") as raised:
         trainer(max_epochs=2).fit(mixed_learner(0.0, True), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
     assert raised.value.field == "nearest_vote"
-
-
-def test_a_checkpoint_without_the_calibration_is_not_resumed_with_it(tmp_path, one_thread):
-    items = stream(4, num_classes=3, seed=5)
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(mixed_learner(), loader(items))
-    with pytest.raises(ConfigError, match="without calibrate") as raised:
-        trainer(max_epochs=2).fit(
-            mixed_learner(calibrate=[0.9, 1.0]), loader(items), ckpt_path=str(tmp_path / "last.ckpt")
-        )
-    assert raised.value.field == "calibrate"
 
 
 def test_a_checkpoint_fitted_without_the_mixture_is_not_resumed_with_it(tmp_path, one_thread):
@@ -670,41 +632,6 @@ def test_the_serving_learner_predicts_with_the_mixture_and_learns_it(tmp_path, o
     served.save(tmp_path / "served.ckpt")
     again = ServingLearner.from_checkpoint(tmp_path / "served.ckpt")
     torch.testing.assert_close(again.predict(inputs), served.predict(inputs), rtol=0, atol=0)
-
-
-def test_predict_and_the_served_learner_predict_with_the_calibrated_mixture(tmp_path, one_thread):
-    """With ``calibrate``, ``predict_step`` is the mixture's prediction recalibrated by the copies' weights as they
-    stand (not the mixture's own: the test can fail), the loaded learner predicts the same bit for bit, and a served
-    learner that learns a sample moves the calibration's weights, which its serving copy follows."""
-    from loko_lightning.serve.learner import ServingLearner
-
-    items = stream(10, num_classes=3, seed=6)
-    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    module = mixed_learner(calibrate=[0.5, 0.8, 1.0])
-    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(module, loader(items[:8]))
-    batch = {"inputs": torch.stack([item["inputs"] for item in items[8:]])}
-    module.eval()
-    with torch.no_grad():
-        predicted = module.predict_step(batch, 0)["probabilities"]
-        step = module.online_step
-        features = initial_features(learner(), items[8:], batched=True)
-        learner_p = module.network(batch["inputs"]).float().softmax(-1)
-        experts = step.experts(learner_p, step.lda_logits(features), step.nearest_logits(features))
-        mixture = mixture_log_predictive(step.log_weights, experts)
-        expected = step.calibrated(mixture)[0].exp().float()
-    torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
-    assert (predicted - mixture.exp().float()).abs().max() > 1e-4
-    path = str(tmp_path / "last.ckpt")
-    loaded = OnlineClassifier.load_from_checkpoint(path).eval()
-    assert loaded.hparams["mixture"]["calibrate"] == [0.5, 0.8, 1.0]
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.predict_step(batch, 0)["probabilities"], predicted, rtol=0, atol=0)
-    served = ServingLearner.from_checkpoint(path)
-    before = served.module.online_step.calibration.clone()
-    served.learn([items[8]["inputs"]], [int(items[8]["label"])])
-    learning, serving = served.module.online_step, served._serving.online_step
-    assert not torch.equal(learning.calibration, before)
-    torch.testing.assert_close(serving.calibration, learning.calibration, rtol=0, atol=0)
 
 
 def test_the_mixtures_head_must_be_a_plain_frozen_head():

@@ -96,9 +96,6 @@ class FrozenHeadMixture:
             with ``share + share_past < 1``; 0: fixed share alone.
         nearest_vote: with ``nearest_mean``, add nearest class mean's argmax with its past accuracy as its confidence
             as an expert, as LDA's vote (screened on replays: ``results/mixture/nearest/replay_vote_share_past.md``).
-        calibrate: temperatures ``T > 0`` at which the mixture's own prediction is tempered, the copies mixed again by
-            Bayes' weights with fixed share :data:`SHARE` (``T < 1`` sharpens: the mixture averages its experts and
-            can be underconfident; screened on replays: ``results/default_study/fm64_ece_floor.md``); default none.
     """
 
     def __init__(
@@ -113,12 +110,10 @@ class FrozenHeadMixture:
         nearest_mean: bool = False,
         share_past: float = 0.0,
         nearest_vote: bool = False,
-        calibrate: list[float] | None = None,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         learner_temperatures = _positive(learner_temperatures, "learner_temperatures", "each > 0")
         pools = _positive(pools, "pools", "each power > 0, e.g. [0.5, 1]; [] for none")
-        calibrate = _positive(calibrate, "calibrate", "each temperature > 0, e.g. [0.8, 0.9, 1]; [] for none")
         if not temperatures or not all(math.isfinite(t) and t > 0 for t in temperatures):
             raise ConfigError(f"Invalid temperatures: {temperatures}", field="temperatures", owner=FrozenHeadMixture)
         if not 0.0 <= share < 1.0:
@@ -157,14 +152,13 @@ class FrozenHeadMixture:
                 owner=FrozenHeadMixture,
             )
         self.pools, self.nearest_mean, self.share_past = pools, bool(nearest_mean), float(share_past)
-        self.nearest_vote, self.calibrate = bool(nearest_vote), calibrate
+        self.nearest_vote = bool(nearest_vote)
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
         return MixtureStep(
             inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures,
             self.pools, self.nearest_mean, self.share_past, owner=type(self), nearest_vote=self.nearest_vote,
-            calibrate=self.calibrate,
         )  # fmt: skip
 
     def spec(self) -> dict[str, Any]:
@@ -180,7 +174,6 @@ class FrozenHeadMixture:
             "nearest_mean": self.nearest_mean,
             "share_past": self.share_past,
             "nearest_vote": self.nearest_vote,
-            "calibrate": list(self.calibrate),
         }
 
     @classmethod

@@ -4,13 +4,11 @@ What the mixture is, its equations and its option (:class:`~loko_lightning.learn
 builds this step): :mod:`loko_lightning.learner.mixture`; its arithmetic, pure functions:
 :mod:`loko_lightning.learner.mixing`. Here: the experts built from the learner's prediction and the frozen head's,
 the prequential score and update one sample after the other, the frozen head's statistics, the checkpoint's
-``"loko_mixture"`` and the copies that serve; with ``calibrate``, the mixture's prediction recalibrated by a second
-mixture over its tempered copies.
+``"loko_mixture"`` and the copies that serve.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,7 +24,6 @@ from loko_lightning.learner.mixing import (
     mixture_log_predictive,
     pooled_log_probabilities,
     tempered_log_probabilities,
-    update_log_weights,
     update_mixture_weights,
     vote_log_probabilities,
 )
@@ -79,9 +76,6 @@ class MixtureStep(OnlineStep):
             LDA's vote), last (with ``nearest_mean``).
         share_past: ``β``, the share to the mean of the past posteriors
             (:func:`~loko_lightning.learner.mixing.mix_past_posteriors`; 0: none).
-        calibrate: the mixture's prediction also tempered at each of these ``T`` (``log p / T``, renormalised), and
-            the learner predicts with the Bayes mixture of those copies (uniform prior, fixed share :data:`SHARE`,
-            updated after each sample as the experts' weights): a calibration of the whole mixture; none by default.
         owner: the class whose settings these are, named by the errors (``FrozenHeadMixture``, which builds this).
     """
 
@@ -99,7 +93,6 @@ class MixtureStep(OnlineStep):
         share_past: float = 0.0,
         owner: type | None = None,
         nearest_vote: bool = False,
-        calibrate: Sequence[float] = (),
     ) -> None:
         self.inner, self.owner = inner, owner
         self.temperatures = [float(t) for t in temperatures]
@@ -126,10 +119,6 @@ class MixtureStep(OnlineStep):
         self.share_past = float(share_past)
         # with share_past: the log mean of the posteriors v_0 (the prior) ... v_t, of seen + 1 of them
         self.past = self.log_weights.clone() if self.share_past else None
-        # with calibrate: the log weights of the mixture's tempered copies (uniform prior)
-        self.calibrate = [float(t) for t in calibrate]
-        copies = len(self.calibrate)
-        self.calibration = torch.full((copies,), -math.log(copies), dtype=torch.float64) if copies else None
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
         self.nearest_hits = torch.zeros((), dtype=torch.float64)  # nearest class mean's (with nearest_vote)
@@ -239,11 +228,12 @@ class MixtureStep(OnlineStep):
         lda_logits = self.lda_logits(features)  # LDA's head before this sample
         nearest_logits = self.nearest_logits(features)
         log_probabilities = self.experts(learner, lda_logits, nearest_logits)
-        log_mixture, copies = self.calibrated(mixture_log_predictive(self.log_weights, log_probabilities))
-        prediction = log_mixture.exp()
+        prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
         if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
-            self.learn_weights(log_probabilities, copies, label)
+            observed = log_probabilities[:, torch.arange(label.shape[0]), label]  # (K, B): log p_k(y_b | x_b)
+            for index, likelihoods in enumerate(observed.T):  # one sample after the other
+                self._update_weights(likelihoods, index)
             self.hits += (lda_logits.argmax(-1) == label).sum()
             if self.nearest_vote:
                 self.nearest_hits += (nearest_logits.argmax(-1) == label).sum()
@@ -251,31 +241,6 @@ class MixtureStep(OnlineStep):
             self.lda.step(closure=lambda: (features, label))
             self._refresh_nearest()
         return prediction.to(learner.dtype), label, applied & finite
-
-    def calibrated(self, log_mixture: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The prediction's log probabilities ``(B, m)`` from the mixture's, and its tempered copies ``(C, B, m)``.
-
-        Without ``calibrate``: the mixture's own, and ``None``. With it: the copies ``log softmax(log p / T)`` at each
-        ``T``, mixed by the calibration's weights as they stand.
-        """
-        if self.calibration is None:
-            return log_mixture, None
-        copies = tempered_log_probabilities(log_mixture, self.calibrate)
-        return mixture_log_predictive(self.calibration, copies), copies
-
-    def learn_weights(self, log_probabilities: Tensor, copies: Tensor | None, label: Tensor) -> None:
-        """The weights after the labels ``(B,)``, one sample after the other.
-
-        The experts' by their log probabilities ``(K, B, m)`` and, with ``calibrate``, the calibration's by its
-        copies' (``(C, B, m)``, :meth:`calibrated`).
-        """
-        samples = torch.arange(label.shape[0])
-        observed = log_probabilities[:, samples, label]  # (K, B): log p_k(y_b | x_b)
-        for index, likelihoods in enumerate(observed.T):
-            self._update_weights(likelihoods, index)
-        if copies is not None:
-            for likelihoods in copies[:, samples, label].T:
-                self.calibration = update_log_weights(self.calibration, likelihoods, SHARE)
 
     def _update_weights(self, likelihoods: Tensor, index: int) -> None:
         """Bayes' update of the weights by one sample's ``(K,)`` log-likelihoods, then the share (see the module).
@@ -302,8 +267,6 @@ class MixtureStep(OnlineStep):
             logged["mixture/weight_pooled"] = weights[self.pooled_experts].sum().float()
         if self.nearest_mean:
             logged["mixture/weight_nearest"] = weights[self.nearest_experts].sum().float()
-        if self.calibration is not None:
-            logged["mixture/calibration_temperature"] = self.calibrate[int(self.calibration.argmax())]
         return logged
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -322,8 +285,6 @@ class MixtureStep(OnlineStep):
                 checkpoint["loko_mixture"]["past"] = self.past.clone()
             if self.nearest_vote:
                 checkpoint["loko_mixture"]["nearest_hits"] = self.nearest_hits.clone()
-            if self.calibration is not None:
-                checkpoint["loko_mixture"]["calibration"] = self.calibration.clone()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The inner step's state; the mixture's as it was saved (none in a checkpoint from before the first step).
@@ -331,8 +292,7 @@ class MixtureStep(OnlineStep):
         Raises:
             ConfigError: a checkpoint fitted without the mixture (``field="mixture"``): its weights and LDA's
                 statistics would start again mid-stream; or without ``share_past``, into a mixture with it
-                (``field="share_past"``): the past's posteriors are not in it; or without ``calibrate``, into a
-                mixture with it (``field="calibrate"``).
+                (``field="share_past"``): the past's posteriors are not in it.
         """
         self.inner.on_load_checkpoint(checkpoint)
         saved = checkpoint.get("loko_mixture")
@@ -363,13 +323,6 @@ class MixtureStep(OnlineStep):
                 field="nearest_vote",
                 owner=self.owner,
             )
-        if self.calibration is not None and "calibration" not in saved:
-            raise ConfigError(
-                "this checkpoint's mixture was fitted without calibrate, so the weights of its tempered copies would "
-                "start again mid-stream. To fix it: resume with calibrate: [], or fit from the start with calibrate",
-                field="calibrate",
-                owner=self.owner,
-            )
         head = saved["head"]
         classes, dim = head["weight"].shape
         self._build(dim, classes, head["weight"].device)
@@ -384,8 +337,6 @@ class MixtureStep(OnlineStep):
         self.seen = saved["seen"].to(torch.float64).clone()
         if self.nearest_vote:
             self.nearest_hits = saved["nearest_hits"].to(torch.float64).clone()
-        if self.calibration is not None:
-            self.calibration = saved["calibration"].to(torch.float64).clone()
 
     @torch.no_grad()
     def predict(self, module: pl.LightningModule, inputs: Any) -> Tensor:
@@ -394,7 +345,7 @@ class MixtureStep(OnlineStep):
         assert outputs is not None
         learner = outputs.float().softmax(-1)
         experts = self.experts(learner, self.lda_logits(features), self.nearest_logits(features))
-        return self.calibrated(mixture_log_predictive(self.log_weights, experts))[0].exp().float()
+        return mixture_log_predictive(self.log_weights, experts).exp().float()
 
     def follow(self, other: OnlineStep) -> None:
         """Predict as ``other`` (the learning copy's mixture) now does: its weights, hits, LDA's head as it stands."""
@@ -408,7 +359,6 @@ class MixtureStep(OnlineStep):
         self.log_weights, self.hits, self.seen = other.log_weights.clone(), other.hits.clone(), other.seen.clone()
         self.nearest_hits = other.nearest_hits.clone()
         self.past = None if other.past is None else other.past.clone()
-        self.calibration = None if other.calibration is None else other.calibration.clone()
         self.nearest = None if other.nearest is None else (other.nearest[0].clone(), other.nearest[1].clone())
 
     def serving(self, optimizer: torch.optim.Optimizer) -> Any:
