@@ -196,8 +196,7 @@ def scores(args: argparse.Namespace) -> None:
     keys = list(rows[0][1])
     print(f"| peer | {' | '.join(keys)} |\n|---|{'---|' * len(keys)}")
     for name, score in rows:
-        cells = [f"{100 * v:.1f}" if k.startswith(("acc", "ece", "conf")) else f"{v:.3f}" for k, v in score.items()]
-        print(f"| {name} | {' | '.join(cells)} |")
+        print(f"| {name} | {' | '.join(mixture_replay.cell(k, v) for k, v in score.items())} |")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

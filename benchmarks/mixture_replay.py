@@ -194,6 +194,11 @@ def scores(
     return out
 
 
+def cell(key: str, value: float) -> str:
+    """A table cell of :func:`scores`' ``key``: accuracies, ECEs and the confidence gap in points, the NLL as it is."""
+    return f"{100 * value:.1f}" if key.startswith(("acc", "ece", "conf")) else f"{value:.3f}"
+
+
 def setting_experts(
     experts: Tensor,
     keep: Sequence[int],
@@ -300,10 +305,7 @@ def replay(args: argparse.Namespace) -> None:
         groups = [(f", seed {s}", [v]) for s, v in zip(seeds, values, strict=True)] if args.per_seed else [("", values)]
         for suffix, group in groups:
             means = [statistics.fmean(v[key] for v in group) for key in keys]
-            cells = [
-                f"{100 * m:.1f}" if key.startswith(("acc", "ece", "conf")) else f"{m:.3f}"
-                for key, m in zip(keys, means, strict=True)
-            ]
+            cells = [cell(key, m) for key, m in zip(keys, means, strict=True)]
             print(f"| {name}{suffix} | " + " | ".join(cells) + " |")
 
 
