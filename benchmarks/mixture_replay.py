@@ -199,6 +199,32 @@ def cell(key: str, value: float) -> str:
     return f"{100 * value:.1f}" if key.startswith(("acc", "ece", "conf")) else f"{value:.3f}"
 
 
+def recalibrate(predictions: Tensor, labels: Tensor, strength: float, bins: int = 15) -> Tensor:
+    """The predictions ``(N, m)`` recalibrated one sample after the other, as the mixture's ``calibration`` ``κ``.
+
+    Each top-1 confidence ``c`` moved by its bin's past sum of hit minus confidence over ``count + κ``, at most half
+    way to a tie with the runner-up or to certainty, the other classes scaled to sum to 1; then the bin learns the
+    sample's hit and ``c`` (before the move). A loop over plain floats, written apart from
+    :func:`~loko_lightning.learner.mixing.recalibrated`, which the tests hold it equal to.
+    """
+    gaps, counts = [0.0] * (bins + 1), [0.0] * (bins + 1)
+    out = predictions.clone()
+    for row, (p, label) in enumerate(zip(predictions.tolist(), labels.tolist(), strict=True)):
+        top = max(range(len(p)), key=p.__getitem__)
+        c = p[top]
+        runner = max(q for k, q in enumerate(p) if k != top)
+        b = min(int(c * bins), bins)
+        if c < 1:
+            tie = runner / (1 - c + runner)  # the confidence at which the runner-up would tie
+            moved = min(max(c + gaps[b] / (counts[b] + strength), (tie + c) / 2), (1 + c) / 2)
+            out[row] = torch.tensor(
+                [moved if k == top else q * (1 - moved) / (1 - c) for k, q in enumerate(p)], dtype=out.dtype
+            )
+        gaps[b] += float(top == label) - c
+        counts[b] += 1
+    return out
+
+
 def setting_experts(
     experts: Tensor,
     keep: Sequence[int],
@@ -297,6 +323,10 @@ def replay(args: argparse.Namespace) -> None:
                             rows.setdefault(f"mixture, {what}, calibrated over T = {grid}", []).append(
                                 score(calibrated)
                             )
+                        for strength in args.recalibrate:  # the mixture's calibration option at this κ
+                            rows.setdefault(f"mixture, {what}, recalibrated by its bins, κ = {strength:g}", []).append(
+                                score(recalibrate(predictions, labels, strength))
+                            )
     keys = list(next(iter(rows.values()))[0])
     seeds = [path.stem.removeprefix("experts_seed") for path in sorted(args.folder.glob("experts_seed*.pt"))]
     print(f"| setting ({len(runs)} seeds{'' if args.per_seed else ', mean'}) | " + " | ".join(keys) + " |")
@@ -355,6 +385,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with recorded nearest class mean experts: also each setting with its argmax as a vote (as LDA's)",
     )  # fmt: skip
     rep.add_argument("--calibrate-share", type=float, default=0.01, help="fixed share of the --calibrate mixture")
+    rep.add_argument(
+        "--recalibrate", type=float, nargs="*", default=[],
+        help="also each setting's prediction recalibrated by its bin's past gap at these prior strengths κ (the "
+        "mixture's calibration option)",
+    )  # fmt: skip
     rep.add_argument(
         "--bootstrap", type=int, default=0,
         help="also each row's ECE's standard deviation over this many resamples of its predictions (ece sd)",

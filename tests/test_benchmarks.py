@@ -783,6 +783,32 @@ def test_mixture_replay_starts_from_the_mixtures_prior_and_updates_as_it_does():
     assert torch.equal(got_past, torch.stack(want)) and not torch.equal(got_past, got)
 
 
+def test_mixture_replay_recalibrates_as_the_learners_calibration_option():
+    """``replay --recalibrate κ`` (a loop over plain floats) is the learner's ``calibration`` (``MixtureStep``'s
+    ``recalibrated`` before each sample, ``update_bins`` after it): equal to float64 rounding (1e-12 over 300 samples;
+    the loop and the tensors round ``1 − c`` and the scaling apart), the argmax unchanged, and not the mixture's own
+    prediction (the test can fail)."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    from loko_lightning.learner.mixing import update_bins
+    from loko_lightning.learner.mixture_step import MixtureStep
+    from loko_lightning.peers import StreamingLDA
+
+    step = MixtureStep(None, StreamingLDA, temperatures=[1.0, 8.0], calibration=30.0)
+    torch.manual_seed(1)
+    predictions = torch.softmax(torch.randn(300, 4, dtype=torch.float64), -1)
+    labels = torch.where(torch.rand(300) < 0.8, predictions.argmax(-1), torch.randint(4, (300,)))  # underconfident
+    got = mixture_replay.recalibrate(predictions, labels, 30.0)
+    want = []
+    for p, label in zip(predictions[:, None], labels[:, None], strict=True):
+        want.append(step.recalibrated(p)[0])
+        step.bin_gaps, step.bin_counts = update_bins(step.bin_gaps, step.bin_counts, p, label)
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-12)
+    assert torch.equal(got.argmax(-1), predictions.argmax(-1)) and (got - predictions).abs().max() > 1e-2
+
+
 def test_mixture_replay_builds_the_learners_experts_with_its_pools():
     """The replay's experts of a setting from a recording (LoKO, LDA at each temperature, the vote) with the learner's
     tempered experts and the pools are MixtureStep's experts with those settings, in its order (float64: LDA's logits

@@ -20,7 +20,9 @@ from loko_lightning.learner.mixing import (
     mix_past_posteriors,
     mixture_log_predictive,
     pooled_log_probabilities,
+    recalibrated,
     tempered_log_probabilities,
+    update_bins,
     update_log_weights,
     vote_log_probabilities,
 )
@@ -261,6 +263,73 @@ def test_the_nearest_mean_experts_are_nearest_class_mean_on_ldas_statistics_and_
     assert abs(float(shared.logged(None)["mixture/weight_nearest"]) - 0.2) < 1e-7  # float32: its rounding
 
 
+def reference_recalibrated(p, gaps, counts, strength, bins=15):
+    """One prediction ``(m,)`` recalibrated, written from the rule: ``c + g_b / (n_b + κ)``, at most half way to a tie
+    with the runner-up or to certainty, the other classes scaled."""
+    c, top = float(p.max()), int(p.argmax())
+    b = min(int(c * bins), bins)
+    runner = float(p[torch.arange(len(p)) != top].max())
+    tie = runner / (1 - c + runner)
+    moved = min(max(c + gaps[b] / (counts[b] + strength), (c + tie) / 2), (1 + c) / 2)
+    out = p * (1 - moved) / (1 - c)
+    out[top] = moved
+    return out
+
+
+def test_the_recalibration_moves_the_top_confidence_by_its_bins_shrunk_past_gap():
+    """Against the rule written per sample (float64, 1e-15: a few roundings of numbers below 1): a bin with past gaps
+    moves its confidence by g_b / (n_b + κ) (up and down), within half the way to a tie or to certainty, the other
+    classes keep their ratios, the rows sum to 1 and the argmax stays; an empty bin or κ = ∞ moves nothing; a certain
+    prediction stays certain. ``update_bins`` adds each prediction's hit minus its confidence to its bin."""
+    torch.manual_seed(0)
+    p = torch.softmax(3 * torch.randn(200, 5, dtype=torch.float64), -1)
+    labels = torch.randint(5, (200,))
+    gaps, counts = update_bins(torch.zeros(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64), p, labels)
+    confidence = p.max(-1).values
+    bins = (confidence * 15).floor().long()
+    for b in range(15):
+        inside = bins == b
+        hits = (p.argmax(-1) == labels)[inside].double()
+        assert counts[b] == inside.sum() and math.isclose(
+            gaps[b], float((hits - confidence[inside]).sum()), abs_tol=1e-12
+        )
+    gaps = counts * torch.linspace(-0.3, 0.3, 16, dtype=torch.float64)  # bins too confident and too shy, some clamped
+    new = torch.softmax(3 * torch.randn(100, 5, dtype=torch.float64), -1)
+    got = recalibrated(new, gaps, counts, 4.0)
+    want = torch.stack([reference_recalibrated(q, gaps.tolist(), counts.tolist(), 4.0) for q in new])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    # Each row's sum rounds as 1 − c does: a few ulps of 1 over 1 − c (the other classes are scaled by 1 / (1 − c)).
+    rest = 1 - new.max(-1).values
+    assert ((got.sum(-1) - 1).abs() <= 4 * torch.finfo(torch.float64).eps / rest).all()
+    assert torch.equal(got.argmax(-1), new.argmax(-1))
+    moved = got.max(-1).values - new.max(-1).values
+    assert (moved > 1e-3).any() and (moved < -1e-3).any()
+    torch.testing.assert_close(recalibrated(new, gaps, counts, math.inf), new, rtol=0, atol=1e-16)
+    empty = torch.zeros(16, dtype=torch.float64)
+    torch.testing.assert_close(recalibrated(new, empty, empty, 4.0), new, rtol=0, atol=1e-16)
+    certain = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64)
+    assert torch.equal(recalibrated(certain, gaps, counts, 4.0), certain)
+
+
+def test_the_recalibration_brings_a_shy_forecasters_confidence_to_its_accuracy():
+    """A forecaster whose top class is right with probability 0.75 but says 0.6 (underconfident): recalibrated one
+    sample after the other with κ = 30, its confidence over the last 1,000 of 3,000 samples is within 0.03 of 0.75
+    (the bin's posterior mean after ~2,000 samples: 0.15 · 2000 / 2030 = 0.148 of the 0.15 gap, plus the sampling
+    noise of the gap's estimate, sd 0.01: 3 sd), where it said 0.6 (0.75 is below the clamp half way to certainty,
+    0.8)."""
+    generator = torch.Generator().manual_seed(0)
+    predictions = torch.tensor([0.6, 0.2, 0.2], dtype=torch.float64).repeat(3000, 1)
+    labels = torch.where(
+        torch.rand(3000, generator=generator) < 0.75, 0, torch.randint(1, 3, (3000,), generator=generator)
+    )
+    gaps, counts = torch.zeros(16, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
+    said = []
+    for p, label in zip(predictions, labels, strict=True):
+        said.append(float(recalibrated(p[None], gaps, counts, 30.0)[0, 0]))
+        gaps, counts = update_bins(gaps, counts, p[None], label[None])
+    assert abs(sum(said[-1000:]) / 1000 - 0.75) < 0.03 and said[0] == 0.6
+
+
 def test_the_nearest_vote_is_nearest_class_means_argmax_confident_by_its_own_hits_and_comes_last():
     """With ``nearest_vote`` the last expert is nearest class mean's argmax with Laplace's rule on its hits (not
     LDA's: LDA's vote keeps its own), one more expert among the nearest mean's (prior and logged weight)."""
@@ -291,6 +360,8 @@ def test_the_nearest_vote_is_nearest_class_means_argmax_confident_by_its_own_hit
         ({"share_past": -0.01}, "share_past"),
         ({"share": 0.5, "share_past": 0.5}, "share_past"),
         ({"nearest_vote": True}, "nearest_vote"),  # without nearest_mean
+        ({"calibration": -1.0}, "calibration"),
+        ({"calibration": math.inf}, "calibration"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, field):
@@ -431,12 +502,13 @@ def reference_nearest_logits(x, y, z):
 
 
 @pytest.mark.parametrize(
-    ("pools", "nearest", "average", "share_past", "nearest_vote"),
-    [([], False, 0.0, 0.0, False), ([0.5, 1.0], False, 0.0, 0.0, False), ([], True, 0.0, 0.0, False),
-     ([], False, 0.9, 0.0, False), ([0.5, 1.0], True, 0.9, 0.1, False), ([], True, 0.0, 0.1, True)],
+    ("pools", "nearest", "average", "share_past", "nearest_vote", "calibration"),
+    [([], False, 0.0, 0.0, False, 0.0), ([0.5, 1.0], False, 0.0, 0.0, False, 0.0), ([], True, 0.0, 0.0, False, 0.0),
+     ([], False, 0.9, 0.0, False, 0.0), ([0.5, 1.0], True, 0.9, 0.1, False, 0.0), ([], True, 0.0, 0.1, True, 0.0),
+     ([0.5, 1.0], True, 0.0, 0.1, False, 0.5)],
 )  # fmt: skip
 def test_the_learner_scores_the_mixture_made_before_the_sample(
-    monkeypatch, one_thread, pools, nearest, average, share_past, nearest_vote
+    monkeypatch, one_thread, pools, nearest, average, share_past, nearest_vote, calibration
 ):
     """Through trainer.fit: the prediction scored for sample i is Σ_k w_k p_k(y | x_i) with LoKO's prediction before
     its update on i (that of a plain LoKO learner on the same stream: the mixture does not change LoKO's path), LDA
@@ -448,7 +520,9 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     test can fail). With LoKO's average its prediction and the features come from one pass of the sample twice over
     (``FrozenFeatures.with_adapted``): the same float32 sums in another order. With ``share_past`` a share goes to
     the mean of the past posteriors too, every posterior kept in the reference. With ``nearest_vote`` nearest class
-    mean's argmax is the last expert, voted with its hits on 0..i-1 as LDA's."""
+    mean's argmax is the last expert, voted with its hits on 0..i-1 as LDA's. With ``calibration`` the score is the
+    mixture's recalibrated by the gaps of its own predictions of samples 0..i-1 in their bins (the reference's); κ =
+    0.5 moves it by more than the tolerance on these 14 samples (asserted)."""
     items = stream(14, num_classes=3, seed=4)
     labels = torch.stack([item["label"] for item in items])
     plain = learner(average=average)
@@ -457,7 +531,7 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     head = partial(StreamingLDA, shrinkage=0.1)
     mixture = FrozenHeadMixture(
         head, list(TEMPERATURES), SHARE, vote=True, pools=pools, nearest_mean=nearest, share_past=share_past,
-        nearest_vote=nearest_vote,
+        nearest_vote=nearest_vote, calibration=calibration,
     )  # fmt: skip
     module = learner(mixture, average=average)
     features = initial_features(module, items)
@@ -485,12 +559,22 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
     prior = torch.full((experts,), 1 / experts, dtype=torch.float64)
     switching = (1 - SHARE) * torch.eye(experts, dtype=torch.float64) + SHARE / experts
     weights, hits, near_hits, lookahead_gap, posteriors = prior.clone(), 0, 0, 0.0, [prior.clone()]
+    gaps, counts, recalibration_moved = [0.0] * 16, [0.0] * 16, 0.0
+
+    def calibrated(mixture):  # the score: the mixture recalibrated by the bins of the past predictions
+        return reference_recalibrated(mixture, gaps, counts, calibration) if calibration else mixture
+
     for i in range(14):
         logits = reference_lda_logits(features[:i], labels[:i], features[i])
         vote = laplace_vote(logits, hits, i)
         log_p = reference_experts(plain_scored[i][0].clamp_min(1e-300).log(), logits, vote, i)
-        expected = (weights[:, None] * log_p.exp()).sum(0)
+        mixture = (weights[:, None] * log_p.exp()).sum(0)
+        expected = calibrated(mixture)
         torch.testing.assert_close(mixed[i][0], expected, rtol=0, atol=1e-4)
+        recalibration_moved = max(recalibration_moved, float((expected - mixture).abs().max()))
+        bin_of = min(int(float(mixture.max()) * 15), 15)
+        gaps[bin_of] += float(mixture.argmax() == labels[i]) - float(mixture.max())
+        counts[bin_of] += 1
         posterior = weights * log_p[:, labels[i]].exp()
         posterior = posterior / posterior.sum()
         if share_past:
@@ -503,16 +587,18 @@ def test_the_learner_scores_the_mixture_made_before_the_sample(
         near_hits += int(reference_nearest_logits(features[:i], labels[:i], features[i]).argmax() == labels[i])
         ahead_logits = reference_lda_logits(features[: i + 1], labels[: i + 1], features[i])
         ahead = reference_experts(log_p[0], ahead_logits, vote, i + 1)
-        lookahead = (weights[:, None] * ahead.exp()).sum(0)
+        lookahead = calibrated((weights[:, None] * ahead.exp()).sum(0))
         lookahead_gap = max(lookahead_gap, float((mixed[i][0] - lookahead).abs().max()))
     assert lookahead_gap > 1e-2
+    assert (recalibration_moved > 1e-3) == bool(calibration)
 
 
-def mixed_learner(share_past=0.0, nearest_vote=False, **kwargs):
+def mixed_learner(share_past=0.0, nearest_vote=False, calibration=0.0, **kwargs):
     head = partial(StreamingLDA, shrinkage=0.1)
     mixture = FrozenHeadMixture(
-        head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_past=share_past, nearest_vote=nearest_vote
-    )
+        head, temperatures=[1.0, 4.0], share=0.05, nearest_mean=True, share_past=share_past, nearest_vote=nearest_vote,
+        calibration=calibration,
+    )  # fmt: skip
     return learner(mixture, **kwargs)
 
 
@@ -520,24 +606,30 @@ def mixture_state(module):
     step = module.online_step
     nearest = dict(zip(("nearest_weight", "nearest_bias"), step.nearest, strict=True))
     past = {} if step.past is None else {"past": step.past}
+    bins = {} if step.bin_gaps is None else {"bin_gaps": step.bin_gaps, "bin_counts": step.bin_counts}
     state = {"log_weights": step.log_weights, "hits": step.hits, "seen": step.seen, "nearest_hits": step.nearest_hits}
     state.update(zip(("lda_weight", "lda_bias"), step.lda.current().dense(), strict=True))  # LDA's head as it stands
-    return {**state, **nearest, **past}
+    return {**state, **nearest, **past, **bins}
 
 
-@pytest.mark.parametrize(("share_past", "nearest_vote"), [(0.0, False), (0.1, False), (0.1, True)])
-def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, monkeypatch, share_past, nearest_vote):
+@pytest.mark.parametrize(
+    ("share_past", "nearest_vote", "calibration"),
+    [(0.0, False, 0.0), (0.1, False, 0.0), (0.1, True, 0.0), (0.0, False, 2.0)],
+)
+def test_a_fit_resumed_with_the_mixture_continues_exactly(
+    tmp_path, one_thread, monkeypatch, share_past, nearest_vote, calibration
+):
     """8 samples in one fit, or 4, a checkpoint, and 4 more resumed from it: the same predictions scored for the last
     4 (bit for bit: the same float operations in the same order), the same mixture weights (and past posteriors'
-    mean, nearest class mean's hits), LDA head and network."""
+    mean, nearest class mean's hits, the recalibration's bins), LDA head and network."""
     items = stream(8, num_classes=3, seed=5)
-    whole = mixed_learner(share_past, nearest_vote)
+    whole = mixed_learner(share_past, nearest_vote, calibration)
     whole_scored = scored(whole, monkeypatch)
     trainer(max_epochs=1).fit(whole, loader(items))
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = mixed_learner(share_past, nearest_vote)
+    first = mixed_learner(share_past, nearest_vote, calibration)
     trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(first, loader(items[:4]))
-    resumed = mixed_learner(share_past, nearest_vote)
+    resumed = mixed_learner(share_past, nearest_vote, calibration)
     resumed_scored = scored(resumed, monkeypatch)
     trainer(max_epochs=2).fit(resumed, loader(items[4:]), ckpt_path=str(tmp_path / "last.ckpt"))
     assert len(resumed_scored) == 4
@@ -550,6 +642,9 @@ def test_a_fit_resumed_with_the_mixture_continues_exactly(tmp_path, one_thread, 
     # The resumed mixture is not a fresh one: its weights moved from the prior.
     assert not torch.equal(mixture_state(resumed)["log_weights"], mixed_learner().online_step.log_weights)
     assert ("past" in mixture_state(resumed)) == bool(share_past)
+    assert ("bin_counts" in mixture_state(resumed)) == bool(calibration)
+    if calibration:  # the bins hold the 8 samples, not only the 4 resumed ones
+        assert float(mixture_state(resumed)["bin_counts"].sum()) == 8
 
 
 def test_a_fixed_share_checkpoint_is_not_resumed_with_the_past_posteriors(tmp_path, one_thread):
@@ -568,6 +663,17 @@ def test_a_checkpoint_without_the_nearest_vote_is_not_resumed_with_it(tmp_path, 
     with pytest.raises(ConfigError, match="without nearest_vote") as raised:
         trainer(max_epochs=2).fit(mixed_learner(0.0, True), loader(items), ckpt_path=str(tmp_path / "last.ckpt"))
     assert raised.value.field == "nearest_vote"
+
+
+def test_a_checkpoint_without_the_calibration_is_not_resumed_with_it(tmp_path, one_thread):
+    items = stream(4, num_classes=3, seed=5)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(mixed_learner(), loader(items))
+    with pytest.raises(ConfigError, match="without calibration") as raised:
+        trainer(max_epochs=2).fit(
+            mixed_learner(calibration=300.0), loader(items), ckpt_path=str(tmp_path / "last.ckpt")
+        )
+    assert raised.value.field == "calibration"
 
 
 def test_a_checkpoint_fitted_without_the_mixture_is_not_resumed_with_it(tmp_path, one_thread):
@@ -632,6 +738,42 @@ def test_the_serving_learner_predicts_with_the_mixture_and_learns_it(tmp_path, o
     served.save(tmp_path / "served.ckpt")
     again = ServingLearner.from_checkpoint(tmp_path / "served.ckpt")
     torch.testing.assert_close(again.predict(inputs), served.predict(inputs), rtol=0, atol=0)
+
+
+def test_predict_and_the_served_learner_predict_with_the_recalibrated_mixture(tmp_path, one_thread):
+    """With ``calibration``, ``predict_step`` is the mixture's prediction recalibrated by the bins as they stand (not
+    the mixture's own: the test can fail), the loaded learner predicts the same bit for bit, and a served learner that
+    learns a sample adds it to its bins, which its serving copy follows."""
+    from loko_lightning.serve.learner import ServingLearner
+
+    items = stream(18, num_classes=3, seed=6)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    module = mixed_learner(calibration=0.5)
+    trainer(enable_checkpointing=True, callbacks=[checkpoint], max_epochs=1).fit(module, loader(items[:16]))
+    batch = {"inputs": torch.stack([item["inputs"] for item in items[16:]])}
+    module.eval()
+    with torch.no_grad():
+        predicted = module.predict_step(batch, 0)["probabilities"]
+        step = module.online_step
+        features = initial_features(learner(), items[16:], batched=True)
+        learner_p = module.network(batch["inputs"]).float().softmax(-1)
+        experts = step.experts(learner_p, step.lda_logits(features), step.nearest_logits(features))
+        mixture = mixture_log_predictive(step.log_weights, experts).exp()
+        expected = recalibrated(mixture, step.bin_gaps, step.bin_counts, 0.5).float()
+    torch.testing.assert_close(predicted, expected, rtol=0, atol=0)
+    assert (predicted - mixture.float()).abs().max() > 1e-3
+    path = str(tmp_path / "last.ckpt")
+    loaded = OnlineClassifier.load_from_checkpoint(path).eval()
+    assert loaded.hparams["mixture"]["calibration"] == 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.predict_step(batch, 0)["probabilities"], predicted, rtol=0, atol=0)
+    served = ServingLearner.from_checkpoint(path)
+    assert float(served.module.online_step.bin_counts.sum()) == 16
+    served.learn([items[16]["inputs"]], [int(items[16]["label"])])
+    learning, serving = served.module.online_step, served._serving.online_step
+    assert float(learning.bin_counts.sum()) == 17
+    torch.testing.assert_close(serving.bin_gaps, learning.bin_gaps, rtol=0, atol=0)
+    torch.testing.assert_close(serving.bin_counts, learning.bin_counts, rtol=0, atol=0)
 
 
 def test_the_mixtures_head_must_be_a_plain_frozen_head():

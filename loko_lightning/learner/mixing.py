@@ -7,8 +7,10 @@ past accuracy as its confidence (:func:`vote_log_probabilities`); the log-linear
 renormalised (:func:`pooled_log_probabilities`). The mixture predicts :math:`\sum_k w_k p_k(y \mid x)`
 (:func:`mixture_log_predictive`) and, once the label is known, updates :math:`w_k \propto w_k p_k(y)` then
 :math:`w \leftarrow (1 - \alpha) w + \alpha / K` (:func:`update_log_weights`; fixed share), or with :math:`\beta\,\bar
-v` more, :math:`\bar v` the mean of the past posteriors (:func:`mix_past_posteriors`).
-Everything in log space; the callers keep it in float64 (docs/results/mixture.md).
+v` more, :math:`\bar v` the mean of the past posteriors (:func:`mix_past_posteriors`). With
+``calibration``, the mixture's top-1 confidence is moved by the past gap between accuracy and confidence in its bin,
+shrunk by a prior (:func:`recalibrated`, :func:`update_bins`).
+Everything in log space but the recalibration; the callers keep it in float64 (docs/results/mixture.md).
 """
 
 from __future__ import annotations
@@ -125,3 +127,43 @@ def update_mixture_weights(
         raise ValueError("share_past needs past (the log mean of the posteriors before) and count (how many)")
     posterior = update_log_weights(log_weights, log_likelihoods)
     return mix_past_posteriors(posterior, past, count, share_past, share)
+
+
+def confidence_bins(probabilities: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    """The top-1 confidences ``c`` ``(B,)`` and their bins: ``bins`` equal ones, ``c = 1`` its own (as the ECE's)."""
+    confidence = probabilities.max(-1).values
+    return confidence, torch.clamp((confidence * bins).floor().long(), max=bins)
+
+
+def recalibrated(probabilities: Tensor, gaps: Tensor, counts: Tensor, strength: float) -> Tensor:
+    r"""The probabilities ``(B, m)`` with each top-1 confidence moved by its bin's past gap, shrunk towards none.
+
+    In bin :math:`b` of the top-1 confidence (:func:`confidence_bins`) the accuracy is modelled as the confidence plus
+    a gap :math:`\delta_b \sim N(0, \tau^2)`; each past sample's hit minus its confidence observes :math:`\delta_b`
+    with variance about :math:`\sigma^2 = c(1 - c)`. The posterior mean of the gap is :math:`g_b / (n_b + \kappa)`,
+    :math:`g_b` the sum of those differences, :math:`n_b` their number and :math:`\kappa = \sigma^2 / \tau^2` the
+    prior's strength in samples (``strength``): a bin moves where its past gap outweighs the noise of its samples
+    (histogram binning with a Gaussian prior). The new confidence :math:`c' = c + g_b / (n_b + \kappa)` moves at most
+    half way to a tie with the runner-up (the argmax stays: accuracy is unchanged) or to certainty (at most half the
+    other classes' mass moves to the top); the other classes keep their ratios, scaled by :math:`(1 - c') / (1 - c)`.
+    ``gaps``, ``counts``: ``(bins + 1,)``, from the samples before (:func:`update_bins`). A certain prediction
+    (:math:`c = 1`) stays as it is.
+    """
+    confidence, index = confidence_bins(probabilities, gaps.shape[0] - 1)
+    top = probabilities.topk(2, -1)
+    runner = top.values[:, 1]
+    rest = 1 - confidence
+    moved = confidence + gaps[index] / (counts[index] + strength)
+    tie = runner / (rest + runner).clamp_min(torch.finfo(probabilities.dtype).tiny)  # the runner-up would tie there
+    moved = torch.minimum(torch.maximum(moved, (tie + confidence) / 2), (1 + confidence) / 2)
+    certain = rest <= 0
+    scale = torch.where(certain, torch.ones_like(rest), (1 - moved) / torch.where(certain, torch.ones_like(rest), rest))
+    out = probabilities * scale[:, None]
+    return out.scatter(1, top.indices[:, :1], torch.where(certain, confidence, moved)[:, None])
+
+
+def update_bins(gaps: Tensor, counts: Tensor, probabilities: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """The bins' sums of hit minus confidence and counts ``(bins + 1,)`` after the predictions ``(B, m)``' labels."""
+    confidence, index = confidence_bins(probabilities, gaps.shape[0] - 1)
+    hits = (probabilities.argmax(-1) == labels).to(gaps.dtype)
+    return gaps.index_add(0, index, hits - confidence.to(gaps.dtype)), counts.index_add(0, index, torch.ones_like(hits))

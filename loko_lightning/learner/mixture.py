@@ -96,6 +96,9 @@ class FrozenHeadMixture:
             with ``share + share_past < 1``; 0: fixed share alone.
         nearest_vote: with ``nearest_mean``, add nearest class mean's argmax with its past accuracy as its confidence
             as an expert, as LDA's vote (screened on replays: ``results/mixture/nearest/replay_vote_share_past.md``).
+        calibration: ``κ ≥ 0``, the prior's strength in samples per bin of the mixture's recalibration: its top-1
+            confidence moved by the past gap between accuracy and confidence in its bin, shrunk by ``κ``
+            (:func:`~loko_lightning.learner.mixing.recalibrated`; the argmax is kept); 0: none.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class FrozenHeadMixture:
         nearest_mean: bool = False,
         share_past: float = 0.0,
         nearest_vote: bool = False,
+        calibration: float = 0.0,
     ) -> None:
         temperatures = list(TEMPERATURES) if temperatures is None else [float(t) for t in temperatures]
         learner_temperatures = _positive(learner_temperatures, "learner_temperatures", "each > 0")
@@ -151,14 +155,22 @@ class FrozenHeadMixture:
                 field="nearest_vote",
                 owner=FrozenHeadMixture,
             )
+        if not (math.isfinite(calibration) and calibration >= 0.0):
+            raise ConfigError(
+                f"Invalid calibration: {calibration} (the prior's strength in samples per bin, >= 0, e.g. 300; 0 for "
+                "none)",
+                field="calibration",
+                owner=FrozenHeadMixture,
+            )
         self.pools, self.nearest_mean, self.share_past = pools, bool(nearest_mean), float(share_past)
-        self.nearest_vote = bool(nearest_vote)
+        self.nearest_vote, self.calibration = bool(nearest_vote), float(calibration)
 
     def wrap(self, inner: OnlineStep) -> MixtureStep:
         """The learner's step ``inner`` predicting with this mixture."""
         return MixtureStep(
             inner, self.head, self.temperatures, self.share, self.prior_learner, self.vote, self.learner_temperatures,
             self.pools, self.nearest_mean, self.share_past, owner=type(self), nearest_vote=self.nearest_vote,
+            calibration=self.calibration,
         )  # fmt: skip
 
     def spec(self) -> dict[str, Any]:
@@ -174,6 +186,7 @@ class FrozenHeadMixture:
             "nearest_mean": self.nearest_mean,
             "share_past": self.share_past,
             "nearest_vote": self.nearest_vote,
+            "calibration": self.calibration,
         }
 
     @classmethod

@@ -4,7 +4,8 @@ What the mixture is, its equations and its option (:class:`~loko_lightning.learn
 builds this step): :mod:`loko_lightning.learner.mixture`; its arithmetic, pure functions:
 :mod:`loko_lightning.learner.mixing`. Here: the experts built from the learner's prediction and the frozen head's,
 the prequential score and update one sample after the other, the frozen head's statistics, the checkpoint's
-``"loko_mixture"`` and the copies that serve.
+``"loko_mixture"`` and the copies that serve; with ``calibration``, the prediction recalibrated by its bin's past
+gap.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from loko_lightning.learner.frozen_features import FrozenFeatures
 from loko_lightning.learner.mixing import (
     mixture_log_predictive,
     pooled_log_probabilities,
+    recalibrated,
     tempered_log_probabilities,
+    update_bins,
     update_mixture_weights,
     vote_log_probabilities,
 )
@@ -34,6 +37,8 @@ from loko_lightning.learner.steps import OnlineStep, StepResult, collective_time
 TEMPERATURES = tuple(float(2**k) for k in range(13))
 #: Fixed share's α by default: the weight can move from LDA to the fine-tuner within a few dozen samples.
 SHARE = 0.01
+#: The recalibration's bins of the top-1 confidence (``calibration``): the ECE's 15 equal ones (confidence 1 its own).
+CALIBRATION_BINS = 15
 
 
 # ------------------------------------------------------------------ the frozen expert
@@ -76,6 +81,9 @@ class MixtureStep(OnlineStep):
             LDA's vote), last (with ``nearest_mean``).
         share_past: ``β``, the share to the mean of the past posteriors
             (:func:`~loko_lightning.learner.mixing.mix_past_posteriors`; 0: none).
+        calibration: ``κ``, the prior's strength in samples of the recalibration of the mixture's top-1 confidence by
+            its bin's past gap (:func:`~loko_lightning.learner.mixing.recalibrated`, :data:`CALIBRATION_BINS` bins,
+            updated after each sample by the mixture's own confidence); 0: none.
         owner: the class whose settings these are, named by the errors (``FrozenHeadMixture``, which builds this).
     """
 
@@ -93,6 +101,7 @@ class MixtureStep(OnlineStep):
         share_past: float = 0.0,
         owner: type | None = None,
         nearest_vote: bool = False,
+        calibration: float = 0.0,
     ) -> None:
         self.inner, self.owner = inner, owner
         self.temperatures = [float(t) for t in temperatures]
@@ -122,6 +131,10 @@ class MixtureStep(OnlineStep):
         self.hits = torch.zeros((), dtype=torch.float64)  # LDA's past top-1 hits and samples (the vote's confidence)
         self.seen = torch.zeros((), dtype=torch.float64)
         self.nearest_hits = torch.zeros((), dtype=torch.float64)  # nearest class mean's (with nearest_vote)
+        # with calibration: each bin's sum of hit minus confidence and its count, over the mixture's past predictions
+        self.calibration = float(calibration)
+        bins = torch.zeros(CALIBRATION_BINS + 1, dtype=torch.float64) if self.calibration else None
+        self.bin_gaps, self.bin_counts = bins, None if bins is None else bins.clone()
         self.head: nn.Linear | None = None  # LDA's, float64, built at the first step (its width is the features')
         self.lda: Any = None  # the head's optimizer (bind, step), built with the head
         self.nearest: tuple[Tensor, Tensor] | None = None  # nearest class mean's (W, b), float64 (with nearest_mean)
@@ -147,6 +160,8 @@ class MixtureStep(OnlineStep):
         self.past = None if self.past is None else self.past.to(device)
         self.hits, self.seen = self.hits.to(device), self.seen.to(device)
         self.nearest_hits = self.nearest_hits.to(device)
+        if self.bin_gaps is not None and self.bin_counts is not None:
+            self.bin_gaps, self.bin_counts = self.bin_gaps.to(device), self.bin_counts.to(device)
 
     def _features(self, module: pl.LightningModule, inputs: Any, adapted: bool = False) -> tuple[Tensor | None, Tensor]:
         """The frozen features of ``inputs`` (LDA's head built at the first call: its width is theirs).
@@ -228,7 +243,8 @@ class MixtureStep(OnlineStep):
         lda_logits = self.lda_logits(features)  # LDA's head before this sample
         nearest_logits = self.nearest_logits(features)
         log_probabilities = self.experts(learner, lda_logits, nearest_logits)
-        prediction = mixture_log_predictive(self.log_weights, log_probabilities).exp()
+        mixed = mixture_log_predictive(self.log_weights, log_probabilities).exp()
+        prediction = self.recalibrated(mixed)
         finite = torch.isfinite(log_probabilities).all() & torch.isfinite(features).all()
         if finite:  # one host read: a non-finite sample changes neither the weights nor LDA
             observed = log_probabilities[:, torch.arange(label.shape[0]), label]  # (K, B): log p_k(y_b | x_b)
@@ -238,9 +254,17 @@ class MixtureStep(OnlineStep):
             if self.nearest_vote:
                 self.nearest_hits += (nearest_logits.argmax(-1) == label).sum()
             self.seen += label.shape[0]
+            if self.bin_gaps is not None and self.bin_counts is not None:
+                self.bin_gaps, self.bin_counts = update_bins(self.bin_gaps, self.bin_counts, mixed, label)
             self.lda.step(closure=lambda: (features, label))
             self._refresh_nearest()
         return prediction.to(learner.dtype), label, applied & finite
+
+    def recalibrated(self, mixed: Tensor) -> Tensor:
+        """The mixture's probabilities ``(B, m)``, recalibrated by the bins as they stand with ``calibration``."""
+        if self.bin_gaps is None or self.bin_counts is None:
+            return mixed
+        return recalibrated(mixed, self.bin_gaps, self.bin_counts, self.calibration)
 
     def _update_weights(self, likelihoods: Tensor, index: int) -> None:
         """Bayes' update of the weights by one sample's ``(K,)`` log-likelihoods, then the share (see the module).
@@ -285,6 +309,9 @@ class MixtureStep(OnlineStep):
                 checkpoint["loko_mixture"]["past"] = self.past.clone()
             if self.nearest_vote:
                 checkpoint["loko_mixture"]["nearest_hits"] = self.nearest_hits.clone()
+            if self.bin_gaps is not None and self.bin_counts is not None:
+                checkpoint["loko_mixture"]["bin_gaps"] = self.bin_gaps.clone()
+                checkpoint["loko_mixture"]["bin_counts"] = self.bin_counts.clone()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The inner step's state; the mixture's as it was saved (none in a checkpoint from before the first step).
@@ -292,7 +319,8 @@ class MixtureStep(OnlineStep):
         Raises:
             ConfigError: a checkpoint fitted without the mixture (``field="mixture"``): its weights and LDA's
                 statistics would start again mid-stream; or without ``share_past``, into a mixture with it
-                (``field="share_past"``): the past's posteriors are not in it.
+                (``field="share_past"``): the past's posteriors are not in it; or without ``calibration``, into a
+                mixture with it (``field="calibration"``).
         """
         self.inner.on_load_checkpoint(checkpoint)
         saved = checkpoint.get("loko_mixture")
@@ -323,6 +351,14 @@ class MixtureStep(OnlineStep):
                 field="nearest_vote",
                 owner=self.owner,
             )
+        if self.bin_gaps is not None and "bin_gaps" not in saved:
+            raise ConfigError(
+                "this checkpoint's mixture was fitted without calibration, so the past gaps its recalibration moves "
+                "the confidence by are not in it. To fix it: resume with calibration: 0, or fit from the start with "
+                "calibration",
+                field="calibration",
+                owner=self.owner,
+            )
         head = saved["head"]
         classes, dim = head["weight"].shape
         self._build(dim, classes, head["weight"].device)
@@ -337,6 +373,9 @@ class MixtureStep(OnlineStep):
         self.seen = saved["seen"].to(torch.float64).clone()
         if self.nearest_vote:
             self.nearest_hits = saved["nearest_hits"].to(torch.float64).clone()
+        if self.bin_gaps is not None:
+            self.bin_gaps = saved["bin_gaps"].to(torch.float64).clone()
+            self.bin_counts = saved["bin_counts"].to(torch.float64).clone()
 
     @torch.no_grad()
     def predict(self, module: pl.LightningModule, inputs: Any) -> Tensor:
@@ -345,7 +384,7 @@ class MixtureStep(OnlineStep):
         assert outputs is not None
         learner = outputs.float().softmax(-1)
         experts = self.experts(learner, self.lda_logits(features), self.nearest_logits(features))
-        return mixture_log_predictive(self.log_weights, experts).exp().float()
+        return self.recalibrated(mixture_log_predictive(self.log_weights, experts).exp()).float()
 
     def follow(self, other: OnlineStep) -> None:
         """Predict as ``other`` (the learning copy's mixture) now does: its weights, hits, LDA's head as it stands."""
@@ -360,6 +399,8 @@ class MixtureStep(OnlineStep):
         self.nearest_hits = other.nearest_hits.clone()
         self.past = None if other.past is None else other.past.clone()
         self.nearest = None if other.nearest is None else (other.nearest[0].clone(), other.nearest[1].clone())
+        if self.bin_gaps is not None and other.bin_gaps is not None and other.bin_counts is not None:
+            self.bin_gaps, self.bin_counts = other.bin_gaps.clone(), other.bin_counts.clone()
 
     def serving(self, optimizer: torch.optim.Optimizer) -> Any:
         """The inner step's parameters that predict (with an average: ``θ̄``), or ``None``."""
