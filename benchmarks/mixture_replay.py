@@ -324,8 +324,9 @@ def replay(args: argparse.Namespace) -> None:
                                 score(calibrated)
                             )
                         for strength in args.recalibrate:  # the mixture's calibration option at this κ
-                            rows.setdefault(f"mixture, {what}, recalibrated by its bins, κ = {strength:g}", []).append(
-                                score(recalibrate(predictions, labels, strength))
+                            bins = f"{args.recalibrate_bins} bins" if args.recalibrate_bins != 15 else "its bins"
+                            rows.setdefault(f"mixture, {what}, recalibrated by {bins}, κ = {strength:g}", []).append(
+                                score(recalibrate(predictions, labels, strength, args.recalibrate_bins))
                             )
     keys = list(next(iter(rows.values()))[0])
     seeds = [path.stem.removeprefix("experts_seed") for path in sorted(args.folder.glob("experts_seed*.pt"))]
@@ -389,6 +390,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--recalibrate", type=float, nargs="*", default=[],
         help="also each setting's prediction recalibrated by its bin's past gap at these prior strengths κ (the "
         "mixture's calibration option)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--recalibrate-bins", type=int, default=15,
+        help="the --recalibrate bins (the option's: 15, the ECE's; another number: a check that the ECE's fall is not "
+        "fitted to its bins)",
     )  # fmt: skip
     rep.add_argument(
         "--bootstrap", type=int, default=0,

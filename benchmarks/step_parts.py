@@ -20,6 +20,7 @@ process, and every part is timed around its call (``time.perf_counter``) at ever
   (``FrozenFeatures.with_adapted``: the mixture's with LoKO's average);
 - ``LDA``: the frozen head's update (its optimizer's ``step``: the eigenbasis refreshed every 64 samples; timed from
   the second step, the head being built at the first);
+- ``calibration``: the mixture's recalibration of its prediction and the update of its bins (``calibration > 0``);
 - ``rest``: the step less those parts (the mixture's experts and weights, the loop's bookkeeping in the step).
 
 It prints the median of each over the steps after ``--warmup`` (a part's median and the medians of the step do not
@@ -58,10 +59,21 @@ import lightning.pytorch as pl
 
 from loko_lightning.jacobians.engine import JacobianEngine
 from loko_lightning.kalman.optimizer import LoKO
+from loko_lightning.learner import mixture_step
 from loko_lightning.learner.frozen_features import FrozenFeatures
 
 LEARNERS = {"default": ["--loko=default"], "paper": ["--loko=as_configured"]}
-PARTS = ("step", "averaged forward", "Jacobian", "filter", "frozen forward", "joint forward", "LDA", "rest")
+PARTS = (
+    "step",
+    "averaged forward",
+    "Jacobian",
+    "filter",
+    "frozen forward",
+    "joint forward",
+    "LDA",
+    "calibration",
+    "rest",
+)
 
 
 class Active:
@@ -233,6 +245,8 @@ def timed(times: Active) -> Iterator[None]:
         (LoKO, "step"): times.wrap(LoKO.step, "LoKO.step"),
         (FrozenFeatures, "__call__"): times.wrap(FrozenFeatures.__call__, "frozen forward"),
         (FrozenFeatures, "with_adapted"): times.wrap(FrozenFeatures.with_adapted, "joint forward"),
+        (mixture_step.MixtureStep, "recalibrated"): times.wrap(mixture_step.MixtureStep.recalibrated, "calibration"),
+        (mixture_step, "update_bins"): times.wrap(mixture_step.update_bins, "calibration"),
     }
     averaged = LoKO.averaged
 
