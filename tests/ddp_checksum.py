@@ -38,6 +38,8 @@ class Checksum(pl.Callback):
         if mixture is not None and mixture.head is not None:  # the mixture's weights, LDA's hits and head
             parts += [mixture.log_weights, mixture.hits[None], mixture.seen[None], *mixture.head.parameters()]
             parts += list(getattr(mixture, "nearest", None) or ())  # nearest class mean's head, with nearest_mean
+            if getattr(mixture, "bin_gaps", None) is not None:  # the recalibration's bins, with calibration
+                parts += [mixture.bin_gaps, mixture.bin_counts]
         mine = torch.cat([part.detach().reshape(-1).double() for part in parts])
         gathered = pl_module.all_gather(mine)
         held = pl_module.all_gather(held)

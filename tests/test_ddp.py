@@ -350,11 +350,11 @@ def test_the_image_default_under_ddp_scores_every_process_s_averaged_predictions
 
 def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resumes_exactly(tmp_path):
     """The image default with its mixture (``presets/loko_images`` + ``presets/loko_mixture_lda``, its pools and
-    nearest class mean) under DDP, refused before (its state was one process's): every process
-    mixes and learns from both processes' samples in rank order, so the mixture's weights, LDA's hits and head and the
-    nearest-mean head are the same on both ranks (in the checksum), LDA counted each of the 24 samples once, every
-    prediction was scored once, and a run resumed under DDP from the step-6 checkpoint ends bit for bit like the
-    whole one."""
+    nearest class mean and its recalibration) under DDP, refused before (its state was one process's): every process
+    mixes and learns from both processes' samples in rank order, so the mixture's weights, LDA's hits and head, the
+    nearest-mean head and the recalibration's bins are the same on both ranks (in the checksum), LDA and the bins
+    counted each of the 24 samples once, every prediction was scored once, and a run resumed under DDP from the step-6
+    checkpoint ends bit for bit like the whole one."""
     presets = []
     for name in ("loko_images", "loko_mixture_lda"):
         presets += ["--config", str(ROOT / "configs" / "presets" / f"{name}.yaml")]
@@ -369,6 +369,7 @@ def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resume
     mixture = last["loko_mixture"]
     (lda,) = mixture["lda"]["state"].values()
     assert float(mixture["seen"]) == 24 and lda["count"].sum().item() == 24 and lda["samples"].item() == 24
+    assert spec["calibration"] == 300 and float(mixture["bin_counts"].sum()) == 24
     assert mixture["log_weights"].exp().max() < 1  # the weights moved from the prior, not to one expert
     middle = str(checkpoints / "epoch=0-step=6.ckpt")
     resumed, _, _ = loko_ddp(tmp_path, "mixture_resumed", *presets, "--ckpt_path", middle)

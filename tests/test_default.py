@@ -67,6 +67,8 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     # with the log-linear pools of the learner and LDA, and nearest class mean on LDA's statistics (all image defaults).
     assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is True
     assert got["mixture"]["nearest_vote"] is False  # neutral on 10 classes: off
+    # and its top-1 confidence recalibrated by its bins (the mixture averages its experts: underconfident at 64 px).
+    assert got["mixture"]["calibration"] == 300
     (line,) = decided_line(caplog)
     assert "presets/loko_images + presets/loko_mixture_lda" in line and "10 classes" in line and "as_configured" in line
     assert "--config presets/loko_images runs the filter alone" in line  # the way out of the mixture's cost
@@ -84,6 +86,7 @@ def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
         assert got["mixture"]["learner_temperatures"] == [0.5, 0.7, 0.85, 1.25, 1.5, 2.0], config
         assert got["mixture"]["nearest_mean"] is False, config  # not measured on text
         assert (got["mixture"]["share"], got["mixture"]["share_past"]) == (0.001, 0.01), config
+        assert got["mixture"]["calibration"] == 300, config
 
 
 def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_the_averaged_mean_and_the_mixture(
@@ -96,6 +99,7 @@ def test_an_image_backbone_with_a_hundred_classes_gets_the_natural_filter_with_t
     assert (got["mixture"]["share"], got["mixture"]["share_past"]) == (0.001, 0.01)
     assert got["mixture"]["pools"] == [0.5, 1.0] and got["mixture"]["nearest_mean"] is True
     assert got["mixture"]["nearest_vote"] is True  # on 100 classes only
+    assert got["mixture"]["calibration"] == 300
     (line,) = decided_line(caplog)
     assert "the many-class image default + presets/loko_mixture_lda" in line and "100 classes" in line
     assert "nearest class mean (and its vote)" in line

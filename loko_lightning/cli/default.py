@@ -149,7 +149,8 @@ def decide(config: Any) -> Decision | None:
             f"a text backbone, {num_classes} classes: p0 chosen online, the head's covariance shared by its rows, the "
             "noise estimate corrected for its start at 0, "
             "predicting with its mixture with streaming LDA on the frozen sentence embedding, the learner's prediction "
-            "also tempered both ways (its confidence too high on WordNet) and pooled with LDA's; --config "
+            "also tempered both ways (its confidence too high on WordNet) and pooled with LDA's, the mixture's "
+            "confidence recalibrated by its bins; --config "
             "presets/loko_text runs it alone, without the mixture's extra forward pass",
             preset("presets/loko_text") + preset("presets/loko_mixture_lda") + TEXT_MIXTURE,
         )
@@ -172,7 +173,8 @@ def decide(config: Any) -> Decision | None:
         f"{name} + presets/loko_mixture_lda",
         f"an image backbone, {num_classes} classes{where}: {settings}, predicting with its mixture with streaming LDA "
         f"and nearest class mean{' (and its vote)' if vote else ''} on the frozen features, its prediction also "
-        f"pooled with LDA's; {alone}, without the mixture's extra forward pass and LDA solve a sample",
+        f"pooled with LDA's, the mixture's confidence recalibrated by its bins; {alone}, without the mixture's extra "
+        "forward pass and LDA solve a sample",
         (*args, *preset("presets/loko_mixture_lda"), NEAREST_MEAN, *vote),
     )
 
