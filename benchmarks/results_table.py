@@ -129,7 +129,7 @@ STREAMS = (
     Stream(
         "Fashion-MNIST 32 px",
         5000,
-        image_default(seeds("default_study/fm32_past", 3, "loko_default")),
+        image_default(seeds("default_study/fm32_cal", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -175,7 +175,7 @@ STREAMS = (
         "Fashion-MNIST 64 px",
         5000,
         # its step not measured at 64 px
-        image_default(seeds("default_study/fm64_past", 3, "loko_default"), cost=()),
+        image_default(seeds("default_study/fm64_cal", 3, "loko_default"), cost=()),
         DEFAULT_NOTE_IMAGE,
         Entry(
             "the paper's LoKO",
@@ -207,7 +207,7 @@ STREAMS = (
     Stream(
         "MNIST-5k",
         4500,
-        image_default(seeds("default_study/mnist5k_past", 3, "loko_default")),
+        image_default(seeds("default_study/mnist5k_cal", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("late_stream/mnist5k/paper", "loko"),)),
         [
@@ -249,8 +249,8 @@ STREAMS = (
         Entry(
             "the many-class image default (`filter: natural`, `p0` 0.03, `average: 0.99` + `presets/loko_mixture_lda`, "
             "`pools: [0.5, 1]`, `nearest_mean: true`, `nearest_vote: true`)",
-            seeds("default_study/glyphs100_vote", 3, "loko_default"),
-            at=points(seeds("default_study/glyphs100_vote", 3, "loko_default"), *CHECKPOINTS),
+            seeds("default_study/glyphs100_cal", 3, "loko_default"),
+            at=points(seeds("default_study/glyphs100_cal", 3, "loko_default"), *CHECKPOINTS),
             cost=(("default_study/step_time_glyphs100_factored", "loko_default"),),
         ),
         "image backbone, 100 classes: the natural filter with the averaged mean and the mixture",
@@ -281,7 +281,7 @@ STREAMS = (
     Stream(
         "BBC News",
         1000,
-        Entry(TEXT_DEFAULT, (("default_study/bbc_debias", "loko_default"),)),
+        Entry(TEXT_DEFAULT, (("default_study/bbc_cal", "loko_default"),)),
         "text backbone, 5 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry(
             "the paper's LoKO (head on the pooler then)",
@@ -303,7 +303,7 @@ STREAMS = (
     Stream(
         "WordNet",
         2000,
-        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_debias", 3, "loko_default")),
+        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_cal", 3, "loko_default")),
         "text backbone, 25 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry("the paper's LoKO (head on the pooler then)", (("wordnet/paper_s0", "loko"),)),
         [
@@ -328,7 +328,7 @@ STREAMS = (
     Stream(
         "drifting Fashion-MNIST",
         4000,
-        Entry(IMAGE_DEFAULT, seeds("default_study/drift_past", 3, "loko_default")),
+        Entry(IMAGE_DEFAULT, seeds("default_study/drift_cal", 3, "loko_default")),
         DEFAULT_NOTE_IMAGE,
         Entry("the paper's LoKO", (("shared_rows/epyc/drift/paper_s0", "loko"),)),
         [],

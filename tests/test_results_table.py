@@ -65,7 +65,7 @@ def test_a_checkpoint_of_a_longer_run_is_its_recorded_point(results_table, text)
     (read from the study's folded ``runs.json`` by the script's own loader)."""
     points = []
     for seed in range(3):
-        summary = results_table.load_run(ROOT / "results", f"default_study/fm32_past_s{seed}")
+        summary = results_table.load_run(ROOT / "results", f"default_study/fm32_cal_s{seed}")
         points.append(100 * summary["results"]["loko_default"]["online_acc_at"][str(seed)]["1000"])
     row = next(r for r in rows(text) if r[0].startswith("Fashion-MNIST 32 px") and "default" in r[1])
     assert row[3].startswith(f"{sum(points) / 3:.1f} ± ") and row[3] != row[4]
