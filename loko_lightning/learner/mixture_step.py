@@ -335,30 +335,23 @@ class MixtureStep(OnlineStep):
                     owner=self.owner,
                 )
             return
-        if self.past is not None and "past" not in saved:
-            raise ConfigError(
-                "this checkpoint's mixture was fitted without share_past, so the mean of its past posteriors that "
-                "share_past mixes in is not in it. To fix it: resume with share_past: 0, or fit from the start with "
-                "share_past",
-                field="share_past",
-                owner=self.owner,
-            )
-        if self.nearest_vote and "nearest_hits" not in saved:
-            raise ConfigError(
-                "this checkpoint's mixture was fitted without nearest_vote, so the nearest class mean's past hits its "
-                "vote is confident by are not in it. To fix it: resume with nearest_vote: false, or fit from the "
-                "start with nearest_vote",
-                field="nearest_vote",
-                owner=self.owner,
-            )
-        if self.bin_gaps is not None and "bin_gaps" not in saved:
-            raise ConfigError(
-                "this checkpoint's mixture was fitted without calibration, so the past gaps its recalibration moves "
-                "the confidence by are not in it. To fix it: resume with calibration: 0, or fit from the start with "
-                "calibration",
-                field="calibration",
-                owner=self.owner,
-            )
+        # The options whose state a checkpoint fitted without them lacks: (option, on, key, what is missing, off).
+        needed = (
+            ("share_past", self.past is not None, "past",
+             "the mean of its past posteriors that share_past mixes in is", "0"),
+            ("nearest_vote", self.nearest_vote, "nearest_hits",
+             "the nearest class mean's past hits its vote is confident by are", "false"),
+            ("calibration", self.bin_gaps is not None, "bin_gaps",
+             "the past gaps its recalibration moves the confidence by are", "0"),
+        )  # fmt: skip
+        for option, on, key, missing, off in needed:
+            if on and key not in saved:
+                raise ConfigError(
+                    f"this checkpoint's mixture was fitted without {option}, so {missing} not in it. To fix it: resume "
+                    f"with {option}: {off}, or fit from the start with {option}",
+                    field=option,
+                    owner=self.owner,
+                )
         head = saved["head"]
         classes, dim = head["weight"].shape
         self._build(dim, classes, head["weight"].device)
