@@ -323,3 +323,24 @@ def decide_line(config):
     finally:
         logger.removeHandler(handler)
     return next(r.getMessage() for r in records if r.getMessage().startswith("LoKO"))
+
+
+def test_a_flag_of_the_mixtures_options_changes_the_mixture_the_default_adds(caplog):
+    """``--model.mixture.init_args.calibration=0`` with no mixture in the config: parsed after the decided presets, so
+    the default's mixture is built with it (before, the first parse refused it: the mixture's head was missing); the
+    rest of the mixture is the preset's, and a flag with its value apart works the same."""
+    with caplog.at_level(logging.INFO):
+        got = settings(build("quickstart", "--model.mixture.init_args.calibration=0"))
+    assert got["mixture"]["calibration"] == 0 and got["mixture"]["share_past"] == 0.01
+    assert got["mixture"]["nearest_mean"] is True  # the decision's own flag, before the user's
+    (line,) = decided_line(caplog)
+    assert "presets/loko_mixture_lda" in line
+    apart = settings(build("quickstart", "--model.mixture.init_args.pools", "[1]"))
+    assert apart["mixture"]["pools"] == [1.0] and apart["mixture"]["calibration"] == 300
+
+
+def test_a_flag_of_the_mixtures_options_without_a_mixture_is_still_refused():
+    """The paper's config pins its LoKO (nothing decided, no mixture): the mixture's flag is refused as before (the
+    parser's error naming model.mixture and its missing head, then its exit)."""
+    with pytest.raises(SystemExit):
+        build("cifar10_resnet18", "--model.mixture.init_args.calibration=0")

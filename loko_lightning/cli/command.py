@@ -220,15 +220,18 @@ class LoKOCLI(LightningCLI):
         self._given_args = given
         printing = [arg for arg in given if arg.split("=", 1)[0] == "--print_config"]
         first = [arg for arg in given if arg not in printing]
-        self._parse(parser, first if printing else given, from_argv=args is None)
+        # A flag of the mixture's options (--model.mixture.init_args.*) is for the mixture the default may add: parsed
+        # after the decided presets, so it changes their mixture; without a decision it is parsed where it was given.
+        first, mixture_flags = _split_mixture_flags(first)
+        self._parse(parser, first if printing or mixture_flags else given, from_argv=args is None)
         subcommand = self.config.get("subcommand")
         fitting = self.config["fit"] if subcommand == "fit" else self.config if subcommand is None else None
         decision = decide(fitting) if fitting is not None else None
         if decision is not None:
             rank_zero_info(decision.line)
-        if printing or (decision is not None and decision.args):
+        if printing or mixture_flags or (decision is not None and decision.args):
             # The preset after the configuration: it sets only what the decision found left at its default.
-            decided = [*first, *(decision.args if decision else ()), *printing]
+            decided = [*first, *(decision.args if decision else ()), *mixture_flags, *printing]
             self._parse(parser, decided, from_argv=args is None)
         if fitting is not None:
             for line in measured_to_lose(self.config["fit"] if subcommand == "fit" else self.config):
@@ -364,6 +367,28 @@ class LoKOCLI(LightningCLI):
 
 # The source options that change what a sample becomes (and that a checkpoint's ``preprocessing`` records).
 PREPROCESSING_OPTIONS = ("image_size", "mean", "std", "max_length")
+
+
+def _split_mixture_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` without the flags of the mixture's options, and those flags in their order.
+
+    A flag is ``--model.mixture.init_args.<key>``, with ``=value`` or the next argument as its value.
+    """
+    rest: list[str] = []
+    flags: list[str] = []
+    position = 0
+    while position < len(args):
+        arg = args[position]
+        taken = rest
+        if arg.startswith("--model.mixture.init_args."):
+            taken = flags
+            if "=" not in arg and position + 1 < len(args):  # its value is the next argument
+                flags.append(arg)
+                position += 1
+                arg = args[position]
+        taken.append(arg)
+        position += 1
+    return rest, flags
 
 
 def _flags_given(args: list[str], prefix: str, names: tuple[str, ...]) -> list[str]:
