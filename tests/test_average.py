@@ -176,3 +176,22 @@ def test_the_learner_scores_each_sample_with_the_average_it_had_before_that_samp
     for t, (got, want) in enumerate(zip(scored, before, strict=True)):
         assert torch.equal(got, want.to(got.dtype)), t
     assert not torch.equal(before[-1], before[-2])  # θ̄ moved between the samples: a look-ahead would show
+
+
+def test_the_swap_restores_the_parameters_exactly_every_time_nested_too():
+    """``averaged()`` keeps the tensors that hold θ while θ̄ is swapped in from one call to the next: a second call
+    restores the θ of its own time, not the first call's, and a call inside another restores the outer θ̄."""
+    model = mlp()
+    opt = LoKO(model.parameters(), p0=0.5, seed=3, average=0.9)
+    stream = list(teacher_stream(4))
+    for x, y in stream[:2]:
+        _train(model, opt, [(x, y)])
+        theta = flat(p.detach().clone() for p in model.parameters())
+        average = flat(opt.state[p]["average"] for p in model.parameters())
+        assert not torch.equal(theta, average)
+        with opt.averaged():
+            assert torch.equal(flat(p.detach() for p in model.parameters()), average)
+            with opt.averaged():
+                assert torch.equal(flat(p.detach() for p in model.parameters()), average)
+            assert torch.equal(flat(p.detach() for p in model.parameters()), average)
+        assert torch.equal(flat(p.detach() for p in model.parameters()), theta)

@@ -291,3 +291,24 @@ def test_a_skipped_step_leaves_the_shared_rows_covariance_alone():
             assert torch.equal(after[index][key], expected), (index, key)
     assert "row_cov" in after[2]
     assert all(torch.equal(p, t) for p, t in zip(model.parameters(), theta, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_downdate_written_a_block_of_rows_at_a_time_is_sigma_minus_the_outer_product_bit_for_bit(dtype):
+    """``Downdate.commit`` forms ``t tᵀ`` ``ROWS`` rows at a time (the last block ragged here: 300 = 2 x 128 + 44) and
+    subtracts each block: every entry is ``Σ_ij − t_i t_j`` rounded as ``Σ − outer(t, t)`` rounds it, so the two are
+    equal, not close; a skipped step (``t`` not finite) leaves ``Σ`` as it was."""
+    from loko_lightning.kalman.shared_rows import Downdate
+
+    generator = torch.Generator().manual_seed(0)
+    root = torch.randn(300, 300, generator=generator, dtype=dtype)
+    sigma = root @ root.T / 300
+    t = torch.randn(300, generator=generator, dtype=dtype) / 3
+    expected = sigma - torch.outer(t, t)
+    got = sigma.clone()
+    Downdate(t).commit(got, torch.tensor(True))
+    assert Downdate.ROWS < 300 and 300 % Downdate.ROWS != 0
+    assert torch.equal(got, expected) and torch.equal(got, got.T)
+    kept = sigma.clone()
+    Downdate(torch.full_like(t, float("nan"))).commit(kept, torch.tensor(False))
+    assert torch.equal(kept, sigma)

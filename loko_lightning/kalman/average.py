@@ -33,6 +33,8 @@ class MeanAverage:
 
     def __init__(self, decay: float) -> None:
         self.decay = float(decay)
+        self._saved: list[Tensor] = []  # the parameters' values while the averages are swapped in
+        self._swapped = False  # inside swapped_in
 
     @staticmethod
     def check(decay: object, owner: type | None = None) -> float:
@@ -59,17 +61,35 @@ class MeanAverage:
         k = step.to(torch.float64)
         weight = 1.0 - torch.clamp((1.0 + k) / (10.0 + k), max=self.decay)
         weight = torch.where(applied, weight, 0.0)
-        torch._foreach_lerp_(list(averages), list(params), [weight.to(a.dtype) for a in averages])
+        cast = {dtype: weight.to(dtype) for dtype in {a.dtype for a in averages}}  # one cast a dtype, not a parameter
+        torch._foreach_lerp_(list(averages), list(params), [cast[a.dtype] for a in averages])
 
-    @staticmethod
     @contextlib.contextmanager
-    def swapped_in(params: Sequence[Tensor], averages: Sequence[Tensor]) -> Iterator[None]:
-        """Inside, ``params`` hold ``averages``; after, their own values again, exactly (copied back)."""
-        saved = [p.detach().clone() for p in params]
+    def swapped_in(self, params: Sequence[Tensor], averages: Sequence[Tensor]) -> Iterator[None]:
+        """Inside, ``params`` hold ``averages``; after, their own values again, exactly (copied back).
+
+        Their values wait in tensors this keeps from one call to the next (one copy each, no new tensor a call; new
+        ones inside another swap).
+        """
+        saved = self._saved
+        if self._swapped or not _alike(saved, params):
+            saved = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+            if not self._swapped:
+                self._saved = saved
+        outer, self._swapped = self._swapped, True
         with torch.no_grad():
+            torch._foreach_copy_(saved, list(params))
             torch._foreach_copy_(list(params), list(averages))
         try:
             yield
         finally:
+            self._swapped = outer
             with torch.no_grad():
                 torch._foreach_copy_(list(params), saved)
+
+
+def _alike(tensors: Sequence[Tensor], others: Sequence[Tensor]) -> bool:
+    """As many tensors, each of the other's shape, dtype and device."""
+    return len(tensors) == len(others) and all(
+        a.shape == b.shape and a.dtype == b.dtype and a.device == b.device for a, b in zip(tensors, others, strict=True)
+    )

@@ -311,7 +311,7 @@ class LoKO(torch.optim.Optimizer):
         if self._average is None or not params:
             yield
             return
-        with MeanAverage.swapped_in(params, [self.state[p][MeanAverage.key] for p in params]):
+        with self._average.swapped_in(params, [self.state[p][MeanAverage.key] for p in params]):
             yield
 
     def consolidate_state_dict(self) -> None:
