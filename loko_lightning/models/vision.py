@@ -106,18 +106,20 @@ class CentreTapConv2d(nn.Conv2d):
     """A depthwise convolution that computes a 1 x 1 map as its centre tap times the map, when that is what it is.
 
     With zero padding ``(k − 1) / 2`` (stride 1, no dilation) every tap of a ``k x k`` kernel but the centre reads
-    padding on a 1 x 1 map, so each output is one product, ``w_centre · x`` (plus the bias): the same value however the
-    convolution sums its taps, and so is the gradient to ``x``. oneDNN computes such a convolution by im2col and a
-    matrix product per channel: EfficientNet-Lite0 at 32 px ends on 1 x 1 maps, where its three 5 x 5 depthwise
-    convolutions over 1,152 channels took 0.6 ms each of a 6.4 ms forward pass of two samples on one CPU thread
-    (0.06 ms on a 2 x 2 map). Any other input, and a weight being trained (its gradient would be summed in another
-    order), goes through the convolution itself. The parameters and their names are the convolution's.
+    padding on a 1 x 1 map, so each output is one product, ``w_centre · x``: the same value however the convolution
+    sums its taps, and so is the gradient to ``x``. oneDNN computes such a convolution by im2col and a matrix product
+    per channel, many times slower than on a 2 x 2 map; EfficientNet-Lite0 at 32 px ends on 1 x 1 maps and runs three
+    5 x 5 depthwise convolutions over 1,152 channels there (``benchmarks/depthwise_centre_tap.py`` times them). Any
+    other input, a bias (oneDNN adds it inside its sum, rounding once: other bits in float32) and a weight being trained
+    (its gradient would be summed in another order) go through the convolution itself. The parameters and their names
+    are the convolution's.
     """
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         kh, kw = weight.shape[-2:]
         if (
-            input.dim() == 4
+            bias is None
+            and input.dim() == 4
             and input.shape[-2:] == (1, 1)
             and not weight.requires_grad
             and self.padding == ((kh - 1) // 2, (kw - 1) // 2)
@@ -126,13 +128,14 @@ class CentreTapConv2d(nn.Conv2d):
         ):
             centre = weight[:, 0, kh // 2, kw // 2].reshape(1, -1, 1, 1)
             # + 0.0: a zero product is +0, as the convolution's sum of the padding's zero products gives it.
-            out = torch.mul(input, centre).add_(0.0)
-            return out if bias is None else out.add_(bias.reshape(1, -1, 1, 1))
+            return torch.mul(input, centre).add_(0.0)
         return super()._conv_forward(input, weight, bias)
 
 
 def centre_tap_depthwise(model: nn.Module) -> nn.Module:
-    """``model`` with each frozen depthwise ``nn.Conv2d`` (stride 1, zero padding) a :class:`CentreTapConv2d`, in place.
+    """``model`` with each frozen depthwise ``nn.Conv2d`` (stride 1, zero padding, no bias) a :class:`CentreTapConv2d`.
+
+    In place.
 
     Only the class changes: the same module, parameters, hooks and state dict.
     """
@@ -143,6 +146,7 @@ def centre_tap_depthwise(model: nn.Module) -> nn.Module:
             and module.stride == (1, 1)
             and module.dilation == (1, 1)
             and module.padding_mode == "zeros"
+            and module.bias is None
             and not module.weight.requires_grad
         ):
             module.__class__ = CentreTapConv2d
