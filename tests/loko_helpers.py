@@ -24,7 +24,8 @@ class DenseModelFilter:
     :func:`~loko_lightning.kalman.reference.loko_step_reference`. Shares no code with the fast path but the
     reference."""
 
-    def __init__(self, model, p0, *, beta, r_estimator, output="softmax", debias=False, **time_update):
+    def __init__(self, model, p0, *, beta, r_estimator, output="softmax", debias=False, prior_scale_rate=0.0,
+                 prior_scale_until=0, **time_update):  # fmt: skip
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
@@ -34,6 +35,7 @@ class DenseModelFilter:
         self.R = None
         self.k = 0
         self.beta, self.r_estimator, self.output, self.debias = beta, r_estimator, output, debias
+        self.prior_scale_rate, self.prior_scale_until = prior_scale_rate, prior_scale_until
         self.time_update = TimeUpdate(**time_update)
 
     def unflatten(self, theta):
@@ -60,7 +62,8 @@ class DenseModelFilter:
         p_prior = self.p + self.time_update.process_noise
         self.theta, self.p, self.R = loko_step_reference(
             self.theta, self.p, self.R, H, y_hat, y, self.k, beta=self.beta, r_estimator=self.r_estimator, rcond=RTOL,
-            time_update=self.time_update, debias=self.debias,
+            time_update=self.time_update, debias=self.debias, prior_scale_rate=self.prior_scale_rate,
+            prior_scale_until=self.prior_scale_until,
         )  # fmt: skip
         noise = self.R / (1 - self.beta**self.k) if self.debias else self.R
         eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + noise)  # S

@@ -54,7 +54,7 @@ class SharedRowsReference:
             start += shape.numel()
         return torch.softmax(functional_call(self.model, values, (x,)).reshape(-1), 0)
 
-    def step(self, xs, ys, beta, debias=False):
+    def step(self, xs, ys, beta, debias=False, prior_scale_rate=0.0):
         self.k += 1
         y_hat = torch.stack([self.predict(self.theta, x) for x in xs])
         H = torch.stack([jacrev(self.predict)(self.theta, x) for x in xs])
@@ -62,7 +62,7 @@ class SharedRowsReference:
             self.R = torch.zeros(y_hat.shape[1], y_hat.shape[1], dtype=torch.float64)
         self.theta, self.p, self.sigmas, self.R = shared_rows_step_reference(
             self.theta, self.p, self.sigmas, self.R, H, y_hat, torch.stack(ys), self.k,
-            spans=self.spans, beta=beta, r_estimator="taylor", debias=debias,
+            spans=self.spans, beta=beta, r_estimator="taylor", debias=debias, prior_scale_rate=prior_scale_rate,
         )  # fmt: skip
         return y_hat
 

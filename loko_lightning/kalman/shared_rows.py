@@ -31,11 +31,16 @@ class Downdate:
     #: Rows of ``t tᵀ`` formed at a time on a CPU (a 128 x 1,281 float32 block is 0.66 MB); on a GPU all at once.
     ROWS = 128
 
-    def __init__(self, t: Tensor) -> None:
-        self.t = t
+    def __init__(self, t: Tensor, scale: Tensor | None = None) -> None:
+        self.t, self.scale = t, scale
 
     def commit(self, sigma: Tensor, applied: Tensor) -> None:
-        """``Σ ← Σ − t tᵀ`` where ``applied`` (a 0-d bool on the device, no host read); else ``Σ`` exactly as it was."""
+        """``Σ ← s Σ − t tᵀ`` where ``applied`` (a 0-d bool on the device, no host read); else ``Σ`` exactly as it was.
+
+        ``s``: the step's prior scale (the covariance filter's ``prior_scale_rate``); without one ``Σ`` is not scaled.
+        """
+        if self.scale is not None:
+            sigma.mul_(torch.where(applied, self.scale, 1.0))
         t = torch.where(applied, self.t, 0.0)  # a skipped step's t may not be finite: Σ − 0 is Σ
         step = self.ROWS if t.device.type == "cpu" else t.shape[0]  # a GPU: one kernel each, not a loop of them
         block = t.new_empty(min(step, t.shape[0]), t.shape[0])
@@ -123,7 +128,7 @@ class SharedRowBlocks:
         return total
 
     def update(
-        self, factor: Tensor, sigmas: Sequence[Tensor], update: Tensor, posterior: Tensor
+        self, factor: Tensor, sigmas: Sequence[Tensor], update: Tensor, posterior: Tensor, scale: Tensor | None = None
     ) -> list[Tensor | Downdate]:
         """Write ``ΔW`` into ``update`` and ``diag(Σ⁺)`` (every row) into ``posterior``; return the ``Σ⁺``.
 
@@ -135,6 +140,7 @@ class SharedRowBlocks:
             sigmas: the ``Σ`` of the step's prior, in :attr:`order` (read only).
             update: the whole flat update vector, written at this kind's entries.
             posterior: the whole flat ``p̂`` of the next step, written at this kind's entries.
+            scale: the step's prior is ``s Σ`` (0-d; the covariance filter's ``prior_scale_rate``); ``None``: ``Σ``.
 
         Uses the factors the preceding :meth:`hpht` of the same step received.
         """
@@ -142,15 +148,20 @@ class SharedRowBlocks:
         for (start, rows, cols), sigma, (flat, sigma_r) in zip(self.spans, sigmas, self._factors, strict=True):
             products = factor @ flat  # [Wᵀ L; wᵀ L], (m + 1, rows·k)
             k = sigma_r.shape[1]
+            if scale is not None:  # the prior s Σ: s Σ R, and s Σ below
+                sigma_r = sigma_r * scale
             torch.mm(products[m].view(rows, k), sigma_r.T, out=update[start : start + rows * cols].view(rows, cols))
             rooted = products[:m].reshape(m * rows, k)  # Wᵀ L_i stacked: N̄ = Σ_i (Wᵀ L_i)ᵀ Wᵀ L_i / rows
             mean_inner = rooted.T @ rooted / rows
             entries = posterior[start : start + rows * cols].view(rows, cols)
             if k == 1:  # Σ − t tᵀ, t = Σ R √N̄ (N̄ ≥ 0, 1 x 1): its diagonal Σ_ii − t_i t_i, as the commit computes it
                 t = sigma_r[:, 0] * mean_inner[0, 0].sqrt()
-                entries.copy_(torch.sub(sigma.diagonal(), t * t)[None].expand(rows, cols))
-                new.append(Downdate(t))
+                diagonal = sigma.diagonal() if scale is None else sigma.diagonal() * scale
+                entries.copy_(torch.sub(diagonal, t * t)[None].expand(rows, cols))
+                new.append(Downdate(t, scale))
                 continue
+            if scale is not None:
+                sigma = sigma * scale
             # Σ − (Σ R N̄) (Σ R)ᵀ, then made exactly symmetric: two cols x cols temporaries at most.
             sigma_new = torch.addmm(sigma, sigma_r @ mean_inner, sigma_r.T, alpha=-1.0)
             sigma_new = torch.add(sigma_new, sigma_new.T).mul_(0.5)

@@ -31,8 +31,9 @@ from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.kalman.shared_rows import Downdate
 from loko_lightning.kalman.state import check_block
 from loko_lightning.kalman.time_update import real_number
+from loko_lightning.observation import Observation, TopK
 
-__all__ = ["Covariance", "psd_pinv"]
+__all__ = ["PRIOR_SCALE_CLIP", "Covariance", "prior_scale_gradient", "psd_pinv"]
 
 
 def psd_pinv(matrix: Tensor, rcond: float | None = None) -> tuple[Tensor, Tensor]:
@@ -81,6 +82,35 @@ def _pinv_factor(S: Tensor, innovation: Tensor, rcond: float | None) -> tuple[Te
     return torch.cat([root_t, w[None]]), cond
 
 
+def prior_scale_gradient(hpht: Tensor, S: Tensor, innovation: Tensor, rcond: float | None = None) -> Tensor:
+    r"""``g``, the gradient in ``log s`` at ``s = 1`` of the log density of the innovation when the prior is ``s P``.
+
+    With ``A = H P Hᵀ`` and ``S = A + R`` the innovation ``e`` has the predictive density ``N(0, S(s))``,
+    ``S(s) = s A + R``, when the prior's covariance is ``s P`` (on the range of ``S``: with softmax outputs it is
+    singular, and the pseudo-inverse is the update's):
+
+    .. math::
+
+        g = \tfrac12 \left( e^\top S^{+} A S^{+} e - \operatorname{tr}(S^{+} A) \right),
+
+    positive when the innovation is larger than the prior predicts.
+
+    Args:
+        hpht: ``A``, ``(B·m) x (B·m)``.
+        S: ``A + R``, the update's ``S`` at ``s = 1``.
+        innovation: ``e``, ``(B·m,)``.
+        rcond: the pseudo-inverse's cut-off, as the update's.
+    """
+    factor, _ = _pinv_factor(S, innovation, rcond)
+    root_t, w = factor[:-1], factor[-1]  # S⁺ = W Wᵀ with Wᵀ = root_t, w = S⁺ e
+    trace = (root_t @ hpht * root_t).sum()  # tr(S⁺ A) = tr(Wᵀ A W)
+    return 0.5 * (w @ hpht @ w - trace)
+
+
+#: The most one sample moves the prior's log scale: ``s`` lies in ``[e^-0.5, e^0.5]``.
+PRIOR_SCALE_CLIP = 0.5
+
+
 @dataclass(frozen=True)
 class Covariance(Filter):
     """Algorithm 1 (the module's equations): a diagonal covariance ``p̂`` and the EMA estimate of ``R``.
@@ -91,6 +121,15 @@ class Covariance(Filter):
         rcond: the relative eigenvalue cut-off of the ``S`` pseudo-inverse (default ``10 · m · eps``).
         debias: the noise in ``S`` is ``R_k / (1 - β^k)``, the EMA corrected for its start at 0 (not the paper;
             :mod:`~loko_lightning.kalman.noise`); a smoothed ``r_estimator`` only.
+        prior_scale_rate: ``η`` of the prior's scale set by its own predictive likelihood (not the paper; 0: off, the
+            paper's update). Before each update the step's prior covariance ``P`` (``p̂`` and the shared rows' ``Σ``)
+            is multiplied by ``s = exp(clip(η g, ±0.5))``, ``g`` the gradient in ``log s`` at ``s = 1`` of the log
+            density of the innovation under ``N(0, s·HPHᵀ + R_{k-1})`` (:func:`prior_scale_gradient`, the noise
+            before the sample): one step a sample of type-II maximum likelihood on the prior's scale, so a ``p0`` set
+            too large shrinks (docs/results/prior_scale.md).
+        prior_scale_until: the prior's scale is set on the first this many updates only, then kept (0: on every
+            update). The rule drifts the scale up late in a long stream, where rare confident misses dominate ``g``
+            (docs/results/prior_scale.md); set early, it is the prior's scale and the filter then runs as the paper's.
     """
 
     name: ClassVar[str] = "covariance"
@@ -101,6 +140,8 @@ class Covariance(Filter):
     r_estimator: REstimator = "taylor"
     rcond: float | None = None
     debias: bool = False
+    prior_scale_rate: float = 0.0
+    prior_scale_until: int = 0
 
     def __post_init__(self) -> None:
         """Refuse a setting outside its range, naming it."""
@@ -123,6 +164,21 @@ class Covariance(Filter):
             raise ConfigError(
                 f"Invalid debias: {self.debias!r} (must be true or false)", field="debias", owner=Covariance
             )
+        if not (real_number(self.prior_scale_rate) and 0.0 <= self.prior_scale_rate <= 1.0):
+            raise ConfigError(
+                f"Invalid prior_scale_rate: {self.prior_scale_rate!r} (must be a number in [0, 1]; 0 keeps the "
+                "paper's fixed prior, the text default uses 0.03)",
+                field="prior_scale_rate",
+                owner=Covariance,
+            )
+        until = self.prior_scale_until
+        if isinstance(until, bool) or not isinstance(until, int) or until < 0:
+            raise ConfigError(
+                f"Invalid prior_scale_until: {until!r} (must be a number of updates >= 0; 0 sets the prior's scale on "
+                "every update, the text default uses 500)",
+                field="prior_scale_until",
+                owner=Covariance,
+            )
         if self.debias and not R_ESTIMATORS[self.r_estimator].smoothed:
             raise ConfigError(
                 f"Invalid debias: r_estimator {self.r_estimator!r} is not an EMA, there is nothing to debias (set "
@@ -130,6 +186,21 @@ class Covariance(Filter):
                 field="debias",
                 owner=Covariance,
             )
+
+    def observation_for(self, observation: Observation) -> Observation:
+        """As given; with ``prior_scale_rate`` not an aggregation of the outputs (top-k: its noise is elsewhere).
+
+        Raises:
+            ConfigError: ``prior_scale_rate`` with a top-k observation (``field="prior_scale_rate"``).
+        """
+        if self.prior_scale_rate and isinstance(observation, TopK):
+            raise ConfigError(
+                f"Invalid prior_scale_rate: {self.prior_scale_rate} with the top-k observation (the prior's scale is "
+                "built for the softmax and logits observations; set prior_scale_rate: 0 or observation: softmax)",
+                field="prior_scale_rate",
+                owner=Covariance,
+            )
+        return observation
 
     def propose(self, plan: UpdatePlan, evidence: Evidence, belief: Belief, reduce: Reduce | None = None) -> Proposal:
         """Steps 1-6 of Algorithm 1 without writing any state; ``reduce`` sums ``H P Hᵀ`` over the shards."""
@@ -150,9 +221,14 @@ class Covariance(Filter):
             evidence.aggregation, self.debias,
         )  # fmt: skip
         S = hpht + noise
+        finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
+        scale = None
+        if self.prior_scale_rate:  # not the paper: P ← s P, s from the predictive likelihood of e under this prior
+            scale = self._prior_scale(plan, belief, hpht, innovation, finite)
+            prior, hpht = prior * scale, hpht * scale
+            S = hpht + noise
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
         # softmax outputs). eigh must never see NaN/Inf (LAPACK fails): a step to be skipped decomposes I instead.
-        finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
         factor, cond = _pinv_factor(torch.where(finite, S, plan.eye), torch.where(finite, innovation, 0.0), self.rcond)
         # 5. The gain K = P Hᵀ S⁺ is never formed: K e = p̂ ⊙ Hᵀ S⁺ e and (K H)_ii = p̂_i (Hᵀ S⁺ H)_ii, per kind.
         update, quad = plan.update, plan.work
@@ -164,11 +240,33 @@ class Covariance(Filter):
         posterior.clamp_min_(torch.finfo(dtype).eps).mul_(prior)
         plan.time.covariance(posterior)
         # The shared-row weights: ΔW_i = Σ R L_iᵀ w and Σ⁺ (their entries of update and posterior overwritten).
-        shared_rows = plan.rows.update(factor, belief.shared_rows, update, posterior) if plan.rows else []
+        shared_rows = plan.rows.update(factor, belief.shared_rows, update, posterior, scale) if plan.rows else []
         return Proposal(
             posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond, shared_rows=shared_rows,
             hpht=hpht,
         )  # fmt: skip
+
+    def _prior_scale(
+        self, plan: UpdatePlan, belief: Belief, hpht: Tensor, innovation: Tensor, finite: Tensor
+    ) -> Tensor:
+        """``s = exp(clip(η g, ±0.5))``, ``g`` of the prequential predictive ``N(0, s A + R_{k-1})``.
+
+        ``s = 1`` at ``k = 1`` and after ``prior_scale_until`` updates. The noise is the one before this sample
+        (``R_{k-1}``, debiased as the update's, on every sample's block): the update's ``R_k`` holds this innovation's
+        own ``e eᵀ``, which would explain it away and shrink the prior.
+        """
+        previous = belief.R
+        if self.debias:
+            previous = previous / (1.0 - self.beta ** belief.step.clamp_min(1).to(previous.dtype))
+        if plan.samples > 1:
+            previous = torch.block_diag(*previous.expand(plan.samples, *previous.shape).unbind(0))
+        S = hpht + previous
+        ok = finite & torch.isfinite(S).all() & (belief.step > 0)
+        if self.prior_scale_until:  # kept after the first prior_scale_until updates: s = exp(0) = 1
+            ok = ok & (belief.step < self.prior_scale_until)
+        gradient = prior_scale_gradient(torch.where(ok, hpht, 0.0), torch.where(ok, S, plan.eye),
+                                        torch.where(ok, innovation, 0.0), self.rcond)  # fmt: skip
+        return torch.exp(torch.clamp(self.prior_scale_rate * gradient, -PRIOR_SCALE_CLIP, PRIOR_SCALE_CLIP))
 
     def init_param(self, param: Tensor, cov: Tensor, group: Mapping[str, Any]) -> dict[str, Tensor]:
         """With the group's ``shared_rows``: ``Σ₀`` = the diagonal of the rows' mean ``p̂₀``.

@@ -14,6 +14,7 @@ from loko_lightning.kalman.reference.covariance import (
     loko_step_reference,
     loko_step_reference_batch,
     pinv_reference,
+    prior_scale_reference,
     shared_rows_step_reference,
     topk_step_reference,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "loko_step_reference_batch",
     "natural_step_reference",
     "pinv_reference",
+    "prior_scale_reference",
     "shared_rows_step_reference",
     "time_update_reference",
     "topk_step_reference",

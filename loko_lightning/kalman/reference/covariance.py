@@ -72,6 +72,35 @@ def pinv_reference(S: Tensor, rcond: float | None = None) -> Tensor:
     return V @ torch.diag(inv_lam) @ V.T
 
 
+def prior_scale_reference(A: Tensor, noise: Tensor, e: Tensor, rate: float, rcond: float | None = None) -> float:
+    """``exp(clip(η g, ±0.5))``, ``g = ½ (eᵀ S⁺ A S⁺ e − tr(S⁺ A))``, ``S = A + noise``; 1 where ``η = 0``.
+
+    ``g`` is the derivative in ``log s`` at ``s = 1`` of ``log N(e; 0, s A + noise)`` restricted to the range of ``S``
+    (the covariance filter's ``prior_scale_rate``, ``noise`` the one before the sample: :func:`_previous_noise`),
+    written out with ``S⁺`` as a matrix; the tests check it against a finite difference of that log density.
+    """
+    if not rate:
+        return 1.0
+    S_plus = pinv_reference(A + noise, rcond)
+    u = S_plus @ e
+    g = 0.5 * (u @ A @ u - torch.trace(S_plus @ A))
+    return math.exp(min(max(rate * float(g), -0.5), 0.5))
+
+
+def _previous_scale(
+    A: Tensor, R: Tensor, e: Tensor, k: int, B: int, beta: float, debias: bool, rate: float, until: int,
+    rcond: float | None,
+) -> float:  # fmt: skip
+    """The prior's scale of step ``k`` from ``R_{k-1}`` (debiased by ``1 − β^{k−1}``) on every sample's block.
+
+    1 at ``k = 1``, where there is no noise estimate before the sample, and after step ``until`` (when not 0).
+    """
+    if k == 1 or not rate or (until and k > until):
+        return 1.0
+    noise = R / (1 - beta ** (k - 1)) if debias else R
+    return prior_scale_reference(A, torch.block_diag(*([noise] * B)), e, rate, rcond)
+
+
 # Per-sample estimate R̂_b from (e_b, (H P Hᵀ)_bb, ŷ_b, k), and whether it is smoothed by the EMA (else used as is).
 REFERENCE_R_ESTIMATORS = {
     "taylor": (lambda e, HPHt_b, y_hat, k: torch.outer(e, e) + HPHt_b, True),
@@ -96,6 +125,8 @@ def loko_step_reference(
     rcond: float | None = None,
     time_update: TimeUpdate | None = None,
     debias: bool = False,
+    prior_scale_rate: float = 0.0,
+    prior_scale_until: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One LoKO step (Algorithm 1), dense and in float64.
 
@@ -114,13 +145,15 @@ def loko_step_reference(
         time_update: the process model (:class:`~loko_lightning.kalman.time_update.TimeUpdate`, its values one or
             one per entry of ``θ̃``; default: the paper's identity model).
         debias: the noise in ``S`` is ``R_k / (1 - β^k)`` (not the paper; a smoothed ``r_estimator`` only).
+        prior_scale_rate: ``η`` of :func:`prior_scale_reference` (not the paper; 0: the paper's update).
+        prior_scale_until: the scale is set on steps ``k <= prior_scale_until`` only (0: on every step).
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
     """
     return loko_step_reference_batch(
         theta, p, R, H[None], prediction[None], target[None], k, beta=beta, r_estimator=r_estimator, rcond=rcond,
-        time_update=time_update, debias=debias,
+        time_update=time_update, debias=debias, prior_scale_rate=prior_scale_rate, prior_scale_until=prior_scale_until,
     )  # fmt: skip
 
 
@@ -138,6 +171,8 @@ def loko_step_reference_batch(
     rcond: float | None = None,
     time_update: TimeUpdate | None = None,
     debias: bool = False,
+    prior_scale_rate: float = 0.0,
+    prior_scale_until: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One joint LoKO step on ``B`` samples (the multistream EKF), dense and in float64.
 
@@ -159,6 +194,8 @@ def loko_step_reference_batch(
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
         debias: as in :func:`loko_step_reference`.
         time_update: the process model, as in :func:`loko_step_reference`.
+        prior_scale_rate: as in :func:`loko_step_reference`.
+        prior_scale_until: as in :func:`loko_step_reference`.
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -179,7 +216,10 @@ def loko_step_reference_batch(
     PHt = p[:, None] * Hs.T
     HPHt = Hs @ PHt
     # 4. Observation noise.
+    # Not the paper: the prior's scale (P ← s P) from the predictive likelihood of e before the sample.
+    s = _previous_scale(HPHt, R, e, k, B, beta, debias, prior_scale_rate, prior_scale_until, rcond)
     R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator, debias)
+    p, PHt, HPHt = s * p, s * PHt, s * HPHt
     # 5. Gain.
     S = HPHt + noise
     K = PHt @ pinv_reference(S, rcond)
@@ -227,6 +267,8 @@ def shared_rows_step_reference(
     r_estimator: REstimator,
     rcond: float | None = None,
     debias: bool = False,
+    prior_scale_rate: float = 0.0,
+    prior_scale_until: int = 0,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     """One joint step of the covariance filter where some weights' rows share a full covariance, dense, float64.
 
@@ -250,6 +292,8 @@ def shared_rows_step_reference(
         r_estimator: as in :func:`loko_step_reference`.
         rcond: relative eigenvalue cut-off of the pseudo-inverse of ``S``.
         debias: as in :func:`loko_step_reference`.
+        prior_scale_rate: as in :func:`loko_step_reference` (``P``, ``Σ`` included, scaled).
+        prior_scale_until: as in :func:`loko_step_reference`.
 
     Returns:
         ``(θ̃_k, p̂_k, [Σ_k], R_k)``, float64.
@@ -265,7 +309,9 @@ def shared_rows_step_reference(
     e = (y - y_hat).reshape(B * m)
     PHt = P @ Hs.T
     HPHt = Hs @ PHt
+    s = _previous_scale(HPHt, R, e, k, B, beta, debias, prior_scale_rate, prior_scale_until, rcond)
     R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator, debias)
+    P, PHt, HPHt = s * P, s * PHt, s * HPHt
     S = HPHt + noise
     K = PHt @ pinv_reference(S, rcond)
     theta = theta + K @ e
