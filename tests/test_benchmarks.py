@@ -644,7 +644,8 @@ def test_a_run_with_an_online_selection_reports_what_it_chose(scripts):
     select = ["--model.select.samples", "4", "--model.lr_scheduler.total_iters", "8"]
     result = scripts.common.fit([*DEBUG, *tuned, *TINY, "--data.max_samples", "8", *select])
     assert result.selection is not None and "lr" in result.selection
-    # p0: auto inside the mixture (the text default's parts): the choice is found through the mixture's step.
+    # p0: auto inside the mixture (the text default's parts before its prior's scale was set online): the choice is
+    # found through the mixture's step.
     mixture = ["--config", str(ROOT / "configs" / "presets" / "loko_mixture_lda.yaml")]
     auto = ["--model.optimizer.init_args.p0", "auto", "--model.select.samples", "4"]
     result = scripts.common.fit([*DEBUG, *mixture, *TINY, "--data.max_samples", "8", *auto])

@@ -10,6 +10,7 @@ import yaml
 from loko_lightning.cli import LoKOCLI
 from loko_lightning.cli.configs import resolve_config_names
 from loko_lightning.data import StreamDataModule
+from loko_lightning.kalman.filters import get_filter
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.models.adapters import count_parameters
 
@@ -82,8 +83,16 @@ PAPER_LOKO = {
     "p0_init": "uniform",
     "process_noise": 0.0,
     "observation": "softmax",
-    # The filter owns its settings: the paper's beta and Taylor R, the EMA of R not debiased.
-    "filter": {"name": "covariance", "beta": 0.95, "r_estimator": "taylor", "rcond": None, "debias": False},
+    # The filter owns its settings: the paper's beta and Taylor R, the EMA of R not debiased, the prior not scaled.
+    "filter": {
+        "name": "covariance",
+        "beta": 0.95,
+        "r_estimator": "taylor",
+        "rcond": None,
+        "debias": False,
+        "prior_scale_rate": 0.0,
+        "prior_scale_until": 0,
+    },
 }
 
 
@@ -187,13 +196,14 @@ def test_the_paper_preset_pins_a_diagonal_head_covariance():
     assert cli.model.head_covariance == "diagonal"
 
 
-def test_the_text_selection_preset_chooses_p0_from_its_grid():
-    """presets/loko_text over the text quick start: p0 is chosen online among 0.3, 1, 3, 10, 30 on 500 samples."""
+def test_the_text_preset_is_one_filter_whose_prior_scale_is_set_online():
+    """presets/loko_text over the text quick start: one filter from p0 10, its prior's scale set by its predictive
+    likelihood on the first 500 updates (no choice among filters), one covariance over the sentence embedding for the
+    head's rows."""
     extra = ["--trainer.logger", "false"]
     cli = build(CONFIGS / "text_quickstart.yaml", *extra, "--config", str(CONFIGS / "presets" / "loko_text.yaml"))
-    assert cli.model.head_covariance == "shared"  # one covariance over the sentence embedding for the head's rows
-    assert (cli.model.select.name, cli.model.select.values, cli.model.select.samples) == (
-        "p0",
-        (0.3, 1.0, 3.0, 10.0, 30.0),
-        500,
-    )
+    assert cli.model.head_covariance == "shared" and cli.model.select is None
+    optimizer = cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(3))])
+    assert optimizer.param_groups[0]["p0"] == 10.0
+    expected = {"debias": True, "prior_scale_rate": 0.03, "prior_scale_until": 500}
+    assert optimizer.filter.config() == {**get_filter("covariance").config(), **expected}

@@ -376,6 +376,27 @@ def test_the_mixture_under_ddp_learns_every_process_s_samples_in_step_and_resume
     assert torch.equal(resumed["states"][0], first) and torch.equal(resumed["states"][1], first)
 
 
+def test_the_prior_scale_under_ddp_stays_in_sync_and_resumes_exactly(tmp_path):
+    """The text default's filter (``presets/loko_text``: ``p0`` 10, the prior's scale set online, the shared head
+    covariance) on the debug network under DDP: each joint step's scale comes from both processes' innovations, the
+    ranks end identical, every sample scored once, and a run resumed from the step-6 checkpoint ends bit for bit like
+    it. The same filter with the sharded update (a covariance per head row) stays in sync too."""
+    preset = ("--config", str(ROOT / "configs" / "presets" / "loko_text.yaml"))
+    full, checkpoints, _ = loko_ddp(tmp_path, "scaled", *preset)
+    first, second = full["states"]
+    assert torch.equal(first, second)
+    last = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    assert last["state_dict"]["online_acc.weight"].item() == 24
+    assert last["hyper_parameters"]["head_covariance"] == "shared"
+    middle = str(checkpoints / "epoch=0-step=6.ckpt")
+    resumed, _, _ = loko_ddp(tmp_path, "scaled_resumed", *preset, "--ckpt_path", middle)
+    assert torch.equal(resumed["states"][0], first) and torch.equal(resumed["states"][1], first)
+    shard = ("--model.optimizer.init_args.shard", "true", "--model.head_covariance", "diagonal")
+    sharded, _, _ = loko_ddp(tmp_path, "scaled_sharded", *preset, *shard)
+    assert torch.equal(sharded["states"][0], sharded["states"][1])
+    assert max(sharded["held"]) < sharded["parameters"]
+
+
 def test_the_image_default_with_the_sharded_update_stays_in_sync(tmp_path):
     """``loko fit`` deciding the default under DDP with ``shard: true``: the image default with a covariance per head
     row, its averaged mean and its mixture, each process updating its own shard; the ranks end identical (θ̃, p̂, R and

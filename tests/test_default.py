@@ -76,10 +76,12 @@ def test_an_image_backbone_with_ten_classes_gets_the_image_default_and_one_line_
     assert cli.config.loko == "as_configured"
 
 
-def test_a_text_backbone_gets_p0_chosen_online_from_the_text_grid():
+def test_a_text_backbone_gets_one_filter_whose_prior_scale_is_set_online():
     for config in ("text_quickstart", "wordnet_minilm"):  # 5 and 25 classes
         got = settings(build(config))
-        assert (got["p0"], got["grid"], got["average"]) == ("auto", (0.3, 1.0, 3.0, 10.0, 30.0), 0.0), config
+        assert (got["p0"], got["grid"], got["average"]) == (10.0, None, 0.0), config
+        assert (got["filter"]["prior_scale_rate"], got["filter"]["prior_scale_until"]) == (0.03, 500), config
+        assert got["filter"]["debias"] is True, config
         assert got["head_covariance"] == "shared" and got["step_scales"] is None  # WordNet: NLL 1.344 -> 1.306
         # predicting with the mixture on the frozen sentence embedding, the learner also softened and sharpened.
         assert got["mixture"]["head"]["class_path"].endswith("StreamingLDA"), config
@@ -165,16 +167,19 @@ def test_as_configured_and_the_paper_preset_run_the_papers_filter():
         assert got["mixture"] is None
 
 
-def test_several_processes_keep_the_image_default_and_run_a_text_backbone_as_configured(caplog):
+def test_several_processes_keep_the_image_and_text_defaults(caplog):
+    """Under DDP each step is one joint update of every process's samples; the text default, one filter since its
+    prior's scale is set online (no choice of p0 among filters, which ran in one process), keeps its settings too."""
     ddp = ("--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
     with caplog.at_level(logging.INFO):
         images, text = settings(build("quickstart", *ddp)), settings(build("text_quickstart", *ddp))
-    assert (images["average"], images["head_covariance"], text["p0"], text["average"]) == (0.99, "shared", 0.2, 0.0)
+    assert (images["average"], images["head_covariance"]) == (0.99, "shared")
+    assert (text["p0"], text["filter"]["prior_scale_rate"], text["head_covariance"]) == (10.0, 0.03, "shared")
     image_line, text_line = decided_line(caplog)
     assert "several processes (measured in one)" in image_line and "presets/loko_images" in image_line
-    # The mixture mixes every process's samples under DDP: the image default keeps it there.
+    # The mixture mixes every process's samples under DDP: both defaults keep it there.
     assert images["mixture"] is not None and "presets/loko_mixture_lda" in image_line
-    assert text_line == "LoKO as configured: several processes: p0 chosen online runs in one process"
+    assert text["mixture"] is not None and "5 classes, several processes (measured in one)" in text_line
 
 
 def test_several_processes_keep_the_many_class_image_default_with_the_mixture(caplog):
@@ -255,8 +260,8 @@ def test_a_pinned_configuration_still_says_which_loko_runs(caplog):
         build("cifar10_resnet18")
     text, paper = decided_line(caplog)
     assert text == (
-        "LoKO as configured: the configuration pins it (loko: as_configured); it sets p0 auto, filter, head_covariance "
-        "shared, select"
+        "LoKO as configured: the configuration pins it (loko: as_configured); it sets p0 10.0, filter, head_covariance "
+        "shared"
     )
     assert paper.endswith("(loko: as_configured); the paper's filter, every LoKO setting at its default")
 

@@ -11,18 +11,18 @@ configs and every preset pin it). What the default decides from is known before 
 - an image backbone with more classes: the natural filter with the averaged mean and ``p0`` 0.03 (measured with 100),
   predicting with the same mixture and nearest class mean's vote as one more expert (``NEAREST_VOTE``);
 - a text backbone (:class:`~loko_lightning.models.TransformersClassifier`): the text default, ``presets/loko_text``
-  (``p0`` chosen online from 0.3-30, one covariance shared by the head's rows, the noise estimate debiased; measured
-  with 5 and 25 classes)
+  (``p0`` 10 with the prior's scale set online by its predictive likelihood, one covariance shared by the head's rows,
+  the noise estimate debiased; measured with 5 and 25 classes)
   predicting with the same mixture on the frozen sentence embedding, the learner's prediction also tempered both ways
   (``TEXT_MIXTURE``);
-- anything else runs as configured, and the line printed says why: a text backbone in several processes (the online
-  choice of ``p0`` runs in one), another network family, or a LoKO setting or learner option the configuration
-  changed (the default does not override a choice). ``shard: true`` is how the update is computed: an image backbone
-  keeps its default, the 10-class one with a covariance per head row (the sharded update does not split a shared
-  one; measured without the mixture as ``presets/loko_average_head``), a text backbone runs as configured.
+- anything else runs as configured, and the line printed says why: another network family, or a LoKO setting or
+  learner option the configuration changed (the default does not override a choice). ``shard: true`` is how the
+  update is computed: an image backbone keeps its default, the 10-class one with a covariance per head row (the
+  sharded update does not split a shared one; measured without the mixture as ``presets/loko_average_head``), a text
+  backbone runs as configured (its default was not measured with a covariance per head row).
 
-The image defaults were measured in one process; under DDP they run the same settings, each step one joint update of
-every process's samples, and the line says so.
+The defaults were measured in one process; under DDP they run the same settings, each step one joint update of every
+process's samples, and the line says so.
 
 The default's parts are the preset files themselves (one owner): the default applies the presets as more
 ``--config`` after the configuration (the many-class image default: three flags), which only touch settings the
@@ -139,15 +139,14 @@ def decide(config: Any) -> Decision | None:
     if network_class is None or not issubclass(network_class, (TimmClassifier, TransformersClassifier)):
         return Decision(None, "the default is measured on timm and transformers classifiers only")
     processes = distributed(config.get("trainer"))
-    if text and processes:
-        return Decision(None, "several processes: p0 chosen online runs in one process")
     # Measured in one process; under DDP each step is one joint update of every process's samples.
     where = ", several processes (measured in one)" if processes else ""
     if text:
         return Decision(
             "presets/loko_text + presets/loko_mixture_lda",
-            f"a text backbone, {num_classes} classes: p0 chosen online, the head's covariance shared by its rows, the "
-            "noise estimate corrected for its start at 0, "
+            f"a text backbone, {num_classes} classes{where}: p0 10 with the prior's scale set by its predictive "
+            "likelihood on the first 500 updates, the head's covariance shared by its rows, the noise estimate "
+            "corrected for its start at 0, "
             "predicting with its mixture with streaming LDA on the frozen sentence embedding, the learner's prediction "
             "also tempered both ways (its confidence too high on WordNet) and pooled with LDA's, the mixture's "
             "confidence recalibrated by its bins; --config "
@@ -185,7 +184,7 @@ def measured_to_lose(config: Any) -> list[str]:
     - a text backbone with the head's prior below the adapters' (``step_scales: {head: < 1}``): lost at every
       checkpoint of BBC News (seed 0) against the same LoKO without it;
     - a text backbone with ``p0: auto`` over its default grid (0.01-0.3): its top, 0.3, was chosen (by LoFi) on every
-      BBC News seed; the text default's grid (0.3-30) led the tuned AdamW there.
+      BBC News seed; a grid of 0.3-30 led the tuned AdamW there, and the text default sets the prior's scale online.
     """
     if _class_path(config.get("model.optimizer")).rsplit(".", 1)[-1] != "LoKO":
         return []
@@ -204,7 +203,7 @@ def measured_to_lose(config: Any) -> list[str]:
     if init_args.get("p0") == "auto" and (select is None or tuple(select.get("values", ())) == AUTO_P0):
         lines.append(
             "p0: auto over its default grid (0.01-0.3) on a text backbone: its top was chosen on every BBC News seed "
-            "(docs/p0.md), the grid is too small for text; presets/loko_text chooses among 0.3-30"
+            "(docs/p0.md), the grid is too small for text; presets/loko_text sets the prior's scale online from p0 10"
         )
     return lines
 
