@@ -282,7 +282,7 @@ STREAMS = (
     Stream(
         "BBC News",
         1000,
-        Entry(TEXT_DEFAULT, (("default_study/bbc_cal", "loko_default"),)),
+        Entry(TEXT_DEFAULT, seeds("default_study/bbc_scale", 3, "loko_default")),
         "text backbone, 5 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry(
             "the paper's LoKO (head on the pooler then)",
@@ -299,12 +299,12 @@ STREAMS = (
             Entry("schedule-free AdamW (head on the pooler then)", seeds("peers/bbc/schedulefree", 3, "schedulefree")),
             Entry("AdamW, constant (head on the pooler then)", seeds("peers/bbc/adamw_const", 3, "adamw_const")),
         ],
-        also=[Entry(TEXT_FILTER, seeds("default_study/bbc_filter_debias", 3, "loko"))],
+        also=[Entry(TEXT_FILTER, seeds("default_study/bbc_filter_scale", 3, "loko"))],
     ),
     Stream(
         "WordNet",
         2000,
-        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_cal", 3, "loko_default")),
+        Entry(TEXT_DEFAULT, seeds("default_study/wordnet_scale", 3, "loko_default")),
         "text backbone, 25 classes: `presets/loko_text` + `presets/loko_mixture_lda`",
         Entry("the paper's LoKO (head on the pooler then)", (("wordnet/paper_s0", "loko"),)),
         [
@@ -324,7 +324,7 @@ STREAMS = (
             Entry("schedule-free AdamW (head on the pooler then)", (("wordnet/schedulefree_s0", "schedulefree"),)),
             Entry("IVON (head on the pooler then)", (("shared_rows/epyc/wordnet/ivon_s0", "ivon"),)),
         ],
-        also=[Entry(TEXT_FILTER, seeds("default_study/wordnet_filter_debias", 3, "loko"))],
+        also=[Entry(TEXT_FILTER, seeds("default_study/wordnet_filter_scale", 3, "loko"))],
     ),
     Stream(
         "drifting Fashion-MNIST",
@@ -501,7 +501,8 @@ NOTES = (
     "32 and 64 px, "
     "MNIST-5k and the drifting stream (on the Intel Xeon; the filter alone and AdamW there on the AMD EPYC); its "
     "filter alone is what the studies ran as `presets/loko_average_head_shared` (`average: 0.99`, `head_covariance: "
-    "shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, its "
+    "shared`, `step_scales: {head: 0.1}`), today `presets/loko_images`. The text default (`presets/loko_text`, `p0` 10 "
+    "with its prior's scale set online by its predictive likelihood, its "
     "head on the sentence embedding, one covariance shared by the head's rows, its noise estimate debiased, with the "
     "same mixture, its learner also softened, and the mixture's pools of the learner and LDA) and its filter alone "
     "(`--config presets/loko_text`) were run as `loko fit` runs them today (on the Intel Xeon); the rows marked "

@@ -2,9 +2,9 @@ r"""A screen, not the product: the paper's LoKO with its prior scale set online 
 
 Usage::
 
-    python benchmarks/toy_prior_scale.py --p0s 0.1 1 10 --etas 0 0.03 --seeds 0 1 2
+    python benchmarks/toy_prior_scale.py --p0s 0.1 1 10 --etas 0 0.03 --seeds 0 1 2 [--until 500] [--noise current]
 
-Why: the text default chooses ``p0`` by running five filters side by side on its first 500 samples (5.3x the paper's
+Why: the text default chose ``p0`` by running five filters side by side on its first 500 samples (5.3x the paper's
 step there). One filter whose prior scale follows the data would cost one. The question this screen asks: does such
 a filter reach the accuracy of the best fixed ``p0`` in hindsight, whatever ``p0`` it starts from?
 
@@ -18,8 +18,11 @@ innovation ``e`` in ``log s`` at ``s = 1`` is
 
 positive when the innovation is larger than the prior predicts. After the prediction is scored and before the update,
 ``P ← P exp(clip(η g_k, ±0.5))``: one scalar step of type-II maximum likelihood a sample (in the spirit of the adaptive
-covariance inflation of ensemble Kalman filters), with the same ``R`` (the paper's estimator, ``β`` 0.95) and
-pseudo-inverse as the update. ``η = 0``: the paper's update.
+covariance inflation of ensemble Kalman filters), with the update's pseudo-inverse. ``R`` in ``S`` is ``R_{k-1}``, the
+noise estimate before the sample (``--noise previous``, the package's ``prior_scale_rate``), or the update's ``R_k``
+(the paper's estimator, ``β`` 0.95), which holds the sample's own ``e eᵀ`` (``--noise current``, the first screen).
+``--until N``: the scale set on the first ``N`` samples only (the package's ``prior_scale_until``). ``η = 0``: the
+paper's update.
 
 The toy (a frozen MLP ``64 → 64 → 5`` pretrained with Adam on the MNIST-5k digits 0-4, 8 x 8 pixels; online: all ten
 digits, three shuffled passes, 15,000 samples; trainable: LoRA rank 4 on the hidden layer and a new zero 10-class head,
@@ -67,7 +70,9 @@ def pretrain(x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor,
     return hidden.weight.detach(), hidden.bias.detach()
 
 
-def run(x: torch.Tensor, y: torch.Tensor, seed: int, p0: float, eta: float) -> dict[str, float]:
+def run(
+    x: torch.Tensor, y: torch.Tensor, seed: int, p0: float, eta: float, noise_rule: str = "previous", until: int = 0
+) -> dict[str, float]:
     """One online pass of the filter; the accuracies at the checkpoints, at the end, recent, and the prior's scale."""
     weight, bias = pretrain(x, y, seed)
     generator = torch.Generator().manual_seed(seed)
@@ -93,13 +98,21 @@ def run(x: torch.Tensor, y: torch.Tensor, seed: int, p0: float, eta: float) -> d
         innovation = target - prediction
         p_ht = p[:, None] * jac.T
         a = jac @ p_ht
-        noise = 0.95 * noise + 0.05 * (torch.outer(innovation, innovation) + a)
-        if eta:
-            s_plus = torch.linalg.pinv(a + noise, hermitian=True, rtol=1e-10)
+        if (
+            eta and (k > 0 or noise_rule == "current") and (not until or k < until)
+        ):  # "previous": R_{k-1}, none before the first sample
+            evidence_noise = (
+                noise if noise_rule == "previous" else 0.95 * noise + 0.05 * (torch.outer(innovation, innovation) + a)
+            )
+            s_plus = torch.linalg.pinv(a + evidence_noise, hermitian=True, rtol=1e-10)
             u = s_plus @ innovation
             step = float(torch.clamp(eta * 0.5 * (u @ a @ u - torch.trace(s_plus @ a)), -0.5, 0.5))
             log_scale += step
-            p, p_ht, a = p * math.exp(step), p_ht * math.exp(step), a * math.exp(step)
+            p, p_ht, a_scaled = p * math.exp(step), p_ht * math.exp(step), a * math.exp(step)
+        else:
+            a_scaled = a
+        noise = 0.95 * noise + 0.05 * (torch.outer(innovation, innovation) + a)  # R_k from the unscaled H P Hᵀ
+        a = a_scaled
         gain = p_ht @ torch.linalg.pinv(a + noise, hermitian=True, rtol=1e-10)
         theta = theta + gain @ innovation
         p = torch.clamp(p - (gain * jac.T).sum(1) * p, min=1e-12)
@@ -119,6 +132,13 @@ def main(argv: list[str] | None = None) -> list[tuple[float, float, dict[str, fl
     parser.add_argument("--p0s", type=float, nargs="+", default=[0.1, 1.0, 10.0])
     parser.add_argument("--etas", type=float, nargs="+", default=[0.0, 0.03])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--until", type=int, default=0, help="set the scale on the first N samples only (0: on all)")
+    parser.add_argument(
+        "--noise",
+        choices=["previous", "current"],
+        default="previous",
+        help="the noise of the evidence: R_{k-1} (the package's rule) or R_k, which holds e eᵀ (first screen)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     x, y = digits()
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[tuple[float, float, dict[str, fl
     for eta in args.etas:
         for p0 in args.p0s:
             start = time.perf_counter()
-            runs = [run(x, y, seed, p0, eta) for seed in args.seeds]
+            runs = [run(x, y, seed, p0, eta, args.noise, args.until) for seed in args.seeds]
             mean = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
             rows.append((p0, eta, mean))
             accuracies = " | ".join(f"{100 * mean[key]:.1f}" for key in ("@500", "@1000", "@2000", "end", "recent"))
