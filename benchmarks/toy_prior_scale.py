@@ -98,21 +98,14 @@ def run(
         innovation = target - prediction
         p_ht = p[:, None] * jac.T
         a = jac @ p_ht
-        if (
-            eta and (k > 0 or noise_rule == "current") and (not until or k < until)
-        ):  # "previous": R_{k-1}, none before the first sample
-            evidence_noise = (
-                noise if noise_rule == "previous" else 0.95 * noise + 0.05 * (torch.outer(innovation, innovation) + a)
-            )
-            s_plus = torch.linalg.pinv(a + evidence_noise, hermitian=True, rtol=1e-10)
+        noise_k = 0.95 * noise + 0.05 * (torch.outer(innovation, innovation) + a)  # R_k, from the unscaled H P Hᵀ
+        if eta and (k > 0 or noise_rule == "current") and (not until or k < until):  # "previous": none before k = 1
+            s_plus = torch.linalg.pinv(a + (noise if noise_rule == "previous" else noise_k), hermitian=True, rtol=1e-10)
             u = s_plus @ innovation
             step = float(torch.clamp(eta * 0.5 * (u @ a @ u - torch.trace(s_plus @ a)), -0.5, 0.5))
             log_scale += step
-            p, p_ht, a_scaled = p * math.exp(step), p_ht * math.exp(step), a * math.exp(step)
-        else:
-            a_scaled = a
-        noise = 0.95 * noise + 0.05 * (torch.outer(innovation, innovation) + a)  # R_k from the unscaled H P Hᵀ
-        a = a_scaled
+            p, p_ht, a = p * math.exp(step), p_ht * math.exp(step), a * math.exp(step)
+        noise = noise_k
         gain = p_ht @ torch.linalg.pinv(a + noise, hermitian=True, rtol=1e-10)
         theta = theta + gain @ innovation
         p = torch.clamp(p - (gain * jac.T).sum(1) * p, min=1e-12)

@@ -10,6 +10,7 @@ import torch
 from loko_helpers import (
     DenseModelFilter,
     SmallConvNet,
+    assert_matches_dense,
     conv_stream,
     factor_dense,
     flat_cov,
@@ -88,11 +89,7 @@ def test_debiased_noise_matches_float64_reference(r_estimator):
     )
     paper = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator=r_estimator, process_noise=1e-4)
     step_beside(model, opt, reference, paper)
-    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    # The same float64 arithmetic in another order, as in test_matches_float64_reference.
-    torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
-    torch.testing.assert_close(opt.state[next(model.parameters())]["R"], reference.R, rtol=1e-9, atol=1e-15)
+    theta = assert_matches_dense(model, opt, reference)
     # Not the paper's filter: its first steps, with R_k scaled down by 1 - 0.9^k, take it elsewhere.
     assert (theta - paper.theta).abs().max() > 1e-3
     assert opt.filter.config()["debias"] is True

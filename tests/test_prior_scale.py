@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from loko_helpers import DenseModelFilter, flat_cov, loko_closure, mlp, teacher_stream
+from loko_helpers import DenseModelFilter, assert_matches_dense, flat_cov, loko_closure, mlp, teacher_stream
 from test_covariance_filter import step_beside
 from test_multistream import batch_closure, batches
 from test_shared_rows import SharedRowsReference, assert_matches, mlp_optimizer
@@ -98,11 +98,7 @@ def test_diagonal_filter_matches_float64_reference(rate, scales):
                                  prior_scale_rate=rate)  # fmt: skip
     paper = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor", debias=True)
     step_beside(model, opt, reference, paper)
-    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    # The same float64 arithmetic in another order, as in test_covariance_filter.test_matches_float64_reference.
-    torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
-    torch.testing.assert_close(opt.state[next(model.parameters())]["R"], reference.R, rtol=1e-9, atol=1e-15)
+    theta = assert_matches_dense(model, opt, reference)
     assert (theta - paper.theta).abs().max() > 1e-3
     clipped = sum(abs(abs(math.log(s)) - 0.5) < 1e-12 for s in scales if s != 1.0)
     assert (clipped > 0) == (rate == 1.0), (rate, clipped)
@@ -122,9 +118,7 @@ def test_the_scale_is_kept_after_prior_scale_until_updates(scales):
     unlimited = DenseModelFilter(copy.deepcopy(model), p0, beta=0.9, r_estimator="taylor", debias=True,
                                  prior_scale_rate=0.3)  # fmt: skip
     step_beside(model, opt, reference, unlimited, steps=60)
-    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    torch.testing.assert_close(theta, reference.theta, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(flat_cov(opt, model.parameters()), reference.p, rtol=1e-9, atol=1e-15)
+    theta = assert_matches_dense(model, opt, reference)
     # The reference computed a scale on steps 2-30 for the limited filter and on steps 2-60 for the other.
     assert len(scales) == 29 + 59 and all(s != 1.0 for s in scales)
     assert (theta - unlimited.theta).abs().max() > 1e-6

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["R_ESTIMATORS", "NoiseEstimator", "REstimator", "observation_noise"]
+__all__ = ["R_ESTIMATORS", "NoiseEstimator", "REstimator", "noise_before", "observation_noise"]
 
 REstimator = Literal["taylor", "residual", "identity", "decay", "softmax"]
 
@@ -136,11 +136,27 @@ def observation_noise(
     mean = estimates[0] if samples == 1 else estimates.mean(0)
     if estimator.smoothed:
         R_k = beta * previous + (1.0 - beta) * mean
-        noise = R_k if samples == 1 else torch.block_diag(*R_k.expand(samples, m, m).unbind(0))
+        noise = _on_blocks(R_k, samples)
         return R_k, _debiased(noise, beta, step) if debias else noise
     if samples == 1:
         return mean, mean
     return mean, torch.block_diag(*estimates.unbind(0))
+
+
+def noise_before(previous: Tensor, step: Tensor, beta: float, samples: int = 1, debias: bool = False) -> Tensor:
+    """The noise in ``S`` before this step's estimate: ``R_{k-1}`` on every sample's block, debiased by its ``k - 1``.
+
+    What the covariance filter's ``prior_scale_rate`` weighs the innovation against (the step's own ``R_k`` holds its
+    ``e eᵀ``). ``step``: ``k - 1``, the updates applied so far; at 0 there is no estimate (zeros, not debiased).
+    """
+    noise = _on_blocks(previous, samples)
+    return _debiased(noise, beta, step.clamp_min(1)) if debias else noise
+
+
+def _on_blocks(R: Tensor, samples: int) -> Tensor:
+    """``R`` (``m x m``) on each of the ``samples`` diagonal blocks of a ``B·m x B·m`` matrix; ``R`` itself for one."""
+    m = R.shape[-1]
+    return R if samples == 1 else torch.block_diag(*R.expand(samples, m, m).unbind(0))
 
 
 def _debiased(noise: Tensor, beta: float, step: Tensor) -> Tensor:

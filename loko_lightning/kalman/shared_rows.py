@@ -39,8 +39,7 @@ class Downdate:
 
         ``s``: the step's prior scale (the covariance filter's ``prior_scale_rate``); without one ``Σ`` is not scaled.
         """
-        if self.scale is not None:
-            sigma.mul_(torch.where(applied, self.scale, 1.0))
+        scale = None if self.scale is None else torch.where(applied, self.scale, 1.0)  # a skipped step: Σ · 1 is Σ
         t = torch.where(applied, self.t, 0.0)  # a skipped step's t may not be finite: Σ − 0 is Σ
         step = self.ROWS if t.device.type == "cpu" else t.shape[0]  # a GPU: one kernel each, not a loop of them
         block = t.new_empty(min(step, t.shape[0]), t.shape[0])
@@ -48,6 +47,8 @@ class Downdate:
             rows = sigma[start : start + step]
             products = block[: rows.shape[0]]
             torch.mul(t[start : start + step, None], t[None, :], out=products)
+            if scale is not None:  # s Σ_ij, rounded, then − t_i t_j: in the same pass over the block
+                rows.mul_(scale)
             rows.sub_(products)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
-from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator, observation_noise
+from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator, noise_before, observation_noise
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.kalman.shared_rows import Downdate
 from loko_lightning.kalman.state import check_block
@@ -255,13 +255,8 @@ class Covariance(Filter):
         (``R_{k-1}``, debiased as the update's, on every sample's block): the update's ``R_k`` holds this innovation's
         own ``e eᵀ``, which would explain it away and shrink the prior.
         """
-        previous = belief.R
-        if self.debias:
-            previous = previous / (1.0 - self.beta ** belief.step.clamp_min(1).to(previous.dtype))
-        if plan.samples > 1:
-            previous = torch.block_diag(*previous.expand(plan.samples, *previous.shape).unbind(0))
-        S = hpht + previous
-        ok = finite & torch.isfinite(S).all() & (belief.step > 0)
+        S = hpht + noise_before(belief.R, belief.step, self.beta, plan.samples, self.debias)
+        ok = finite & (belief.step > 0)  # R_{k-1} is state, finite: finite covers S
         if self.prior_scale_until:  # kept after the first prior_scale_until updates: s = exp(0) = 1
             ok = ok & (belief.step < self.prior_scale_until)
         gradient = prior_scale_gradient(torch.where(ok, hpht, 0.0), torch.where(ok, S, plan.eye),

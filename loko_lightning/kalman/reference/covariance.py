@@ -76,7 +76,7 @@ def prior_scale_reference(A: Tensor, noise: Tensor, e: Tensor, rate: float, rcon
     """``exp(clip(η g, ±0.5))``, ``g = ½ (eᵀ S⁺ A S⁺ e − tr(S⁺ A))``, ``S = A + noise``; 1 where ``η = 0``.
 
     ``g`` is the derivative in ``log s`` at ``s = 1`` of ``log N(e; 0, s A + noise)`` restricted to the range of ``S``
-    (the covariance filter's ``prior_scale_rate``, ``noise`` the one before the sample: :func:`_previous_noise`),
+    (the covariance filter's ``prior_scale_rate``, ``noise`` the one before the sample: :func:`_previous_scale`),
     written out with ``S⁺`` as a matrix; the tests check it against a finite difference of that log density.
     """
     if not rate:
