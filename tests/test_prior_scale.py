@@ -146,6 +146,24 @@ def test_shared_head_rows_match_the_dense_reference_one_sample_and_joint():
     assert_matches(model, opt, reference, shared=[2])
 
 
+def test_the_prediction_covariance_is_the_belief_before_the_samples_scale():
+    """``prediction_cov`` (what ``predictive: posterior`` averages over) is ``H P Hᵀ`` before the scale: the scale
+    reads the sample's label, a prediction made before the sample must not. Step 1 (``s = 1``) leaves both filters in
+    one state; at step 2 the scaled one's ``prediction_cov`` equals the unscaled one's bit for bit (the same
+    arithmetic on the same state) while its update differs (the scale was taken: rate 1, clipped at ``±0.5``)."""
+    stream = list(teacher_stream(2))
+    model = mlp()
+    scaled = mlp_optimizer(model, p0=3.0, filter={"name": "covariance", "beta": 0.9, "prior_scale_rate": 1.0})
+    plain_model = copy.deepcopy(model)
+    plain = mlp_optimizer(plain_model, p0=3.0, filter={"name": "covariance", "beta": 0.9})
+    for x, y in stream:
+        scaled.step(loko_closure(model, x, y, factorize=True))
+        plain.step(loko_closure(plain_model, x, y, factorize=True))
+    assert torch.equal(scaled.prediction_cov, plain.prediction_cov)
+    difference = max((a - b).abs().max() for a, b in zip(model.parameters(), plain_model.parameters(), strict=True))
+    assert difference > 1e-6
+
+
 def test_a_skipped_step_leaves_the_scaled_state_alone():
     """A non-finite sample: ``p̂``, ``Σ`` and ``R`` exactly as they were, though the step's scale is not finite."""
     model = mlp()

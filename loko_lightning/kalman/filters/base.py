@@ -103,7 +103,8 @@ class Proposal:
             :class:`~loko_lightning.kalman.shared_rows.Downdate`, committed in place).
         entries: the new values of the filter's own per-entry state, by key (written by :meth:`Filter.commit`).
         hpht: ``H P Hᵀ`` at the step's prior, the covariance of the prediction under the belief (stacked), where the
-            filter forms it (the covariance filter); what :mod:`~loko_lightning.kalman.predictive` averages over.
+            filter forms it (the covariance filter); what :mod:`~loko_lightning.kalman.predictive` averages over. It
+            is the belief before the sample: a prior scale set from the sample's innovation is not in it.
     """
 
     posterior: Tensor

@@ -222,7 +222,7 @@ class Covariance(Filter):
         )  # fmt: skip
         S = hpht + noise
         finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
-        scale = None
+        scale, predictive = None, hpht  # the prediction's covariance: before the scale, which reads this sample's label
         if self.prior_scale_rate:  # not the paper: P ← s P, s from the predictive likelihood of e under this prior
             scale = self._prior_scale(plan, belief, hpht, innovation, finite)
             prior, hpht = prior * scale, hpht * scale
@@ -243,7 +243,7 @@ class Covariance(Filter):
         shared_rows = plan.rows.update(factor, belief.shared_rows, update, posterior, scale) if plan.rows else []
         return Proposal(
             posterior=posterior, finite=finite, innovation=innovation, R=R_k, cond=cond, shared_rows=shared_rows,
-            hpht=hpht,
+            hpht=predictive,
         )  # fmt: skip
 
     def _prior_scale(
