@@ -30,7 +30,10 @@ predictions (:func:`scores`), the resolution of an ECE from one run. With ``--co
 mean top-1 confidence minus the accuracy over the whole stream (points; below 0: underconfident), the sign the ECE
 does not show. With ``--ece-floor B``, one more: the mean ECE of the same predictions over ``B`` streams of labels drawn
 from them (each label from its prediction's own distribution: perfectly calibrated by construction), the ECE that
-sampling alone gives a calibrated learner with these confidences on a stream this long.
+sampling alone gives a calibrated learner with these confidences on a stream this long. Where LoKO's filter forms
+``H P Hᵀ`` (the covariance filter), ``record`` keeps it too, the belief before each sample (``prediction_cov``); with
+``--posterior`` the replay scores LoKO's posterior predictive at those ``κ`` alone and chosen online (``predictive:
+posterior``'s arithmetic, :func:`posterior_experts`), and each setting again with them as more experts.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from loko_lightning.kalman.predictive import mean_field_predictive, sample_blocks
 from loko_lightning.learner.mixing import (
     mixture_log_predictive,
     pooled_log_probabilities,
@@ -69,6 +73,7 @@ class ExpertRecorder(pl.Callback):
     def __init__(self) -> None:
         self.experts: list[Tensor] = []
         self.labels: list[Tensor] = []
+        self.covs: list[Tensor | None] = []  # each step's H P Hᵀ blocks (B, m, m), LoKO's covariance filter only
         self.nearest_mean = False  # whether the step's experts end with nearest class mean's at each temperature
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -86,8 +91,11 @@ class ExpertRecorder(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        """The step's labels."""
+        """The step's labels, and the covariance of LoKO's prediction where its filter forms one."""
         self.labels.append(batch["label"].detach().cpu())
+        cov = getattr(trainer.optimizers[0], "prediction_cov", None)
+        blocks = None if cov is None else sample_blocks(cov.detach().to(torch.float64).cpu(), len(self.labels[-1]))
+        self.covs.append(blocks)
 
 
 def record(args: argparse.Namespace) -> None:
@@ -105,6 +113,8 @@ def record(args: argparse.Namespace) -> None:
         with common.quiet(False):
             result = common.fit(run_args, callbacks=[recorder])
         experts, labels = torch.cat(recorder.experts), torch.cat(recorder.labels)
+        covs = recorder.covs
+        prediction_cov = torch.cat(covs) if covs and all(c is not None for c in covs) else None  # type: ignore[arg-type]
         torch.save(
             {
                 "experts": experts,
@@ -112,6 +122,7 @@ def record(args: argparse.Namespace) -> None:
                 "temperatures": args.temperatures,
                 "vote": True,
                 "nearest_mean": recorder.nearest_mean,
+                "prediction_cov": prediction_cov,
                 "command": result.command,
                 "online_acc": result.online_acc,
             },
@@ -246,6 +257,28 @@ def setting_experts(
     return torch.cat([experts[:, list(keep)], *tempered, *pooled, *nearest], 1), learners
 
 
+def posterior_experts(learner: Tensor, cov: Tensor, kappas: Sequence[float]) -> Tensor:
+    """LoKO's posterior predictive at each ``κ`` as experts ``(N, len(κ), m)`` (log probabilities).
+
+    ``learner``: its recorded log probabilities at the mean ``(N, m)``; ``cov``: the recorded ``H P Hᵀ`` blocks
+    ``(N, m, m)`` (the belief before each sample); :func:`~loko_lightning.kalman.predictive.mean_field_predictive` of
+    ``κ · H P Hᵀ``, as ``predictive: posterior`` computes each of its scales.
+    """
+    probabilities = learner.exp()
+    tiny = torch.finfo(torch.float64).tiny
+    return torch.stack([mean_field_predictive(probabilities, k * cov).clamp_min(tiny).log() for k in kappas], 1)
+
+
+def chosen_online(experts: Tensor, labels: Tensor) -> Tensor:
+    """The prediction ``(N, m)`` of the expert with the least log-loss so far (ties: the first).
+
+    As :class:`~loko_lightning.kalman.predictive.PredictiveScale` chooses its ``κ``.
+    """
+    losses = -experts[torch.arange(len(labels)), :, labels]  # (N, K)
+    before = torch.cumsum(losses, 0) - losses
+    return experts[torch.arange(len(labels)), before.argmin(-1)].exp()
+
+
 def nearest_vote(nearest: Tensor, labels: Tensor) -> Tensor:
     """Nearest class mean's argmax as an expert ``(N, 1, m)``: Laplace's rule on its past hits, as LDA's vote.
 
@@ -274,6 +307,17 @@ def replay(args: argparse.Namespace) -> None:
         if run.get("nearest_mean"):  # recorded last: nearest class mean at each temperature
             experts, nearest = experts[:, : -len(temperatures)], experts[:, -len(temperatures) :]
         rows.setdefault("LoKO alone", []).append(score(experts[:, 0].exp()))
+        posterior = None
+        if args.posterior:
+            if run.get("prediction_cov") is None:
+                raise SystemExit(f"--posterior: {args.folder} holds no H P Hᵀ (recorded before it was kept)")
+            posterior = posterior_experts(experts[:, 0], run["prediction_cov"], args.posterior)
+            for j, kappa in enumerate(args.posterior):
+                rows.setdefault(f"LoKO's posterior alone, κ = {kappa:g}", []).append(score(posterior[:, j].exp()))
+            grid = ", ".join(f"{k:g}" for k in args.posterior)
+            rows.setdefault(f"LoKO's posterior, κ chosen online among {grid}", []).append(
+                score(chosen_online(posterior, labels))
+            )
         if nearest is not None:
             rows.setdefault("nearest class mean alone", []).append(score(nearest[:, 0].exp()))
             ncm_vote = nearest_vote(nearest[:, 0], labels)
@@ -292,10 +336,16 @@ def replay(args: argparse.Namespace) -> None:
                 learner_sets = ([], args.learner_temperatures) if args.learner_temperatures else ([],)
                 pool_sets = ([], args.pools) if args.pools and kept else ([],)
                 nearest_sets: list[tuple[str, list[Tensor]]] = [("", [])]
+                if posterior is not None:  # LoKO's posterior predictives as more experts (before nearest mean's)
+                    kappas = ", ".join(f"{k:g}" for k in args.posterior)
+                    nearest_sets += [(f" + LoKO's posterior at κ = {kappas}", [posterior])]
                 if nearest is not None:
                     tempered = nearest[:, [k for k, t in enumerate(temperatures) if t <= top]]
-                    nearest_sets += [(" + nearest mean", [tempered])]
-                    nearest_sets += [(" + nearest mean + its vote", [tempered, ncm_vote])] if args.nearest_vote else []
+                    post = nearest_sets[-1][1] if posterior is not None else []
+                    name = nearest_sets[-1][0] if posterior is not None else ""
+                    nearest_sets += [(name + " + nearest mean", [*post, tempered])]
+                    if args.nearest_vote:
+                        nearest_sets += [(name + " + nearest mean + its vote", [*post, tempered, ncm_vote])]
                 if args.all_experts_only:  # the setting with every expert asked for, not each subset
                     learner_sets, pool_sets, nearest_sets = learner_sets[-1:], pool_sets[-1:], nearest_sets[-1:]
                 for learner_temperatures, powers, (near, extra) in itertools.product(
@@ -413,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--all-experts-only", action="store_true",
         help="only the settings with every expert asked for (--learner-temperatures, --pools, nearest mean), not also "
         "each without some of them",
+    )  # fmt: skip
+    rep.add_argument(
+        "--posterior", type=float, nargs="*", default=[],
+        help="with a recorded H P Hᵀ: LoKO's posterior predictive at these κ alone, chosen online, and as more experts",
     )  # fmt: skip
     rep.add_argument(
         "--prior-learner", type=float, nargs="*", default=[],

@@ -841,6 +841,30 @@ def test_mixture_replay_builds_the_learners_experts_with_its_pools():
     assert torch.equal(plain, want[:, : plain.shape[1]])
 
 
+def test_mixture_replay_scores_the_posterior_predictive_as_the_learner_does():
+    """``--posterior`` from a recorded ``H P Hᵀ``: each κ's experts are ``mean_field_predictive`` of ``κ · H P Hᵀ``,
+    and the choice online is :class:`PredictiveScale`'s, sample by sample (float64 both ways, the same operations
+    but a log and an exp: 1e-12)."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+    from loko_lightning.kalman.predictive import KAPPAS, PredictiveScale
+
+    generator = torch.Generator().manual_seed(4)
+    probabilities = torch.softmax(2 * torch.randn(40, 4, generator=generator, dtype=torch.float64), -1)
+    roots = torch.randn(40, 4, 4, generator=generator, dtype=torch.float64)
+    cov = 0.5 * roots @ roots.transpose(-1, -2)
+    labels = torch.randint(4, (40,), generator=generator)
+    experts = mixture_replay.posterior_experts(probabilities.log(), cov, KAPPAS)
+    scale, want = PredictiveScale(), []
+    for i in range(40):
+        want.append(scale(probabilities[i : i + 1], cov[i : i + 1], labels[i : i + 1], torch.tensor(True))[0])
+    got = mixture_replay.chosen_online(experts, labels)
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=1e-12)
+    assert scale.kappa != 0.0  # the choice moved off the mean's κ 0: more than one candidate was taken
+
+
 def test_mixture_replay_reads_the_nearest_mean_experts_and_their_vote():
     """A recording with ``nearest_mean`` ends with nearest class mean's experts at each recorded temperature: the
     replay's setting with them kept at the kept temperatures is MixtureStep's experts with ``nearest_mean`` (1e-12, as
