@@ -335,21 +335,21 @@ def replay(args: argparse.Namespace) -> None:
                 kept = [t for t in temperatures if t <= top]
                 learner_sets = ([], args.learner_temperatures) if args.learner_temperatures else ([],)
                 pool_sets = ([], args.pools) if args.pools and kept else ([],)
-                nearest_sets: list[tuple[str, list[Tensor]]] = [("", [])]
-                if posterior is not None:  # LoKO's posterior predictives as more experts (before nearest mean's)
+                # More experts after the pools: LoKO's posterior predictives, then nearest class mean's (with them).
+                extra_sets: list[tuple[str, list[Tensor]]] = [("", [])]
+                if posterior is not None:
                     kappas = ", ".join(f"{k:g}" for k in args.posterior)
-                    nearest_sets += [(f" + LoKO's posterior at κ = {kappas}", [posterior])]
+                    extra_sets += [(f" + LoKO's posterior at κ = {kappas}", [posterior])]
                 if nearest is not None:
                     tempered = nearest[:, [k for k, t in enumerate(temperatures) if t <= top]]
-                    post = nearest_sets[-1][1] if posterior is not None else []
-                    name = nearest_sets[-1][0] if posterior is not None else ""
-                    nearest_sets += [(name + " + nearest mean", [*post, tempered])]
+                    name, before = extra_sets[-1]  # with the posterior's experts where asked for
+                    extra_sets += [(name + " + nearest mean", [*before, tempered])]
                     if args.nearest_vote:
-                        nearest_sets += [(name + " + nearest mean + its vote", [*post, tempered, ncm_vote])]
+                        extra_sets += [(name + " + nearest mean + its vote", [*before, tempered, ncm_vote])]
                 if args.all_experts_only:  # the setting with every expert asked for, not each subset
-                    learner_sets, pool_sets, nearest_sets = learner_sets[-1:], pool_sets[-1:], nearest_sets[-1:]
+                    learner_sets, pool_sets, extra_sets = learner_sets[-1:], pool_sets[-1:], extra_sets[-1:]
                 for learner_temperatures, powers, (near, extra) in itertools.product(
-                    learner_sets, pool_sets, nearest_sets
+                    learner_sets, pool_sets, extra_sets
                 ):
                     mixed, learners = setting_experts(experts, keep, kept, learner_temperatures, powers, extra)
                     settings = itertools.product(args.shares, args.shares_past, [None, *args.prior_learner])
