@@ -18,6 +18,7 @@ from test_shared_rows import SharedRowsReference, assert_matches, mlp_optimizer
 
 from loko_lightning import LoKO
 from loko_lightning.errors import ConfigError
+from loko_lightning.kalman.filters import covariance as covariance_module
 from loko_lightning.kalman.filters import get_filter
 from loko_lightning.kalman.filters.covariance import prior_scale_gradient
 from loko_lightning.kalman.reference import covariance as reference_module
@@ -185,6 +186,26 @@ def test_a_skipped_step_leaves_the_scaled_state_alone():
         sigma, torch.tensor(False)
     )
     assert torch.equal(sigma, before["row_cov"])
+
+
+def test_a_scale_that_is_not_finite_skips_the_step(monkeypatch):
+    """A finite sample whose prior scale is not (seen on text with ``r_estimator: softmax``: ``p̂`` and ``R`` collapsed
+    to ~1e-38 and ~1e-22 in float32 and ``g`` came out NaN) is skipped like a non-finite sample, its state kept: it
+    must not reach the eigendecomposition (LAPACK raised there) nor scale ``P``."""
+    model = mlp()
+    opt = mlp_optimizer(model, p0=3.0, filter={"name": "covariance", "prior_scale_rate": 0.1})
+    stream = list(teacher_stream(6))
+    for x, y in stream[:5]:
+        opt.step(loko_closure(model, x, y, factorize=True))
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params] + [flat_cov(opt, params), opt.state[params[2]]["row_cov"].clone()]
+    monkeypatch.setattr(covariance_module, "prior_scale_gradient", lambda *args: torch.tensor(float("nan")))
+    x, y = stream[5]
+    opt.step(loko_closure(model, x, y, factorize=True))
+    assert not opt.diagnostics["applied"]
+    assert int(opt.diagnostics["skipped"]) == 1
+    after = [p.detach() for p in params] + [flat_cov(opt, params), opt.state[params[2]]["row_cov"]]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
 def test_rate_is_a_filter_setting_checked_and_kept():
