@@ -2,7 +2,8 @@ r"""A screen, not the product: the paper's LoKO with its prior scale set online 
 
 Usage::
 
-    python benchmarks/toy_prior_scale.py --p0s 0.1 1 10 --etas 0 0.03 --seeds 0 1 2 [--until 500] [--noise current]
+    python benchmarks/toy_prior_scale.py --p0s 0.1 1 10 --etas 0 0.03 --seeds 0 1 2 [--until 500] [--noise current] \
+        [--per-kind]
 
 Why: the text default chose ``p0`` by running five filters side by side on its first 500 samples (5.3x the paper's
 step there). One filter whose prior scale follows the data would cost one. The question this screen asks: does such
@@ -21,15 +22,16 @@ positive when the innovation is larger than the prior predicts. After the predic
 covariance inflation of ensemble Kalman filters), with the update's pseudo-inverse. ``R`` in ``S`` is ``R_{k-1}``, the
 noise estimate before the sample (``--noise previous``, the package's ``prior_scale_rate``), or the update's ``R_k``
 (the paper's estimator, ``β`` 0.95), which holds the sample's own ``e eᵀ`` (``--noise current``, the first screen).
-``--until N``: the scale set on the first ``N`` samples only (the package's ``prior_scale_until``). ``η = 0``: the
-paper's update.
+``--until N``: the scale set on the first ``N`` samples only (the package's ``prior_scale_until``). ``--per-kind``: one
+scale for the adapters and one for the head, each by its own ``g_j`` with ``A_j = H_j P_j H_jᵀ`` (``A = Σ_j A_j``) in
+place of ``A`` (not in the package). ``η = 0``: the paper's update.
 
 The toy (a frozen MLP ``64 → 64 → 5`` pretrained with Adam on the MNIST-5k digits 0-4, 8 x 8 pixels; online: all ten
 digits, three shuffled passes, 15,000 samples; trainable: LoRA rank 4 on the hidden layer and a new zero 10-class head,
 1,146 parameters, float64) is ``tools/toy_lora_filters.py``'s from the project's shared material. It prints the online
-accuracy after 500, 1,000, 2,000 samples and at the end, the accuracy over the last 500, and the prior's scale
-``exp(Σ η g)`` at 500, 2,000 and the end, per ``(p0, η)`` as the mean over the seeds. About 20 s a run on one CPU
-thread.
+accuracy after 500, 1,000, 2,000 samples and at the end, the accuracy over the last 500, the prequential NLL over the
+stream and over its last 500, and the prior's scale ``exp(Σ η g)`` (per kind) at 500, 2,000 and the end, per
+``(p0, η)`` as the mean over the seeds. About 20 s a run on one CPU thread.
 """
 
 from __future__ import annotations
@@ -71,7 +73,14 @@ def pretrain(x: torch.Tensor, y: torch.Tensor, seed: int) -> tuple[torch.Tensor,
 
 
 def run(
-    x: torch.Tensor, y: torch.Tensor, seed: int, p0: float, eta: float, noise_rule: str = "previous", until: int = 0
+    x: torch.Tensor,
+    y: torch.Tensor,
+    seed: int,
+    p0: float,
+    eta: float,
+    noise_rule: str = "previous",
+    until: int = 0,
+    per_kind: bool = False,
 ) -> dict[str, float]:
     """One online pass of the filter; the accuracies at the checkpoints, at the end, recent, and the prior's scale."""
     weight, bias = pretrain(x, y, seed)
@@ -89,11 +98,14 @@ def run(
 
     p = torch.rand(theta.numel(), generator=generator, dtype=DT) * p0  # p̂₀ ~ U(0, p0), the paper's method 2
     noise = torch.zeros(CLASSES, CLASSES, dtype=DT)
-    hits, log_scale, scales = [], 0.0, {}
+    # The kinds of parameter whose prior scales are set apart with per_kind: the adapters, the head.
+    kinds = torch.cat([torch.zeros(sum(sizes[:2]), dtype=torch.long), torch.ones(sum(sizes[2:]), dtype=torch.long)])
+    hits, losses, log_scale, scales = [], [], torch.zeros(2 if per_kind else 1, dtype=DT), {}
     for k in range(len(ys)):
         target = torch.nn.functional.one_hot(ys[k], CLASSES).to(DT)
         prediction = probabilities(theta, xs[k])
         hits.append(float(prediction.argmax() == ys[k]))  # scored before the update
+        losses.append(-float(prediction[ys[k]].clamp_min(1e-300).log()))
         jac = jacrev(probabilities)(theta, xs[k])
         innovation = target - prediction
         p_ht = p[:, None] * jac.T
@@ -102,20 +114,31 @@ def run(
         if eta and (k > 0 or noise_rule == "current") and (not until or k < until):  # "previous": none before k = 1
             s_plus = torch.linalg.pinv(a + (noise if noise_rule == "previous" else noise_k), hermitian=True, rtol=1e-10)
             u = s_plus @ innovation
-            step = float(torch.clamp(eta * 0.5 * (u @ a @ u - torch.trace(s_plus @ a)), -0.5, 0.5))
+            parts = [jac[:, kinds == j] @ p_ht[kinds == j] for j in range(2)] if per_kind else [a]  # A = Σ_j A_j
+            step = torch.stack([torch.clamp(eta * 0.5 * (u @ a_j @ u - torch.trace(s_plus @ a_j)), -0.5, 0.5)
+                                for a_j in parts])  # fmt: skip
             log_scale += step
-            p, p_ht, a = p * math.exp(step), p_ht * math.exp(step), a * math.exp(step)
+            if per_kind:
+                factor = step.exp()[kinds]
+                p, p_ht = p * factor, p_ht * factor[:, None]
+                a = jac @ p_ht
+            else:
+                factor = math.exp(float(step))
+                p, p_ht, a = p * factor, p_ht * factor, a * factor
         noise = noise_k
         gain = p_ht @ torch.linalg.pinv(a + noise, hermitian=True, rtol=1e-10)
         theta = theta + gain @ innovation
         p = torch.clamp(p - (gain * jac.T).sum(1) * p, min=1e-12)
         if k + 1 in (500, 2000, len(ys)):
-            scales[k + 1] = math.exp(log_scale)
+            scales[k + 1] = log_scale.exp().tolist()
     correct = torch.tensor(hits, dtype=DT)
     running = correct.cumsum(0) / torch.arange(1, len(correct) + 1)
     out = {f"@{n}": float(running[n - 1]) for n in CHECKPOINTS}
     out |= {"end": float(running[-1]), "recent": float(correct[-500:].mean())}
-    out |= {"scale@500": scales[500], "scale@2000": scales[2000], "scale@end": scales[len(ys)]}
+    nll = torch.tensor(losses, dtype=DT)
+    out |= {"nll": float(nll.mean()), "nll_last500": float(nll[-500:].mean())}
+    for n, name in ((500, "@500"), (2000, "@2000"), (len(ys), "@end")):
+        out |= {f"scale{name}": scales[n][0]} | ({f"head scale{name}": scales[n][1]} if per_kind else {})
     return out
 
 
@@ -132,21 +155,30 @@ def main(argv: list[str] | None = None) -> list[tuple[float, float, dict[str, fl
         default="previous",
         help="the noise of the evidence: R_{k-1} (the package's rule) or R_k, which holds e eᵀ (first screen)",
     )
+    parser.add_argument(
+        "--per-kind",
+        action="store_true",
+        help="one prior scale for the adapters, one for the head, each by its own gradient (A = A_adapters + A_head)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     x, y = digits()
-    print("| p0 | η | @500 | @1,000 | @2,000 | end | recent | scale @500 | @2,000 | end | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    scale_keys = [f"{kind}scale{n}" for kind in ("", "head ")[: 1 + args.per_kind] for n in ("@500", "@2000", "@end")]
+    header = ["p0", "η", "@500", "@1,000", "@2,000", "end", "recent", "NLL", "NLL last 500", *scale_keys, "seconds"]
+    print(f"| {' | '.join(header)} |")
+    print("|---" * len(header) + "|")
     rows = []
     for eta in args.etas:
         for p0 in args.p0s:
             start = time.perf_counter()
-            runs = [run(x, y, seed, p0, eta, args.noise, args.until) for seed in args.seeds]
+            runs = [run(x, y, seed, p0, eta, args.noise, args.until, args.per_kind) for seed in args.seeds]
             mean = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
             rows.append((p0, eta, mean))
             accuracies = " | ".join(f"{100 * mean[key]:.1f}" for key in ("@500", "@1000", "@2000", "end", "recent"))
-            scales = " | ".join(f"{mean[key]:.3g}" for key in ("scale@500", "scale@2000", "scale@end"))
-            print(f"| {p0:g} | {eta:g} | {accuracies} | {scales} | {time.perf_counter() - start:.0f} |", flush=True)
+            nll = f"{mean['nll']:.3f} | {mean['nll_last500']:.3f}"
+            scales = " | ".join(f"{mean[key]:.3g}" for key in scale_keys)
+            seconds = time.perf_counter() - start
+            print(f"| {p0:g} | {eta:g} | {accuracies} | {nll} | {scales} | {seconds:.0f} |", flush=True)
     return rows
 
 

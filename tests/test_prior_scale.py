@@ -189,9 +189,9 @@ def test_a_skipped_step_leaves_the_scaled_state_alone():
 
 
 def test_a_scale_that_is_not_finite_skips_the_step(monkeypatch):
-    """A finite sample whose prior scale is not (seen on text with ``r_estimator: softmax``: ``p̂`` and ``R`` collapsed
-    to ~1e-38 and ~1e-22 in float32 and ``g`` came out NaN) is skipped like a non-finite sample, its state kept: it
-    must not reach the eigendecomposition (LAPACK raised there) nor scale ``P``."""
+    """A finite sample whose prior scale is not (seen on text with ``r_estimator: softmax``: ``H P Hᵀ`` and ``R``
+    collapsed to ~1e-38 and ~1e-22 in float32 and ``g`` came out NaN) is skipped like a non-finite sample, its state
+    kept: it must not reach the eigendecomposition (LAPACK raised there) nor scale ``P``."""
     model = mlp()
     opt = mlp_optimizer(model, p0=3.0, filter={"name": "covariance", "prior_scale_rate": 0.1})
     stream = list(teacher_stream(6))
