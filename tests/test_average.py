@@ -164,9 +164,9 @@ def test_the_learner_scores_each_sample_with_the_average_it_had_before_that_samp
             before.append(self.observation.predict(logits.reshape(1, -1)).detach().clone())
         return original_step(self, closure)
 
-    def log_online(self, prediction, label, applied, elapsed):
+    def log_online(self, prediction, label, elapsed):
         scored.append(prediction.detach().clone())
-        return original_log(self, prediction, label, applied, elapsed)
+        return original_log(self, prediction, label, elapsed)
 
     monkeypatch.setattr(OnlineClassifier, "training_step", training_step)
     monkeypatch.setattr(LoKO, "step", step)

@@ -228,6 +228,36 @@ def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
     assert module.online_acc.weight.item() == 5
 
 
+def test_a_finite_prediction_is_scored_though_the_filter_skips_its_update(monkeypatch):
+    """Prequential: the prediction is made before the update, so whether the update is then applied does not decide
+    whether it is scored. A filter that refuses a step (its prior scale not finite, as a collapsed filter's was) on a
+    finite prediction: the step is counted as skipped and nothing is updated, but the sample counts in the accuracy,
+    the NLL and the windows (only a prediction that is not finite, from NaN in the input, is left out)."""
+    from loko_lightning.kalman.filters import covariance as covariance_module
+
+    torch.manual_seed(0)
+    module = tiny(filter={"name": "covariance", "prior_scale_rate": 0.03})
+    real, calls = covariance_module.prior_scale_gradient, []
+
+    def failing_once(*args):
+        calls.append(None)
+        return torch.tensor(float("nan")) if len(calls) == 4 else real(*args)
+
+    monkeypatch.setattr(covariance_module, "prior_scale_gradient", failing_once)
+    snapshots = []
+
+    class Snapshot(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            snapshots.append([p.detach().clone() for p in pl_module.trainable_parameters])
+
+    t = trainer(callbacks=[Snapshot()])
+    t.fit(module, loader(stream(6)))
+    assert int(module.skipped) == 1
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3], strict=True))
+    assert module.online_acc.weight.item() == 6
+    assert int(module.loss_avg.count) == 6 and int(module.nll_recent.count) == 6
+
+
 def test_guard_tripping_at_its_first_check_points_at_a_confidently_wrong_head(tmp_path):
     """A huge random head is confidently wrong before any update: the message says so, not only "p0 too large"."""
     torch.manual_seed(0)

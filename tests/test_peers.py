@@ -88,7 +88,7 @@ def test_the_learner_logs_prequential_nll_and_ece(monkeypatch):
     monkeypatch.setattr(type(module), "optimizers", lambda self: wrapper)
     stream = [([0.8, 0.2], 0), ([0.3, 0.7], 0), ([0.4, 0.6], 1)]
     for probabilities, label in stream:
-        module._log_online(torch.tensor([probabilities]), torch.tensor([label]), torch.tensor(True), 0.0)
+        module._log_online(torch.tensor([probabilities]), torch.tensor([label]), 0.0)
     nll = [-math.log(p[y]) for p, y in stream]
     assert float(logged["train/nll"]) == pytest.approx(sum(nll) / 3)
     assert float(logged["train/nll_recent2"]) == pytest.approx(sum(nll[1:]) / 2)

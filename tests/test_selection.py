@@ -139,9 +139,9 @@ def predictions_of(module, items, monkeypatch):
     seen = []
     original = OnlineClassifier._log_online
 
-    def record(self, prediction, label, applied, elapsed):
+    def record(self, prediction, label, elapsed):
         seen.append(prediction.detach().clone())
-        return original(self, prediction, label, applied, elapsed)
+        return original(self, prediction, label, elapsed)
 
     monkeypatch.setattr(OnlineClassifier, "_log_online", record)
     trainer().fit(module, loader(items))
@@ -277,7 +277,7 @@ def test_loko_fit_with_p0_auto_chooses_the_lowest_prequential_loss(tmp_path, cap
 
 def test_recent_accuracy_is_the_accuracy_of_the_last_predictions(monkeypatch):
     """A stream whose accuracy is known: 6 wrong predictions, then 4 right, with a window of 5 the recent accuracy
-    after the 10th is 4/5 while the cumulative one is 4/10; a skipped sample is in neither."""
+    after the 10th is 4/5 while the cumulative one is 4/10; a prediction that is not finite is in neither."""
     module = tiny_selecting(None, recent_window=5)
     logged = {}
     monkeypatch.setattr(module, "log_dict", lambda values, **kwargs: logged.update(values))
@@ -289,11 +289,11 @@ def test_recent_accuracy_is_the_accuracy_of_the_last_predictions(monkeypatch):
     right, wrong = F.one_hot(label, 4).float(), F.one_hot(label + 1, 4).float()
     history = []
     for correct in [False] * 6 + [True] * 4:
-        module._log_online(right if correct else wrong, label, torch.tensor(True), 0.0)
+        module._log_online(right if correct else wrong, label, 0.0)
         history.append(float(logged["train/online_acc_recent5"]))
     assert history[-1] == pytest.approx(4 / 5) and float(logged["train/online_acc"]) == pytest.approx(4 / 10)
     assert history[:6] == [0.0] * 6 and history[6:9] == pytest.approx([1 / 5, 2 / 5, 3 / 5])
-    module._log_online(wrong, label, torch.tensor(False), 0.0)  # skipped: no change
+    module._log_online(wrong * float("nan"), label, 0.0)  # not finite (NaN in the input): no change
     assert float(logged["train/online_acc_recent5"]) == pytest.approx(4 / 5)
 
 

@@ -195,6 +195,21 @@ def test_nonfinite_sample_is_skipped_counted_and_changes_nothing(base_ckpt):
     assert result.applied and learner.skipped == 1
 
 
+def test_a_finite_prediction_whose_update_is_refused_is_scored_as_in_fit(monkeypatch):
+    """As ``loko fit`` scores (``tests/test_module.py``): the filter refuses the update (its prior scale not finite),
+    the step is counted as skipped, and its finite prediction, made before, counts in the online accuracy."""
+    from loko_lightning.kalman.filters import covariance as covariance_module
+
+    module = tiny(p0=0.1)
+    learner = ServingLearner(
+        module, LoKO(module.trainable_parameters, p0=0.1, filter={"name": "covariance", "prior_scale_rate": 0.03})
+    )
+    monkeypatch.setattr(covariance_module, "prior_scale_gradient", lambda *args: torch.tensor(float("nan")))
+    (result,) = learner.learn([image(0)], [0])
+    assert not result.applied and learner.skipped == 1
+    assert learner.module.online_acc.weight.item() == 1
+
+
 def test_joint_step_is_one_update_of_the_queued_samples(base_ckpt):
     one_by_one, joint = ServingLearner.from_checkpoint(base_ckpt), ServingLearner.from_checkpoint(base_ckpt)
     samples, labels = [image(i) for i in range(3)], [label(i) for i in range(3)]

@@ -310,26 +310,37 @@ def make_online_metrics(window: int, recent_window: int) -> dict[str, Metric]:
     }
 
 
-def update_online(metrics: Mapping[str, Metric], prediction: Tensor, label: Tensor, applied: Tensor) -> None:
+def is_scored(scores: Tensor) -> Tensor:
+    """Whether a prediction ``(m,)`` is scored (a 0-d bool tensor, no host sync): it is finite.
+
+    It was made before its update, so whether that update was then applied does not matter; one that is not finite
+    (NaN in the input) cannot be scored.
+    """
+    return torch.isfinite(scores).all()
+
+
+def update_online(metrics: Mapping[str, Metric], prediction: Tensor, label: Tensor) -> None:
     """Score a step's predictions ``(N, m)`` against their labels ``(N,)``, one sample after the other.
 
-    ``applied``: whether the step was applied (a skipped step's predictions count in the stream's accuracy and NLL
-    with weight 0, and not in the windows).
+    Every finite prediction is scored (:func:`is_scored`), whether or not the update after it was applied (a skipped
+    update is counted by the learner, ``train/skipped``). A prediction that is not finite counts in the stream's
+    accuracy and NLL with weight 0, and not in the windows.
     """
     prediction = prediction.float()
-    weight = applied.float()
     for scores, target in zip(prediction, label, strict=True):
+        scored = is_scored(scores)
+        weight = scored.to(scores.dtype)
         metrics["online_acc"].update(scores, target, weight)
         metrics["online_acc_top5"].update(scores, target, weight)
-        metrics["online_acc_recent"].update((scores.argmax() == target).to(scores.dtype), applied)
+        metrics["online_acc_recent"].update((scores.argmax() == target).to(scores.dtype), scored)
         one_hot = torch.nn.functional.one_hot(target, scores.shape[0]).to(scores.dtype)
-        metrics["loss_avg"].update((one_hot - scores).abs().sum(), applied)
+        metrics["loss_avg"].update((one_hot - scores).abs().sum(), scored)
         nll = -scores[target].clamp_min(torch.finfo(scores.dtype).tiny).log()
-        metrics["ce_avg"].update(nll, applied)
+        metrics["ce_avg"].update(nll, scored)
         metrics["nll"].update(nll, weight)
-        metrics["nll_recent"].update(nll, applied)
-        metrics["ece"].update(scores, target, applied)
-        metrics["ece_recent"].update(scores, target, applied)
+        metrics["nll_recent"].update(nll, scored)
+        metrics["ece"].update(scores, target, scored)
+        metrics["ece_recent"].update(scores, target, scored)
 
 
 def online_values(metrics: Mapping[str, Metric], window: int, recent_window: int) -> dict[str, Tensor]:

@@ -333,8 +333,9 @@ class OnlineClassifier(pl.LightningModule):
         processes, make one joint LoKO update (:mod:`loko_lightning.kalman.multistream`) or one gradient step on their
         mean loss;
         every prediction is scored before that update. A step whose prediction or loss is not finite (NaN/Inf in
-        the input) changes nothing: no parameter or filter state is updated, its samples are left out of the
-        metrics and counted in ``train/skipped``.
+        the input), or whose filter refuses it (a quantity of the update not finite), changes nothing: no parameter or
+        filter state is updated, and it is counted in ``train/skipped``. Its finite predictions are scored all the
+        same; one that is not finite is left out of the metrics.
         """
         inputs, label = batch["inputs"], batch["label"]
         optimizer = self.optimizers()
@@ -342,7 +343,7 @@ class OnlineClassifier(pl.LightningModule):
         prediction, label, applied = self.online_step.step(self, optimizer, inputs, label)
         self.skipped += (~applied).to(self.skipped.dtype) * label.shape[0]
         elapsed = time.perf_counter() - start
-        self._log_online(prediction, label, applied, elapsed)
+        self._log_online(prediction, label, elapsed)
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         """Class probabilities ``(B, m)`` (softmax of the logits, float32) of a batch, with its ``index``/``label``."""
@@ -468,10 +469,10 @@ class OnlineClassifier(pl.LightningModule):
                 for key, value in getattr(self, name).state_dict(prefix=f"{name}.").items():
                     state.setdefault(key, value)
 
-    def _log_online(self, prediction: Tensor, label: Tensor, applied: Tensor, elapsed: float) -> None:
+    def _log_online(self, prediction: Tensor, label: Tensor, elapsed: float) -> None:
         """Score the step's predictions ``(N, m)`` against their labels ``(N,)``, one sample after the other."""
         metrics = {name: getattr(self, name) for name in ONLINE_METRICS}
-        update_online(metrics, prediction, label, applied)
+        update_online(metrics, prediction, label)
         values = online_values(metrics, self.hparams.window, self.hparams.recent_window)
         values["train/step_time"], values["train/skipped"] = elapsed, self.skipped.float()
         values.update(self.online_step.logged(self.optimizers().optimizer))

@@ -36,6 +36,7 @@ from loko_lightning.data.transforms import build_transform
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.optimizer import LoKO
 from loko_lightning.learner.checkpoint_io import AtomicCheckpointIO, load_learner
+from loko_lightning.learner.metrics import is_scored
 from loko_lightning.learner.module import OnlineClassifier
 from loko_lightning.learner.steps import save_served_weights
 from loko_lightning.preprocessing import ImagePreprocessing, TextPreprocessing
@@ -277,11 +278,15 @@ class ServingLearner:
         self.served_correct += int(predicted == label)
 
     def _score(self, prediction: Tensor, label: Tensor, applied: Tensor) -> None:
-        """The learner's own online metrics (as ``loko fit`` keeps them), skipped samples left out of them."""
+        """The learner's own online metrics, as ``loko fit`` keeps them; skipped updates counted.
+
+        A finite prediction is scored whether or not its update was applied
+        (:func:`~loko_lightning.learner.metrics.is_scored`).
+        """
         module = self.module
-        weight = applied.float()
         module.skipped += (~applied).to(module.skipped.dtype) * label.shape[0]
         for scores, target in zip(prediction.float(), label, strict=True):
+            weight = is_scored(scores).to(scores.dtype)
             module.online_acc.update(scores, target, weight)
             module.online_acc_top5.update(scores, target, weight)
 
