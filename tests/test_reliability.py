@@ -515,6 +515,32 @@ def test_divergence_guard_catches_nonfinite_baseline_parameters(tmp_path):
     assert all(torch.isfinite(v).all() for v in trainable(saved["state_dict"]).values())
 
 
+def test_divergence_guard_stops_a_loko_that_applies_none_of_its_updates(tmp_path, monkeypatch):
+    """From sample 5 on the filter refuses every update of a finite stream (its prior scale forced not finite, as the
+    collapsed r_estimator: softmax run's was): its predictions are still scored, so only the count of applied updates
+    shows it. The guard passes at 4 (updates applied), stops at 8 (none applied since 4) and names the filter."""
+    from loko_lightning.kalman.filters import covariance as covariance_module
+
+    torch.manual_seed(0)
+    model = tiny(p0=0.1, filter={"name": "covariance", "prior_scale_rate": 0.03})
+    real, calls = covariance_module.prior_scale_gradient, []
+
+    def failing_from_the_fifth(*args):
+        calls.append(None)
+        return torch.tensor(float("nan")) if len(calls) >= 5 else real(*args)
+
+    monkeypatch.setattr(covariance_module, "prior_scale_gradient", failing_from_the_fifth)
+    with pytest.raises(
+        DivergenceError,
+        match=r"^LoKO diverged by sample 8: none of its last 4 updates was applied: .*r_estimator: taylor .*"
+        r"after sample 4 are saved",
+    ) as info:
+        fit = trainer(callbacks=[DivergenceGuard(check_every=4)], default_root_dir=tmp_path)
+        fit.fit(model, DataLoader(stream(12), batch_size=1))
+    assert (info.value.field, info.value.owner) == ("filter", LoKO)
+    assert int(model.skipped) == 4
+
+
 # ================================================================ 4. numerical soak
 @pytest.mark.slow
 def test_float32_soak_of_20000_steps_on_a_100_class_head():

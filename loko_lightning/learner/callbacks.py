@@ -161,11 +161,14 @@ class DivergenceGuard(pl.Callback):
     Every ``check_every`` samples (one host sync) the run stops with :class:`~loko_lightning.errors.DivergenceError`
     when the moving-average cross-entropy of the learner exceeds ``divergence_ce × log m`` (``log m`` is that of
     uniform guessing over ``m`` classes: the run is confidently wrong), when an entry of LoKO's ``p̂`` exceeds
-    ``p_limit × p0`` or is not finite (possible only with process noise: without it ``p̂`` only shrinks), or when a
-    parameter of a gradient optimizer is not finite. The parameters and optimizer state of the last check that
+    ``p_limit × p0`` or is not finite (possible only with process noise: without it ``p̂`` only shrinks), when LoKO
+    applied none of its updates since the last check (each was not finite: its predictions are still scored, so the
+    metrics alone would not show that it stopped learning), or when a parameter of a gradient optimizer is not
+    finite. The parameters and optimizer state of the last check that
     passed (or of the start of training) are then restored and saved as ``good-before-divergence.ckpt`` beside the
     checkpoints, and the error names the hyperparameter to change (``p0`` or ``lr``; ``process_noise`` when ``p̂``
-    alone grew past its limit) and the value to try: ten times smaller.
+    alone grew past its limit) and the value to try: ten times smaller (or, when no update was applied, the filter's
+    settings).
 
     Args:
         check_every: check every this many samples; 0 disables the guard.
@@ -215,8 +218,14 @@ class DivergenceGuard(pl.Callback):
                 f"{ce:.2f}, above {limit:.2f} ({self.divergence_ce:g} x log {m}, uniform guessing)"
             )
         kalman = isinstance(optimizer, LoKO)
-        p_grew = False
+        p_grew = refused = False
         if kalman:
+            refused = self._refused_every_update(trainer, optimizer)
+            if refused:
+                reasons.append(
+                    f"none of its last {trainer.global_step - self._last_good['step']} updates was applied: each was "
+                    "not finite (counted in train/skipped), so the learner has stopped learning"
+                )
             p0 = max(group["p0"] for group in optimizer.param_groups)
             prior = max(group_p0(group) for group in optimizer.param_groups)  # p0 x a group's p0_scale
             q = max(group["process_noise"] for group in optimizer.param_groups)
@@ -235,7 +244,14 @@ class DivergenceGuard(pl.Callback):
             self._record(trainer, pl_module)
             return
         saved = self._restore_and_save(trainer, pl_module)
-        if p_grew and len(reasons) == 1 and q > 0:
+        if refused and len(reasons) == 1:
+            field, value = "filter", optimizer.filter.config()
+            hint = (
+                "A finite stream whose every update fails is a filter whose arithmetic broke down (S, its prior scale "
+                "or the Jacobian not finite; r_estimator: softmax collapsed so on text): restart with the filter's "
+                "r_estimator: taylor (the paper's) or dtype: float64, and check the stream for NaN"
+            )
+        elif p_grew and len(reasons) == 1 and q > 0:
             # p̂ grows only by the process noise (p̂ ≤ p0 + k q): a smaller p0 would lower the limit and trip sooner.
             field, value = "process_noise", q
             hint = (
@@ -265,9 +281,16 @@ class DivergenceGuard(pl.Callback):
             optimizer.consolidate_state_dict()  # all check alike (the metrics and p̂'s statistics are global)
         self._last_good = {
             "step": trainer.global_step,
+            "applied": _applied_updates(optimizer),
             "params": [p.detach().clone() for p in pl_module.trainable_parameters],
             "optimizer": copy.deepcopy(optimizer.state_dict()),
         }
+
+    def _refused_every_update(self, trainer: pl.Trainer, optimizer: LoKO) -> bool:
+        """Whether LoKO took steps since the last check that passed and applied none of them."""
+        if self._last_good is None or trainer.global_step <= self._last_good["step"]:
+            return False
+        return _applied_updates(optimizer) == self._last_good["applied"]
 
     def _restore_and_save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         snapshot = self._last_good
@@ -283,6 +306,14 @@ class DivergenceGuard(pl.Callback):
         path = directory / GOOD_STATE_NAME
         trainer.save_checkpoint(path)
         return f"The parameters and filter state after sample {snapshot['step']} are saved in {path}."
+
+
+def _applied_updates(optimizer: Any) -> int | None:
+    """LoKO's count of applied updates (one host read); ``None`` for another optimizer."""
+    if not isinstance(optimizer, LoKO):
+        return None
+    counts = [state["step"] for state in optimizer.state.values() if "step" in state]  # the shared state's, one
+    return int(counts[0]) if counts else 0
 
 
 class RNGStateCheckpoint(pl.Callback):
