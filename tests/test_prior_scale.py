@@ -165,17 +165,21 @@ def test_the_prediction_covariance_is_the_belief_before_the_samples_scale():
     assert difference > 1e-6
 
 
-def test_a_skipped_step_leaves_the_scaled_state_alone():
-    """A non-finite sample: ``p̂``, ``Σ`` and ``R`` exactly as they were, though the step's scale is not finite."""
+def _five_steps_in():
+    """A scaled filter with shared head rows after five samples of a teacher stream, and the stream's sixth."""
     model = mlp()
     opt = mlp_optimizer(model, p0=3.0, filter={"name": "covariance", "prior_scale_rate": 0.1})
     stream = list(teacher_stream(6))
     for x, y in stream[:5]:
         opt.step(loko_closure(model, x, y, factorize=True))
-    params = list(model.parameters())
+    return model, opt, list(model.parameters()), stream[5]
+
+
+def test_a_skipped_step_leaves_the_scaled_state_alone():
+    """A non-finite sample: ``p̂``, ``Σ`` and ``R`` exactly as they were, though the step's scale is not finite."""
+    model, opt, params, (x, y) = _five_steps_in()
     before = {k: v.clone() for k, v in [("cov", flat_cov(opt, params)), ("row_cov", opt.state[params[2]]["row_cov"]),
                                         ("R", opt.state[params[0]]["R"])]}  # fmt: skip
-    x, y = stream[5]
     opt.step(loko_closure(model, x, y * float("nan"), factorize=True))
     assert not opt.diagnostics["applied"]
     assert torch.equal(flat_cov(opt, params), before["cov"])
@@ -192,15 +196,9 @@ def test_a_scale_that_is_not_finite_skips_the_step(monkeypatch):
     """A finite sample whose prior scale is not (seen on text with ``r_estimator: softmax``: ``H P Hᵀ`` and ``R``
     collapsed to ~1e-38 and ~1e-22 in float32 and ``g`` came out NaN) is skipped like a non-finite sample, its state
     kept: it must not reach the eigendecomposition (LAPACK raised there) nor scale ``P``."""
-    model = mlp()
-    opt = mlp_optimizer(model, p0=3.0, filter={"name": "covariance", "prior_scale_rate": 0.1})
-    stream = list(teacher_stream(6))
-    for x, y in stream[:5]:
-        opt.step(loko_closure(model, x, y, factorize=True))
-    params = list(model.parameters())
+    model, opt, params, (x, y) = _five_steps_in()
     before = [p.detach().clone() for p in params] + [flat_cov(opt, params), opt.state[params[2]]["row_cov"].clone()]
     monkeypatch.setattr(covariance_module, "prior_scale_gradient", lambda *args: torch.tensor(float("nan")))
-    x, y = stream[5]
     opt.step(loko_closure(model, x, y, factorize=True))
     assert not opt.diagnostics["applied"]
     assert int(opt.diagnostics["skipped"]) == 1
