@@ -224,8 +224,10 @@ def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
         assert torch.equal(before, after), "the NaN sample changed a parameter"
     assert all(torch.isfinite(p).all() for p in module.trainable_parameters)
     assert int(module.loss_avg.count) == 5
-    # The online accuracy averages the 5 finite samples only.
+    # The online accuracy averages the 5 finite samples only; the stream's NLL and ECE stay finite (NaN x 0 is NaN).
     assert module.online_acc.weight.item() == 5
+    assert module.nll.weight.item() == 5 and math.isfinite(float(module.nll.compute()))
+    assert int(module.ece.count.sum()) == 5 and math.isfinite(float(module.ece.compute()))
 
 
 def test_a_finite_prediction_is_scored_though_the_filter_skips_its_update(monkeypatch):

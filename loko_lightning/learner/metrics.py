@@ -43,7 +43,8 @@ class OnlineMean(ExactStates, MeanMetric):
     """Weighted mean of per-sample values, for prequential (test-then-train) accuracies; no host sync per update.
 
     torchmetrics' ``MeanMetric`` scans every update for NaN, which reads ``.any()`` on the host (a device sync); the
-    online accuracies average finite 0/1 values and a skipped sample comes with weight 0. (``nan_strategy="disable"``
+    online accuracies average finite 0/1 values and a prediction that is not scored comes with weight 0, its value
+    (NaN, for a NaN input's NLL) left out rather than multiplied by 0, which is NaN. (``nan_strategy="disable"``
     would skip the scan too, but it also drops the weights.) Its state is persistent: it is saved in checkpoints, so
     a resumed run continues the average exactly.
 
@@ -60,8 +61,8 @@ class OnlineMean(ExactStates, MeanMetric):
         self.persistent(True)
 
     def update(self, value: Tensor, weight: Tensor) -> None:
-        """Add ``value`` with ``weight``, both 0-d tensors."""
-        self.mean_value += (value * weight).to(self.mean_value.dtype)
+        """Add ``value`` with ``weight``, both 0-d tensors (with weight 0 nothing, whatever ``value`` is)."""
+        self.mean_value += torch.where(weight != 0, value * weight, 0.0).to(self.mean_value.dtype)
         self.weight += weight.to(self.weight.dtype)
 
 
@@ -70,9 +71,9 @@ class OnlineAccuracy(OnlineMean):
 
     Feed it the prediction made *before* the update on a sample, then update the model: the running value is the
     paper's average online accuracy ``acc(k) = (1/k) Σ_i 1[y_i in top-k of the prediction made on x_i]``. A sample
-    with ``weight`` 0 (skipped, e.g. non-finite input) is left out of the average. The state (a weighted sum and the
-    total weight, as in :class:`~torchmetrics.MeanMetric`) is saved with the module, so a resumed run continues the
-    average exactly; ``dist_reduce_fx="sum"`` sums it over processes.
+    with ``weight`` 0 (a prediction that is not finite, from NaN in the input) is left out of the average. The state
+    (a weighted sum and the total weight, as in :class:`~torchmetrics.MeanMetric`) is saved with the module, so a
+    resumed run continues the average exactly; ``dist_reduce_fx="sum"`` sums it over processes.
 
     Args:
         top_k: a prediction counts as correct when the label is among its ``top_k`` largest entries (capped at the
@@ -212,6 +213,7 @@ class CalibrationError(ExactStates):
         hit = (predicted == torch.as_tensor(label, device=prediction.device)).to(torch.float64)
         keep = torch.as_tensor(keep, device=prediction.device)
         if self.window is None:
+            confidence = torch.where(keep, confidence, 0.0)  # a prediction left out (NaN) must not reach the sums
             slot = self.bin_of(confidence.reshape(1))
             weight = keep.to(torch.float64).reshape(1)
             self.count.index_add_(0, slot, weight)
