@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     scale_call = PredictiveScale.__call__
 
-    def recording(self, probabilities, cov, label, applied):  # the inputs of every step's predictive
+    def recording(self, probabilities, cov, label):  # the inputs of every step's predictive
         records.append((probabilities.detach().double().clone(), cov.detach().double().clone(), label.clone()))
-        return scale_call(self, probabilities, cov, label, applied)
+        return scale_call(self, probabilities, cov, label)
 
     steps.PredictiveScale.__call__ = recording
     fit_args = [

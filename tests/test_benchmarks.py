@@ -859,7 +859,7 @@ def test_mixture_replay_scores_the_posterior_predictive_as_the_learner_does():
     experts = mixture_replay.posterior_experts(probabilities.log(), cov, KAPPAS)
     scale, want = PredictiveScale(), []
     for i in range(40):
-        want.append(scale(probabilities[i : i + 1], cov[i : i + 1], labels[i : i + 1], torch.tensor(True))[0])
+        want.append(scale(probabilities[i : i + 1], cov[i : i + 1], labels[i : i + 1])[0])
     got = mixture_replay.chosen_online(experts, labels)
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=1e-12)
     assert scale.kappa != 0.0  # the choice moved off the mean's κ 0: more than one candidate was taken

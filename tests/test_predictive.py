@@ -104,7 +104,7 @@ def test_a_joint_step_gives_one_block_per_sample():
 
 def test_the_scale_is_chosen_by_the_prequential_log_loss_so_far():
     """κ = 0 (the mean) predicts first; each later step the scale with the least summed log-loss of the earlier
-    steps; a skipped step adds nothing; a resumed state chooses as the uninterrupted one."""
+    steps; a prediction that is not finite adds nothing; a resumed state chooses as the uninterrupted one."""
     gen = torch.Generator().manual_seed(3)
     scale = PredictiveScale()
     totals = torch.zeros(len(KAPPAS), dtype=torch.float64)
@@ -114,11 +114,12 @@ def test_the_scale_is_chosen_by_the_prequential_log_loss_so_far():
         A = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
         C = A @ (root @ root.transpose(1, 2)) @ A
         label = torch.randint(4, (2,), generator=gen)
-        applied = torch.tensor(step != 3)
+        if step == 3:  # NaN in the input
+            p = p * float("nan")
         expected_kappa = KAPPAS[int(torch.argmin(totals))]
         assert scale.kappa == expected_kappa and (step > 0 or expected_kappa == 0.0)
-        got = scale(p, C, label, applied)
-        torch.testing.assert_close(got, mean_field_predictive(p, expected_kappa * C), rtol=0, atol=0)
+        got = scale(p, C, label)
+        torch.testing.assert_close(got, mean_field_predictive(p, expected_kappa * C), rtol=0, atol=0, equal_nan=True)
         if step != 3:
             for i, kappa in enumerate(KAPPAS):
                 totals[i] -= mean_field_predictive(p, kappa * C)[torch.arange(2), label].log().sum()
@@ -149,7 +150,7 @@ def test_the_learner_scores_the_posterior_predictive_made_before_each_update():
     for item, got in zip(items, scored, strict=True):
         prediction, _, _ = opt.step(lambda item=item: engine.observe(item["inputs"][None], item["label"][None]))
         blocks = sample_blocks(opt.prediction_cov, 1)
-        expected = scale(prediction[None], blocks, item["label"][None], opt.diagnostics["applied"])
+        expected = scale(prediction[None], blocks, item["label"][None])
         assert torch.equal(got, expected)
     assert torch.equal(module.online_step.predictive.losses, scale.losses)
     assert scale.losses.min() < scale.losses[0]  # a spread beat the mean's point prediction on this stream

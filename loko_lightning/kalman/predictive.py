@@ -76,7 +76,10 @@ def mean_field_predictive(probabilities: Tensor, cov: Tensor, eps: float | None 
     p = probabilities.to(torch.float64)
     C = cov.to(torch.float64)
     A = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-    values, vectors = torch.linalg.eigh(A)
+    # eigh must not see NaN (LAPACK raises): a row that is not finite decomposes I, and keeps its prediction below.
+    scorable = torch.isfinite(p).all(-1)[:, None, None]
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    values, vectors = torch.linalg.eigh(torch.where(scorable, A, eye))
     keep = values > math.sqrt(eps) * values[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
     inverse = torch.where(keep, 1.0 / torch.where(keep, values, 1.0), 0.0)
     pinv = (vectors * inverse[:, None, :]) @ vectors.transpose(-1, -2)
@@ -95,9 +98,9 @@ class PredictiveScale:
     """The posterior predictive over ``κ · H P Hᵀ``, ``κ`` chosen online by the prequential log-loss of each.
 
     Before a step the scale with the least cumulative log-loss so far predicts (ties: the smaller, so the mean first);
-    after it is scored, every scale's loss on the step's samples is added (skipped steps add nothing, as the online
-    metrics weigh them 0). Every process of a DDP run sees the same gathered predictions and labels, so the choice is
-    the same everywhere.
+    after it is scored, every scale's loss on the step's samples is added where all are finite (a prediction that is
+    not finite adds nothing, as the online metrics leave it out; one whose update was then skipped counts). Every
+    process of a DDP run sees the same gathered predictions and labels, so the choice is the same everywhere.
     """
 
     def __init__(self, kappas: tuple[float, ...] = KAPPAS) -> None:
@@ -109,16 +112,16 @@ class PredictiveScale:
         """The scale that predicts the next step."""
         return self.kappas[int(torch.argmin(self.losses))]  # the first of equal losses: the smallest scale
 
-    def __call__(self, probabilities: Tensor, cov: Tensor, label: Tensor, applied: Tensor) -> Tensor:
+    def __call__(self, probabilities: Tensor, cov: Tensor, label: Tensor) -> Tensor:
         """The predictive with the chosen scale for ``probabilities`` ``(B, m)`` and their blocks ``cov`` ``(B, m, m)``.
 
-        Then every scale's log-loss on ``label`` ``(B,)`` joins its total where the step was ``applied``.
+        Then every scale's log-loss on ``label`` ``(B,)`` joins its total, if every one is finite.
         """
         candidates = torch.stack([mean_field_predictive(probabilities, kappa * cov) for kappa in self.kappas])
         chosen = candidates[int(torch.argmin(self.losses))]
         likelihood = candidates.to(torch.float64).gather(-1, label.view(1, -1, 1).expand(len(self.kappas), -1, 1))
         loss = -likelihood.clamp_min(torch.finfo(torch.float64).tiny).log().sum((1, 2)).cpu()
-        if bool(applied) and bool(torch.isfinite(loss).all()):
+        if bool(torch.isfinite(loss).all()):
             self.losses += loss
         return chosen
 

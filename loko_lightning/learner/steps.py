@@ -268,7 +268,7 @@ class KalmanStep(ServesAnAverage):
         if getattr(module, "predictive", "mean") == "posterior" and loko.prediction_cov is not None:
             self.predictive = self.predictive or PredictiveScale()
             blocks = sample_blocks(loko.prediction_cov, prediction.shape[0])
-            prediction = self.predictive(prediction, blocks, label, applied)
+            prediction = self.predictive(prediction, blocks, label)
         return prediction, label, applied
 
     def serving(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None] | None:
