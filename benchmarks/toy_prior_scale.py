@@ -82,7 +82,7 @@ def run(
     until: int = 0,
     per_kind: bool = False,
 ) -> dict[str, float]:
-    """One online pass of the filter; the accuracies at the checkpoints, at the end, recent, and the prior's scale."""
+    """One online pass of the filter; the accuracies at the checkpoints, at the end, recent, the NLL, the scales."""
     weight, bias = pretrain(x, y, seed)
     generator = torch.Generator().manual_seed(seed)
     order = torch.cat([torch.randperm(len(y), generator=generator) for _ in range(3)])

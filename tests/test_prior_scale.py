@@ -197,12 +197,16 @@ def test_a_scale_that_is_not_finite_skips_the_step(monkeypatch):
     collapsed to ~1e-38 and ~1e-22 in float32 and ``g`` came out NaN) is skipped like a non-finite sample, its state
     kept: it must not reach the eigendecomposition (LAPACK raised there) nor scale ``P``."""
     model, opt, params, (x, y) = _five_steps_in()
-    before = [p.detach().clone() for p in params] + [flat_cov(opt, params), opt.state[params[2]]["row_cov"].clone()]
+
+    def states():
+        return [flat_cov(opt, params), opt.state[params[2]]["row_cov"], opt.state[params[0]]["R"]]
+
+    before = [p.detach().clone() for p in params] + [state.clone() for state in states()]
     monkeypatch.setattr(covariance_module, "prior_scale_gradient", lambda *args: torch.tensor(float("nan")))
     opt.step(loko_closure(model, x, y, factorize=True))
     assert not opt.diagnostics["applied"]
     assert int(opt.diagnostics["skipped"]) == 1
-    after = [p.detach() for p in params] + [flat_cov(opt, params), opt.state[params[2]]["row_cov"]]
+    after = [p.detach() for p in params] + states()
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 

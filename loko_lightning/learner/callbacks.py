@@ -247,9 +247,10 @@ class DivergenceGuard(pl.Callback):
         if refused and len(reasons) == 1:
             field, value = "filter", optimizer.filter.config()
             hint = (
-                "A finite stream whose every update fails is a filter whose arithmetic broke down (S, its prior scale "
-                "or the Jacobian not finite; r_estimator: softmax collapsed so on text): restart with the filter's "
-                "r_estimator: taylor (the paper's) or dtype: float64, and check the stream for NaN"
+                "Either the stream's inputs are NaN (each such sample is skipped) or the filter's arithmetic broke "
+                "down (S, its prior scale or the Jacobian not finite; r_estimator: softmax collapsed so on text): "
+                "check the stream, or restart with the filter's r_estimator: taylor (the paper's) or LoKO's dtype: "
+                "torch.float64"
             )
         elif p_grew and len(reasons) == 1 and q > 0:
             # p̂ grows only by the process noise (p̂ ≤ p0 + k q): a smaller p0 would lower the limit and trip sooner.
@@ -287,7 +288,12 @@ class DivergenceGuard(pl.Callback):
         }
 
     def _refused_every_update(self, trainer: pl.Trainer, optimizer: LoKO) -> bool:
-        """Whether LoKO took steps since the last check that passed and applied none of them."""
+        """Whether LoKO took steps since the last check that passed and applied none of them.
+
+        With ``p0: auto`` the live state is the leader's, which may have changed since that check; every candidate
+        that can lead has applied the same updates (the selection scores one that alone skipped a step infinity), so
+        their counts compare.
+        """
         if self._last_good is None or trainer.global_step <= self._last_good["step"]:
             return False
         return _applied_updates(optimizer) == self._last_good["applied"]

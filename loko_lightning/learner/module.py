@@ -333,8 +333,9 @@ class OnlineClassifier(pl.LightningModule):
         processes, make one joint LoKO update (:mod:`loko_lightning.kalman.multistream`) or one gradient step on their
         mean loss;
         every prediction is scored before that update. A step whose prediction or loss is not finite (NaN/Inf in
-        the input), or whose filter refuses it (a quantity of the update not finite), changes nothing: no parameter or
-        filter state is updated, and it is counted in ``train/skipped``. Its finite predictions are scored all the
+        the input), or whose filter refuses it (a quantity of the update not finite), updates no parameter and no
+        filter state (a mixture's frozen head and weights still learn from finite features) and is counted in
+        ``train/skipped``. Its finite predictions are scored all the
         same; one that is not finite is left out of the metrics.
         """
         inputs, label = batch["inputs"], batch["label"]

@@ -170,8 +170,9 @@ class CandidateStates:
         Args:
             results: per candidate, in order, ``(prediction, label, applied)``: ``(N, m)`` probabilities made before
                 its update, ``(N,)`` labels, and whether its update was applied. A step every candidate skipped
-                (non-finite input) scores nothing; a candidate that alone skipped it (its own prediction was not
-                finite: it diverged) scores infinity, as does a non-finite cross-entropy.
+                (non-finite input) scores nothing; a candidate that alone skipped it (its own prediction or update
+                was not finite: it diverged, or its filter broke down) scores infinity, as does a non-finite
+                cross-entropy.
         """
         applied = [bool(result[2]) for result in results]
         self.classes = results[0][0].shape[-1]
