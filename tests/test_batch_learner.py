@@ -76,8 +76,8 @@ def test_batch_of_one_learner_is_unchanged():
 
 def test_nonfinite_sample_in_a_joint_step_skips_the_whole_step():
     """B = 3, a NaN in the second sample of step 2: that joint update is skipped (parameters, p̂, R and LoKO's counter
-    as after step 1), all three samples of the step are counted in ``skipped`` and left out of the metrics, and the
-    steps around it are applied."""
+    as after step 1), all three samples of the step are counted in ``skipped``, the NaN one is left out of the metrics
+    while the two finite predictions, made before the update, are scored, and the steps around it are applied."""
     torch.manual_seed(0)
     module = tiny(p0=0.05, p0_init="constant")
     items = stream(9)
@@ -113,7 +113,7 @@ def test_nonfinite_sample_in_a_joint_step_skips_the_whole_step():
     assert not all(torch.equal(a, b) for a, b in zip(poisoned["params"], last["params"], strict=True))
     assert all(torch.isfinite(p).all() for p in module.trainable_parameters)
     assert float(t.logged_metrics["train/skipped"]) == 3
-    assert module.online_acc.weight.item() == 6 and int(module.loss_avg.count) == 6
+    assert module.online_acc.weight.item() == 8 and int(module.loss_avg.count) == 8
 
 
 def test_gradient_baseline_takes_the_mean_loss_of_a_batch():

@@ -551,20 +551,22 @@ def test_gradient_baseline_under_ddp_all_reduces_and_scores_every_process(tmp_pa
 
 def test_a_nan_on_one_process_skips_the_joint_step_everywhere(tmp_path):
     """AdamW under DDP with a NaN input on rank 1 at step 2: the processes agree to skip that step (no process waits
-    alone in DDP's all-reduce), stay in sync, and count both samples of the step as skipped."""
+    alone in DDP's all-reduce), stay in sync, and count both samples of the step as skipped; rank 0's finite
+    prediction is scored, the NaN one is not."""
     adamw = ["--config", str(ROOT / "configs" / "baselines" / "adamw.yaml"), "--model.lr_scheduler.total_iters", "6"]
     poison = {"class_path": "ddp_checksum.PoisonOneRank", "init_args": {"rank": 1, "step": 2}}
     result, checkpoints, _ = loko_ddp(tmp_path, "nan", *adamw, every=3, samples=12, callbacks=[poison])
     assert torch.equal(result["states"][0], result["states"][1])
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert last["global_step"] == 6 and last["state_dict"]["skipped"].item() == 2
-    assert last["state_dict"]["online_acc.weight"].item() == 10
+    assert last["state_dict"]["online_acc.weight"].item() == 11
 
 
 def test_a_nan_on_one_process_skips_the_loko_joint_step_on_both(tmp_path):
     """LoKO under DDP with a NaN input on rank 1 at step 2 (of 6): both ranks gather the non-finite observation and
     skip the joint update alike. The checkpoints around that step hold the same parameters, p̂, R and update count;
-    the ranks end in sync, with both samples of the step counted as skipped and left out of the online metrics."""
+    the ranks end in sync, with both samples of the step counted as skipped; rank 0's finite prediction of that step,
+    made before the update, is scored and the NaN one is left out of the online metrics."""
     poison = {"class_path": "ddp_checksum.PoisonOneRank", "init_args": {"rank": 1, "step": 2}}
     result, checkpoints, _ = loko_ddp(tmp_path, "loko_nan", every=1, samples=12, callbacks=[poison])
     assert torch.equal(result["states"][0], result["states"][1])
@@ -581,7 +583,7 @@ def test_a_nan_on_one_process_skips_the_loko_joint_step_on_both(tmp_path):
     last = torch.load(checkpoints / "last.ckpt", weights_only=False)
     assert last["global_step"] == 6 and int(last["optimizer_states"][0]["state"][0]["step"]) == 5
     assert last["state_dict"]["skipped"].item() == 2
-    assert last["state_dict"]["online_acc.weight"].item() == 10
+    assert last["state_dict"]["online_acc.weight"].item() == 11
     assert not all(torch.equal(after_params[k], v) for k, v in trainable(last["state_dict"]).items())
 
 
