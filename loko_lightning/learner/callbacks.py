@@ -164,11 +164,10 @@ class DivergenceGuard(pl.Callback):
     ``p_limit × p0`` or is not finite (possible only with process noise: without it ``p̂`` only shrinks), when LoKO
     applied none of its updates since the last check (each was not finite: its predictions are still scored, so the
     metrics alone would not show that it stopped learning), or when a parameter of a gradient optimizer is not
-    finite. The parameters and optimizer state of the last check that
-    passed (or of the start of training) are then restored and saved as ``good-before-divergence.ckpt`` beside the
-    checkpoints, and the error names the hyperparameter to change (``p0`` or ``lr``; ``process_noise`` when ``p̂``
-    alone grew past its limit) and the value to try: ten times smaller (or, when no update was applied, the filter's
-    settings).
+    finite. The parameters and optimizer state of the last check that passed (or of the start of training) are then
+    restored and saved as ``good-before-divergence.ckpt`` beside the checkpoints, and the error names the
+    hyperparameter to change (``p0`` or ``lr``; ``process_noise`` when ``p̂`` alone grew past its limit) and the value
+    to try: ten times smaller (or, when no update was applied, the filter's settings).
 
     Args:
         check_every: check every this many samples; 0 disables the guard.

@@ -312,13 +312,13 @@ def make_online_metrics(window: int, recent_window: int) -> dict[str, Metric]:
     }
 
 
-def is_scored(scores: Tensor) -> Tensor:
-    """Whether a prediction ``(m,)`` is scored (a 0-d bool tensor, no host sync): it is finite.
+def is_scored(prediction: Tensor) -> Tensor:
+    """Whether each prediction of ``(N, m)`` is scored (``(N,)`` bools, no host sync): it is finite.
 
     It was made before its update, so whether that update was then applied does not matter; one that is not finite
     (NaN in the input) cannot be scored.
     """
-    return torch.isfinite(scores).all()
+    return torch.isfinite(prediction).all(-1)
 
 
 def update_online(metrics: Mapping[str, Metric], prediction: Tensor, label: Tensor) -> None:
@@ -329,8 +329,7 @@ def update_online(metrics: Mapping[str, Metric], prediction: Tensor, label: Tens
     accuracy and NLL with weight 0, and not in the windows.
     """
     prediction = prediction.float()
-    for scores, target in zip(prediction, label, strict=True):
-        scored = is_scored(scores)
+    for scores, target, scored in zip(prediction, label, is_scored(prediction), strict=True):
         weight = scored.to(scores.dtype)
         metrics["online_acc"].update(scores, target, weight)
         metrics["online_acc_top5"].update(scores, target, weight)

@@ -335,8 +335,8 @@ class OnlineClassifier(pl.LightningModule):
         every prediction is scored before that update. A step whose prediction or loss is not finite (NaN/Inf in
         the input), or whose filter refuses it (a quantity of the update not finite), updates no parameter and no
         filter state (a mixture's frozen head and weights still learn from finite features) and is counted in
-        ``train/skipped``. Its finite predictions are scored all the
-        same; one that is not finite is left out of the metrics.
+        ``train/skipped``. Its finite predictions are scored all the same; one that is not finite is left out of the
+        metrics.
         """
         inputs, label = batch["inputs"], batch["label"]
         optimizer = self.optimizers()

@@ -285,8 +285,9 @@ class ServingLearner:
         """
         module = self.module
         module.skipped += (~applied).to(module.skipped.dtype) * label.shape[0]
-        for scores, target in zip(prediction.float(), label, strict=True):
-            weight = is_scored(scores).to(scores.dtype)
+        prediction = prediction.float()
+        for scores, target, scored in zip(prediction, label, is_scored(prediction), strict=True):
+            weight = scored.to(scores.dtype)
             module.online_acc.update(scores, target, weight)
             module.online_acc_top5.update(scores, target, weight)
 

@@ -227,8 +227,8 @@ class Covariance(Filter):
             scale = self._prior_scale(plan, belief, hpht, innovation, finite)
             prior, hpht = prior * scale, hpht * scale
             S = hpht + noise
-            # The scale may not be finite where S is (a collapsed p̂ and R in float32 gave g = NaN): skip that step too.
-            finite = finite & torch.isfinite(S).all() & torch.isfinite(scale)
+            # A scale that is not finite (g = NaN where H P Hᵀ and R collapsed in float32) makes S so: skip the step.
+            finite = finite & torch.isfinite(S).all()
         # 5. S = H P Hᵀ + R_k and S⁺ = W Wᵀ by eigendecomposition with a relative cut-off (S is singular with
         # softmax outputs). eigh must never see NaN/Inf (LAPACK fails): a step to be skipped decomposes I instead.
         factor, cond = _pinv_factor(torch.where(finite, S, plan.eye), torch.where(finite, innovation, 0.0), self.rcond)
