@@ -33,7 +33,10 @@ from them (each label from its prediction's own distribution: perfectly calibrat
 sampling alone gives a calibrated learner with these confidences on a stream this long. Where LoKO's filter forms
 ``H P Hᵀ`` (the covariance filter), ``record`` keeps it too, the belief before each sample (``prediction_cov``); with
 ``--posterior`` the replay scores LoKO's posterior predictive at those ``κ`` alone and chosen online (``predictive:
-posterior``'s arithmetic, :func:`posterior_experts`), and each setting again with them as more experts.
+posterior``'s arithmetic, :func:`posterior_experts`), and each setting again with them as more experts. With
+``--late L``, two more columns: each row's NLL over its last ``L`` predictions and at the one temperature best for them
+in hindsight (:func:`scores`). With ``--learned-pool``, LoKO's and LDA's log-linear pool with its powers learned online
+(:func:`learned_pool`) at those ``γ``, alone and as more experts of each setting.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ PRESET = common.ROOT / "configs" / "presets" / "loko_mixture_lda.yaml"
 
 #: The recorded temperature grid: LDA's own (1) to 4096x softer, by factors of 2.
 WIDE = [float(2**k) for k in range(13)]
+#: ``--late``'s temperatures tried in hindsight on the window (0.5-2 by steps of 0.05, 1 among them).
+HINDSIGHT = [round(0.5 + 0.05 * k, 2) for k in range(31)]
 
 
 class ExpertRecorder(pl.Callback):
@@ -174,7 +179,13 @@ def nll_of(predictions: Tensor, labels: Tensor) -> Tensor:
 
 
 def scores(
-    predictions: Tensor, labels: Tensor, at: Sequence[int], bootstrap: int = 0, gap: bool = False, floor: int = 0
+    predictions: Tensor,
+    labels: Tensor,
+    at: Sequence[int],
+    bootstrap: int = 0,
+    gap: bool = False,
+    floor: int = 0,
+    late: int = 0,
 ) -> dict[str, float]:
     """Online accuracy after each of ``at``, prequential NLL and ECE of the whole stream.
 
@@ -183,7 +194,10 @@ def scores(
     with the samples it happened to score. With ``gap`` also ``conf - acc``: the mean top-1 confidence minus the
     accuracy (below 0: the predictions are underconfident on the whole). With ``floor`` ``F > 0`` also ``ece floor``:
     the mean ECE of the predictions over ``F`` label streams drawn from them (a fixed generator), the calibrated
-    learner's ECE from sampling alone.
+    learner's ECE from sampling alone. With ``late`` ``L > 0`` also ``nll last L``, the NLL of the last ``L``
+    predictions, and ``… at best T``: the same predictions tempered at the one ``T`` of :data:`HINDSIGHT` that fits
+    those ``L`` labels best, chosen after seeing them. Not a learner: how much of the window's NLL one calibration
+    could recover at most (the rest is the predictions' ranking of the classes).
     """
     hits = (predictions.argmax(-1) == labels).double().cumsum(0)
     nll = nll_of(predictions, labels)
@@ -202,6 +216,12 @@ def scores(
         generator = torch.Generator().manual_seed(0)
         draws = [torch.multinomial(predictions, 1, generator=generator)[:, 0] for _ in range(floor)]
         out["ece floor"] = statistics.fmean(ece(predictions, drawn) for drawn in draws)
+    if late:
+        window, window_labels = predictions[-late:], labels[-late:]
+        out[f"nll last {late}"] = float(nll_of(window, window_labels).mean())
+        log_p = window.clamp_min(torch.finfo(torch.float64).tiny).log()
+        tempered = (torch.softmax(log_p / t, -1) for t in HINDSIGHT)
+        out[f"nll last {late} at best T"] = min(float(nll_of(p, window_labels).mean()) for p in tempered)
     return out
 
 
@@ -269,6 +289,27 @@ def posterior_experts(learner: Tensor, cov: Tensor, kappas: Sequence[float]) -> 
     return torch.stack([mean_field_predictive(probabilities, k * cov).clamp_min(tiny).log() for k in kappas], 1)
 
 
+def learned_pool(features: Tensor, labels: Tensor, gamma: float, eps: float = 1.0) -> Tensor:
+    """The log-linear pool ``log softmax(Σ_j w_j f_j)`` with its powers ``w ≥ 0`` learned online ``(N, m)``.
+
+    ``features`` ``(N, J, m)``: the pooled predictions' log probabilities (LoKO's first). ``w`` starts at LoKO alone
+    (``(1, 0, …)``) and takes one online Newton step on each sample's log loss after its prediction (prequential):
+    ``A ← A + g gᵀ`` (``A₀ = ε I``), ``w ← max(w − A⁻¹ g / γ, 0)``, ``g = Σ_c p_c f_c − f_y`` the loss's gradient.
+    The mixture's pools fix ``w`` on a grid instead (powers ``a`` and LDA's temperatures, weighed by Bayes).
+    """
+    weights = torch.zeros(features.shape[1], dtype=torch.float64)
+    weights[0] = 1.0
+    curvature = eps * torch.eye(features.shape[1], dtype=torch.float64)
+    out = []
+    for feature, label in zip(features, labels, strict=True):
+        log_p = torch.log_softmax(weights @ feature, -1)
+        out.append(log_p)
+        gradient = feature @ log_p.exp() - feature[:, label]
+        curvature += torch.outer(gradient, gradient)
+        weights = (weights - torch.linalg.solve(curvature, gradient) / gamma).clamp_min(0.0)
+    return torch.stack(out)
+
+
 def chosen_online(experts: Tensor, labels: Tensor) -> Tensor:
     """The prediction ``(N, m)`` of the expert with the least log-loss so far (ties: the first).
 
@@ -301,7 +342,7 @@ def replay(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict[str, float]]] = {}
     for run in runs:
         experts, labels = run["experts"], run["labels"]
-        options = {"bootstrap": args.bootstrap, "gap": args.confidence_gap, "floor": args.ece_floor}
+        options = {"bootstrap": args.bootstrap, "gap": args.confidence_gap, "floor": args.ece_floor, "late": args.late}
         score = functools.partial(scores, labels=labels, at=args.at, **options)
         nearest = None
         if run.get("nearest_mean"):  # recorded last: nearest class mean at each temperature
@@ -322,6 +363,14 @@ def replay(args: argparse.Namespace) -> None:
             rows.setdefault("nearest class mean alone", []).append(score(nearest[:, 0].exp()))
             ncm_vote = nearest_vote(nearest[:, 0], labels)
             rows.setdefault("nearest class mean's vote alone", []).append(score(ncm_vote[:, 0].exp()))
+        learned = None
+        if args.learned_pool:  # LoKO's and LDA's T = 1 log probabilities (and nearest class mean's), pooled
+            features = experts[:, :2] if nearest is None else torch.cat([experts[:, :2], nearest[:, :1]], 1)
+            learned = torch.stack(
+                [learned_pool(features, labels, g, args.learned_pool_eps) for g in args.learned_pool], 1
+            )
+            for j, gamma in enumerate(args.learned_pool):
+                rows.setdefault(f"the pool learned online, γ = {gamma:g}", []).append(score(learned[:, j].exp()))
         for k, t in enumerate(temperatures, start=1):
             if t in args.show_temperatures:
                 rows.setdefault(f"LDA alone, T={t:g}", []).append(score(experts[:, k].exp()))
@@ -340,6 +389,10 @@ def replay(args: argparse.Namespace) -> None:
                 if posterior is not None:
                     kappas = ", ".join(f"{k:g}" for k in args.posterior)
                     extra_sets += [(f" + LoKO's posterior at κ = {kappas}", [posterior])]
+                if learned is not None:
+                    gammas = ", ".join(f"{g:g}" for g in args.learned_pool)
+                    name, before = extra_sets[-1]
+                    extra_sets += [(name + f" + the pool learned online at γ = {gammas}", [*before, learned])]
                 if nearest is not None:
                     tempered = nearest[:, [k for k, t in enumerate(temperatures) if t <= top]]
                     name, before = extra_sets[-1]  # with the posterior's experts where asked for
@@ -468,6 +521,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--posterior", type=float, nargs="*", default=[],
         help="with a recorded H P Hᵀ: LoKO's posterior predictive at these κ alone, chosen online, and as more experts",
     )  # fmt: skip
+    rep.add_argument(
+        "--late", type=int, default=0,
+        help="also each row's NLL over its last this many predictions, and at the temperature best for them in "
+        "hindsight (how much one calibration could recover there)",
+    )  # fmt: skip
+    rep.add_argument(
+        "--learned-pool", type=float, nargs="*", default=[],
+        help="LoKO's and LDA's (and nearest class mean's) log-linear pool with its powers learned online by an online "
+        "Newton step at these γ, alone and as more experts",
+    )  # fmt: skip
+    rep.add_argument("--learned-pool-eps", type=float, default=1.0, help="the --learned-pool's A₀ = ε I")
     rep.add_argument(
         "--prior-learner", type=float, nargs="*", default=[],
         help="also each setting with LoKO's experts sharing this prior weight (the mixture's prior_learner)",

@@ -1060,3 +1060,31 @@ def test_expert_bound_scores_prints_a_peers_row_as_the_replay_scores_it(tmp_path
     assert f"| adamw, mean of 2 | {mean} |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="expert_bound.py record"):
         expert_bound.main(["scores", str(tmp_path), "--optimizers", "sgd"])
+
+
+def test_mixture_replay_learns_the_pools_powers_online_and_scores_a_late_window():
+    """``--learned-pool``: the first prediction is LoKO's alone (its powers start at (1, 0)); each prediction is made
+    before its label is seen (labels from t on changed: the first t predictions the same, bit for bit); where the second
+    prediction is the labels' and the first is noise, its power grows and the pool's log loss falls far below LoKO's.
+    ``--late``: the window's NLL, and at the best T in hindsight never above it (T = 1 is among those tried)."""
+    pytest.importorskip("matplotlib")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))
+        import mixture_replay
+
+    torch.manual_seed(2)
+    labels = torch.randint(4, (200,))
+    noise = torch.randn(200, 4, dtype=torch.float64).log_softmax(-1)
+    informed = (2.0 * torch.nn.functional.one_hot(labels, 4).double() + torch.randn(200, 4).double()).log_softmax(-1)
+    features = torch.stack([noise, informed], 1)
+    got = mixture_replay.learned_pool(features, labels, gamma=1.0)
+    assert torch.equal(got[0], noise[0].log_softmax(-1))  # 1 · log p + 0 · the other, renormalised
+    changed = labels.clone()
+    changed[120:] = (changed[120:] + 1) % 4
+    assert torch.equal(mixture_replay.learned_pool(features, changed, gamma=1.0)[:121], got[:121])
+    late = mixture_replay.nll_of(got.exp(), labels)[-100:].mean()
+    assert late < 0.5 * mixture_replay.nll_of(noise.exp(), labels)[-100:].mean()
+
+    out = mixture_replay.scores(got.exp(), labels, at=[100], late=50)
+    assert out["nll last 50"] == pytest.approx(float(mixture_replay.nll_of(got.exp(), labels)[-50:].mean()), abs=0)
+    assert out["nll last 50 at best T"] <= out["nll last 50"]
