@@ -25,7 +25,7 @@ class DenseModelFilter:
     reference."""
 
     def __init__(self, model, p0, *, beta, r_estimator, output="softmax", debias=False, prior_scale_rate=0.0,
-                 prior_scale_until=0, **time_update):  # fmt: skip
+                 prior_scale_until=0, softmax_noise=False, **time_update):  # fmt: skip
         self.model = model
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in trainable]
@@ -36,6 +36,7 @@ class DenseModelFilter:
         self.k = 0
         self.beta, self.r_estimator, self.output, self.debias = beta, r_estimator, output, debias
         self.prior_scale_rate, self.prior_scale_until = prior_scale_rate, prior_scale_until
+        self.softmax_noise = softmax_noise
         self.time_update = TimeUpdate(**time_update)
 
     def unflatten(self, theta):
@@ -63,9 +64,11 @@ class DenseModelFilter:
         self.theta, self.p, self.R = loko_step_reference(
             self.theta, self.p, self.R, H, y_hat, y, self.k, beta=self.beta, r_estimator=self.r_estimator, rcond=RTOL,
             time_update=self.time_update, debias=self.debias, prior_scale_rate=self.prior_scale_rate,
-            prior_scale_until=self.prior_scale_until,
+            prior_scale_until=self.prior_scale_until, softmax_noise=self.softmax_noise,
         )  # fmt: skip
         noise = self.R / (1 - self.beta**self.k) if self.debias else self.R
+        if self.softmax_noise:
+            noise = noise + torch.diag(y_hat) - torch.outer(y_hat, y_hat)
         eig = torch.linalg.eigvalsh((H * p_prior) @ H.T + noise)  # S
         rel = eig.abs() / eig.abs().max()
         assert not ((rel > 1e-13) & (rel < 1e-7)).any(), f"no clean spectral gap: {rel}"

@@ -54,7 +54,7 @@ class SharedRowsReference:
             start += shape.numel()
         return torch.softmax(functional_call(self.model, values, (x,)).reshape(-1), 0)
 
-    def step(self, xs, ys, beta, debias=False, prior_scale_rate=0.0):
+    def step(self, xs, ys, beta, debias=False, prior_scale_rate=0.0, softmax_noise=False):
         self.k += 1
         y_hat = torch.stack([self.predict(self.theta, x) for x in xs])
         H = torch.stack([jacrev(self.predict)(self.theta, x) for x in xs])
@@ -63,6 +63,7 @@ class SharedRowsReference:
         self.theta, self.p, self.sigmas, self.R = shared_rows_step_reference(
             self.theta, self.p, self.sigmas, self.R, H, y_hat, torch.stack(ys), self.k,
             spans=self.spans, beta=beta, r_estimator="taylor", debias=debias, prior_scale_rate=prior_scale_rate,
+            softmax_noise=softmax_noise,
         )  # fmt: skip
         return y_hat
 

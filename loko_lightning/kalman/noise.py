@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["R_ESTIMATORS", "NoiseEstimator", "REstimator", "noise_before", "observation_noise"]
+__all__ = ["R_ESTIMATORS", "NoiseEstimator", "REstimator", "noise_before", "observation_noise", "softmax_covariance"]
 
 REstimator = Literal["taylor", "residual", "identity", "decay", "softmax"]
 
@@ -151,6 +151,17 @@ def noise_before(previous: Tensor, step: Tensor, beta: float, samples: int = 1, 
     """
     noise = _on_blocks(previous, samples)
     return _debiased(noise, beta, step.clamp_min(1)) if debias else noise
+
+
+def softmax_covariance(prediction: Tensor, samples: int = 1) -> Tensor:
+    """``diag(ŷ_b) − ŷ_b ŷ_bᵀ`` on each sample's diagonal block (``B·m x B·m``) from the stacked ``ŷ`` ``(B·m,)``.
+
+    The covariance of a one-hot label drawn from the softmax's own prediction ``ŷ_b``: the noise the categorical
+    likelihood puts on the observation, where the EMA estimates it from the innovations.
+    """
+    y = prediction.view(samples, -1)
+    blocks = torch.diag_embed(y) - y[:, :, None] * y[:, None, :]
+    return blocks[0] if samples == 1 else torch.block_diag(*blocks.unbind(0))
 
 
 def _on_blocks(R: Tensor, samples: int) -> Tensor:

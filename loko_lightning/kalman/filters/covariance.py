@@ -26,12 +26,12 @@ from torch import Tensor
 
 from loko_lightning.errors import ConfigError
 from loko_lightning.kalman.filters.base import Belief, Evidence, Filter, Proposal, Reduce
-from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator, noise_before, observation_noise
+from loko_lightning.kalman.noise import R_ESTIMATORS, REstimator, noise_before, observation_noise, softmax_covariance
 from loko_lightning.kalman.plan import UpdatePlan
 from loko_lightning.kalman.shared_rows import Downdate
 from loko_lightning.kalman.state import check_block
 from loko_lightning.kalman.time_update import real_number
-from loko_lightning.observation import Observation, TopK
+from loko_lightning.observation import Observation, Softmax, TopK
 
 __all__ = ["PRIOR_SCALE_CLIP", "Covariance", "prior_scale_gradient", "psd_pinv"]
 
@@ -130,6 +130,12 @@ class Covariance(Filter):
         prior_scale_until: the prior's scale is set on the first this many updates only, then kept (0: on every
             update). The rule drifts the scale up late in a long stream, where rare confident misses dominate ``g``
             (docs/results/prior_scale.md); set early, it is the prior's scale and the filter then runs as the paper's.
+        softmax_noise: the noise in ``S`` (and in the prior scale's) gets ``diag(ŷ) − ŷ ŷᵀ`` on each sample's block
+            too (not the paper; the softmax observation only): the covariance of a label drawn from the prediction,
+            the categorical likelihood's own noise, on top of the EMA's estimate (the state's ``R_k`` stays the
+            EMA). With it alone as the noise, the update is the Gauss-Newton step of the cross-entropy (the natural
+            gradient's); added to the estimate, the gain shrinks on the samples the model is unsure of and keeps the
+            paper's damping where it is sure (docs/filters.md).
     """
 
     name: ClassVar[str] = "covariance"
@@ -142,6 +148,7 @@ class Covariance(Filter):
     debias: bool = False
     prior_scale_rate: float = 0.0
     prior_scale_until: int = 0
+    softmax_noise: bool = False
 
     def __post_init__(self) -> None:
         """Refuse a setting outside its range, naming it."""
@@ -179,6 +186,12 @@ class Covariance(Filter):
                 field="prior_scale_until",
                 owner=Covariance,
             )
+        if not isinstance(self.softmax_noise, bool):
+            raise ConfigError(
+                f"Invalid softmax_noise: {self.softmax_noise!r} (must be true or false)",
+                field="softmax_noise",
+                owner=Covariance,
+            )
         if self.debias and not R_ESTIMATORS[self.r_estimator].smoothed:
             raise ConfigError(
                 f"Invalid debias: r_estimator {self.r_estimator!r} is not an EMA, there is nothing to debias (set "
@@ -191,13 +204,21 @@ class Covariance(Filter):
         """As given; with ``prior_scale_rate`` not an aggregation of the outputs (top-k: its noise is elsewhere).
 
         Raises:
-            ConfigError: ``prior_scale_rate`` with a top-k observation (``field="prior_scale_rate"``).
+            ConfigError: ``prior_scale_rate`` with a top-k observation (``field="prior_scale_rate"``);
+                ``softmax_noise`` with another observation than the softmax's (``field="softmax_noise"``).
         """
         if self.prior_scale_rate and isinstance(observation, TopK):
             raise ConfigError(
                 f"Invalid prior_scale_rate: {self.prior_scale_rate} with the top-k observation (the prior's scale is "
                 "built for the softmax and logits observations; set prior_scale_rate: 0 or observation: softmax)",
                 field="prior_scale_rate",
+                owner=Covariance,
+            )
+        if self.softmax_noise and (not isinstance(observation, Softmax) or isinstance(observation, TopK)):
+            raise ConfigError(
+                f"Invalid softmax_noise: true with the {observation.name!r} observation (it is the covariance of a "
+                "label drawn from softmax probabilities; set softmax_noise: false or observation: softmax)",
+                field="softmax_noise",
                 owner=Covariance,
             )
         return observation
@@ -220,11 +241,13 @@ class Covariance(Filter):
             self.r_estimator, belief.R, innovation, hpht, prediction, belief.step + 1, self.beta, plan.samples,
             evidence.aggregation, self.debias,
         )  # fmt: skip
+        if self.softmax_noise:  # not the paper: the categorical likelihood's own noise on top of the estimate
+            noise = noise + softmax_covariance(prediction, plan.samples)
         S = hpht + noise
         finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
         scale, predictive = None, hpht  # the prediction's covariance: before the scale, which reads this sample's label
         if self.prior_scale_rate:  # not the paper: P ← s P, s from the predictive likelihood of e under this prior
-            scale = self._prior_scale(plan, belief, hpht, innovation, finite)
+            scale = self._prior_scale(plan, belief, hpht, innovation, finite, prediction)
             prior, hpht = prior * scale, hpht * scale
             S = hpht + noise
             # A scale that is not finite (g = NaN where H P Hᵀ and R collapsed in float32) makes S so: skip the step.
@@ -249,15 +272,18 @@ class Covariance(Filter):
         )  # fmt: skip
 
     def _prior_scale(
-        self, plan: UpdatePlan, belief: Belief, hpht: Tensor, innovation: Tensor, finite: Tensor
+        self, plan: UpdatePlan, belief: Belief, hpht: Tensor, innovation: Tensor, finite: Tensor, prediction: Tensor
     ) -> Tensor:
         """``s = exp(clip(η g, ±0.5))``, ``g`` of the prequential predictive ``N(0, s A + R_{k-1})``.
 
         ``s = 1`` at ``k = 1`` and after ``prior_scale_until`` updates. The noise is the one before this sample
         (``R_{k-1}``, debiased as the update's, on every sample's block): the update's ``R_k`` holds this innovation's
-        own ``e eᵀ``, which would explain it away and shrink the prior.
+        own ``e eᵀ``, which would explain it away and shrink the prior. With ``softmax_noise`` the noise holds this
+        sample's ``diag(ŷ) − ŷ ŷᵀ`` too (known before its label).
         """
         S = hpht + noise_before(belief.R, belief.step, self.beta, plan.samples, self.debias)
+        if self.softmax_noise:
+            S = S + softmax_covariance(prediction, plan.samples)
         ok = finite & (belief.step > 0)  # R_{k-1} is state, finite: finite covers S
         if self.prior_scale_until:  # kept after the first prior_scale_until updates: s = exp(0) = 1
             ok = ok & (belief.step < self.prior_scale_until)

@@ -89,16 +89,23 @@ def prior_scale_reference(A: Tensor, noise: Tensor, e: Tensor, rate: float, rcon
 
 def _previous_scale(
     A: Tensor, R: Tensor, e: Tensor, k: int, B: int, beta: float, debias: bool, rate: float, until: int,
-    rcond: float | None,
+    rcond: float | None, extra: Tensor | None = None,
 ) -> float:  # fmt: skip
     """The prior's scale of step ``k`` from ``R_{k-1}`` (debiased by ``1 − β^{k−1}``) on every sample's block.
 
     1 at ``k = 1``, where there is no noise estimate before the sample, and after step ``until`` (when not 0).
+    ``extra``: more noise in ``S`` known before the label (``softmax_noise``'s blocks), ``B·m x B·m``.
     """
     if k == 1 or not rate or (until and k > until):
         return 1.0
     noise = R / (1 - beta ** (k - 1)) if debias else R
-    return prior_scale_reference(A, torch.block_diag(*([noise] * B)), e, rate, rcond)
+    noise = torch.block_diag(*([noise] * B))
+    return prior_scale_reference(A, noise if extra is None else noise + extra, e, rate, rcond)
+
+
+def _softmax_blocks(y_hat: Tensor) -> Tensor:
+    """``diag(ŷ_b) − ŷ_b ŷ_bᵀ`` of each sample's prediction ``(B, m)`` on its diagonal block, ``B·m x B·m``."""
+    return torch.block_diag(*[torch.diag(y) - torch.outer(y, y) for y in y_hat])
 
 
 # Per-sample estimate R̂_b from (e_b, (H P Hᵀ)_bb, ŷ_b, k), and whether it is smoothed by the EMA (else used as is).
@@ -127,6 +134,7 @@ def loko_step_reference(
     debias: bool = False,
     prior_scale_rate: float = 0.0,
     prior_scale_until: int = 0,
+    softmax_noise: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One LoKO step (Algorithm 1), dense and in float64.
 
@@ -147,6 +155,8 @@ def loko_step_reference(
         debias: the noise in ``S`` is ``R_k / (1 - β^k)`` (not the paper; a smoothed ``r_estimator`` only).
         prior_scale_rate: ``η`` of :func:`prior_scale_reference` (not the paper; 0: the paper's update).
         prior_scale_until: the scale is set on steps ``k <= prior_scale_until`` only (0: on every step).
+        softmax_noise: ``diag(ŷ) − ŷ ŷᵀ`` added to the noise in ``S`` (and in the prior scale's), not to ``R_k``
+            (not the paper).
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -154,6 +164,7 @@ def loko_step_reference(
     return loko_step_reference_batch(
         theta, p, R, H[None], prediction[None], target[None], k, beta=beta, r_estimator=r_estimator, rcond=rcond,
         time_update=time_update, debias=debias, prior_scale_rate=prior_scale_rate, prior_scale_until=prior_scale_until,
+        softmax_noise=softmax_noise,
     )  # fmt: skip
 
 
@@ -173,6 +184,7 @@ def loko_step_reference_batch(
     debias: bool = False,
     prior_scale_rate: float = 0.0,
     prior_scale_until: int = 0,
+    softmax_noise: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One joint LoKO step on ``B`` samples (the multistream EKF), dense and in float64.
 
@@ -196,6 +208,7 @@ def loko_step_reference_batch(
         time_update: the process model, as in :func:`loko_step_reference`.
         prior_scale_rate: as in :func:`loko_step_reference`.
         prior_scale_until: as in :func:`loko_step_reference`.
+        softmax_noise: as in :func:`loko_step_reference`.
 
     Returns:
         ``(θ̃_k, p̂_k, R_k)``, float64.
@@ -217,8 +230,10 @@ def loko_step_reference_batch(
     HPHt = Hs @ PHt
     # 4. Observation noise.
     # Not the paper: the prior's scale (P ← s P) from the predictive likelihood of e before the sample.
-    s = _previous_scale(HPHt, R, e, k, B, beta, debias, prior_scale_rate, prior_scale_until, rcond)
+    extra = _softmax_blocks(y_hat) if softmax_noise else None  # not the paper: the categorical likelihood's noise
+    s = _previous_scale(HPHt, R, e, k, B, beta, debias, prior_scale_rate, prior_scale_until, rcond, extra)
     R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator, debias)
+    noise = noise if extra is None else noise + extra
     p, PHt, HPHt = s * p, s * PHt, s * HPHt
     # 5. Gain.
     S = HPHt + noise
@@ -269,6 +284,7 @@ def shared_rows_step_reference(
     debias: bool = False,
     prior_scale_rate: float = 0.0,
     prior_scale_until: int = 0,
+    softmax_noise: bool = False,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     """One joint step of the covariance filter where some weights' rows share a full covariance, dense, float64.
 
@@ -294,6 +310,7 @@ def shared_rows_step_reference(
         debias: as in :func:`loko_step_reference`.
         prior_scale_rate: as in :func:`loko_step_reference` (``P``, ``Σ`` included, scaled).
         prior_scale_until: as in :func:`loko_step_reference`.
+        softmax_noise: as in :func:`loko_step_reference`.
 
     Returns:
         ``(θ̃_k, p̂_k, [Σ_k], R_k)``, float64.
@@ -309,8 +326,10 @@ def shared_rows_step_reference(
     e = (y - y_hat).reshape(B * m)
     PHt = P @ Hs.T
     HPHt = Hs @ PHt
-    s = _previous_scale(HPHt, R, e, k, B, beta, debias, prior_scale_rate, prior_scale_until, rcond)
+    extra = _softmax_blocks(y_hat) if softmax_noise else None  # not the paper: the categorical likelihood's noise
+    s = _previous_scale(HPHt, R, e, k, B, beta, debias, prior_scale_rate, prior_scale_until, rcond, extra)
     R, noise = _observation_noise(R, e, HPHt, y_hat, k, beta, r_estimator, debias)
+    noise = noise if extra is None else noise + extra
     P, PHt, HPHt = s * P, s * PHt, s * HPHt
     S = HPHt + noise
     K = PHt @ pinv_reference(S, rcond)
