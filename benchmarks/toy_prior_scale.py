@@ -3,7 +3,7 @@ r"""A screen, not the product: the paper's LoKO with its prior scale set online 
 Usage::
 
     python benchmarks/toy_prior_scale.py --p0s 0.1 1 10 --etas 0 0.03 --seeds 0 1 2 [--until 500] [--noise current] \
-        [--per-kind]
+        [--per-kind] [--softmax-noise]
 
 Why: the text default chose ``p0`` by running five filters side by side on its first 500 samples (5.3x the paper's
 step there). One filter whose prior scale follows the data would cost one. The question this screen asks: does such
@@ -24,7 +24,9 @@ noise estimate before the sample (``--noise previous``, the package's ``prior_sc
 (the paper's estimator, ``β`` 0.95), which holds the sample's own ``e eᵀ`` (``--noise current``, the first screen).
 ``--until N``: the scale set on the first ``N`` samples only (the package's ``prior_scale_until``). ``--per-kind``: one
 scale for the adapters and one for the head, each by its own ``g_j`` with ``A_j = H_j P_j H_jᵀ`` (``A = Σ_j A_j``) in
-place of ``A`` (not in the package). ``η = 0``: the paper's update.
+place of ``A`` (not in the package). ``--softmax-noise``: ``diag(ŷ) − ŷ ŷᵀ`` added to the noise of both ``S`` (the
+update's and the scale's), not to the EMA's ``R_k`` (the covariance filter's ``softmax_noise``). ``η = 0``: the
+paper's update.
 
 The toy (a frozen MLP ``64 → 64 → 5`` pretrained with Adam on the MNIST-5k digits 0-4, 8 x 8 pixels; online: all ten
 digits, three shuffled passes, 15,000 samples; trainable: LoRA rank 4 on the hidden layer and a new zero 10-class head,
@@ -81,6 +83,7 @@ def run(
     noise_rule: str = "previous",
     until: int = 0,
     per_kind: bool = False,
+    softmax_noise: bool = False,
 ) -> dict[str, float]:
     """One online pass of the filter; the accuracies at the checkpoints, at the end, recent, the NLL, the scales."""
     weight, bias = pretrain(x, y, seed)
@@ -111,8 +114,11 @@ def run(
         p_ht = p[:, None] * jac.T
         a = jac @ p_ht
         noise_k = 0.95 * noise + 0.05 * (torch.outer(innovation, innovation) + a)  # R_k, from the unscaled H P Hᵀ
+        # softmax_noise: the categorical likelihood's diag(ŷ) − ŷ ŷᵀ in S (both S's), not in the EMA's R_k.
+        extra = torch.diag(prediction) - torch.outer(prediction, prediction) if softmax_noise else 0.0
         if eta and (k > 0 or noise_rule == "current") and (not until or k < until):  # "previous": none before k = 1
-            s_plus = torch.linalg.pinv(a + (noise if noise_rule == "previous" else noise_k), hermitian=True, rtol=1e-10)
+            before = noise if noise_rule == "previous" else noise_k
+            s_plus = torch.linalg.pinv(a + before + extra, hermitian=True, rtol=1e-10)
             u = s_plus @ innovation
             parts = [jac[:, kinds == j] @ p_ht[kinds == j] for j in range(2)] if per_kind else [a]  # A = Σ_j A_j
             step = torch.stack([torch.clamp(eta * 0.5 * (u @ a_j @ u - torch.trace(s_plus @ a_j)), -0.5, 0.5)
@@ -126,7 +132,7 @@ def run(
                 factor = math.exp(float(step))
                 p, p_ht, a = p * factor, p_ht * factor, a * factor
         noise = noise_k
-        gain = p_ht @ torch.linalg.pinv(a + noise, hermitian=True, rtol=1e-10)
+        gain = p_ht @ torch.linalg.pinv(a + noise + extra, hermitian=True, rtol=1e-10)
         theta = theta + gain @ innovation
         p = torch.clamp(p - (gain * jac.T).sum(1) * p, min=1e-12)
         if k + 1 in (500, 2000, len(ys)):
@@ -156,6 +162,11 @@ def main(argv: list[str] | None = None) -> list[tuple[float, float, dict[str, fl
         help="the noise of the evidence: R_{k-1} (the package's rule) or R_k, which holds e eᵀ (first screen)",
     )
     parser.add_argument(
+        "--softmax-noise",
+        action="store_true",
+        help="diag(ŷ) − ŷ ŷᵀ added to the noise in S (the covariance filter's softmax_noise), not to the EMA's R_k",
+    )
+    parser.add_argument(
         "--per-kind",
         action="store_true",
         help="one prior scale for the adapters, one for the head, each by its own gradient (A = A_adapters + A_head)",
@@ -171,7 +182,10 @@ def main(argv: list[str] | None = None) -> list[tuple[float, float, dict[str, fl
     for eta in args.etas:
         for p0 in args.p0s:
             start = time.perf_counter()
-            runs = [run(x, y, seed, p0, eta, args.noise, args.until, args.per_kind) for seed in args.seeds]
+            runs = [
+                run(x, y, seed, p0, eta, args.noise, args.until, args.per_kind, args.softmax_noise)
+                for seed in args.seeds
+            ]
             mean = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
             rows.append((p0, eta, mean))
             accuracies = " | ".join(f"{100 * mean[key]:.1f}" for key in ("@500", "@1000", "@2000", "end", "recent"))

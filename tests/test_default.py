@@ -301,6 +301,12 @@ def test_a_combination_measured_to_lose_on_text_is_warned_in_one_line(flags, war
         build("text_quickstart", *flags)
 
 
+@pytest.mark.parametrize("config", ["quickstart", "text_quickstart"])
+def test_softmax_noise_is_warned_in_one_line_on_any_backbone(config):
+    with pytest.warns(UserWarning, match=r"filter \{softmax_noise: true\}: measured to lose against the default"):
+        build(config, "--model.optimizer.init_args.filter", "{name: covariance, softmax_noise: true}")
+
+
 def test_the_text_default_is_not_warned(recwarn):
     build("text_quickstart")
     assert not [w for w in recwarn if "measured to lose" in str(w.message) or "too small for text" in str(w.message)]
