@@ -83,7 +83,8 @@ PAPER_LOKO = {
     "p0_init": "uniform",
     "process_noise": 0.0,
     "observation": "softmax",
-    # The filter owns its settings: the paper's beta and Taylor R, the EMA of R not debiased, the prior not scaled.
+    # The filter owns its settings: the paper's beta and Taylor R, the EMA of R not debiased, the prior not scaled, no
+    # categorical noise added to the estimate.
     "filter": {
         "name": "covariance",
         "beta": 0.95,
@@ -92,6 +93,7 @@ PAPER_LOKO = {
         "debias": False,
         "prior_scale_rate": 0.0,
         "prior_scale_until": 0,
+        "softmax_noise": False,
     },
 }
 
