@@ -75,8 +75,13 @@ def _decay(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
     return _eye(e, hpht.dtype) * torch.exp(-step.to(hpht.dtype) / 50.0)
 
 
-def _softmax(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
+def _categorical(prediction: Tensor) -> Tensor:
+    """``diag(ŷ_b) − ŷ_b ŷ_bᵀ`` of each row of ``prediction`` ``(B, m)``: ``(B, m, m)``."""
     return torch.diag_embed(prediction) - prediction[:, :, None] * prediction[:, None, :]
+
+
+def _softmax(e: Tensor, hpht: Tensor, prediction: Tensor, step: Tensor) -> Tensor:
+    return _categorical(prediction)
 
 
 #: The estimators by name: the paper's methods 2 (``"taylor"``, the default) and 1 (``"residual"``), and the
@@ -159,8 +164,7 @@ def softmax_covariance(prediction: Tensor, samples: int = 1) -> Tensor:
     The covariance of a one-hot label drawn from the softmax's own prediction ``ŷ_b``: the noise the categorical
     likelihood puts on the observation, where the EMA estimates it from the innovations.
     """
-    y = prediction.view(samples, -1)
-    blocks = torch.diag_embed(y) - y[:, :, None] * y[:, None, :]
+    blocks = _categorical(prediction.view(samples, -1))
     return blocks[0] if samples == 1 else torch.block_diag(*blocks.unbind(0))
 
 

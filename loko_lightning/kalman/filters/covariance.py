@@ -241,13 +241,15 @@ class Covariance(Filter):
             self.r_estimator, belief.R, innovation, hpht, prediction, belief.step + 1, self.beta, plan.samples,
             evidence.aggregation, self.debias,
         )  # fmt: skip
-        if self.softmax_noise:  # not the paper: the categorical likelihood's own noise on top of the estimate
-            noise = noise + softmax_covariance(prediction, plan.samples)
+        # Not the paper: the categorical likelihood's own noise on top of the estimate (in the prior scale's S too).
+        categorical = softmax_covariance(prediction, plan.samples) if self.softmax_noise else None
+        if categorical is not None:
+            noise = noise + categorical
         S = hpht + noise
         finite = torch.isfinite(innovation).all() & torch.isfinite(S).all()
         scale, predictive = None, hpht  # the prediction's covariance: before the scale, which reads this sample's label
         if self.prior_scale_rate:  # not the paper: P ← s P, s from the predictive likelihood of e under this prior
-            scale = self._prior_scale(plan, belief, hpht, innovation, finite, prediction)
+            scale = self._prior_scale(plan, belief, hpht, innovation, finite, categorical)
             prior, hpht = prior * scale, hpht * scale
             S = hpht + noise
             # A scale that is not finite (g = NaN where H P Hᵀ and R collapsed in float32) makes S so: skip the step.
@@ -272,18 +274,24 @@ class Covariance(Filter):
         )  # fmt: skip
 
     def _prior_scale(
-        self, plan: UpdatePlan, belief: Belief, hpht: Tensor, innovation: Tensor, finite: Tensor, prediction: Tensor
+        self,
+        plan: UpdatePlan,
+        belief: Belief,
+        hpht: Tensor,
+        innovation: Tensor,
+        finite: Tensor,
+        categorical: Tensor | None,
     ) -> Tensor:
         """``s = exp(clip(η g, ±0.5))``, ``g`` of the prequential predictive ``N(0, s A + R_{k-1})``.
 
         ``s = 1`` at ``k = 1`` and after ``prior_scale_until`` updates. The noise is the one before this sample
         (``R_{k-1}``, debiased as the update's, on every sample's block): the update's ``R_k`` holds this innovation's
-        own ``e eᵀ``, which would explain it away and shrink the prior. With ``softmax_noise`` the noise holds this
-        sample's ``diag(ŷ) − ŷ ŷᵀ`` too (known before its label).
+        own ``e eᵀ``, which would explain it away and shrink the prior. ``categorical``: with ``softmax_noise`` the
+        step's ``diag(ŷ) − ŷ ŷᵀ`` blocks (known before the label), in this noise too.
         """
         S = hpht + noise_before(belief.R, belief.step, self.beta, plan.samples, self.debias)
-        if self.softmax_noise:
-            S = S + softmax_covariance(prediction, plan.samples)
+        if categorical is not None:
+            S = S + categorical
         ok = finite & (belief.step > 0)  # R_{k-1} is state, finite: finite covers S
         if self.prior_scale_until:  # kept after the first prior_scale_until updates: s = exp(0) = 1
             ok = ok & (belief.step < self.prior_scale_until)
