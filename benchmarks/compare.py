@@ -270,16 +270,20 @@ def steps_to_convergence(loss: list[float], tol: float) -> int | None:
     return s
 
 
-# The samples after which summary.json records the average online accuracy (those a stream reaches).
+# The samples after which summary.json records the average online accuracy, the prequential NLL and the ECE (those a
+# stream reaches).
 CHECKPOINTS = (100, 250, 500, 750, 1000, 2000, 3000, 4000, 4500, 5000)
 
 
-def accuracy_at(result: common.RunResult) -> dict[int, float]:
-    """The average online accuracy after each of :data:`CHECKPOINTS` samples that the run reached."""
+def checkpoint_values(result: common.RunResult, name: str = "online_acc") -> dict[int, float]:
+    """A run's per-step value after each of :data:`CHECKPOINTS` samples that it reached.
+
+    ``name``: the :class:`~common.RunResult` field, the average online accuracy unless given (``"nll"``, ``"ece"``).
+    """
     found = {}
-    for samples, acc in zip(result.samples, result.online_acc, strict=False):
+    for samples, value in zip(result.samples, getattr(result, name), strict=False):
         if samples in CHECKPOINTS:
-            found[samples] = acc
+            found[samples] = value
     return found
 
 
@@ -332,7 +336,15 @@ def summarize(
             "selection": {run.seed: run.result.selection for run in mine if run.result.selection},
             # The average online accuracy after the checkpoints a results table quotes, and the recent accuracy at
             # the end: kept in summary.json (in git) where metrics.csv (not in git) has the whole curve.
-            "online_acc_at": {run.seed: accuracy_at(run.result) for run in mine},
+            "online_acc_at": {run.seed: checkpoint_values(run.result) for run in mine},
+            # The stream's NLL and ECE so far at the same checkpoints: a longer run's value at 2,000 is a learner's
+            # that does not know the stream ends there (AdamW's schedule decays to 0 at the stream's last sample).
+            **{
+                f"{name}_at": {
+                    run.seed: checkpoint_values(run.result, name) for run in mine if run.result.diverged is None
+                }
+                for name in ("nll", "ece")
+            },
             "final_recent_acc": {run.seed: run.result.recent_acc[-1] for run in mine if run.result.recent_acc},
             **{
                 f"final_{name}": {

@@ -99,10 +99,11 @@ def test_compare_end_to_end(scripts, tmp_path):
     assert saved["results"]["loko"]["steps"] == {"0": 20}
     assert "test_resnet" in saved["setting"]
     # What a results table quotes stays in git with summary.json: the recent accuracy at the end, the average online
-    # accuracy at the checkpoints reached (none in 20 samples: accuracy_at's own test has them).
+    # accuracy at the checkpoints reached (none in 20 samples: checkpoint_values' own test has them).
     last = [r for r in rows if r["optimizer"] == "loko"][-1]
     assert saved["results"]["loko"]["final_recent_acc"]["0"] == pytest.approx(float(last["recent_acc"]))
     assert saved["results"]["loko"]["online_acc_at"] == {"0": {}}
+    assert saved["results"]["loko"]["nll_at"] == saved["results"]["loko"]["ece_at"] == {"0": {}}
 
 
 def test_the_summary_keeps_the_accuracy_at_each_checkpoint_reached(scripts):
@@ -110,9 +111,13 @@ def test_the_summary_keeps_the_accuracy_at_each_checkpoint_reached(scripts):
     samples = list(range(1, 1201))
     result = common.RunResult(
         online_acc=[s / 10_000 for s in samples], loss_avg=[], ce_avg=[], step_time=[], window=1, wall_s=0.0,
-        samples=samples,
+        samples=samples, nll=[3.0 - s / 1_000 for s in samples],
     )  # fmt: skip
-    assert compare.accuracy_at(result) == {100: 0.01, 250: 0.025, 500: 0.05, 750: 0.075, 1000: 0.1}
+    assert compare.checkpoint_values(result) == {100: 0.01, 250: 0.025, 500: 0.05, 750: 0.075, 1000: 0.1}
+    # The NLL so far too, at the same samples (summary.json's nll_at: a longer run read at a shorter stream's end).
+    assert compare.checkpoint_values(result, "nll") == pytest.approx(
+        {100: 2.9, 250: 2.75, 500: 2.5, 750: 2.25, 1000: 2.0}
+    )
 
 
 @pytest.mark.slow
