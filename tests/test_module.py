@@ -17,7 +17,7 @@ from loko_lightning import JacobianEngine, LoKO, jacobian
 from loko_lightning.cli import LoKOCLI, main
 from loko_lightning.data import StreamDataModule
 from loko_lightning.errors import ConfigError, DivergenceError
-from loko_lightning.learner.callbacks import DivergenceGuard
+from loko_lightning.learner.callbacks import DivergenceGuard, OnlineReport
 from loko_lightning.learner.module import OnlineClassifier, ignore_intended_warnings
 from loko_lightning.models import TimmClassifier
 
@@ -230,6 +230,22 @@ def test_nan_sample_is_skipped_counted_and_left_out_of_the_metrics(optimizer):
     assert int(module.ece.count.sum()) == 5 and math.isfinite(float(module.ece.compute()))
 
 
+@pytest.mark.parametrize("optimizer", ["loko", "adamw"])
+def test_the_guard_warns_of_updates_skipped_since_its_last_check(optimizer):
+    """A NaN sample is neither fatal nor silent: the check after it (every 3 samples) warns with the count, the
+    checks before and after it do not, and the run goes on to the end."""
+    torch.manual_seed(0)
+    items = stream(9)
+    items[4]["inputs"] = items[4]["inputs"].clone()
+    items[4]["inputs"][0, 0, 0] = float("nan")
+    t = trainer(callbacks=[DivergenceGuard(check_every=3)])
+    with pytest.warns(UserWarning, match=r"update was skipped") as caught:
+        t.fit(tiny(optimizer=optimizer), loader(items))
+    messages = [str(w.message) for w in caught if "skipped in the" in str(w.message)]
+    assert messages == [messages[0]] and "1 update was skipped in the 3 steps before step 6 (1 in all" in messages[0]
+    assert t.global_step == 9
+
+
 def test_a_finite_prediction_is_scored_though_the_filter_skips_its_update(monkeypatch):
     """Prequential: the prediction is made before the update, so whether the update is then applied does not decide
     whether it is scored. A filter that refuses a step (its prior scale not finite, as a collapsed filter's was) on a
@@ -252,9 +268,12 @@ def test_a_finite_prediction_is_scored_though_the_filter_skips_its_update(monkey
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             snapshots.append([p.detach().clone() for p in pl_module.trainable_parameters])
 
-    t = trainer(callbacks=[Snapshot()])
+    report = OnlineReport(plot=False)
+    t = trainer(callbacks=[Snapshot(), report])
     t.fit(module, loader(stream(6)))
     assert int(module.skipped) == 1
+    # The summary says what each count counts: 6 samples scored, 1 update skipped (7 > 6 by design, not a sample lost).
+    assert "over 6 samples" in report.lines[0] and "; 1 update skipped)" in report.lines[0]
     assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[3], strict=True))
     assert module.online_acc.weight.item() == 6
     assert int(module.loss_avg.count) == 6 and int(module.nll_recent.count) == 6

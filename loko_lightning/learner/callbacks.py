@@ -11,7 +11,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from loko_lightning.errors import ConfigError, DivergenceError
 from loko_lightning.kalman.optimizer import LoKO, group_p0
@@ -31,6 +31,10 @@ class OnlineReport(pl.Callback):
     paper) and the average online top-1 accuracy against the number of samples seen. It works with any logger (CSV,
     TensorBoard, W&B) or none, and names only files that exist. It needs matplotlib (``pip install matplotlib``);
     without it the summary is printed and the plot is skipped with a note.
+
+    The summary's accuracy is over the samples scored, its count of skipped updates over every step's samples: a
+    sample whose update was refused (by the filter's checks) is scored all the same, one whose prediction is not finite
+    (NaN in its input) is not scored and its update skipped, so the two counts can add up to more than the stream.
 
     Args:
         plot: write the PNG.
@@ -79,9 +83,11 @@ class OnlineReport(pl.Callback):
         module = pl_module
         self._record(module)
         samples = int(module.online_acc.weight.item()) if hasattr(module.online_acc, "weight") else trainer.global_step
+        skipped = int(module.skipped)
         lines = [
             f"Average online top-1 accuracy: {100 * float(module.online_acc.compute()):.2f}% over {samples:,} samples "
-            f"({100 * float(module.online_acc_top5.compute()):.2f}% top-5; {int(module.skipped)} skipped)"
+            f"({100 * float(module.online_acc_top5.compute()):.2f}% top-5; {skipped} "
+            f"update{'' if skipped == 1 else 's'} skipped)"
         ]
         if self.loss == "ce":
             window = min(int(module.ce_avg.count), module.ce_avg.window)
@@ -167,7 +173,9 @@ class DivergenceGuard(pl.Callback):
     finite. The parameters and optimizer state of the last check that passed (or of the start of training) are then
     restored and saved as ``good-before-divergence.ckpt`` beside the checkpoints, and the error names the
     hyperparameter to change (``p0`` or ``lr``; ``process_noise`` when ``p̂`` alone grew past its limit) and the value
-    to try: ten times smaller (or, when no update was applied, the filter's settings).
+    to try: ten times smaller (or, when no update was applied, the filter's settings). A check that passes with
+    updates skipped since the last one (a sample whose prediction is not finite, NaN in its input; an update the filter
+    refused) warns with their count, where the run goes on: a bad sample is neither fatal nor silent.
 
     Args:
         check_every: check every this many samples; 0 disables the guard.
@@ -188,10 +196,12 @@ class DivergenceGuard(pl.Callback):
         self.check_every, self.divergence_ce, self.p_limit = check_every, divergence_ce, p_limit
         self._last_good: dict[str, Any] | None = None
         self._start_step = 0
+        self._skipped = 0  # the learner's skipped updates at the last check
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The state training starts from (initial or resumed) is the first good state."""
         self._start_step = trainer.global_step
+        self._skipped = int(getattr(pl_module, "skipped", 0))
         if self.check_every:
             self._record(trainer, pl_module)
 
@@ -240,6 +250,7 @@ class DivergenceGuard(pl.Callback):
             # LoKO never writes a non-finite update; a gradient step can (a finite loss with an overflowing gradient).
             reasons.append("a trainable parameter is NaN or infinite")
         if not reasons:
+            self._warn_skipped(trainer, pl_module)
             self._record(trainer, pl_module)
             return
         saved = self._restore_and_save(trainer, pl_module)
@@ -285,6 +296,18 @@ class DivergenceGuard(pl.Callback):
             "params": [p.detach().clone() for p in pl_module.trainable_parameters],
             "optimizer": copy.deepcopy(optimizer.state_dict()),
         }
+
+    def _warn_skipped(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Warn when updates were skipped since the last check (the run goes on; ``train/skipped`` counts them)."""
+        skipped = int(getattr(pl_module, "skipped", 0))
+        new, self._skipped = skipped - self._skipped, skipped
+        if new > 0:
+            rank_zero_warn(
+                f"{new} update{' was' if new == 1 else 's were'} skipped in the {self.check_every} steps before step "
+                f"{trainer.global_step} ({skipped} in all, train/skipped): a prediction not finite (NaN or Inf in the "
+                "sample's input: check the stream) or an update the filter refused. Each such prediction that is "
+                "finite is scored; the run goes on"
+            )
 
     def _refused_every_update(self, trainer: pl.Trainer, optimizer: LoKO) -> bool:
         """Whether LoKO took steps since the last check that passed and applied none of them.
