@@ -92,3 +92,19 @@ def test_every_number_is_one_it_read(results_table, monkeypatch):
 def test_missing_run_is_an_error(results_table, tmp_path):
     with pytest.raises(SystemExit, match="no summary"):
         results_table.table(tmp_path)
+
+
+def test_the_horizon_note_is_read_from_the_longer_run(results_table, text):
+    """The note on the tuned AdamW's schedule quotes its NLL after 2,000 samples of its 4,000-sample runs (nll_at) and
+    counts the seeds where it is above the text default's 2,000-sample runs, both read from results/."""
+    runs = json.loads((ROOT / "results" / "default_study" / "runs.json").read_text())["runs"]
+    told = {
+        s: p["2000"]
+        for s, p in runs["default_study/wordnet4k_adamw"]["summary"]["results"]["adamw_tuned"]["nll_at"].items()
+    }
+    default = {}
+    for seed in range(3):
+        default.update(runs[f"default_study/wordnet_scale_s{seed}"]["summary"]["results"]["loko_default"]["final_nll"])
+    mean = sum(told.values()) / len(told)
+    above = sum(told[s] > default[s] for s in default)
+    assert f"NLL {mean:.3f} ± " in text and f"above the text default on {above} of 3 seeds" in text
