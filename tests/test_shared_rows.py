@@ -54,7 +54,7 @@ class SharedRowsReference:
             start += shape.numel()
         return torch.softmax(functional_call(self.model, values, (x,)).reshape(-1), 0)
 
-    def step(self, xs, ys, beta, debias=False, prior_scale_rate=0.0, softmax_noise=False):
+    def step(self, xs, ys, beta, debias=False, prior_scale_rate=0.0, softmax_noise=False, process_noise=0.0):
         self.k += 1
         y_hat = torch.stack([self.predict(self.theta, x) for x in xs])
         H = torch.stack([jacrev(self.predict)(self.theta, x) for x in xs])
@@ -63,7 +63,7 @@ class SharedRowsReference:
         self.theta, self.p, self.sigmas, self.R = shared_rows_step_reference(
             self.theta, self.p, self.sigmas, self.R, H, y_hat, torch.stack(ys), self.k,
             spans=self.spans, beta=beta, r_estimator="taylor", debias=debias, prior_scale_rate=prior_scale_rate,
-            softmax_noise=softmax_noise,
+            softmax_noise=softmax_noise, process_noise=process_noise,
         )  # fmt: skip
         return y_hat
 
@@ -135,6 +135,56 @@ def test_a_conv_weight_seen_at_several_positions_matches_the_reference(monkeypat
     assert_matches(model, opt, reference, shared=[conv2, head])
 
 
+def process_noise_optimizer(model, q_shared, q_rest, **kwargs):
+    """The head's rows sharing Σ with their own process noise, the other groups another: ``q`` per entry."""
+    w1, b1, w2, b2 = model.parameters()
+    groups = [
+        {"params": [w1, b1], "process_noise": q_rest},
+        {"params": [w2], "shared_rows": True, "process_noise": q_shared},
+        {"params": [b2], "process_noise": q_rest},
+    ]
+    opt = LoKO(groups, p0=0.3, seed=3, **kwargs)
+    fills = [(p.numel(), q_shared if p is w2 else q_rest) for p in (w1, b1, w2, b2)]
+    q = torch.cat(
+        [torch.full((n,), value, dtype=torch.float64) for n, value in fills]
+    )  # float64: 1e-3 is not in float32
+    return opt, q
+
+
+@pytest.mark.parametrize("factorize", [True, False])
+@pytest.mark.parametrize("prior_scale_rate", [0.0, 0.03])
+def test_process_noise_on_a_shared_covariance_matches_the_dense_float64_reference(factorize, prior_scale_rate):
+    """One sample at a time: the prior ``Σ + q I`` (formed as ``Σ R + q R``; a dense block's ``Σ + q I``), the
+    downdate committed on ``s (Σ + q I)``, each group's own ``q``, with and without the prior's scale."""
+    model = mlp()
+    flt = {"name": "covariance", "beta": 0.9, "prior_scale_rate": prior_scale_rate}
+    opt, q = process_noise_optimizer(model, 2e-3, 1e-3, filter=flt)
+    reference = SharedRowsReference(model, opt, shared=[2])
+    for x, y in teacher_stream(40):
+        y_ref = reference.step([x], [y], beta=0.9, prior_scale_rate=prior_scale_rate, process_noise=q)[0]
+        y_fast, _, _ = opt.step(loko_closure(model, x, y, factorize=factorize))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    assert_matches(model, opt, reference, shared=[2])
+    # Not a test that cannot fail: 40 steps of q moved Σ's diagonal well beyond the tolerance.
+    plain = mlp_optimizer(model := mlp(), filter=flt)
+    for x, y in teacher_stream(40):
+        plain.step(loko_closure(model, x, y, factorize=factorize))
+    w2 = list(model.parameters())[2]
+    assert (reference.sigmas[0].diagonal() - plain.state[w2]["row_cov"].diagonal()).abs().max() > 1e-3
+
+
+def test_process_noise_on_a_shared_covariance_in_joint_steps_matches_the_reference():
+    """B = 3: the stacked observation's factored block (k = 3 positions), where ``Σ⁺`` is formed from ``Σ + q I``."""
+    model = mlp()
+    opt, q = process_noise_optimizer(model, 2e-3, 1e-3, filter={"name": "covariance", "beta": 0.9, "debias": True})
+    reference = SharedRowsReference(model, opt, shared=[2])
+    for xs, ys in batches(teacher_stream(60), 3):
+        y_ref = reference.step(xs, ys, beta=0.9, debias=True, process_noise=q)
+        y_fast, _, _ = opt.step(batch_closure(model, xs, ys, factorize=True))
+        torch.testing.assert_close(y_fast, y_ref, rtol=1e-9, atol=1e-12)
+    assert_matches(model, opt, reference, shared=[2])
+
+
 def test_shared_rows_off_is_the_papers_update_bit_for_bit():
     models = [mlp(), mlp()]
     w1, b1, w2, b2 = models[0].parameters()
@@ -196,8 +246,8 @@ def test_a_state_of_the_other_covariance_is_refused():
         ({"filter": "natural"}, {}, "filter 'natural' keeps no full covariance"),
         ({"filter": "lofi2"}, {}, "filter 'lofi2' keeps no full covariance"),
         ({"shard": True}, {}, "the sharded update does not split a shared covariance"),
-        ({}, {"process_noise": 1e-4}, "the time updates .* are not built for a shared covariance"),
-        ({}, {"forgetting": 0.01}, "the time updates .* are not built for a shared covariance"),
+        ({}, {"p_floor": 1e-4}, "the time updates p_floor are not built for a shared covariance"),
+        ({}, {"forgetting": 0.01, "process_noise": 1e-4}, "the time updates forgetting are not built for a shared"),
         ({}, {"with_bias": True}, "every parameter of the group must be a matrix"),
     ],
 )
@@ -245,7 +295,7 @@ def test_every_p0_auto_candidate_shares_the_heads_rows():
         (partial(LoKO, p0=0.1), "full", "head_covariance must be one of diagonal, shared, got 'full'"),
         (partial(torch.optim.AdamW, lr=1e-3), "shared", "a gradient optimizer keeps none"),
         (partial(LoKO, p0=0.1, filter="natural"), "shared", "filter 'natural' keeps no full covariance"),
-        (partial(LoKO, p0=0.1, time_update={"process_noise": 1e-4}), "shared", "time updates"),
+        (partial(LoKO, p0=0.1, time_update={"inflation": 1e-4}), "shared", "time updates inflation"),
     ],
 )
 def test_a_bad_head_covariance_is_refused_before_the_network_is_built(optimizer, value, message):
@@ -269,11 +319,13 @@ def test_loko_fit_checkpoints_and_serves_a_shared_head_covariance(tmp_path):
     assert len(served_sigmas) == 1 and torch.equal(served_sigmas[0], sigmas[0])
 
 
-def test_a_skipped_step_leaves_the_shared_rows_covariance_alone():
+@pytest.mark.parametrize("time_update", [None, {"process_noise": 1e-3}])
+def test_a_skipped_step_leaves_the_shared_rows_covariance_alone(time_update):
     """A non-finite prediction is skipped: θ̃, p̂, R and the head's Σ keep their values (the filter commits Σ only where
-    the step is applied; the proposal for a skipped step still holds a changed Σ, so writing it would show)."""
+    the step is applied; the proposal for a skipped step still holds a changed Σ, so writing it would show; with process
+    noise the commit adds q to Σ's diagonal only where applied)."""
     model = mlp()
-    opt = mlp_optimizer(model)
+    opt = mlp_optimizer(model, time_update=time_update)
     samples = list(teacher_stream(6))
     for x, y in samples[:5]:
         opt.step(loko_closure(model, x, y))

@@ -129,10 +129,10 @@ def check_shared_rows(filter: Any, group: dict[str, Any], shard: bool, owner: ty
         problem = f"filter {filter.spec!r} keeps no full covariance; only filter 'covariance' does"
     elif shard:
         problem = "the sharded update does not split a shared covariance; use shard=False"
-    elif TimeUpdate.of_group(group) != TimeUpdate():
+    elif unbuilt := [key for key in TimeUpdate.group_keys() if key != "process_noise" and group[key]]:
         problem = (
-            f"the time updates ({', '.join(TimeUpdate.group_keys())}) are not built for a shared covariance; set "
-            "them to 0 in this group"
+            f"the time updates {', '.join(unbuilt)} are not built for a shared covariance (process_noise is: Σ + q I); "
+            "set them to 0 in this group"
         )
     elif any(param.dim() < 2 for param in group["params"]):
         problem = "every parameter of the group must be a matrix (rows share Σ); put biases in another group"

@@ -106,6 +106,8 @@ class UpdatePlan:
             time_updates = [TimeUpdate()] * len(numels)
         #: The time updates as per-entry factors in this plan's order.
         self.time = CompiledTimeUpdate(time_updates, self.order, numels, dtype, device)
+        # The shared rows' process noise is added to Σ (q I on every row's block), not to their entries of p̂.
+        self.rows.process_noise = [float(time_updates[i].process_noise) for i in self.rows.order]
         # Work vectors of every step: the update (K e, or the information form's) and a second one (the new p̂).
         self._update = torch.empty(self.n, dtype=dtype, device=device)
         self._quad = torch.empty(self.n, dtype=dtype, device=device)

@@ -18,7 +18,7 @@ __all__ = ["Downdate", "SharedRowBlocks"]
 
 
 class Downdate:
-    """``Σ⁺ = Σ − t tᵀ``, kept as ``t`` until the filter commits it to ``Σ`` in place (one position, ``k = 1``).
+    """``Σ⁺ = s (Σ + q I) − t tᵀ``, kept as ``t`` until the filter commits it to ``Σ`` in place (one position).
 
     The outer product's entries ``t_i t_j = t_j t_i`` are exactly symmetric as computed, so ``Σ⁺`` stays exactly
     symmetric without a pass that averages it with its transpose. It is written in place, :attr:`ROWS` rows at a time:
@@ -31,16 +31,19 @@ class Downdate:
     #: Rows of ``t tᵀ`` formed at a time on a CPU (a 128 x 1,281 float32 block is 0.66 MB); on a GPU all at once.
     ROWS = 128
 
-    def __init__(self, t: Tensor, scale: Tensor | None = None) -> None:
-        self.t, self.scale = t, scale
+    def __init__(self, t: Tensor, scale: Tensor | None = None, process_noise: float = 0.0) -> None:
+        self.t, self.scale, self.process_noise = t, scale, process_noise
 
     def commit(self, sigma: Tensor, applied: Tensor) -> None:
-        """``Σ ← s Σ − t tᵀ`` where ``applied`` (a 0-d bool on the device, no host read); else ``Σ`` exactly as it was.
+        """``Σ ← s (Σ + q I) − t tᵀ`` where ``applied`` (0-d bool on the device, no host read); else ``Σ`` as it was.
 
         ``s``: the step's prior scale (the covariance filter's ``prior_scale_rate``); without one ``Σ`` is not scaled.
+        ``q``: the process noise of the step's prior (the time update's ``process_noise``), on the diagonal first.
         """
         scale = None if self.scale is None else torch.where(applied, self.scale, 1.0)  # a skipped step: Σ · 1 is Σ
         t = torch.where(applied, self.t, 0.0)  # a skipped step's t may not be finite: Σ − 0 is Σ
+        if self.process_noise:  # Σ + q I where applied (a skipped step: + 0), one pass over the diagonal
+            sigma.diagonal().add_(applied.to(sigma.dtype), alpha=self.process_noise)  # q in Σ's dtype, not float32
         step = self.ROWS if t.device.type == "cpu" else t.shape[0]  # a GPU: one kernel each, not a loop of them
         block = t.new_empty(min(step, t.shape[0]), t.shape[0])
         for start in range(0, t.shape[0], step):
@@ -70,7 +73,8 @@ class SharedRowBlocks:
     blocks, the Gaussian of that form closest to it in KL divergence (moment matching), and positive semi-definite
     as each block is. Unlike the kinds of :mod:`~loko_lightning.kalman.algebra`, the update of these entries is not
     ``p̂ ⊙ Hᵀ w``: the filter calls :meth:`hpht` and :meth:`update` itself, and ``p̂`` of these entries holds
-    ``diag(Σ)`` on every row.
+    ``diag(Σ)`` on every row. A time update's process noise ``q`` (:attr:`process_noise`) makes the step's prior
+    ``Σ + q I`` (``P_W + q I``), formed as ``Σ R + q R`` without a new ``cols x cols`` tensor.
 
     Args:
         jacobians: one block per parameter.
@@ -102,6 +106,8 @@ class SharedRowBlocks:
             start += rows * cols
         self.start, self.end = self.spans[0][0] if self.spans else start, start
         self._factors: list[tuple[Tensor, Tensor]] = []  # (L, Σ R) of each parameter between the two calls
+        #: Each parameter's process noise ``q`` (in :attr:`order`; set by the update plan from its time updates).
+        self.process_noise: list[float] = [0.0] * len(self.order)
 
     def __bool__(self) -> bool:
         return bool(self.order)
@@ -116,13 +122,19 @@ class SharedRowBlocks:
         return left.reshape(self.m, rows, -1), right.reshape(cols, -1)
 
     def hpht(self, jacobians: Sequence[JacobianBlock], sigmas: Sequence[Tensor]) -> Tensor:
-        """``Σ_i L_i M L_iᵀ`` summed over the kind's parameters, ``sigmas`` their ``Σ`` (in :attr:`order`)."""
+        """``Σ_i L_i M L_iᵀ`` summed over the kind's parameters, ``sigmas`` their ``Σ`` (in :attr:`order`).
+
+        With process noise ``q`` the prior is ``Σ + q I``: ``Σ R + q R`` and ``M = Rᵀ (Σ R + q R)``.
+        """
         total = torch.zeros(self.m, self.m, dtype=self.dtype, device=self.device)
         self._factors = []
-        for i, (_, rows, cols), sigma in zip(self.order, self.spans, sigmas, strict=True):
+        for i, (_, rows, cols), sigma, q in zip(self.order, self.spans, sigmas, self.process_noise, strict=True):
             left, right = self._left_right(jacobians[i], rows, cols)
-            sigma_r = sigma if right is None else sigma @ right  # Σ R, (cols, k)
-            inner = sigma if right is None else right.T @ sigma_r  # M = Rᵀ Σ R, (k, k)
+            if right is None:  # a dense block, R = I: Σ + q I itself
+                sigma_r = sigma + q * torch.eye(cols, dtype=sigma.dtype, device=sigma.device) if q else sigma
+            else:
+                sigma_r = sigma @ right if not q else torch.addmm(right, sigma, right, alpha=1.0, beta=q)  # Σ R (+ q R)
+            inner = sigma_r if right is None else right.T @ sigma_r  # M = Rᵀ Σ R, (k, k)
             flat = left.reshape(self.m, -1)
             total.addmm_((left @ inner).reshape(self.m, -1), flat.T)
             self._factors.append((flat, sigma_r))
@@ -138,7 +150,7 @@ class SharedRowBlocks:
 
         Args:
             factor: ``[Wᵀ; wᵀ]``, ``(m + 1, m)``, with ``S⁺ = W Wᵀ`` and ``w = S⁺ e``.
-            sigmas: the ``Σ`` of the step's prior, in :attr:`order` (read only).
+            sigmas: the ``Σ`` of the step's prior before its process noise, in :attr:`order` (read only).
             update: the whole flat update vector, written at this kind's entries.
             posterior: the whole flat ``p̂`` of the next step, written at this kind's entries.
             scale: the step's prior is ``s Σ`` (0-d; the covariance filter's ``prior_scale_rate``); ``None``: ``Σ``.
@@ -146,7 +158,8 @@ class SharedRowBlocks:
         Uses the factors the preceding :meth:`hpht` of the same step received.
         """
         m, new = self.m, []
-        for (start, rows, cols), sigma, (flat, sigma_r) in zip(self.spans, sigmas, self._factors, strict=True):
+        factors = zip(self.spans, sigmas, self._factors, self.process_noise, strict=True)
+        for (start, rows, cols), sigma, (flat, sigma_r), q in factors:
             products = factor @ flat  # [Wᵀ L; wᵀ L], (m + 1, rows·k)
             k = sigma_r.shape[1]
             if scale is not None:  # the prior s Σ: s Σ R, and s Σ below
@@ -157,10 +170,13 @@ class SharedRowBlocks:
             entries = posterior[start : start + rows * cols].view(rows, cols)
             if k == 1:  # Σ − t tᵀ, t = Σ R √N̄ (N̄ ≥ 0, 1 x 1): its diagonal Σ_ii − t_i t_i, as the commit computes it
                 t = sigma_r[:, 0] * mean_inner[0, 0].sqrt()
-                diagonal = sigma.diagonal() if scale is None else sigma.diagonal() * scale
+                diagonal = sigma.diagonal() + q if q else sigma.diagonal()
+                diagonal = diagonal if scale is None else diagonal * scale
                 entries.copy_(torch.sub(diagonal, t * t)[None].expand(rows, cols))
-                new.append(Downdate(t, scale))
+                new.append(Downdate(t, scale, q))
                 continue
+            if q:  # the prior Σ + q I
+                sigma = sigma + q * torch.eye(cols, dtype=sigma.dtype, device=sigma.device)
             if scale is not None:
                 sigma = sigma * scale
             # Σ − (Σ R N̄) (Σ R)ᵀ, then made exactly symmetric: two cols x cols temporaries at most.

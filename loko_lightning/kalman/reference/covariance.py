@@ -285,6 +285,7 @@ def shared_rows_step_reference(
     prior_scale_rate: float = 0.0,
     prior_scale_until: int = 0,
     softmax_noise: bool = False,
+    process_noise: float | Tensor = 0.0,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     """One joint step of the covariance filter where some weights' rows share a full covariance, dense, float64.
 
@@ -292,7 +293,8 @@ def shared_rows_step_reference(
     whose block is ``I_rows ⊗ Σ`` (the weight's entries row by row, as ``θ̃`` holds them). The step is the Kalman
     update with that ``P``, written out (``K = P Hᵀ S⁺``, ``P⁺ = P − K H P``); the new ``p̂`` is the diagonal of
     ``P⁺`` and each new ``Σ`` the mean of the weight's ``rows`` diagonal blocks of ``P⁺`` (where the weight's
-    entries of ``p̂`` are set to its diagonal). No process noise or time update.
+    entries of ``p̂`` are set to its diagonal). The time update is process noise alone: ``P + diag(q)`` before the
+    step (Algorithm 1's ``p̂ + q``; ``I ⊗ (Σ + q I)`` on the shared rows).
 
     Args:
         theta: ``θ̃_{k-1}``, shape ``(ñ,)``.
@@ -311,6 +313,7 @@ def shared_rows_step_reference(
         prior_scale_rate: as in :func:`loko_step_reference` (``P``, ``Σ`` included, scaled).
         prior_scale_until: as in :func:`loko_step_reference`.
         softmax_noise: as in :func:`loko_step_reference`.
+        process_noise: ``q`` of every entry (a number) or of each, shape ``(ñ,)``.
 
     Returns:
         ``(θ̃_k, p̂_k, [Σ_k], R_k)``, float64.
@@ -322,6 +325,7 @@ def shared_rows_step_reference(
     for (start, rows, cols), sigma in zip(spans, sigmas, strict=True):
         end = start + rows * cols
         P[start:end, start:end] = torch.kron(torch.eye(rows, dtype=torch.float64), sigma.double())
+    P = P + torch.diag(torch.as_tensor(process_noise, dtype=torch.float64).expand(P.shape[0]))  # p̂ + q, Σ + q I
     Hs = H.reshape(B * m, -1)
     e = (y - y_hat).reshape(B * m)
     PHt = P @ Hs.T
