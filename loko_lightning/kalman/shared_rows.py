@@ -55,6 +55,11 @@ class Downdate:
             rows.sub_(products)
 
 
+def with_process_noise(sigma: Tensor, q: float) -> Tensor:
+    """``Σ + q I`` as a new tensor (``Σ`` itself when ``q`` is 0): a dense block's prior, or a joint step's."""
+    return sigma + q * torch.eye(sigma.shape[0], dtype=sigma.dtype, device=sigma.device) if q else sigma
+
+
 class SharedRowBlocks:
     r"""Weights whose rows share one full covariance ``Σ`` (``cols x cols``): ``P_W = I_rows ⊗ Σ`` (not the paper).
 
@@ -131,7 +136,7 @@ class SharedRowBlocks:
         for i, (_, rows, cols), sigma, q in zip(self.order, self.spans, sigmas, self.process_noise, strict=True):
             left, right = self._left_right(jacobians[i], rows, cols)
             if right is None:  # a dense block, R = I: Σ + q I itself
-                sigma_r = sigma + q * torch.eye(cols, dtype=sigma.dtype, device=sigma.device) if q else sigma
+                sigma_r = with_process_noise(sigma, q)
             else:
                 sigma_r = sigma @ right if not q else torch.addmm(right, sigma, right, alpha=1.0, beta=q)  # Σ R (+ q R)
             inner = sigma_r if right is None else right.T @ sigma_r  # M = Rᵀ Σ R, (k, k)
@@ -175,8 +180,7 @@ class SharedRowBlocks:
                 entries.copy_(torch.sub(diagonal, t * t)[None].expand(rows, cols))
                 new.append(Downdate(t, scale, q))
                 continue
-            if q:  # the prior Σ + q I
-                sigma = sigma + q * torch.eye(cols, dtype=sigma.dtype, device=sigma.device)
+            sigma = with_process_noise(sigma, q)  # the prior Σ + q I
             if scale is not None:
                 sigma = sigma * scale
             # Σ − (Σ R N̄) (Σ R)ᵀ, then made exactly symmetric: two cols x cols temporaries at most.
